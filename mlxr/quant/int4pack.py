@@ -1,0 +1,83 @@
+"""torch's packed-int4 CPU matmul (`_weight_int4pack_mm_for_cpu`) for mlx affine 4-bit weights.
+
+The kernel computes `x @ ((q - 8) * scale + zero)^T` per group, so mlx's `w = s*q + b` maps to
+`zero = b + 8*s` (rounded to bf16: the one extra rounding of this path). Constraints measured on
+torch 2.13 CPU: x/scales bf16, N (out_features) divisible by 16, group size 32/64/128/256, K a
+multiple of the group size.
+
+The packed layout is an implementation detail of torch (ISA dependent). For N % 64 == 0 the
+AVX-512 build uses bytes `[N/64, K, 32]`, low nibble = row r, high nibble = row r+32 of each
+64-row block. We verify that layout once with a probe and, when it holds, decode codes from the
+packed tensor (for prefill tiles and embedding rows) instead of keeping a second copy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+INT4_GROUPS = (32, 64, 128)
+
+
+def available() -> bool:
+    return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch, "_convert_weight_to_int4pack_for_cpu")
+
+
+def supported(out_features: int, in_features: int, group_size: int) -> bool:
+    return (available() and out_features % 16 == 0 and group_size in INT4_GROUPS
+            and in_features % group_size == 0)
+
+
+def pack(codes: Tensor) -> Tensor:
+    """codes uint8/int [N, K] in 0..15 -> torch's packed int4 CPU tensor."""
+    return torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+
+
+def scales_and_zeros(scales: Tensor, biases: Tensor) -> Tensor:
+    """mlx scales/biases [N, K/G] -> [K/G, N, 2] bf16 (scale, zero = bias + 8*scale)."""
+    s = scales.to(torch.float32)
+    z = biases.to(torch.float32) + 8.0 * s
+    return torch.stack([s, z], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+
+def mm(x: Tensor, packed: Tensor, group_size: int, sz: Tensor) -> Tensor:
+    return torch._weight_int4pack_mm_for_cpu(x, packed, group_size, sz)
+
+
+def _decode_blocks(packed: Tensor, k: int, b0: int, b1: int) -> Tensor:
+    p = packed.view(-1, k, 32)[b0:b1]  # [nb, K, 32]
+    both = torch.stack([p & 15, p >> 4], dim=2)  # [nb, K, 2, 32]
+    return both.reshape(b1 - b0, k, 64).transpose(1, 2).reshape((b1 - b0) * 64, k)
+
+
+def decode_rows(packed: Tensor, k: int, r0: int, r1: int) -> Tensor:
+    """Codes uint8 [r1-r0, K] of rows r0..r1 (both multiples of 64)."""
+    return _decode_blocks(packed, k, r0 // 64, r1 // 64)
+
+
+def decode_gather(packed: Tensor, k: int, ids: Tensor) -> Tensor:
+    """Codes uint8 [len(ids), K] of arbitrary rows."""
+    p = packed.view(-1, k, 32)
+    c = ids % 64
+    b = p[ids // 64, :, c % 32]  # [n, K]
+    return (b >> (4 * (c >= 32).to(torch.uint8)).unsqueeze(1)) & 15
+
+
+@functools.cache
+def layout_ok() -> bool:
+    """True if this torch build packs N%64==0 weights in the layout `decode_rows` reads."""
+    if not available():
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        codes = torch.randint(0, 16, (128, 96), generator=g, dtype=torch.uint8)
+        p = pack(codes)
+        ids = torch.tensor([0, 31, 32, 63, 64, 100, 127])
+        return (p.dtype == torch.uint8 and p.numel() * 2 == codes.numel()
+                and torch.equal(decode_rows(p, 96, 0, 128), codes)
+                and torch.equal(decode_gather(p, 96, ids), codes[ids]))
+    except Exception:  # noqa: BLE001 - any failure means "don't rely on the layout"
+        return False

@@ -1,0 +1,179 @@
+"""`QuantWeight`: an mlx-quantized 2-D matrix kept quantized in memory.
+
+Storage (chosen at load time, see `from_tensors`):
+  * `packed`   - the mlx uint32 words viewed as int32 [out, in*bits/32] (unpacked per tile), or
+  * `codes`    - uint8 codes [out, in]: a free byte view for 8-bit weights; a load-time repack
+                 for 3/5/6-bit in fast mode (costs 8/bits x the packed size, saves a slow unpack
+                 per call), or
+  * `i4`       - torch's packed int4 CPU tensor + bf16 scales_and_zeros (fast-mode affine 4-bit).
+Scales/biases stay in their file dtype, except in exact mode (compute_dtype float32) where they
+are cast to float32 once: dequant then is `q*s + b` in fp32 (two fp32 roundings), exactly what
+mlx computes with fp32 params.
+
+`linear` dispatches on device: CPU -> `mlxr.quant.cpu.linear`; other devices use the generic
+tiled torch path until a Triton kernel takes over behind the same signature.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mlxr.config import QuantSpec
+from mlxr.errors import ModelFormatError
+
+from . import int4pack
+from .affine import unpack_codes
+from .dequant import validate
+from .fp import code_table, fp_scales
+
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class QuantWeight:
+    spec: QuantSpec
+    in_features: int
+    out_features: int
+    compute_dtype: torch.dtype
+    device: torch.device
+
+    def __init__(self) -> None:
+        self.packed: Tensor | None = None
+        self.codes: Tensor | None = None
+        self.i4: Tensor | None = None
+        self.i4_sz: Tensor | None = None
+        self.scales: Tensor | None = None
+        self.biases: Tensor | None = None
+        self.global_scale: Tensor | None = None
+        self.name = "weight"
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_tensors(
+        cls, weight: Tensor, scales: Tensor, biases: Tensor | None, spec: QuantSpec, *,
+        global_scale: Tensor | None = None, compute_dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu", name: str = "weight",
+    ) -> QuantWeight:
+        in_features = validate(weight, scales, biases, spec, global_scale, name)
+        if weight.dim() != 2:
+            raise ModelFormatError(f"{name}: QuantWeight needs a 2-D weight, got {tuple(weight.shape)}")
+        if compute_dtype not in _COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {_COMPUTE_DTYPES}, got {compute_dtype}")
+        self = cls()
+        self.name = name
+        self.spec = spec
+        self.in_features = in_features
+        self.out_features = weight.shape[0]
+        self.compute_dtype = compute_dtype
+        self.device = dev = torch.device(device)
+        exact = compute_dtype == torch.float32
+        packed = (weight.view(torch.int32) if weight.dtype == torch.uint32 else weight).to(dev)
+        bits = spec.bits
+
+        if spec.mode == "affine":
+            sdt = torch.float32 if exact else scales.dtype
+            self.scales = scales.to(dev, sdt).contiguous()
+            self.biases = biases.to(dev, sdt).contiguous()
+        else:
+            self.scales = scales.to(dev).contiguous()
+            if global_scale is not None:
+                self.global_scale = global_scale.to(dev, torch.float32).reshape(())
+
+        use_i4 = (dev.type == "cpu" and not exact and compute_dtype == torch.bfloat16
+                  and spec.mode == "affine" and bits == 4
+                  and int4pack.supported(self.out_features, in_features, spec.group_size))
+        if use_i4:
+            codes = unpack_codes(packed, 4, in_features)
+            self.i4 = int4pack.pack(codes)
+            self.i4_sz = int4pack.scales_and_zeros(self.scales, self.biases)
+            if not (self.out_features % 64 == 0 and int4pack.layout_ok()):
+                self.packed = packed.contiguous()  # cannot decode the int4 layout: keep a copy
+        elif bits == 8:
+            self.codes = packed.contiguous().view(torch.uint8)  # [out, in], zero-copy
+        elif bits in (3, 5, 6) and not exact:
+            self.codes = unpack_codes(packed, bits, in_features).contiguous()
+        else:
+            self.packed = packed.contiguous()
+        return self
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def nbytes(self) -> int:
+        ts = (self.packed, self.codes, self.i4, self.i4_sz, self.scales, self.biases,
+              self.global_scale)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    @property
+    def exact(self) -> bool:
+        return self.compute_dtype == torch.float32
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return (f"QuantWeight({self.name}, [{self.out_features}, {self.in_features}], {s.mode} "
+                f"{s.bits}b g{s.group_size}, compute={self.compute_dtype}, dev={self.device})")
+
+    # ------------------------------------------------------------------ dequantization
+    def row_codes(self, rows: slice | Tensor) -> Tensor:
+        """uint8 codes of a row range (slice, step 1) or of gathered rows (long tensor)."""
+        if self.codes is not None:
+            return self.codes[rows]
+        if self.packed is not None:
+            return unpack_codes(self.packed[rows], self.spec.bits, self.in_features)
+        k = self.in_features
+        if isinstance(rows, slice):
+            r0, r1, _ = rows.indices(self.out_features)
+            a0, a1 = r0 // 64 * 64, -(-r1 // 64) * 64
+            return int4pack.decode_rows(self.i4, k, a0, a1)[r0 - a0: r1 - a0]
+        return int4pack.decode_gather(self.i4, k, rows)
+
+    def dequant_rows(self, rows: slice | Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """Dequantized rows [n, in] in `dtype` (default compute dtype).
+
+        Affine: `q*s + b` evaluated in the parameter dtype when it equals `dtype` (bf16 scales
+        + bf16 compute reproduce mlx's `R(R(q*s)+b)` bit for bit; fp32 exact mode likewise);
+        otherwise in fp32, rounded once. fp modes: exact fp32 products, rounded once.
+        """
+        dtype = dtype or self.compute_dtype
+        q = self.row_codes(rows)
+        n, k = q.shape
+        g = self.spec.group_size
+        if self.spec.mode == "affine":
+            s, b = self.scales[rows], self.biases[rows]
+            wd = s.dtype if s.dtype == dtype else torch.float32
+            w = q.to(wd).view(n, k // g, g) * s.to(wd).unsqueeze(-1)
+            w = w.add_(b.to(wd).unsqueeze(-1))
+        else:
+            v = code_table(self.spec.mode, q.device)[q.to(torch.int64)].view(n, k // g, g)
+            w = v.mul_(fp_scales(self.scales[rows], self.spec.mode, self.global_scale).unsqueeze(-1))
+        return w.view(n, k).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Full [out, in] matrix (tests/reference only)."""
+        return self.dequant_rows(slice(0, self.out_features), dtype)
+
+    def tile_rows(self, itemsize: int = 4, target_bytes: int = 4 << 20) -> int:
+        """Rows per dequant tile: ~target_bytes of dequantized values, a multiple of 64."""
+        rows = max(64, target_bytes // (self.in_features * itemsize) // 64 * 64)
+        return min(rows, self.out_features)
+
+    # ------------------------------------------------------------------ compute
+    def linear(self, x: Tensor) -> Tensor:
+        """y = x @ W^T; x [..., in] -> [..., out] in compute dtype."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{self.name}: input last dim {x.shape[-1]} != {self.in_features}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)
+        if self.device.type == "cpu":
+            from . import cpu
+            y = cpu.linear(self, x2)
+        else:
+            from . import cpu  # generic torch fallback until a device kernel exists
+            y = cpu.tiled_linear(self, x2)
+        return y.reshape(*lead, self.out_features)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """ids long [...] -> dequantized rows [..., in] in compute dtype."""
+        flat = ids.reshape(-1).to(self.device, torch.int64)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
+            raise IndexError(f"{self.name}: token id out of range [0, {self.out_features})")
+        return self.dequant_rows(flat).reshape(*ids.shape, self.in_features)
