@@ -1,0 +1,1 @@
+"""Converters from other model formats to ordinary Hugging Face / mlx-lm model directories."""
