@@ -29,7 +29,7 @@ try:  # the import itself is cheap, but keep the error readable if the dependenc
 except ImportError as exc:  # pragma: no cover
     raise ImportError("mlxr needs the `tokenizers` package: pip install tokenizers") from exc
 
-__all__ = ["Tokenizer", "StreamingDetokenizer", "load_tokenizer"]
+__all__ = ["Tokenizer", "StreamingDetokenizer", "load_tokenizer", "load_chat_template"]
 
 GPT2_SPLIT_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 QWEN2_SPLIT_REGEX = (
@@ -221,8 +221,9 @@ def _load_sentencepiece(path: Path, config: dict) -> tuple[tokenizers.Tokenizer,
         raise TokenizerError(f"{path}: only SentencePiece BPE models are supported (model_type "
                              f"{proto.trainer_spec.model_type})")
     vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
-    # Merges: every split of a piece into two pieces, ordered by the merged piece's id (= score order), as
-    # transformers' generate_merges does; control/unknown/byte pieces are never produced by merging.
+    # Merges: every split of a piece into two pieces, ordered by the merged piece's score (highest first), as
+    # transformers' generate_merges(vocab, vocab_scores) does (scores are not monotonic in the id: Llama 2's "▁▁" has
+    # the lowest score); control/unknown/byte pieces are never produced by merging.
     skip = {p.piece for p in proto.pieces if p.type in (2, 3, 6)}
     merges = []
     for piece, pid in vocab.items():
@@ -234,8 +235,9 @@ def _load_sentencepiece(path: Path, config: dict) -> tuple[tokenizers.Tokenizer,
             if left in vocab and right in vocab and left not in skip and right not in skip:
                 local.append((vocab[left], vocab[right], left, right))
         local.sort()
-        merges.extend((pid, len(left), len(right), left, right) for _, _, left, right in local)
-    merges.sort(key=lambda m: m[:3])
+        score = proto.pieces[pid].score
+        merges.extend((score, len(left), len(right), left, right) for _, _, left, right in local)
+    merges.sort(key=lambda m: m[:3], reverse=True)
     unk_id = proto.trainer_spec.unk_id
     unk = proto.pieces[unk_id].piece if 0 <= unk_id < len(proto.pieces) else None
     tk = tokenizers.Tokenizer(
@@ -285,7 +287,7 @@ class Tokenizer:
 
     def __init__(self, backend: tokenizers.Tokenizer, *, special_tokens: dict[str, str | None] | None = None,
                  chat_template: str | dict[str, str] | None = None, extra_eos_ids: Iterable[int] = (),
-                 name: str = "tokenizer", config: dict | None = None):
+                 name: str = "tokenizer", config: dict | None = None, spm_dummy_prefix: bool = False):
         self._tk = backend
         self.name = name
         self.config = dict(config or {})
@@ -307,7 +309,7 @@ class Tokenizer:
         )
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._chat_templates = chat_template
-        self._newline_ids: list[int] | None = None
+        self._spm_dummy_prefix = spm_dummy_prefix
 
     # -- special tokens ----------------------------------------------------------------------------------------------
     @property
@@ -339,6 +341,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"encode() expects a str, got {type(text).__name__}")
+        if self._spm_dummy_prefix and text.startswith(" "):
+            # SentencePiece always adds its dummy prefix; tokenizers' Metaspace skips it when the text already
+            # starts with a space, so " a" would lose a "▁". Spell the prefix out.
+            text = "▁" + text
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_plain(self, text: str) -> list[int]:
@@ -475,6 +481,17 @@ def _read_chat_template(root: Path, config: dict) -> str | dict[str, str] | None
         if extra:
             result = {"default": result, **extra} if isinstance(result, str) else {**extra, **result}
     return result
+
+
+def load_chat_template(path: str | os.PathLike) -> str | dict[str, str] | None:
+    """The chat template(s) of a model directory, without loading the vocabulary (None if it has none)."""
+    root = Path(path)
+    config: dict = {}
+    if (root / "tokenizer_config.json").is_file():
+        config = _read_json(root / "tokenizer_config.json")
+        if not isinstance(config, dict):
+            raise TokenizerError(f"{root / 'tokenizer_config.json'}: expected a JSON object")
+    return _read_chat_template(root, config)
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
@@ -624,5 +641,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
                 extra_eos.add(i)
 
     chat_template = _read_chat_template(root, config)
+    spm_prefix = kind == "sentencepiece" and isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace) and \
+        backend.pre_tokenizer.prepend_scheme != "never"
     return Tokenizer(backend, special_tokens=special, chat_template=chat_template, extra_eos_ids=extra_eos,
-                     name=str(root), config=config)
+                     name=str(root), config=config, spm_dummy_prefix=spm_prefix)
