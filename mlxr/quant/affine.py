@@ -2,9 +2,10 @@
 
 Layout (docs/mlx-formats.md §3.2): each row of the packed uint32 weight is a little-endian bit
 stream; element j is stream bits [j*bits, j*bits+bits), LSB first. 3/5/6-bit codes straddle
-words, so we treat each run of `bits` words (= 32 elements) as one chunk.
+words (and bytes), so we unpack from the row's bytes: 8 codes always fill exactly `bits` bytes.
 
-Torch cannot right-shift uint32, so everything works on int32 views (arithmetic shift + mask).
+Torch cannot right-shift uint32, so nothing here shifts uint32: bytes are widened to
+int16/int32/int64 first (shifts stay within non-negative values, masks do the rest).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import Tensor
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUPS = (32, 64, 128)
 
-_CHUNK_CACHE: dict[tuple[int, str], tuple[Tensor, Tensor, Tensor]] = {}
+_SHIFT_CACHE: dict[tuple[int, str], Tensor] = {}
 
 
 def _as_int32(weight: Tensor) -> Tensor:
@@ -26,33 +27,43 @@ def _as_int32(weight: Tensor) -> Tensor:
     raise TypeError(f"packed weight must be uint32/int32, got {weight.dtype}")
 
 
-def _chunk_index(bits: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+def _shifts(bits: int, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     key = (bits, str(device))
-    if key not in _CHUNK_CACHE:
-        o = torch.arange(32, device=device) * bits  # bit offset of each element in its chunk
-        w0 = o >> 5
-        w1 = (w0 + 1).clamp(max=bits - 1)
-        _CHUNK_CACHE[key] = (w0, w1, (o & 31).to(torch.int64))
-    return _CHUNK_CACHE[key]
+    if key not in _SHIFT_CACHE:
+        _SHIFT_CACHE[key] = torch.arange(n, device=device, dtype=dtype) * bits
+    return _SHIFT_CACHE[key]
 
 
 def unpack_codes(weight: Tensor, bits: int, in_features: int) -> Tensor:
-    """Packed weight [..., out, in*bits/32] (int32 or uint32) -> codes uint8 [..., out, in]."""
+    """Packed weight [..., out, in*bits/32] (int32 or uint32) -> codes uint8 [..., out, in].
+
+    Works on the little-endian bytes of each row (= the bit stream): 8 codes occupy exactly
+    `bits` bytes, so every width is "combine `bits` bytes into one integer, shift, mask".
+    4 and 2 bits use a widen-and-mask trick whose result bytes are the codes directly.
+    """
     w = _as_int32(weight)
     if in_features % 32 or w.shape[-1] * 32 != in_features * bits:
         raise ValueError(f"packed shape {tuple(w.shape)} does not hold {in_features} x {bits}-bit")
     lead = w.shape[:-1]
-    mask = (1 << bits) - 1
-    if 32 % bits == 0:  # 2/4/8 bits: codes never straddle words
-        per = 32 // bits
-        shifts = torch.arange(per, device=w.device, dtype=torch.int32) * bits
-        q = (w.unsqueeze(-1) >> shifts) & mask
-        return q.to(torch.uint8).reshape(*lead, in_features)
-    # 3/5/6 bits: 32 elements per `bits` words; combine the two words an element may touch.
-    w0i, w1i, sh = _chunk_index(bits, w.device)
-    c = w.reshape(*lead, in_features // 32, bits).to(torch.int64) & 0xFFFFFFFF
-    both = c[..., w0i] | (c[..., w1i] << 32)
-    q = (both >> sh) & mask
+    b = w.contiguous().view(torch.uint8)  # [..., in*bits/8], little-endian byte stream
+    if bits == 8:
+        return b.clone()
+    if bits == 4:  # int16 lane = byte | byte << 4, masked: low byte = lo nibble, high = hi
+        x = b.to(torch.int16)
+        return ((x | (x << 4)) & 0x0F0F).view(torch.uint8).reshape(*lead, in_features)
+    if bits == 2:
+        x = b.to(torch.int32)
+        x = (x | (x << 6) | (x << 12) | (x << 18)) & 0x03030303
+        return x.view(torch.uint8).reshape(*lead, in_features)
+    # 3/5/6 bits: 8 codes per `bits` bytes (6-bit: 4 codes per 3 bytes); combine those bytes
+    # into one integer (int32 holds 24 bits; 5-bit needs 40 -> int64), then shift and mask.
+    nbytes, ncodes = (3, 4) if bits == 6 else (bits, 8)
+    dt = torch.int32 if nbytes * 8 < 31 else torch.int64
+    g = b.reshape(*lead, in_features // ncodes, nbytes).to(dt)
+    v = g[..., 0].clone()
+    for k in range(1, nbytes):
+        v |= g[..., k] << (8 * k)
+    q = (v.unsqueeze(-1) >> _shifts(bits, ncodes, dt, w.device)) & ((1 << bits) - 1)
     return q.to(torch.uint8).reshape(*lead, in_features)
 
 
