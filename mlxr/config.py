@@ -1,0 +1,422 @@
+"""Typed, frozen model configuration parsed from config.json.
+
+Every upstream quirk (mlx-lm defaults, key aliases, per-family conventions) is normalised here so
+the model code reads plain fields.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .errors import ModelFormatError
+
+_MISSING = object()
+
+# mode -> (bits, group_size) defaults, as mlx writes them (null/missing keys take these).
+QUANT_DEFAULTS = {"affine": (4, 64), "mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one module's weight is quantized (mlx `to_quantized` kwargs)."""
+
+    mode: str = "affine"  # affine | mxfp4 | nvfp4 | mxfp8
+    bits: int = 4
+    group_size: int = 64
+    global_scale: bool = False  # nvfp4 only: a per-tensor fp32 `global_scale` tensor exists
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """The config's `quantization` block: defaults plus per-module overrides.
+
+    `overrides` maps a module path (e.g. "model.layers.3.mlp.down_proj") to its QuantSpec, or to
+    None for a module the file marks `false` (kept in float). As in mlx-lm, modules without an
+    entry have their bits/group/mode inferred from tensor shapes at load time.
+    """
+
+    default: QuantSpec
+    overrides: dict[str, QuantSpec | None]
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding of one layer: rotate the first `dims` features of each head."""
+
+    dims: int
+    base: float
+    traditional: bool = False  # True: interleaved pairs; False: rotate-half (HF/NeoX layout)
+    scaling: dict | None = None  # normalised rope_scaling dict ("rope_type" always set)
+    max_position_embeddings: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One configurable decoder: every dense family is a set of these flags."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    # None: tied iff the checkpoint has no lm_head (gemma3_text); resolved by the loader.
+    tie_word_embeddings: bool | None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (qwen3, gemma3)
+    norm_offset: float = 0.0  # gemma family: RMSNorm weight is (1 + w)
+    embed_scale: float | None = None  # gemma family: embeddings multiplied by sqrt(hidden)
+    embed_scale_bf16: bool = False  # gemma3: that scalar is rounded to bf16 first
+    hidden_act: str = "silu"  # silu | gelu (exact erf) | gelu_tanh
+    sandwich_norm: bool = False  # gemma2/3: post-attention and pre/post-feedforward norms
+    attn_scale: float = 1.0
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    fused_qkv: bool = False  # phi3: self_attn.qkv_proj
+    fused_gate_up: bool = False  # phi3: mlp.gate_up_proj (gate rows first)
+    clip_residual_fp16: bool = False  # gemma3: fp16 residual adds clipped to the fp16 range
+    layer_rope: tuple[RopeSpec, ...] = field(default=(), repr=False)
+    layer_window: tuple[int | None, ...] = field(default=(), repr=False)  # sliding window per layer (None = global)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    quant: QuantConfig | None = None
+    torch_dtype: str | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def context_length(self) -> int:
+        """Longest sequence we accept: max_position_embeddings, times the factor for dynamic
+        NTK scaling (which exists to run past the trained length)."""
+        s = max((r.scaling or {} for r in self.layer_rope), key=len, default={})
+        if s.get("rope_type") == "dynamic":
+            return int(self.max_position_embeddings * s["factor"])
+        return self.max_position_embeddings
+
+
+# Upper bounds that no real checkpoint reaches; they stop a hostile config from making us
+# allocate terabytes or loop for hours before any weight is read.
+LIMITS = {
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 16,
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 1024,
+    "intermediate_size": 1 << 18,
+    "max_position_embeddings": 1 << 24,
+    "sliding_window": 1 << 24,
+}
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
+
+
+class _Reader:
+    """Typed access to the raw config dict; every error names the file and the key."""
+
+    def __init__(self, raw: dict, source: str):
+        self.raw, self.source = raw, source
+
+    def _fail(self, key: str, why: str) -> ModelFormatError:
+        return ModelFormatError(f"{self.source}: key '{key}' {why}")
+
+    def int(self, key: str, default=_MISSING, minimum: int = 1) -> int:
+        if key not in self.raw or self.raw[key] is None:
+            if default is _MISSING:
+                raise self._fail(key, "is required but missing")
+            return default
+        v = self.raw[key]
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self._fail(key, f"must be an integer, got {v!r}")
+        if v < minimum or v > LIMITS.get(key, 1 << 40):
+            raise self._fail(key, f"= {v} is out of range [{minimum}, {LIMITS.get(key, 1 << 40)}]")
+        return v
+
+    def float(self, key: str, default=_MISSING) -> float:
+        if key not in self.raw or self.raw[key] is None:
+            if default is _MISSING:
+                raise self._fail(key, "is required but missing")
+            return default
+        v = _decode_float(self.raw[key])
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise self._fail(key, f"must be a finite number, got {self.raw[key]!r}")
+        return float(v)
+
+    def bool(self, key: str, default=_MISSING) -> bool:
+        if key not in self.raw or self.raw[key] is None:
+            if default is _MISSING:
+                raise self._fail(key, "is required but missing")
+            return default
+        v = self.raw[key]
+        if not isinstance(v, bool):
+            raise self._fail(key, f"must be true or false, got {v!r}")
+        return v
+
+    def dict(self, key: str) -> dict | None:
+        v = self.raw.get(key)
+        if v is not None and not isinstance(v, dict):
+            raise self._fail(key, f"must be an object, got {type(v).__name__}")
+        return v
+
+
+def _decode_float(v):
+    # mlx-lm's save_config writes non-finite floats as {"__float__": "Infinity"}.
+    if isinstance(v, dict) and set(v) == {"__float__"}:
+        return float(v["__float__"])
+    return v
+
+
+def _parse_quant_spec(v, source: str, key: str) -> QuantSpec | None:
+    if v is False:
+        return None
+    if not isinstance(v, dict):
+        raise ModelFormatError(f"{source}: quantization entry '{key}' must be an object or false")
+    mode = v.get("mode") or "affine"
+    if mode not in QUANT_DEFAULTS:
+        raise ModelFormatError(f"{source}: quantization '{key}' has unknown mode {mode!r}")
+    bits, group = QUANT_DEFAULTS[mode]
+    bits = v.get("bits") if v.get("bits") is not None else bits
+    group = v.get("group_size") if v.get("group_size") is not None else group
+    for name, val in (("bits", bits), ("group_size", group)):
+        if isinstance(val, bool) or not isinstance(val, int) or not 1 <= val <= 1024:
+            raise ModelFormatError(f"{source}: quantization '{key}'.{name} = {val!r} is invalid")
+    return QuantSpec(mode, bits, group, bool(v.get("global_scale", False)))
+
+
+def parse_quant(raw: dict, source: str) -> QuantConfig | None:
+    """Read `quantization` (or an MLX-style `quantization_config`) into a QuantConfig."""
+    q = raw.get("quantization")
+    if q is None:
+        q = raw.get("quantization_config")
+        if q is None:
+            return None
+        if not isinstance(q, dict) or "quant_method" in q:
+            method = q.get("quant_method") if isinstance(q, dict) else q
+            raise ModelFormatError(
+                f"{source}: quantization_config.quant_method={method!r} is not an MLX "
+                "quantization; mlxr reads MLX-quantized or unquantized checkpoints "
+                "(convert this model with mlx_lm.convert first)"
+            )
+    if not isinstance(q, dict):
+        raise ModelFormatError(f"{source}: 'quantization' must be an object")
+    top = {k: q[k] for k in ("group_size", "bits", "mode") if k in q}
+    default = _parse_quant_spec(top, source, "quantization")
+    overrides = {
+        k: _parse_quant_spec(v, source, k)
+        for k, v in q.items()
+        if k not in ("group_size", "bits", "mode", "quant_method")
+    }
+    return QuantConfig(default, overrides)
+
+
+def _rope_scaling(r: _Reader, key: str = "rope_scaling") -> dict | None:
+    s = r.dict(key)
+    if s is None:
+        return None
+    s = {k: _decode_float(v) for k, v in s.items()}
+    s["rope_type"] = s.get("type") or s.get("rope_type") or "default"
+    if s["rope_type"] in ("linear", "dynamic", "llama3", "yarn") and not isinstance(
+        s.get("factor"), (int, float)
+    ):
+        raise ModelFormatError(f"{r.source}: '{key}' of type {s['rope_type']} needs a 'factor'")
+    if s["rope_type"] not in ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "su"):
+        raise ModelFormatError(f"{r.source}: '{key}' type {s['rope_type']!r} is not supported")
+    return s
+
+
+def _eos_ids(v) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    ids = v if isinstance(v, list) else [v]
+    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)
+
+
+def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
+    """Normalise an HF/mlx-lm config dict into a ModelConfig (mlx-lm's per-family defaults)."""
+    if not isinstance(raw, dict):
+        raise ModelFormatError(f"{source}: must be a JSON object")
+    mt = raw.get("model_type")
+    if mt is None:
+        raise ModelFormatError(f"{source}: key 'model_type' is required but missing")
+    if mt not in SUPPORTED:
+        raise ModelFormatError(
+            f"{source}: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})"
+        )
+    r = _Reader(raw, source)
+    gemma3 = mt == "gemma3_text"
+    d3 = gemma3  # gemma3_text has a default for every key
+    hidden = r.int("hidden_size", 1152 if d3 else _MISSING)
+    layers = r.int("num_hidden_layers", 26 if d3 else _MISSING)
+    heads = r.int("num_attention_heads", 4 if d3 else _MISSING)
+    kv_default = heads if mt in ("llama", "mistral", "phi3") else (1 if d3 else _MISSING)
+    kv_heads = r.int("num_key_value_heads", kv_default)
+    if heads % kv_heads:
+        raise ModelFormatError(
+            f"{source}: num_attention_heads ({heads}) is not a multiple of "
+            f"num_key_value_heads ({kv_heads})"
+        )
+    if mt in ("qwen3", "gemma", "gemma2"):
+        head_dim = r.int("head_dim")
+    elif d3:
+        head_dim = r.int("head_dim", 256)
+    elif mt in ("llama", "mistral"):
+        head_dim = r.int("head_dim", hidden // heads)
+    else:
+        head_dim = hidden // heads
+    if head_dim < 2 or head_dim % 2:
+        raise ModelFormatError(f"{source}: head_dim {head_dim} must be even")
+    vocab = r.int("vocab_size", 262144 if d3 else _MISSING)
+    inter = r.int("intermediate_size", 6912 if d3 else _MISSING)
+    eps = r.float("rms_norm_eps", 1e-6 if d3 else _MISSING)
+    max_pos = r.int("max_position_embeddings", {"qwen2": 32768, "phi3": 131072,
+                                                  "gemma3_text": 32768}.get(mt, 4096))
+    kw: dict = {}
+    traditional = r.bool("rope_traditional", False)
+    windows: list[int | None] = [None] * layers
+    if mt in ("llama", "mistral"):
+        theta = r.float("rope_theta", 10000.0)
+        b = r.bool("attention_bias", False)
+        kw.update(qkv_bias=b, o_bias=b, mlp_bias=r.bool("mlp_bias", False))
+        tie = r.bool("tie_word_embeddings", True)
+        ropes = [RopeSpec(head_dim, theta, traditional, _rope_scaling(r), max_pos)] * layers
+        layer_types = raw.get("layer_types")
+        if layer_types is not None:
+            if not isinstance(layer_types, list) or len(layer_types) != layers:
+                raise ModelFormatError(f"{source}: 'layer_types' must list {layers} entries")
+            if "full_attention" not in layer_types:
+                raise ModelFormatError(f"{source}: 'layer_types' has no full_attention layer")
+            window = r.int("sliding_window") if "sliding_attention" in layer_types else None
+            windows = [window if t == "sliding_attention" else None for t in layer_types]
+    elif mt == "qwen2":
+        theta = r.float("rope_theta", 1e6)
+        kw.update(qkv_bias=True)
+        tie = r.bool("tie_word_embeddings", True)
+        ropes = [RopeSpec(head_dim, theta, traditional, _rope_scaling(r), max_pos)] * layers
+    elif mt == "qwen3":
+        params = r.dict("rope_parameters")
+        theta = raw.get("rope_theta")
+        scaling = _rope_scaling(r)
+        if params:
+            theta = theta if theta is not None else params.get("rope_theta")
+            scaling = scaling if scaling is not None else _rope_scaling(r, "rope_parameters")
+        if theta is None:
+            raise ModelFormatError(f"{source}: key 'rope_theta' is required but missing")
+        theta = _Reader({"rope_theta": theta}, source).float("rope_theta")
+        kw.update(qk_norm=True)
+        tie = r.bool("tie_word_embeddings")
+        ropes = [RopeSpec(head_dim, theta, traditional, scaling, max_pos)] * layers
+    elif mt in ("gemma", "gemma2"):
+        theta = r.float("rope_theta", 10000.0)
+        kw.update(norm_offset=1.0, embed_scale=math.sqrt(hidden))
+        tie = True
+        ropes = [RopeSpec(head_dim, theta, traditional)] * layers
+        if mt == "gemma":
+            kw.update(hidden_act="gelu")
+        else:
+            kw.update(
+                hidden_act="gelu_tanh", sandwich_norm=True,
+                attn_scale=r.float("query_pre_attn_scalar", 144.0) ** -0.5,
+                attn_logit_softcap=r.float("attn_logit_softcapping", 50.0),
+                final_logit_softcap=r.float("final_logit_softcapping", 30.0),
+            )
+    elif gemma3:
+        pattern = r.int("sliding_window_pattern", 6)
+        window = r.int("sliding_window", 512)
+        local = RopeSpec(head_dim, r.float("rope_local_base_freq", 10000.0), False)
+        glob = RopeSpec(head_dim, r.float("rope_theta", 1e6), False, _rope_scaling(r), max_pos)
+        is_global = [i % pattern == pattern - 1 for i in range(layers)]
+        ropes = [glob if g else local for g in is_global]
+        windows = [None if g else window for g in is_global]
+        kw.update(
+            qk_norm=True, norm_offset=1.0, embed_scale=math.sqrt(hidden), embed_scale_bf16=True,
+            hidden_act="gelu_tanh", sandwich_norm=True, clip_residual_fp16=True,
+            attn_scale=r.float("query_pre_attn_scalar", 256.0) ** -0.5,
+        )
+        tie = None
+    else:  # phi3
+        theta = r.float("rope_theta", 10000.0)
+        partial = r.float("partial_rotary_factor", 1.0)
+        rope_dims = int(head_dim * partial)
+        if rope_dims < 2 or rope_dims % 2 or rope_dims > head_dim:
+            raise ModelFormatError(f"{source}: partial_rotary_factor {partial} is invalid")
+        scaling = _rope_scaling(r)
+        if scaling is not None:
+            if scaling["rope_type"] not in ("longrope", "su", "linear"):
+                scaling = None  # mlx-lm disables unsupported phi3 scaling (with a warning)
+            elif scaling["rope_type"] != "linear":
+                scaling["original_max_position_embeddings"] = r.int(
+                    "original_max_position_embeddings", 4096)
+                if len(scaling.get("long_factor") or []) != rope_dims // 2:
+                    raise ModelFormatError(
+                        f"{source}: rope_scaling.long_factor must have {rope_dims // 2} entries")
+        kw.update(fused_qkv=True, fused_gate_up=True)
+        tie = r.bool("tie_word_embeddings", False)
+        ropes = [RopeSpec(rope_dims, theta, traditional, scaling, max_pos)] * layers
+    if kw.get("attn_scale") is None:
+        kw["attn_scale"] = head_dim**-0.5
+    for w in windows:
+        if w is not None and not 1 <= w <= LIMITS["sliding_window"]:
+            raise ModelFormatError(f"{source}: sliding_window {w} is out of range")
+    bos = raw.get("bos_token_id")
+    return ModelConfig(
+        model_type=mt, vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=inter, rms_norm_eps=eps,
+        max_position_embeddings=max_pos, tie_word_embeddings=tie, layer_rope=tuple(ropes),
+        layer_window=tuple(windows),
+        bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
+        eos_token_ids=_eos_ids(raw.get("eos_token_id")), quant=parse_quant(raw, source),
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"), **kw,
+    )
+
+
+MAX_JSON_BYTES = 16 << 20
+
+
+def read_json(path: Path) -> dict:
+    """Read a small JSON file from a model directory; errors name the file."""
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise ModelFormatError(f"{path.name}: cannot read ({e.strerror})") from None
+    if size > MAX_JSON_BYTES:
+        raise ModelFormatError(f"{path.name}: {size} bytes is too large for a config file")
+    try:
+        data = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{path.name}: malformed JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelFormatError(f"{path.name}: must be a JSON object")
+    return data
+
+
+def load_config(model_dir: Path) -> tuple[ModelConfig, dict]:
+    """Parse `config.json` (and `generation_config.json`) of a model directory.
+
+    Returns the config and the generation-config dict (empty if absent). As mlx-lm does, the
+    generation config's EOS ids are merged into the model's.
+    """
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ModelFormatError(f"{model_dir}: no config.json (not a model directory)")
+    config = parse_config(read_json(model_dir / "config.json"), "config.json")
+    gen = {}
+    if (model_dir / "generation_config.json").is_file():
+        gen = read_json(model_dir / "generation_config.json")
+        extra = [i for i in _eos_ids(gen.get("eos_token_id")) if i not in config.eos_token_ids]
+        if extra:
+            config = replace(config, eos_token_ids=config.eos_token_ids + tuple(extra))
+    return config, gen

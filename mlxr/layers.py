@@ -1,0 +1,119 @@
+"""Layers built from checkpoint tensors: linear (float or quantized), embedding, RoPE tables.
+
+Layers hold weights only; their math lives in `mlxr.ops` (reference torch on CPU, Triton on CUDA).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import RopeSpec
+from .quant import QuantWeight
+
+
+class Linear:
+    """y = x @ W^T (+ b). W is a float tensor [out, in] or a QuantWeight kept packed."""
+
+    def __init__(self, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None):
+        self.weight, self.bias = weight, bias
+        self.out_features = weight.out_features if isinstance(weight, QuantWeight) else weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantWeight):
+            y = self.weight.linear(x)
+        else:
+            y = x @ self.weight.t()
+        return y if self.bias is None else y + self.bias
+
+
+class Embedding:
+    """Token embedding [V, E], float or quantized; `as_linear` is the tied LM head."""
+
+    def __init__(self, weight: torch.Tensor | QuantWeight):
+        self.weight = weight
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantWeight):
+            return self.weight.embed(ids)
+        return self.weight[ids]
+
+    def as_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return Linear(self.weight)(x)
+
+
+def rope_inv_freq(spec: RopeSpec, seq_len: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dims/2] (float32) and the q/k pre-scale for one layer's RoPE.
+
+    Follows mlx-lm's rope_utils exactly (incl. its deviations from HF: longrope always uses
+    long factors, yarn ignores truncate/attention_factor). `seq_len` matters only for dynamic NTK.
+    """
+    d = spec.dims
+    s = spec.scaling or {}
+    kind = s.get("rope_type", "default")
+    base = spec.base
+    if kind == "dynamic":
+        max_pos = spec.max_position_embeddings or seq_len
+        n = max(seq_len, max_pos)
+        f = s["factor"]
+        base = base * ((f * n / max_pos) - (f - 1)) ** (d / (d - 2))
+    periods = base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)  # mlx "freqs": periods
+    scale = 1.0
+    if kind == "linear":
+        periods = periods * s["factor"]
+    elif kind == "llama3":
+        f = s["factor"]
+        low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+        old = s.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi * periods
+        p = torch.where(wavelen > old / low, periods * f, periods)
+        medium = (wavelen > old / high) & (wavelen < old / low)
+        smooth = (old / wavelen - low) / (high - low)
+        periods = torch.where(medium, p / ((1 - smooth) / f + smooth), p)
+    elif kind == "yarn":
+        f = s["factor"]
+        old = s.get("original_max_position_embeddings", 4096)
+        beta_fast, beta_slow = s.get("beta_fast", 32), s.get("beta_slow", 1)
+
+        def corr(rot):
+            return d * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(spec.base))
+
+        lo, hi = max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), d - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = ((torch.arange(d // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+        mask = 1.0 - ramp
+        inter = f * periods
+        periods = (inter * periods) / (inter * mask + periods * (1 - mask))
+
+        def mscale(m):
+            return 1.0 if f <= 1 else 0.1 * m * math.log(f) + 1.0
+
+        scale = mscale(s.get("mscale", 1)) / mscale(s.get("mscale_all_dim", 0))
+    elif kind in ("longrope", "su"):
+        periods = torch.tensor(s["long_factor"], dtype=torch.float32) * periods
+        old = s["original_max_position_embeddings"]
+        f = (spec.max_position_embeddings or old) / old
+        scale = s.get("long_mscale") or (
+            1.0 if f <= 1.0 else math.sqrt(1 + math.log(f) / math.log(old))
+        )
+    return 1.0 / periods, scale
+
+
+class Rope:
+    """Per-layer RoPE tables; cos/sin for any positions, cached by the layer's spec."""
+
+    def __init__(self, spec: RopeSpec, device: torch.device):
+        self.spec, self.device = spec, device
+        self._inv, self.scale = rope_inv_freq(spec, 0)
+        self._dynamic = (spec.scaling or {}).get("rope_type") == "dynamic"
+
+    def cos_sin(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Angles for positions [start, start+length): cos, sin each [length, dims/2] float32."""
+        inv = self._inv
+        if self._dynamic:
+            inv, _ = rope_inv_freq(self.spec, start + length)
+        pos = torch.arange(start, start + length, dtype=torch.float32)
+        ang = pos[:, None] * inv[None, :]
+        return ang.cos().to(self.device), ang.sin().to(self.device)

@@ -1,0 +1,131 @@
+"""The public model object: `mlxr.load(path)` returns a Model that scripts and the CLI drive."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from .checkpoint import open_checkpoint
+from .config import ModelConfig, load_config
+from .errors import ModelFormatError
+from .generate import Chunk, check_prompt, stream_generate
+from .models.loader import build_decoder
+from .sampling import SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _pick_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class Model:
+    """A loaded model: config, tokenizer, teacher-forced logits and streaming generation."""
+
+    def __init__(self, path: Path, config: ModelConfig, generation_config: dict, decoder,
+                 dtype: torch.dtype, device: torch.device):
+        self.path, self.config, self.generation_config = path, config, generation_config
+        self.decoder, self.dtype, self.device = decoder, dtype, device
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        """The model directory's tokenizer (loaded on first use, ids checked against the
+        embedding table)."""
+        if self._tokenizer is None:
+            from .tokenizer import load_tokenizer
+
+            tok = load_tokenizer(self.path)
+            if tok.vocab_size > self.config.vocab_size:
+                top = max(i for i in range(tok.vocab_size) if tok.id_to_token(i) is not None)
+                if top >= self.config.vocab_size:
+                    raise ModelFormatError(
+                        f"{self.path.name}: tokenizer has token id {top} but the embedding "
+                        f"table has only {self.config.vocab_size} rows")
+            self._tokenizer = tok
+        return self._tokenizer
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """EOS ids from config.json, generation_config.json and the tokenizer."""
+        ids = list(self.config.eos_token_ids)
+        try:
+            ids += [i for i in sorted(self.tokenizer.eos_token_ids) if i not in ids]
+        except (OSError, ValueError):
+            pass
+        return tuple(ids)
+
+    def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Teacher-forced logits of every position: float32 [T, vocab] on the CPU."""
+        ids = [int(i) for i in token_ids]
+        check_prompt(ids, self.config.vocab_size, self.config.context_length + 1)
+        cache = self.decoder.new_cache(len(ids))
+        with torch.inference_mode():
+            return self.decoder.forward(torch.tensor(ids), cache).float().cpu()
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return [int(i) for i in prompt]
+
+    def sampling_params(self, params: SamplingParams | None = None, **kw) -> SamplingParams:
+        """SamplingParams from keyword overrides, with generation_config.json defaults."""
+        params = params or SamplingParams(**kw)
+        return params.with_defaults(self.generation_config)
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               **kw) -> Iterator[Chunk]:
+        """Stream Chunks (token ids, text piece, finish reason, stats) for a text or id prompt.
+
+        Keyword arguments are SamplingParams fields (max_tokens, temperature, top_p, stop, seed…).
+        """
+        ids = self.encode_prompt(prompt)
+        params = self.sampling_params(params, **kw)
+        try:
+            detok = self.tokenizer.detokenizer()
+        except (OSError, ValueError):
+            if isinstance(prompt, str):
+                raise
+            detok = None  # id prompts work without tokenizer files; text is then empty
+        eos = self.eos_token_ids if detok is not None else self.config.eos_token_ids
+        return stream_generate(self.decoder, ids, params, eos, detok)
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                 **kw) -> Iterator[int]:
+        """Yield generated token ids as they come (greedy by default: temperature=0).
+
+        `prompt` is text (encoded with the model's tokenizer, BOS added as it specifies) or ids.
+        """
+        kw.setdefault("temperature", 0.0)
+        for chunk in self.stream(prompt, params, **kw):
+            yield from chunk.token_ids
+
+
+def load(path: str | Path, device: str | torch.device | None = None,
+         dtype: str | torch.dtype | None = None) -> Model:
+    """Load an MLX / HF model directory.
+
+    device: "cpu", "cuda" or None (CUDA when available). dtype: "float32" computes everything in
+    float32 with the quantized codes untouched (the exact mode tests use); the default is
+    bfloat16, the fast dtype on both CPU and GPU.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelFormatError(f"{path}: not a directory")
+    dev = _pick_device(device)
+    if dtype is None:
+        dt = torch.bfloat16
+    elif isinstance(dtype, torch.dtype):
+        dt = dtype
+    elif dtype in DTYPES:
+        dt = DTYPES[dtype]
+    else:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    config, gen = load_config(path)
+    with open_checkpoint(path) as ckpt:
+        decoder = build_decoder(ckpt, config, dt, dev)
+    return Model(path, config, gen, decoder, dt, dev)

@@ -1,0 +1,229 @@
+"""Map checkpoint tensors onto the decoder, validating every name and shape against the config.
+
+The table of modules below is the whole "conversion": names are the checkpoint's own. Quantized
+modules are detected as mlx-lm does (a `.scales` tensor exists) and their bits / group size /
+mode come from the config's per-module entry or, failing that, from the tensor shapes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..checkpoint import Checkpoint, TensorInfo
+from ..config import QuantSpec, ModelConfig
+from ..errors import ModelFormatError
+from ..layers import Embedding, Linear
+from ..quant import QuantWeight
+from .decoder import Decoder, Fused, Layer
+
+FLOAT_DTYPES = {"BF16", "F16", "F32"}
+QUANT_MODES = {(4, 16): "nvfp4", (4, 32): "mxfp4", (8, 32): "mxfp8"}
+
+
+def module_table(c: ModelConfig, tied: bool) -> dict[str, tuple[str, int, int, bool]]:
+    """Every module the checkpoint must hold: path -> (kind, out, in, has_bias).
+
+    kind is "linear", "embedding" or "norm" (norms: out = size, in = 0).
+    """
+    e, f, d = c.hidden_size, c.intermediate_size, c.head_dim
+    mods: dict[str, tuple[str, int, int, bool]] = {
+        "model.embed_tokens": ("embedding", c.vocab_size, e, False),
+        "model.norm": ("norm", e, 0, False),
+    }
+    if not tied:
+        mods["lm_head"] = ("linear", c.vocab_size, e, False)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        if c.fused_qkv:
+            mods[p + "self_attn.qkv_proj"] = ("linear", c.q_size + 2 * c.kv_size, e, False)
+        else:
+            mods[p + "self_attn.q_proj"] = ("linear", c.q_size, e, c.qkv_bias)
+            mods[p + "self_attn.k_proj"] = ("linear", c.kv_size, e, c.qkv_bias)
+            mods[p + "self_attn.v_proj"] = ("linear", c.kv_size, e, c.qkv_bias)
+        mods[p + "self_attn.o_proj"] = ("linear", e, c.q_size, c.o_bias)
+        if c.fused_gate_up:
+            mods[p + "mlp.gate_up_proj"] = ("linear", 2 * f, e, False)
+        else:
+            mods[p + "mlp.gate_proj"] = ("linear", f, e, c.mlp_bias)
+            mods[p + "mlp.up_proj"] = ("linear", f, e, c.mlp_bias)
+        mods[p + "mlp.down_proj"] = ("linear", e, f, c.mlp_bias)
+        mods[p + "input_layernorm"] = ("norm", e, 0, False)
+        mods[p + "post_attention_layernorm"] = ("norm", e, 0, False)
+        if c.sandwich_norm:
+            mods[p + "pre_feedforward_layernorm"] = ("norm", e, 0, False)
+            mods[p + "post_feedforward_layernorm"] = ("norm", e, 0, False)
+        if c.qk_norm:
+            mods[p + "self_attn.q_norm"] = ("norm", d, 0, False)
+            mods[p + "self_attn.k_norm"] = ("norm", d, 0, False)
+    return mods
+
+
+class RawQuant(NamedTuple):
+    """A quantized module's tensors as stored (weight is the int32 view of the packed uint32)."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor
+    biases: torch.Tensor | None
+    spec: QuantSpec
+    global_scale: torch.Tensor | None
+
+
+class _Builder:
+    def __init__(self, ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype, device):
+        self.ckpt, self.config, self.dtype, self.device = ckpt, config, dtype, device
+        self.used: set[str] = set()
+
+    def _info(self, name: str) -> TensorInfo:
+        info = self.ckpt.tensors.get(name)
+        if info is None:
+            raise ModelFormatError(f"missing tensor '{name}' (required by config.json)")
+        self.used.add(name)
+        return info
+
+    def _expect(self, info: TensorInfo, shape: tuple, dtypes: set[str]) -> None:
+        if tuple(info.shape) != tuple(shape):
+            raise ModelFormatError(
+                f"{info.file.name}: tensor '{info.name}' has shape {list(info.shape)}, "
+                f"config.json implies {list(shape)}")
+        if info.dtype not in dtypes:
+            raise ModelFormatError(
+                f"{info.file.name}: tensor '{info.name}' has dtype {info.dtype}, "
+                f"expected one of {sorted(dtypes)}")
+
+    def float_tensor(self, name: str, shape: tuple) -> torch.Tensor:
+        info = self._info(name)
+        self._expect(info, shape, FLOAT_DTYPES)
+        return self.ckpt.load(name).to(device=self.device, dtype=self.dtype)
+
+    def quant_spec(self, path: str, out: int, inp: int) -> QuantSpec:
+        """The module's quantization: config entry if any, else inferred from shapes (mlx-lm)."""
+        q = self.config.quant
+        if q is not None and path in q.overrides and q.overrides[path] is not None:
+            return q.overrides[path]
+        w, s = self.ckpt.tensors[path + ".weight"], self.ckpt.tensors[path + ".scales"]
+        if len(w.shape) != 2 or len(s.shape) != 2 or s.shape[-1] == 0 or inp % s.shape[-1] \
+                or (32 * w.shape[-1]) % inp:
+            raise ModelFormatError(
+                f"{w.file.name}: quantized '{path}' has weight {list(w.shape)} / scales "
+                f"{list(s.shape)}, inconsistent with input size {inp} from config.json")
+        group, bits = inp // s.shape[-1], 32 * w.shape[-1] // inp
+        if s.dtype != "U8":
+            return QuantSpec("affine", bits, group)
+        mode = QUANT_MODES.get((bits, group))
+        if mode is None:
+            raise ModelFormatError(f"'{path}': uint8 scales with bits={bits} group={group} "
+                                   "match no MLX floating-point mode")
+        return QuantSpec(mode, bits, group, path + ".global_scale" in self.ckpt.tensors)
+
+    def weight(self, path: str, out: int, inp: int) -> torch.Tensor | RawQuant:
+        """A linear/embedding weight [out, in]: float tensor, or the packed tensors."""
+        q = self.config.quant
+        if path + ".scales" not in self.ckpt.tensors:
+            if q is not None and q.overrides.get(path, False) is not None and path in q.overrides:
+                raise ModelFormatError(f"config.json quantizes '{path}' but its "
+                                       f"'{path}.scales' tensor is missing")
+            return self.float_tensor(path + ".weight", (out, inp))
+        if q is not None and path in q.overrides and q.overrides[path] is None:
+            raise ModelFormatError(f"config.json marks '{path}' unquantized (false) but the "
+                                   f"checkpoint has '{path}.scales'")
+        spec = self.quant_spec(path, out, inp)
+        if inp % spec.group_size or (inp * spec.bits) % 32:
+            raise ModelFormatError(f"'{path}': input size {inp} is not a multiple of group size "
+                                   f"{spec.group_size}")
+        w_info, s_info = self._info(path + ".weight"), self._info(path + ".scales")
+        self._expect(w_info, (out, inp * spec.bits // 32), {"U32"})
+        affine = spec.mode == "affine"
+        self._expect(s_info, (out, inp // spec.group_size), FLOAT_DTYPES if affine else {"U8"})
+        biases = gscale = None
+        if affine:
+            b_info = self._info(path + ".biases")
+            self._expect(b_info, tuple(s_info.shape), {s_info.dtype})
+            biases = self.ckpt.load(path + ".biases")
+        if spec.global_scale:
+            self._expect(self._info(path + ".global_scale"), (), {"F32"})
+            gscale = self.ckpt.load(path + ".global_scale")
+        return RawQuant(self.ckpt.load(path + ".weight"), self.ckpt.load(path + ".scales"),
+                        biases, spec, gscale)
+
+    def quant(self, raw: RawQuant) -> QuantWeight:
+        return QuantWeight.from_tensors(raw.weight, raw.scales, raw.biases, raw.spec,
+                                        global_scale=raw.global_scale, compute_dtype=self.dtype,
+                                        device=self.device)
+
+    def linear(self, parts: list[tuple[str, int, int, bool]]) -> Linear:
+        """One Linear for projections of the same input, stacked along the output dim (one
+        matmul instead of several) when they share a storage format."""
+        ws = [self.weight(path, out, inp) for path, out, inp, _ in parts]
+        bs = [self.float_tensor(path + ".bias", (out,)) if bias else
+              torch.zeros(out, dtype=self.dtype, device=self.device)
+              for path, out, inp, bias in parts]
+        bias = torch.cat(bs) if any(p[3] for p in parts) else None
+        if len(ws) == 1:
+            return Linear(ws[0] if isinstance(ws[0], torch.Tensor) else self.quant(ws[0]), bias)
+        if all(isinstance(w, torch.Tensor) for w in ws):
+            return Linear(torch.cat(ws), bias)
+        if all(isinstance(w, RawQuant) and w.spec == ws[0].spec and w.global_scale is None
+               for w in ws):
+            cat = RawQuant(torch.cat([w.weight for w in ws]), torch.cat([w.scales for w in ws]),
+                           None if ws[0].biases is None else torch.cat([w.biases for w in ws]),
+                           ws[0].spec, None)
+            return Linear(self.quant(cat), bias)
+        return Fused([Linear(w if isinstance(w, torch.Tensor) else self.quant(w),
+                             None if bias is None else b) for w, b in zip(ws, bs)])
+
+
+def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
+                  device: torch.device) -> Decoder:
+    """Validate the checkpoint against the config and build the decoder's weights."""
+    c = config
+    names = set(ckpt.tensors)
+    # mlx-lm sanitize: drop precomputed rotary tables; gemma3 is tied iff lm_head is absent.
+    ignored = {n for n in names if n.endswith("self_attn.rotary_emb.inv_freq")}
+    tied = c.tie_word_embeddings
+    if tied is None:
+        tied = "lm_head.weight" not in names
+    if tied and c.model_type in ("llama", "mistral", "qwen2", "qwen3"):
+        ignored |= {n for n in names if n.startswith("lm_head.")}
+    table = module_table(c, tied)
+    b = _Builder(ckpt, c, dtype, device)
+
+    def linear(*paths: str) -> Linear | Fused:
+        parts = [(p, *table[p][1:]) for p in paths]
+        lin = b.linear(parts)
+        return lin if len(paths) == 1 or isinstance(lin, Fused) else Fused([lin])
+
+    def norm(path: str) -> torch.Tensor:
+        return b.float_tensor(path + ".weight", (table[path][1],))
+
+    layers = []
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        sandwich = c.sandwich_norm
+        layers.append(Layer(
+            input_norm=norm(p + "input_layernorm"),
+            qkv=linear(attn + "qkv_proj") if c.fused_qkv else linear(
+                attn + "q_proj", attn + "k_proj", attn + "v_proj"),
+            o_proj=linear(attn + "o_proj"),
+            mlp_norm=norm(p + ("pre_feedforward_layernorm" if sandwich else
+                               "post_attention_layernorm")),
+            gate_up=linear(mlp + "gate_up_proj") if c.fused_gate_up else linear(
+                mlp + "gate_proj", mlp + "up_proj"),
+            down_proj=linear(mlp + "down_proj"),
+            q_norm=norm(attn + "q_norm") if c.qk_norm else None,
+            k_norm=norm(attn + "k_norm") if c.qk_norm else None,
+            post_attn_norm=norm(p + "post_attention_layernorm") if sandwich else None,
+            post_mlp_norm=norm(p + "post_feedforward_layernorm") if sandwich else None,
+        ))
+    embed = linear("model.embed_tokens")
+    lm_head = None if tied else linear("lm_head")
+    final_norm = norm("model.norm")
+    unexpected = sorted(names - b.used - ignored)
+    if unexpected:
+        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        raise ModelFormatError(
+            f"unexpected tensors not used by a {c.model_type} model with this config.json: "
+            f"{', '.join(unexpected[:5])}{more}")
+    return Decoder(c, Embedding(embed.weight), layers, final_norm, lm_head, dtype, device)

@@ -1,0 +1,9 @@
+"""The single dispatch point for compute ops.
+
+Today every op is the plain-torch reference (CPU, and CUDA through torch). Triton kernels
+replace entries here behind the same signatures.
+"""
+
+from .reference import attention, gated_act, rms_norm, rope
+
+__all__ = ["attention", "gated_act", "rms_norm", "rope"]

@@ -1,0 +1,95 @@
+"""Plain-torch versions of every op: the executable spec, the CPU path and the test oracle.
+
+Each function has the signature its fast (Triton) twin implements. Shapes use one alphabet:
+T tokens, S cached positions, H query heads, K kv heads, D head dim, E model dim, F MLP dim.
+Numerics follow mlx: reductions and transcendentals in float32, results in the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """x [..., E] -> x / rms(x) * (offset + weight), normalised in float32 as mx.fast.rms_norm."""
+    x32 = x.float()
+    y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    # gemma's (1 + w) is formed in the weight's dtype, as mlx-lm does.
+    w = weight + offset if offset else weight
+    return y * w
+
+
+def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up; act is silu, gelu (exact erf) or gelu_tanh."""
+    if act == "silu":
+        return F.silu(gate) * up
+    if act == "gelu":
+        return F.gelu(gate) * up
+    if act == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    raise ValueError(f"unknown activation {act!r}")
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, traditional: bool) -> torch.Tensor:
+    """Rotate the first 2*cos.shape[-1] features of x [T, H, D] by per-position angles.
+
+    cos/sin: [T, R] float32 for R = rotated_dims / 2. traditional=True rotates interleaved pairs
+    (2i, 2i+1); otherwise the rotate-half layout pairs (i, i + R).
+    """
+    r2 = 2 * cos.shape[-1]
+    xr = x[..., :r2].float()
+    c, s = cos[:, None, :], sin[:, None, :]
+    if traditional:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr.chunk(2, dim=-1)
+        out = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    out = out.to(x.dtype)
+    return out if r2 == x.shape[-1] else torch.cat((out, x[..., r2:]), dim=-1)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_start: int,
+    k_start: int,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention. q [T, H, D] at positions q_start.., k/v [K, S, D] at k_start...
+
+    Key j is visible to query i iff j <= i and (window is None or i - j < window).
+    Returns [T, H, D] in q's dtype.
+    """
+    t, h, d = q.shape
+    kh, s, _ = k.shape
+    qpos = torch.arange(q_start, q_start + t)
+    kpos = torch.arange(k_start, k_start + s)
+    mask = kpos[None, :] <= qpos[:, None]
+    if window is not None:
+        mask &= qpos[:, None] - kpos[None, :] < window
+    qh, kh_, vh = q.transpose(0, 1), k, v  # [H, T, D], [K, S, D]
+    if softcap is None:
+        if bool(mask.all()):
+            mask = None
+        elif mask is not None:
+            mask = mask.to(q.device)
+        out = F.scaled_dot_product_attention(
+            qh[None], kh_[None], vh[None], attn_mask=mask, scale=scale, enable_gqa=h != kh
+        )[0]
+        return out.transpose(0, 1)
+    # Soft-capped scores (gemma2): tanh(s / cap) * cap before the mask, softmax in float32.
+    rep = h // kh
+    kx = kh_.repeat_interleave(rep, 0)
+    vx = vh.repeat_interleave(rep, 0)
+    scores = ((qh * scale) @ kx.transpose(-1, -2)).float()
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask.to(q.device), -math.inf)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return (probs @ vx).transpose(0, 1)

@@ -1,0 +1,19 @@
+"""Shared test fixtures.
+
+The project's test assets (real tokenizers, chat templates, stories260K) live in `shared/` beside
+the repository checkout, both for developers and in CI.
+"""
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+ASSETS = SHARED / "assets"
+
+
+@pytest.fixture(scope="session")
+def assets() -> Path:
+    assert ASSETS.is_dir(), f"test assets not found at {ASSETS} (shared/ must sit beside the repo)"
+    return ASSETS
