@@ -418,3 +418,19 @@ def test_quantweight_rejects_3d():
     qw, s, b = mx_quantize((2, 32, 128), 1, 4, 64)
     with pytest.raises(ModelFormatError, match="2-D"):
         QuantWeight.from_tensors(t(qw), t(s), t(b), QuantSpec())
+
+
+def test_quantweight_nvfp4_global_scale():
+    mx.random.seed(4)
+    w = mx.random.normal((64, 128)) * 0.02
+    g = mx.max(mx.abs(w))
+    q, s = mx.quantize(w, mode="nvfp4", global_scale=g)[:2]
+    spec = QuantSpec("nvfp4", 4, 16, global_scale=True)
+    ref = t(mx.dequantize(q, s, mode="nvfp4", global_scale=g, dtype=mx.float32))
+    for cd in (torch.float32, torch.bfloat16):
+        Q = QuantWeight.from_tensors(t(q), t(s), None, spec, global_scale=t(g), compute_dtype=cd)
+        assert same_bits(Q.dequantize(), ref)
+        x = torch.randn(3, 128).to(cd)
+        err = (Q.linear(x).float() - x.float() @ ref.T).abs()
+        tol = 1e-5 * ref.abs().max() * 128 if cd == torch.float32 else bf16_tol(x.float(), ref, 16)
+        assert (err <= tol).all()
