@@ -47,7 +47,8 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
-    print(f"{'bits':>4} {'out':>7} {'in':>5} {'M':>4} {'path':>6} {'ms':>9} {'GB/s':>7} {'GFLOP/s':>8}")
+    print(f"{'bits':>4} {'out':>7} {'in':>5} {'M':>4} {'path':>6} {'ms':>9} {'GB/s':>7} "
+          f"{'GFLOP/s':>8}")
     for bits in a.bits:
         for out_f, in_f in SHAPES:
             qw = make(out_f, in_f, bits, 64)

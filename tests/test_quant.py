@@ -138,7 +138,8 @@ FP = [("mxfp4", 4, 32), ("nvfp4", 4, 16), ("mxfp8", 8, 32)]
 def test_fp_dequant_bit_exact_quantized(mode, bits, group):
     qw, s, _ = mx_quantize((2, 16, 128), 11 + bits + group, bits, group, mode=mode)
     spec = QuantSpec(mode, bits, group)
-    for mdt, tdt in [(mx.float32, torch.float32), (None, torch.bfloat16), (mx.float16, torch.float16)]:
+    dts = [(mx.float32, torch.float32), (None, torch.bfloat16), (mx.float16, torch.float16)]
+    for mdt, tdt in dts:
         ref = t(mx.dequantize(qw, s, mode=mode, dtype=mdt))
         out = dequantize(t(qw), t(s), None, spec, dtype=None if mdt is None else tdt)
         assert out.dtype == tdt and same_bits(out, ref), (mode, tdt)

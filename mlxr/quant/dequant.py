@@ -41,10 +41,12 @@ def validate(
     if weight.dtype not in (torch.uint32, torch.int32):
         raise ModelFormatError(f"{name}: packed weight must be uint32, got {weight.dtype}")
     if weight.dim() < 2:
-        raise ModelFormatError(f"{name}: packed weight must be at least 2-D, got {tuple(weight.shape)}")
+        raise ModelFormatError(
+            f"{name}: packed weight must be at least 2-D, got {tuple(weight.shape)}")
     if scales.dim() != weight.dim() or scales.shape[:-1] != weight.shape[:-1]:
         raise ModelFormatError(
-            f"{name}: scales shape {tuple(scales.shape)} does not match weight {tuple(weight.shape)}")
+            f"{name}: scales shape {tuple(scales.shape)} does not match weight "
+            f"{tuple(weight.shape)}")
     in_features = scales.shape[-1] * spec.group_size
     if in_features == 0 or weight.shape[-1] * 32 != in_features * spec.bits:
         raise ModelFormatError(

@@ -56,7 +56,8 @@ class QuantWeight:
     ) -> QuantWeight:
         in_features = validate(weight, scales, biases, spec, global_scale, name)
         if weight.dim() != 2:
-            raise ModelFormatError(f"{name}: QuantWeight needs a 2-D weight, got {tuple(weight.shape)}")
+            raise ModelFormatError(
+                f"{name}: QuantWeight needs a 2-D weight, got {tuple(weight.shape)}")
         if compute_dtype not in _COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {_COMPUTE_DTYPES}, got {compute_dtype}")
         self = cls()
@@ -144,7 +145,8 @@ class QuantWeight:
             w = w.add_(b.to(wd).unsqueeze(-1))
         else:
             v = code_table(self.spec.mode, q.device)[q.to(torch.int64)].view(n, k // g, g)
-            w = v.mul_(fp_scales(self.scales[rows], self.spec.mode, self.global_scale).unsqueeze(-1))
+            s = fp_scales(self.scales[rows], self.spec.mode, self.global_scale)
+            w = v.mul_(s.unsqueeze(-1))
         return w.view(n, k).to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
