@@ -6,7 +6,7 @@ Reading order: model (load, generate) -> generate (one stream of events) -> mode
 """
 
 from .errors import ContextLengthError, MlxrError, ModelFormatError, TokenizerError
-from .model import Model, load
+from .model import Model, load, validate
 from .sampling import SamplingParams
 
 __version__ = "0.1.0"
@@ -20,4 +20,4 @@ def load_tokenizer(path):
 
 
 __all__ = ["ContextLengthError", "MlxrError", "Model", "ModelFormatError", "SamplingParams",
-           "TokenizerError", "__version__", "load", "load_tokenizer"]
+           "TokenizerError", "__version__", "load", "load_tokenizer", "validate"]

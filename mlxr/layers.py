@@ -18,7 +18,8 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
-        self.out_features = weight.out_features if isinstance(weight, QuantWeight) else weight.shape[0]
+        # QuantWeight (and the loader's shape-only stand-in) carry out_features; tensors a shape.
+        self.out_features = getattr(weight, "out_features", None) or weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, QuantWeight):

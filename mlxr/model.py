@@ -11,7 +11,7 @@ from .checkpoint import open_checkpoint
 from .config import ModelConfig, load_config
 from .errors import ModelFormatError
 from .generate import Chunk, check_prompt, stream_generate
-from .models.loader import build_decoder
+from .models.loader import build_decoder, check_checkpoint
 from .sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -129,3 +129,15 @@ def load(path: str | Path, device: str | torch.device | None = None,
     with open_checkpoint(path) as ckpt:
         decoder = build_decoder(ckpt, config, dt, dev)
     return Model(path, config, gen, decoder, dt, dev)
+
+
+def validate(path: str | Path) -> ModelConfig:
+    """Check a model directory (config, every safetensors header, every tensor's name, shape and
+    dtype against the config) without reading weight data. Returns the parsed config."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelFormatError(f"{path}: not a directory")
+    config, _ = load_config(path)
+    with open_checkpoint(path) as ckpt:
+        check_checkpoint(ckpt, config)
+    return config

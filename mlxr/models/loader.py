@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..checkpoint import Checkpoint, TensorInfo
+from ..checkpoint import DTYPES, Checkpoint, TensorInfo
 from ..config import QuantSpec, ModelConfig
 from ..errors import ModelFormatError
 from ..layers import Embedding, Linear
@@ -69,11 +69,26 @@ class RawQuant(NamedTuple):
     spec: QuantSpec
     global_scale: torch.Tensor | None
 
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
 
 class _Builder:
-    def __init__(self, ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype, device):
+    """Reads and checks module tensors. With dry_run, tensors are shape-only ("meta") so a
+    directory can be validated without reading its weights."""
+
+    def __init__(self, ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype, device,
+                 dry_run: bool = False):
         self.ckpt, self.config, self.dtype, self.device = ckpt, config, dtype, device
+        self.dry_run = dry_run
         self.used: set[str] = set()
+
+    def load(self, name: str) -> torch.Tensor:
+        if self.dry_run:
+            info = self.ckpt.tensors[name]
+            return torch.empty(info.shape, dtype=DTYPES[info.dtype][0], device="meta")
+        return self.ckpt.load(name)
 
     def _info(self, name: str) -> TensorInfo:
         info = self.ckpt.tensors.get(name)
@@ -95,7 +110,8 @@ class _Builder:
     def float_tensor(self, name: str, shape: tuple) -> torch.Tensor:
         info = self._info(name)
         self._expect(info, shape, FLOAT_DTYPES)
-        return self.ckpt.load(name).to(device=self.device, dtype=self.dtype)
+        return self.load(name).to(device="meta" if self.dry_run else self.device,
+                                  dtype=self.dtype)
 
     def quant_spec(self, path: str, out: int, inp: int) -> QuantSpec:
         """The module's quantization: config entry if any, else inferred from shapes (mlx-lm)."""
@@ -140,14 +156,16 @@ class _Builder:
         if affine:
             b_info = self._info(path + ".biases")
             self._expect(b_info, tuple(s_info.shape), {s_info.dtype})
-            biases = self.ckpt.load(path + ".biases")
+            biases = self.load(path + ".biases")
         if spec.global_scale:
             self._expect(self._info(path + ".global_scale"), (), {"F32"})
-            gscale = self.ckpt.load(path + ".global_scale")
-        return RawQuant(self.ckpt.load(path + ".weight"), self.ckpt.load(path + ".scales"),
+            gscale = self.load(path + ".global_scale")
+        return RawQuant(self.load(path + ".weight"), self.load(path + ".scales"),
                         biases, spec, gscale)
 
-    def quant(self, raw: RawQuant) -> QuantWeight:
+    def quant(self, raw: RawQuant) -> QuantWeight | RawQuant:
+        if self.dry_run:
+            return raw
         return QuantWeight.from_tensors(raw.weight, raw.scales, raw.biases, raw.spec,
                                         global_scale=raw.global_scale, compute_dtype=self.dtype,
                                         device=self.device)
@@ -174,8 +192,13 @@ class _Builder:
                              None if bias is None else b) for w, b in zip(ws, bs)])
 
 
+def check_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> None:
+    """Validate names, shapes and dtypes of every tensor against the config, reading no data."""
+    build_decoder(ckpt, config, torch.float32, torch.device("cpu"), dry_run=True)
+
+
 def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
-                  device: torch.device) -> Decoder:
+                  device: torch.device, dry_run: bool = False) -> Decoder | None:
     """Validate the checkpoint against the config and build the decoder's weights."""
     c = config
     names = set(ckpt.tensors)
@@ -187,7 +210,7 @@ def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
     if tied and c.model_type in ("llama", "mistral", "qwen2", "qwen3"):
         ignored |= {n for n in names if n.startswith("lm_head.")}
     table = module_table(c, tied)
-    b = _Builder(ckpt, c, dtype, device)
+    b = _Builder(ckpt, c, dtype, device, dry_run)
 
     def linear(*paths: str) -> Linear | Fused:
         parts = [(p, *table[p][1:]) for p in paths]
@@ -226,4 +249,6 @@ def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
         raise ModelFormatError(
             f"unexpected tensors not used by a {c.model_type} model with this config.json: "
             f"{', '.join(unexpected[:5])}{more}")
+    if dry_run:
+        return None
     return Decoder(c, Embedding(embed.weight), layers, final_norm, lm_head, dtype, device)
