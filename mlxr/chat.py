@@ -23,7 +23,7 @@ from mlxr.errors import TokenizerError
 if TYPE_CHECKING:  # pragma: no cover
     from mlxr.tokenizer import Tokenizer
 
-__all__ = ["apply_chat_template", "render_chat_template", "select_template", "compile_template"]
+__all__ = ["apply_chat_template", "compile_template", "render_chat_template", "select_template"]
 
 _MARK_START = "\U000f0000"
 _MARK_END = "\U000f0001"
@@ -38,7 +38,9 @@ def _jinja():
         import jinja2.sandbox
         import jinja2.utils
     except ImportError as exc:  # pragma: no cover
-        raise TokenizerError("chat templates need the `jinja2` package (pip install jinja2)") from exc
+        raise TokenizerError(
+            "chat templates need the `jinja2` package (pip install jinja2)"
+        ) from exc
     return jinja2
 
 
@@ -49,12 +51,14 @@ def _environment():
     class GenerationTag(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}` renders its body (transformers uses it for assistant masks)."""
 
-        tags = {"generation"}
+        tags = frozenset({"generation"})
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(
+                lineno
+            )
 
         def _render(self, caller):
             return caller()
@@ -63,7 +67,9 @@ def _environment():
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     def strftime_now(format):
         return datetime.now().strftime(format)
@@ -119,22 +125,28 @@ def _template_literal_text(source: str) -> str:
     jinja2 = _jinja()
     ast = _environment().parse(source)
     literals = {node.data for node in ast.find_all(jinja2.nodes.TemplateData)}
-    literals |= {node.value for node in ast.find_all(jinja2.nodes.Const) if isinstance(node.value, str)}
+    literals |= {
+        node.value for node in ast.find_all(jinja2.nodes.Const) if isinstance(node.value, str)
+    }
     return "\0".join(literals)
 
 
 def select_template(templates: str | dict[str, str] | None, tools=None, name: str = "model") -> str:
     """Pick the template to use, as transformers' `get_chat_template` (named templates: tool_use / default)."""
     if templates is None:
-        raise TokenizerError(f"{name}: the model has no chat template (tokenizer_config.json chat_template, "
-                             "chat_template.jinja or chat_template.json); use plain completion instead")
+        raise TokenizerError(
+            f"{name}: the model has no chat template (tokenizer_config.json chat_template, "
+            "chat_template.jinja or chat_template.json); use plain completion instead"
+        )
     if isinstance(templates, dict):
         if tools is not None and "tool_use" in templates:
             return templates["tool_use"]
         if "default" in templates:
             return templates["default"]
-        raise TokenizerError(f"{name}: the model has several chat templates ({sorted(templates)}) and none is "
-                             "named 'default'")
+        raise TokenizerError(
+            f"{name}: the model has several chat templates ({sorted(templates)}) and none is "
+            "named 'default'"
+        )
     return templates
 
 
@@ -166,7 +178,9 @@ def _plain(value: Any) -> Any:
 
 def _normalize_messages(messages) -> list[dict]:
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise TokenizerError("chat messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        raise TokenizerError(
+            "chat messages must be a non-empty list of {'role': ..., 'content': ...} dicts"
+        )
     out = []
     for message in messages:
         if callable(getattr(message, "model_dump", None)):
@@ -174,7 +188,9 @@ def _normalize_messages(messages) -> list[dict]:
         if not isinstance(message, dict):
             raise TokenizerError(f"chat messages must be dicts, got {message!r}")
         message = {k: v for k, v in message.items() if v is not None}
-        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        reasoning = next(
+            (message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None
+        )
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         out.append(_plain(message))
@@ -192,7 +208,7 @@ def _mark(obj: Any, pattern: re.Pattern) -> Any:
     return obj
 
 
-def _control_tokens(tokenizer: "Tokenizer", source: str) -> tuple[str, ...]:
+def _control_tokens(tokenizer: Tokenizer, source: str) -> tuple[str, ...]:
     """Added tokens treated as control tokens: special ones, plus non-whitespace added tokens the template writes."""
     literal = _template_literal_text(source)
     out = []
@@ -206,31 +222,41 @@ def _control_tokens(tokenizer: "Tokenizer", source: str) -> tuple[str, ...]:
 def _patterns(control_tokens: tuple[str, ...]) -> tuple[re.Pattern, re.Pattern]:
     longest_first = sorted(control_tokens, key=len, reverse=True)
     tokens_re = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
-    markers_re = re.compile(f"{_MARK_START}({tokens_re.pattern}){_MARK_END}|[{_MARK_START}{_MARK_END}]")
+    markers_re = re.compile(
+        f"{_MARK_START}({tokens_re.pattern}){_MARK_END}|[{_MARK_START}{_MARK_END}]"
+    )
     return tokens_re, markers_re
 
 
-def render_chat_template(source: str, messages, tools=None, documents=None, add_generation_prompt: bool = True,
-                         **kwargs) -> str:
+def render_chat_template(
+    source: str, messages, tools=None, documents=None, add_generation_prompt: bool = True, **kwargs
+) -> str:
     """Render a chat template with transformers' semantics. Template errors become TokenizerError."""
     jinja2 = _jinja()
     template = compile_template(source)
-    if tools is not None:
-        if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
-            raise TokenizerError("tools must be a list of JSON-schema dicts")
-    if documents is not None and (not isinstance(documents, (list, tuple))
-                                  or not all(isinstance(d, dict) for d in documents)):
+    if tools is not None and (
+        not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools)
+    ):
+        raise TokenizerError("tools must be a list of JSON-schema dicts")
+    if documents is not None and (
+        not isinstance(documents, (list, tuple)) or not all(isinstance(d, dict) for d in documents)
+    ):
         raise TokenizerError("documents must be a list of dicts with 'title' and 'text' keys")
     try:
-        return template.render(messages=messages, tools=_plain(tools), documents=_plain(documents),
-                               add_generation_prompt=add_generation_prompt, **_plain(kwargs))
+        return template.render(
+            messages=messages,
+            tools=_plain(tools),
+            documents=_plain(documents),
+            add_generation_prompt=add_generation_prompt,
+            **_plain(kwargs),
+        )
     except jinja2.exceptions.TemplateError as exc:
         raise TokenizerError(f"chat template error: {exc}") from exc
     except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
         raise TokenizerError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _encode_marked(tokenizer: "Tokenizer", rendered: str, markers_re: re.Pattern) -> list[int]:
+def _encode_marked(tokenizer: Tokenizer, rendered: str, markers_re: re.Pattern) -> list[int]:
     pieces = markers_re.split(rendered)
     if len(pieces) == 1:
         return tokenizer.encode(rendered, add_special_tokens=False)
@@ -240,22 +266,35 @@ def _encode_marked(tokenizer: "Tokenizer", rendered: str, markers_re: re.Pattern
         if not piece:
             continue
         as_text = i % 2 == 1
-        encode = tokenizer.encode_plain if as_text else (lambda s: tokenizer.encode(s, add_special_tokens=False))
+        encode = (
+            tokenizer.encode_plain
+            if as_text
+            else (lambda s: tokenizer.encode(s, add_special_tokens=False))
+        )
         # encode after a newline so SentencePiece-style tokenizers don't add a prefix space, then drop the newline
         piece_ids = encode("\n" + piece)
         if piece_ids[: len(newline_ids)] == newline_ids:
-            piece_ids = piece_ids[len(newline_ids):]
+            piece_ids = piece_ids[len(newline_ids) :]
         else:
             piece_ids = encode(piece)
         if as_text and tokenizer.token_to_id(piece) in piece_ids:
-            raise TokenizerError(f"cannot encode {piece!r} as plain text: the tokenizer produces the control token")
+            raise TokenizerError(
+                f"cannot encode {piece!r} as plain text: the tokenizer produces the control token"
+            )
         ids += piece_ids
     return ids
 
 
-def apply_chat_template(tokenizer: "Tokenizer", messages, tools=None, documents=None,
-                        add_generation_prompt: bool = True, tokenize: bool = False,
-                        chat_template: str | None = None, **template_kwargs):
+def apply_chat_template(
+    tokenizer: Tokenizer,
+    messages,
+    tools=None,
+    documents=None,
+    add_generation_prompt: bool = True,
+    tokenize: bool = False,
+    chat_template: str | None = None,
+    **template_kwargs,
+):
     """Render (and optionally tokenize) a conversation with the tokenizer's chat template.
 
     `template_kwargs` (e.g. ``enable_thinking=False``) are passed to the template, overriding the special tokens
@@ -278,8 +317,14 @@ def apply_chat_template(tokenizer: "Tokenizer", messages, tools=None, documents=
         documents = _mark(documents, tokens_re) if documents is not None else None
         template_kwargs = _mark(template_kwargs, tokens_re)
     kwargs = {**tokenizer.special_tokens_map, **template_kwargs}
-    rendered = render_chat_template(source, messages, tools=tools, documents=documents,
-                                    add_generation_prompt=add_generation_prompt, **kwargs)
+    rendered = render_chat_template(
+        source,
+        messages,
+        tools=tools,
+        documents=documents,
+        add_generation_prompt=add_generation_prompt,
+        **kwargs,
+    )
     if not tokenize:
         return rendered
     return _encode_marked(tokenizer, rendered, markers_re)

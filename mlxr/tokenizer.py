@@ -18,26 +18,31 @@ import base64
 import json
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from mlxr.errors import TokenizerError
 
 try:  # the import itself is cheap, but keep the error readable if the dependency is missing
     import tokenizers
-    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
 except ImportError as exc:  # pragma: no cover
     raise ImportError("mlxr needs the `tokenizers` package: pip install tokenizers") from exc
 
-__all__ = ["Tokenizer", "StreamingDetokenizer", "load_tokenizer", "load_chat_template"]
+__all__ = ["StreamingDetokenizer", "Tokenizer", "load_chat_template", "load_tokenizer"]
 
 GPT2_SPLIT_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-QWEN2_SPLIT_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-LLAMA3_SPLIT_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+QWEN2_SPLIT_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+LLAMA3_SPLIT_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 # Llama 3.1's 256 reserved special tokens (ids 128000-128255), as in the Hugging Face tokenizer.json.
 _LLAMA3_NAMED_SPECIALS = [
@@ -57,12 +62,24 @@ LLAMA3_SPECIAL_TOKENS = _LLAMA3_NAMED_SPECIALS + [
     f"<|reserved_special_token_{i}|>" for i in range(3, 3 + 256 - len(_LLAMA3_NAMED_SPECIALS))
 ]
 
-_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+_SPECIAL_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "pad_token",
+    "sep_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable unicode character table."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -91,7 +108,9 @@ def _token_content(value: Any, where: str) -> str | None:
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
-    raise TokenizerError(f"{where}: expected a string or a {{'content': ...}} object, got {value!r}")
+    raise TokenizerError(
+        f"{where}: expected a string or a {{'content': ...}} object, got {value!r}"
+    )
 
 
 def _added_token(content: str, spec: dict | None, special: bool) -> AddedToken:
@@ -110,10 +129,19 @@ def _added_token(content: str, spec: dict | None, special: bool) -> AddedToken:
 # Backend builders
 
 
-def _byte_level_bpe(vocab: dict[str, int], merges: list, split_regex: str | None, nfc: bool) -> tokenizers.Tokenizer:
+def _byte_level_bpe(
+    vocab: dict[str, int], merges: list, split_regex: str | None, nfc: bool
+) -> tokenizers.Tokenizer:
     tk = tokenizers.Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
-                   fuse_unk=False, byte_fallback=False)
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+        )
     )
     if nfc:
         tk.normalizer = normalizers.NFC()
@@ -144,7 +172,9 @@ def _load_vocab_merges(vocab_path: Path, merges_path: Path, config: dict) -> tok
             continue
         parts = line.split(" ")
         if len(parts) != 2:
-            raise TokenizerError(f"{merges_path}:{lineno}: expected two space-separated tokens, got {line!r}")
+            raise TokenizerError(
+                f"{merges_path}:{lineno}: expected two space-separated tokens, got {line!r}"
+            )
         merges.append((parts[0], parts[1]))
     cls = str(config.get("tokenizer_class") or "")
     is_qwen = cls.startswith("Qwen2")
@@ -190,7 +220,9 @@ def _load_tiktoken(path: Path) -> tuple[tokenizers.Tokenizer, list[str]]:
         local.sort()
         merges.extend((rank, to_str(left), to_str(right)) for _, _, left, right in local)
     merges.sort(key=lambda m: m[0])
-    tk = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for _, a, b in merges], fuse_unk=False))
+    tk = tokenizers.Tokenizer(
+        models.BPE(vocab=vocab, merges=[(a, b) for _, a, b in merges], fuse_unk=False)
+    )
     if hasattr(tk.model, "ignore_merges"):
         tk.model.ignore_merges = True
     tk.pre_tokenizer = pre_tokenizers.Sequence(
@@ -204,12 +236,16 @@ def _load_tiktoken(path: Path) -> tuple[tokenizers.Tokenizer, list[str]]:
     return tk, specials
 
 
-def _load_sentencepiece(path: Path, config: dict) -> tuple[tokenizers.Tokenizer, list[tuple[str, bool]], dict]:
+def _load_sentencepiece(
+    path: Path, config: dict
+) -> tuple[tokenizers.Tokenizer, list[tuple[str, bool]], dict]:
     """Convert a SentencePiece BPE model like transformers' LlamaConverter (Metaspace, byte fallback)."""
     try:
         from sentencepiece import sentencepiece_model_pb2 as model_pb2
     except ImportError as exc:  # pragma: no cover
-        raise TokenizerError(f"{path}: reading SentencePiece models needs the `sentencepiece` package") from exc
+        raise TokenizerError(
+            f"{path}: reading SentencePiece models needs the `sentencepiece` package"
+        ) from exc
     proto = model_pb2.ModelProto()
     try:
         proto.ParseFromString(path.read_bytes())
@@ -218,8 +254,10 @@ def _load_sentencepiece(path: Path, config: dict) -> tuple[tokenizers.Tokenizer,
     if not proto.pieces:
         raise TokenizerError(f"{path}: SentencePiece model has no pieces")
     if proto.trainer_spec.model_type != 2:  # 1 = unigram, 2 = BPE
-        raise TokenizerError(f"{path}: only SentencePiece BPE models are supported (model_type "
-                             f"{proto.trainer_spec.model_type})")
+        raise TokenizerError(
+            f"{path}: only SentencePiece BPE models are supported (model_type "
+            f"{proto.trainer_spec.model_type})"
+        )
     vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
     # Merges: every split of a piece into two pieces, ordered by the merged piece's score (highest first), as
     # transformers' generate_merges(vocab, vocab_scores) does (scores are not monotonic in the id: Llama 2's "▁▁" has
@@ -241,10 +279,18 @@ def _load_sentencepiece(path: Path, config: dict) -> tuple[tokenizers.Tokenizer,
     unk_id = proto.trainer_spec.unk_id
     unk = proto.pieces[unk_id].piece if 0 <= unk_id < len(proto.pieces) else None
     tk = tokenizers.Tokenizer(
-        models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in merges], unk_token=unk, fuse_unk=True,
-                   byte_fallback=bool(proto.trainer_spec.byte_fallback), dropout=None)
+        models.BPE(
+            vocab=vocab,
+            merges=[(m[3], m[4]) for m in merges],
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=bool(proto.trainer_spec.byte_fallback),
+            dropout=None,
+        )
     )
-    add_prefix = bool(proto.normalizer_spec.add_dummy_prefix) if proto.HasField("normalizer_spec") else True
+    add_prefix = (
+        bool(proto.normalizer_spec.add_dummy_prefix) if proto.HasField("normalizer_spec") else True
+    )
     if config.get("add_prefix_space") is not None:
         add_prefix = bool(config["add_prefix_space"])
     scheme = ("always" if config.get("legacy") else "first") if add_prefix else "never"
@@ -257,8 +303,12 @@ def _load_sentencepiece(path: Path, config: dict) -> tuple[tokenizers.Tokenizer,
     added = [(p.piece, p.type == 3 or p.type == 2) for p in proto.pieces if p.type in (2, 3, 4)]
     ts = proto.trainer_spec
     defaults = {}
-    for key, idx in (("bos_token", ts.bos_id), ("eos_token", ts.eos_id), ("unk_token", ts.unk_id),
-                     ("pad_token", ts.pad_id)):
+    for key, idx in (
+        ("bos_token", ts.bos_id),
+        ("eos_token", ts.eos_id),
+        ("unk_token", ts.unk_id),
+        ("pad_token", ts.pad_id),
+    ):
         if 0 <= idx < len(proto.pieces):
             defaults[key] = proto.pieces[idx].piece
     return tk, added, defaults
@@ -285,9 +335,17 @@ def _modernize_llama_json(tk: tokenizers.Tokenizer, config: dict) -> None:
 class Tokenizer:
     """A loaded tokenizer: encode/decode, special tokens, chat template and a streaming detokenizer."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, *, special_tokens: dict[str, str | None] | None = None,
-                 chat_template: str | dict[str, str] | None = None, extra_eos_ids: Iterable[int] = (),
-                 name: str = "tokenizer", config: dict | None = None, spm_dummy_prefix: bool = False):
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        special_tokens: dict[str, str | None] | None = None,
+        chat_template: str | dict[str, str] | None = None,
+        extra_eos_ids: Iterable[int] = (),
+        name: str = "tokenizer",
+        config: dict | None = None,
+        spm_dummy_prefix: bool = False,
+    ):
         self._tk = backend
         self.name = name
         self.config = dict(config or {})
@@ -305,7 +363,9 @@ class Tokenizer:
         decoder = backend.get_added_tokens_decoder()
         self.added_tokens: dict[int, AddedToken] = dict(decoder)
         self.special_ids = frozenset(i for i, t in decoder.items() if t.special) | frozenset(
-            i for i in (self.bos_token_id, self.eos_token_id, self.pad_token_id, self.unk_token_id) if i is not None
+            i
+            for i in (self.bos_token_id, self.eos_token_id, self.pad_token_id, self.unk_token_id)
+            if i is not None
         )
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._chat_templates = chat_template
@@ -324,7 +384,9 @@ class Tokenizer:
         out = {k: getattr(self, k) for k in _SPECIAL_KEYS if getattr(self, k) is not None}
         extra = self.config.get("additional_special_tokens")
         if isinstance(extra, list) and extra:
-            out["additional_special_tokens"] = [_token_content(t, "additional_special_tokens") for t in extra]
+            out["additional_special_tokens"] = [
+                _token_content(t, "additional_special_tokens") for t in extra
+            ]
         return out
 
     def added_tokens_content(self) -> list[str]:
@@ -363,7 +425,7 @@ class Tokenizer:
         ids = [int(i) for i in ids]
         return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def detokenizer(self, skip_special_tokens: bool = False) -> "StreamingDetokenizer":
+    def detokenizer(self, skip_special_tokens: bool = False) -> StreamingDetokenizer:
         return StreamingDetokenizer(self, skip_special_tokens=skip_special_tokens)
 
     # -- chat --------------------------------------------------------------------------------------------------------
@@ -372,13 +434,28 @@ class Tokenizer:
 
         return select_template(self._chat_templates, tools, self.name)
 
-    def apply_chat_template(self, messages, tools=None, add_generation_prompt: bool = True, tokenize: bool = False,
-                            documents=None, chat_template: str | None = None, **template_kwargs):
+    def apply_chat_template(
+        self,
+        messages,
+        tools=None,
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        documents=None,
+        chat_template: str | None = None,
+        **template_kwargs,
+    ):
         from mlxr.chat import apply_chat_template
 
-        return apply_chat_template(self, messages, tools=tools, documents=documents,
-                                   add_generation_prompt=add_generation_prompt, tokenize=tokenize,
-                                   chat_template=chat_template, **template_kwargs)
+        return apply_chat_template(
+            self,
+            messages,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=tokenize,
+            chat_template=chat_template,
+            **template_kwargs,
+        )
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size})"
@@ -416,16 +493,21 @@ class StreamingDetokenizer:
     def add(self, token_id: int) -> str:
         self.token_ids.append(int(token_id))
         ids = self.token_ids
-        prefix_text = self._decode(ids[self._prefix:self._read]) if self._read > self._prefix else ""
-        new_text = self._decode(ids[self._prefix:])
+        prefix_text = (
+            self._decode(ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        )
+        new_text = self._decode(ids[self._prefix :])
         pending = len(ids) - self._read
-        if (new_text.endswith("\ufffd") and pending < self.MAX_PENDING) or len(new_text) < len(prefix_text) or \
-                not new_text.startswith(prefix_text):
+        if (
+            (new_text.endswith("\ufffd") and pending < self.MAX_PENDING)
+            or len(new_text) < len(prefix_text)
+            or not new_text.startswith(prefix_text)
+        ):
             if not new_text.startswith(prefix_text) and pending >= self.MAX_PENDING:
                 # should not happen with the decoders we build; resynchronise on a fresh window
                 self._prefix = self._read
             return ""
-        piece = new_text[len(prefix_text):]
+        piece = new_text[len(prefix_text) :]
         self._prefix, self._read = self._read, len(ids)
         if piece:
             self._pieces.append(piece)
@@ -435,9 +517,11 @@ class StreamingDetokenizer:
         ids = self.token_ids
         if self._read >= len(ids):
             return ""
-        prefix_text = self._decode(ids[self._prefix:self._read]) if self._read > self._prefix else ""
-        new_text = self._decode(ids[self._prefix:])
-        piece = new_text[len(prefix_text):] if new_text.startswith(prefix_text) else new_text
+        prefix_text = (
+            self._decode(ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        )
+        new_text = self._decode(ids[self._prefix :])
+        piece = new_text.removeprefix(prefix_text)
         self._prefix, self._read = self._read, len(ids)
         if piece:
             self._pieces.append(piece)
@@ -470,8 +554,14 @@ def _read_chat_template(root: Path, config: dict) -> str | dict[str, str] | None
     elif isinstance(value, list):
         named = {}
         for item in value:
-            if not (isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("template"), str)):
-                raise TokenizerError(f"{where}: list entries must be {{'name': str, 'template': str}}")
+            if not (
+                isinstance(item, dict)
+                and isinstance(item.get("name"), str)
+                and isinstance(item.get("template"), str)
+            ):
+                raise TokenizerError(
+                    f"{where}: list entries must be {{'name': str, 'template': str}}"
+                )
             named[item["name"]] = item["template"]
         result = named
     else:
@@ -479,7 +569,9 @@ def _read_chat_template(root: Path, config: dict) -> str | dict[str, str] | None
     if tmpl_dir.is_dir():
         extra = {p.stem: p.read_text(encoding="utf-8") for p in sorted(tmpl_dir.glob("*.jinja"))}
         if extra:
-            result = {"default": result, **extra} if isinstance(result, str) else {**extra, **result}
+            result = (
+                {"default": result, **extra} if isinstance(result, str) else {**extra, **result}
+            )
     return result
 
 
@@ -562,7 +654,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     # extra specials get consecutive ids after the base vocabulary
     added_decoder = config.get("added_tokens_decoder") or {}
     if not isinstance(added_decoder, dict):
-        raise TokenizerError(f"{root / 'tokenizer_config.json'}: added_tokens_decoder must be an object")
+        raise TokenizerError(
+            f"{root / 'tokenizer_config.json'}: added_tokens_decoder must be an object"
+        )
     existing = backend.get_added_tokens_decoder()
     by_id: list[tuple[int, AddedToken]] = []
     for key, spec in added_decoder.items():
@@ -570,7 +664,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
             idx = int(key)
             content = spec["content"]
         except (ValueError, TypeError, KeyError) as exc:
-            raise TokenizerError(f"{root / 'tokenizer_config.json'}: added_tokens_decoder[{key!r}] is malformed") from exc
+            raise TokenizerError(
+                f"{root / 'tokenizer_config.json'}: added_tokens_decoder[{key!r}] is malformed"
+            ) from exc
         if idx in existing and existing[idx].content == content:
             continue
         by_id.append((idx, _added_token(content, spec, bool(spec.get("special", False)))))
@@ -579,13 +675,17 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     for idx, tok in by_id:
         have = backend.token_to_id(tok.content)
         if have is not None and have != idx:
-            raise TokenizerError(f"{root / 'tokenizer_config.json'}: added token {tok.content!r} has id {idx} but the "
-                                 f"vocabulary maps it to {have}")
+            raise TokenizerError(
+                f"{root / 'tokenizer_config.json'}: added token {tok.content!r} has id {idx} but the "
+                f"vocabulary maps it to {have}"
+            )
         if have is None:
             # ids must be contiguous after the vocabulary for tokenizers to assign them
             if idx != next_free:
-                raise TokenizerError(f"{root / 'tokenizer_config.json'}: added token {tok.content!r} id {idx} is not "
-                                     f"the next free id ({next_free})")
+                raise TokenizerError(
+                    f"{root / 'tokenizer_config.json'}: added token {tok.content!r} id {idx} is not "
+                    f"the next free id ({next_free})"
+                )
             next_free += 1
         to_add.append(tok)
     # special tokens named in the config / special_tokens_map must be registered (as special)
@@ -598,7 +698,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
             for item in extras:
                 content = _token_content(item, f"{where}: additional_special_tokens")
                 if content is not None:
-                    to_add.append(_added_token(content, item if isinstance(item, dict) else None, True))
+                    to_add.append(
+                        _added_token(content, item if isinstance(item, dict) else None, True)
+                    )
     if kind != "tokenizer.json":
         for key in _SPECIAL_KEYS:
             content = special.get(key)
@@ -612,7 +714,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
             backend.add_tokens([t])
     for idx, tok in by_id:
         if backend.token_to_id(tok.content) != idx:
-            raise TokenizerError(f"{root / 'tokenizer_config.json'}: added token {tok.content!r} did not get id {idx}")
+            raise TokenizerError(
+                f"{root / 'tokenizer_config.json'}: added token {tok.content!r} did not get id {idx}"
+            )
 
     # -- BOS/EOS post-processing (as transformers' update_post_processor) ------------------------------------------------
     explicit = "add_bos_token" in config or "add_eos_token" in config
@@ -627,21 +731,35 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         single = f"{(bos + ':0 ') if add_bos else ''}$A:0{(' ' + eos + ':0') if add_eos else ''}"
         pair = f"{single}{(' ' + bos + ':1') if add_bos else ''} $B:1{(' ' + eos + ':1') if add_eos else ''}"
         toks = ([(bos, bos_id)] if add_bos else []) + ([(eos, eos_id)] if add_eos else [])
-        backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=toks)
+        backend.post_processor = processors.TemplateProcessing(
+            single=single, pair=pair, special_tokens=toks
+        )
 
     extra_eos: set[int] = set()
     if kind == "tiktoken" and extra_specials:
-        extra_eos.update(backend.token_to_id(t) for t in ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"))
+        extra_eos.update(
+            backend.token_to_id(t) for t in ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")
+        )
     gen_path = root / "generation_config.json"
     if gen_path.is_file():
         gen = _read_json(gen_path)
         eid = gen.get("eos_token_id") if isinstance(gen, dict) else None
-        for i in ([eid] if isinstance(eid, int) else eid if isinstance(eid, list) else []):
+        for i in [eid] if isinstance(eid, int) else eid if isinstance(eid, list) else []:
             if isinstance(i, int):
                 extra_eos.add(i)
 
     chat_template = _read_chat_template(root, config)
-    spm_prefix = kind == "sentencepiece" and isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace) and \
-        backend.pre_tokenizer.prepend_scheme != "never"
-    return Tokenizer(backend, special_tokens=special, chat_template=chat_template, extra_eos_ids=extra_eos,
-                     name=str(root), config=config, spm_dummy_prefix=spm_prefix)
+    spm_prefix = (
+        kind == "sentencepiece"
+        and isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace)
+        and backend.pre_tokenizer.prepend_scheme != "never"
+    )
+    return Tokenizer(
+        backend,
+        special_tokens=special,
+        chat_template=chat_template,
+        extra_eos_ids=extra_eos,
+        name=str(root),
+        config=config,
+        spm_dummy_prefix=spm_prefix,
+    )

@@ -39,8 +39,15 @@ def _copy(tmp_path_factory, assets, name, files, gz=None):
     d = tmp_path_factory.mktemp(name)
     for f in files:
         src = assets / f
-        shutil.copy(src, d / (Path(f).name if not Path(f).name.startswith(("tokenizer.model.", "mistral_"))
-                              else "tokenizer.model"))
+        shutil.copy(
+            src,
+            d
+            / (
+                Path(f).name
+                if not Path(f).name.startswith(("tokenizer.model.", "mistral_"))
+                else "tokenizer.model"
+            ),
+        )
     if gz:
         with gzip.open(assets / gz, "rb") as s, open(d / "tokenizer.json", "wb") as t:
             shutil.copyfileobj(s, t)
@@ -50,19 +57,27 @@ def _copy(tmp_path_factory, assets, name, files, gz=None):
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory, assets):
     q = [A + "qwen3-0.6b-base/vocab.json", A + "qwen3-0.6b-base/merges.txt"]
-    c = lambda *a, **k: _copy(tmp_path_factory, assets, *a, **k)  # noqa: E731
+    c = lambda *a, **k: _copy(tmp_path_factory, assets, *a, **k)
     return {
-        "qwen3-json": c("qwen3", [A + "qwen3-tokenizer-json/tokenizer_config.json"],
-                        gz=A + "qwen3-tokenizer-json/tokenizer.json.gz"),
+        "qwen3-json": c(
+            "qwen3",
+            [A + "qwen3-tokenizer-json/tokenizer_config.json"],
+            gz=A + "qwen3-tokenizer-json/tokenizer.json.gz",
+        ),
         "qwen3-base": assets / A / "qwen3-0.6b-base",
         "qwen2.5": c("qwen25", q + [A + "qwen2.5/tokenizer_config.json"]),
         "phi3": assets / A / "phi-3-mini-4k",
-        "llama3-json": c("llama3", [A + "llama3-tokenizer-json/tokenizer_config.json"],
-                         gz=A + "llama3-tokenizer-json/tokenizer.json.gz"),
+        "llama3-json": c(
+            "llama3",
+            [A + "llama3-tokenizer-json/tokenizer_config.json"],
+            gz=A + "llama3-tokenizer-json/tokenizer.json.gz",
+        ),
         "gpt2": assets / A / "gpt2",
         "llama2-spm": assets / A / "llama2-sentencepiece",
         "mistral-v1": c("mv1", [A + "mistral-sentencepiece/tokenizer.model.v1"]),
-        "mistral-v3": c("mv3", [A + "mistral-sentencepiece/mistral_instruct_tokenizer_240323.model.v3"]),
+        "mistral-v3": c(
+            "mv3", [A + "mistral-sentencepiece/mistral_instruct_tokenizer_240323.model.v3"]
+        ),
         "llama3-tiktoken": assets / A / "llama3-tiktoken",
         "llama3.2-ollama": assets / A / "llama3.2-bpe-ollama",
     }
@@ -122,17 +137,23 @@ def test_matches_transformers_autotokenizer(tok, dirs, name):
     assert t.vocab_size == len(ref)
     for s in TEXTS + LEADING:
         for special in (True, False):
-            assert t.encode(s, add_special_tokens=special) == ref.encode(s, add_special_tokens=special), (s, special)
+            assert t.encode(s, add_special_tokens=special) == ref.encode(
+                s, add_special_tokens=special
+            ), (s, special)
         ids = ref.encode(s)
         assert t.decode(ids) == ref.decode(ids)
         assert t.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("name,files", [("gpt2", ("vocab.json", "merges.txt")),
-                                        ("llama3.2-ollama", ("encoder.json", "vocab.bpe"))])
+@pytest.mark.parametrize(
+    "name,files",
+    [("gpt2", ("vocab.json", "merges.txt")), ("llama3.2-ollama", ("encoder.json", "vocab.bpe"))],
+)
 def test_byte_level_vocab_merges_matches_transformers(tok, dirs, name, files):
     transformers = pytest.importorskip("transformers")
-    ref = transformers.GPT2Tokenizer(vocab=str(dirs[name] / files[0]), merges=str(dirs[name] / files[1]))
+    ref = transformers.GPT2Tokenizer(
+        vocab=str(dirs[name] / files[0]), merges=str(dirs[name] / files[1])
+    )
     t = tok(name)
     for s in TEXTS + LEADING:
         assert t.encode(s) == ref.encode(s), s
@@ -182,7 +203,9 @@ def test_tiktoken_matches_tiktoken_and_tokenizer_json(tok, assets):
     from mlxr.tokenizer import LLAMA3_SPLIT_REGEX
 
     ranks = load_tiktoken_bpe(str(assets / A / "llama3-tiktoken/tokenizer.model"))
-    enc = tiktoken.Encoding("llama3", pat_str=LLAMA3_SPLIT_REGEX, mergeable_ranks=ranks, special_tokens={})
+    enc = tiktoken.Encoding(
+        "llama3", pat_str=LLAMA3_SPLIT_REGEX, mergeable_ranks=ranks, special_tokens={}
+    )
     t, j = tok("llama3-tiktoken"), tok("llama3-json")
     for s in TEXTS + LEADING:
         assert t.encode(s, add_special_tokens=False) == enc.encode(s), s
@@ -195,13 +218,20 @@ def test_tiktoken_matches_tiktoken_and_tokenizer_json(tok, assets):
 
 
 def _swift(assets, name):
-    return json.loads((assets / "test-vectors/swift-transformers" / name).read_text(encoding="utf-8"))
+    return json.loads(
+        (assets / "test-vectors/swift-transformers" / name).read_text(encoding="utf-8")
+    )
 
 
-@pytest.mark.parametrize("name,vectors", [("llama2-spm", "llama_encoded.json"),
-                                          ("llama3-tiktoken", "llama_3.2_encoded.json"),
-                                          ("llama3-json", "llama_3.2_encoded.json"),
-                                          ("gpt2", "gpt2_encoded_tokens.json")])
+@pytest.mark.parametrize(
+    "name,vectors",
+    [
+        ("llama2-spm", "llama_encoded.json"),
+        ("llama3-tiktoken", "llama_3.2_encoded.json"),
+        ("llama3-json", "llama_3.2_encoded.json"),
+        ("gpt2", "gpt2_encoded_tokens.json"),
+    ],
+)
 def test_swift_transformers_vectors(tok, assets, name, vectors):
     v = _swift(assets, vectors)
     t = tok(name)
@@ -209,9 +239,14 @@ def test_swift_transformers_vectors(tok, assets, name, vectors):
     assert t.decode(v["token_ids"], skip_special_tokens=True) == v["text"]
 
 
-@pytest.mark.parametrize("name,model", [("llama2-spm", "coreml-projects/Llama-2-7b-chat-coreml"),
-                                        ("llama3-tiktoken", "pcuenq/Llama-3.2-1B-Instruct-tokenizer"),
-                                        ("gpt2", "distilgpt2")])
+@pytest.mark.parametrize(
+    "name,model",
+    [
+        ("llama2-spm", "coreml-projects/Llama-2-7b-chat-coreml"),
+        ("llama3-tiktoken", "pcuenq/Llama-3.2-1B-Instruct-tokenizer"),
+        ("gpt2", "distilgpt2"),
+    ],
+)
 def test_swift_tokenizer_edge_cases(tok, assets, name, model):
     cases = _swift(assets, "tokenizer_tests.json")[model]
     t = tok(name)
@@ -226,8 +261,18 @@ def test_swift_tokenizer_edge_cases(tok, assets, name, model):
 
 
 def _clean_up(text: str) -> str:
-    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
-                 (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+    for a, b in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
         text = text.replace(a, b)
     return text
 
@@ -251,8 +296,13 @@ def test_mistral_common_samples(tok, assets):
             assert "".join(t.id_to_token(i) for i in ids) == text, sample_dir.name
             if sample_dir.name in MISTRAL_TEMPLATE_OK:
                 source = (templates / f"{version}_spm.jinja").read_text(encoding="utf-8")
-                got = t.apply_chat_template(sample["messages"], tools=sample.get("tools"), tokenize=True,
-                                            add_generation_prompt=False, chat_template=source)
+                got = t.apply_chat_template(
+                    sample["messages"],
+                    tools=sample.get("tools"),
+                    tokenize=True,
+                    add_generation_prompt=False,
+                    chat_template=source,
+                )
                 assert got == ids, (sample_dir.name, version)
             checked += 1
     assert checked >= 6
@@ -261,14 +311,20 @@ def test_mistral_common_samples(tok, assets):
 # --------------------------------------------------------------------------------------------------------------------
 # Streaming detokenizer
 
-STREAM_TEXTS = TEXTS + LEADING + [
-    "🎉🎉 👩‍👩‍👧‍👦 日本語の文章です。中文字符 ﬁ",
-    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 and \U0001F600\U0001F601 then   spaces\n\n\tdone",
-    " ▁literal▁markers▁ and <0x0A> text",
-]
+STREAM_TEXTS = (
+    TEXTS
+    + LEADING
+    + [
+        "🎉🎉 👩‍👩‍👧‍👦 日本語の文章です。中文字符 ﬁ",
+        "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 and \U0001f600\U0001f601 then   spaces\n\n\tdone",
+        " ▁literal▁markers▁ and <0x0A> text",
+    ]
+)
 
 
-@pytest.mark.parametrize("name", ["qwen3-json", "phi3", "llama3-json", "gpt2", "llama2-spm", "mistral-v3"])
+@pytest.mark.parametrize(
+    "name", ["qwen3-json", "phi3", "llama3-json", "gpt2", "llama2-spm", "mistral-v3"]
+)
 def test_streaming_detokenizer(tok, name):
     t = tok(name)
     for s in STREAM_TEXTS:
@@ -342,7 +398,7 @@ def test_missing_and_malformed_files(tmp_path, assets):
     with pytest.raises(TokenizerError, match="no tokenizer files"):
         load_tokenizer(empty)
     with pytest.raises(TokenizerError, match="tokenizer.json"):
-        load_tokenizer(_write(tmp_path / "a", "tokenizer.json", "{\"model\": 3}"))
+        load_tokenizer(_write(tmp_path / "a", "tokenizer.json", '{"model": 3}'))
     with pytest.raises(TokenizerError, match="tokenizer.json"):
         load_tokenizer(_write(tmp_path / "a2", "tokenizer.json", b"\x00\xff garbage"))
     bad_cfg = _write(tmp_path / "b", "tokenizer_config.json", "{oops")
@@ -356,11 +412,18 @@ def test_missing_and_malformed_files(tmp_path, assets):
         d = _write(tmp_path / "d", "vocab.json", json.dumps({"a": 0, "b": 1, "ab": 2}))
         load_tokenizer(_write(d, "merges.txt", "#version: 0.2\na b c\n"))
     with pytest.raises(TokenizerError, match="tokenizer.model"):
-        load_tokenizer(_write(tmp_path / "e", "tokenizer.model", b"\x0a\xff\xff\xff not a protobuf"))
+        load_tokenizer(
+            _write(tmp_path / "e", "tokenizer.model", b"\x0a\xff\xff\xff not a protobuf")
+        )
     with pytest.raises(TokenizerError, match="tokenizer.model"):
-        load_tokenizer(_write(tmp_path / "f", "tokenizer.model", "IQ== 0\nIg== 1\nnot-base64!! x\n"))
-    bad_added = _write(tmp_path / "g", "tokenizer_config.json",
-                       json.dumps({"added_tokens_decoder": {"99999": {"content": "<x>", "special": True}}}))
+        load_tokenizer(
+            _write(tmp_path / "f", "tokenizer.model", "IQ== 0\nIg== 1\nnot-base64!! x\n")
+        )
+    bad_added = _write(
+        tmp_path / "g",
+        "tokenizer_config.json",
+        json.dumps({"added_tokens_decoder": {"99999": {"content": "<x>", "special": True}}}),
+    )
     shutil.copy(assets / A / "phi-3-mini-4k/tokenizer.json", bad_added)
     with pytest.raises(TokenizerError, match="added token"):
         load_tokenizer(bad_added)
