@@ -235,16 +235,15 @@ def test_special_token_text(converted):
 
 
 def test_transformers_tokenizer_matches_llama2c_encode(src, converted, reference_text):
-    # What mlx-lm uses. transformers 5 rebuilds LlamaTokenizer with a Metaspace pre-tokenizer,
-    # which (unlike sentencepiece / llama2.c) adds no dummy prefix to text that already starts
-    # with a space, so leading-whitespace strings are excluded here.
+    # What mlx-lm uses. tokenizer_class PreTrainedTokenizerFast makes transformers use our
+    # tokenizer.json as written (LlamaTokenizerFast would rebuild it and drop the dummy prefix
+    # before leading whitespace), so every string must match llama2.c's encode.
     from transformers import AutoTokenizer
 
     ref = Llama2cTokenizer(src / "tok512.bin")
     tok = AutoTokenizer.from_pretrained(str(converted))
     for s in sample_strings(reference_text):
-        if s and not s[0].isspace():
-            assert tok.encode(s, add_special_tokens=False) == ref.encode(s), repr(s)
+        assert tok.encode(s, add_special_tokens=False) == ref.encode(s), repr(s)
     assert tok.encode("Hello")[0] == 1
 
 

@@ -369,7 +369,7 @@ def build_tokenizer(path: Path, vocab_size: int):
 
 def tokenizer_config(seq_len: int) -> dict:
     return {
-        "tokenizer_class": "LlamaTokenizerFast",
+        "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>",
         "eos_token": "</s>",
         "unk_token": "<unk>",
