@@ -86,7 +86,7 @@ class Model:
         ids = self.encode_prompt(prompt)
         params = self.sampling_params(params, **kw)
         try:
-            detok = self.tokenizer.detokenizer()
+            detok = self.tokenizer.detokenizer(skip_special_tokens=True)
         except (OSError, ValueError):
             if isinstance(prompt, str):
                 raise

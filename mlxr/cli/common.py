@@ -19,7 +19,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_model(name: str | None) -> Path:
-    """A model argument -> its directory: none = the bundled model, a path, or a bundled name."""
+    """A model argument -> its directory: none = the bundled model, a path, a bundled name, or a
+    hub name `ORG/REPO[@REV]` already pulled into the Hugging Face cache (never downloads)."""
+    from ..store import hub_cache, parse_name, local_snapshot, repo_dir
+
     if name is None:
         return BUNDLED / DEFAULT_MODEL
     p = Path(name).expanduser()
@@ -29,5 +32,48 @@ def resolve_model(name: str | None) -> Path:
         return BUNDLED / name
     if p.exists():
         raise MlxrError(f"{name}: not a model directory")
-    raise MlxrError(f"model {name!r} not found: give a model directory "
+    hub = parse_name(name)
+    if hub is not None:
+        snap = local_snapshot(*hub)
+        if snap is not None:
+            return snap
+        if repo_dir(hub[0]).is_dir():
+            raise MlxrError(f"{name}: not completely downloaded (in {hub_cache()}): run "
+                            f"`mlxr pull {name}` to finish it")
+        raise MlxrError(f"model {name!r} is not downloaded: run `mlxr pull {name}`")
+    raise MlxrError(f"model {name!r} not found: give a model directory, a Hub name ORG/REPO "
                     f"(bundled: {', '.join(sorted(d.name for d in BUNDLED.iterdir()))})")
+
+
+def ensure_model(name: str | None, allow_pull: bool) -> Path:
+    """Like resolve_model, but a hub name missing locally is pulled when `allow_pull` (what `run`
+    does after asking or with --yes; `serve` passes False). The directory is checked to be a
+    supported format (GGUF, .bin-only or unknown architectures are explained)."""
+    from ..store import explain_unsupported, parse_name
+
+    try:
+        path = resolve_model(name)
+    except MlxrError:
+        if name is None or parse_name(name) is None or Path(name).expanduser().exists():
+            raise
+        if not allow_pull:
+            raise
+        from ..hub import pull
+
+        path = pull(name).path
+    explain_unsupported(path)
+    return path
+
+
+def confirm(question: str, assume_yes: bool = False) -> bool:
+    """Ask a yes/no question on the terminal; without a terminal only `assume_yes` says yes."""
+    import sys
+
+    if assume_yes:
+        return True
+    if not sys.stdin.isatty():
+        return False
+    try:
+        return input(f"{question} [y/N] ").strip().lower() in {"y", "yes"}
+    except EOFError:
+        return False
