@@ -21,7 +21,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 def resolve_model(name: str | None) -> Path:
     """A model argument -> its directory: none = the bundled model, a path, a bundled name, or a
     hub name `ORG/REPO[@REV]` already pulled into the Hugging Face cache (never downloads)."""
-    from ..store import hub_cache, parse_name, local_snapshot, repo_dir
+    from ..store import hub_cache, local_snapshot, parse_name, repo_dir
 
     if name is None:
         return BUNDLED / DEFAULT_MODEL
