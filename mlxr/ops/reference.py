@@ -74,22 +74,23 @@ def attention(
     mask = kpos[None, :] <= qpos[:, None]
     if window is not None:
         mask &= qpos[:, None] - kpos[None, :] < window
-    qh, kh_, vh = q.transpose(0, 1), k, v  # [H, T, D], [K, S, D]
-    if softcap is None:
-        if bool(mask.all()):
-            mask = None
-        elif mask is not None:
-            mask = mask.to(q.device)
+    qh = q.transpose(0, 1)  # [H, T, D]
+    rep = h // kh
+    if softcap is None and (t * rep > 64 or q.is_cuda):
+        attn_mask = None if bool(mask.all()) else mask.to(q.device)
         out = F.scaled_dot_product_attention(
-            qh[None], kh_[None], vh[None], attn_mask=mask, scale=scale, enable_gqa=h != kh
+            qh[None], k[None], v[None], attn_mask=attn_mask, scale=scale, enable_gqa=h != kh
         )[0]
         return out.transpose(0, 1)
-    # Soft-capped scores (gemma2): tanh(s / cap) * cap before the mask, softmax in float32.
-    rep = h // kh
-    kx = kh_.repeat_interleave(rep, 0)
-    vx = vh.repeat_interleave(rep, 0)
-    scores = ((qh * scale) @ kx.transpose(-1, -2)).float()
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask.to(q.device), -math.inf)
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return (probs @ vx).transpose(0, 1)
+    # Few queries (decode): plain batched matmuls per kv head beat the CPU flash kernel, which
+    # parallelises over query blocks. q rows of one kv group: [K, rep*T, D].
+    qg = qh.reshape(kh, rep * t, d)
+    scores = torch.bmm(qg * scale, k.transpose(1, 2)).float()  # [K, rep*T, S]
+    if softcap is not None:  # gemma2: tanh(s / cap) * cap before the mask
+        scores = torch.tanh(scores / softcap) * softcap
+    if not bool(mask.all()):
+        m = mask.to(q.device).repeat(rep, 1)  # rows ordered (rep, T) like qg
+        scores = scores.masked_fill(~m, -math.inf)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.bmm(probs, v)  # [K, rep*T, D]
+    return out.reshape(h, t, d).transpose(0, 1)
