@@ -160,9 +160,11 @@ def _handler(hub: FakeHub):
             self.do_GET()
 
         def do_GET(self):
-            hub.requests.append((self.command, self.path, dict(self.headers)))
             url = urlparse(self.path)
             path, query = unquote(url.path), parse_qs(url.query)
+            if path.startswith("/api/models") or "/resolve/" in path:  # not telemetry & co
+                hub.requests.append((self.command, self.path,
+                                     {k.lower(): v for k, v in self.headers.items()}))
             if path == "/api/models":
                 return self._search(query)
             m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/(.+))?", path)
