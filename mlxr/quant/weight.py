@@ -10,11 +10,15 @@ Scales/biases stay in their file dtype, except in exact mode (compute_dtype floa
 are cast to float32 once: dequant then is `q*s + b` in fp32 (two fp32 roundings), exactly what
 mlx computes with fp32 params.
 
-`linear` dispatches on device: CPU -> `mlxr.quant.cpu.linear`; other devices use the generic
-tiled torch path until a Triton kernel takes over behind the same signature.
+`linear` dispatches on device: CPU -> `mlxr.quant.cpu.linear`; CUDA -> the Triton kernels of
+`mlxr.ops.triton_qmm` (GEMV for small batches, tensor-core GEMM for prefill) reading the packed
+words as shipped (on CUDA `packed` is always kept, never unpacked codes); env
+`MLXR_KERNELS=torch` (or no triton) selects the generic tiled torch path instead.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -28,6 +32,14 @@ from .dequant import validate
 from .fp import code_table, fp_scales
 
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _use_triton(qw: QuantWeight) -> bool:
+    """CUDA matmul backend: Triton unless MLXR_KERNELS=torch or the weight is unsupported."""
+    if os.environ.get("MLXR_KERNELS", "").lower() == "torch":
+        return False
+    from mlxr.ops import triton_qmm
+    return triton_qmm.supported(qw)
 
 
 class QuantWeight:
@@ -89,6 +101,8 @@ class QuantWeight:
             self.i4_sz = int4pack.scales_and_zeros(self.scales, self.biases)
             if not (self.out_features % 64 == 0 and int4pack.layout_ok()):
                 self.packed = packed.contiguous()  # cannot decode the int4 layout: keep a copy
+        elif dev.type == "cuda":
+            self.packed = packed.contiguous()  # Triton kernels read the mlx words as shipped
         elif bits == 8:
             self.codes = packed.contiguous().view(torch.uint8)  # [out, in], zero-copy
         elif bits in (3, 5, 6) and not exact:
@@ -168,8 +182,11 @@ class QuantWeight:
         if self.device.type == "cpu":
             from . import cpu
             y = cpu.linear(self, x2)
+        elif x2.is_cuda and _use_triton(self):
+            from mlxr.ops import triton_qmm
+            y = triton_qmm.qmatmul(x2, self)
         else:
-            from . import cpu  # generic torch fallback until a device kernel exists
+            from . import cpu  # generic torch fallback (MLXR_KERNELS=torch, no triton, ...)
             y = cpu.tiled_linear(self, x2)
         return y.reshape(*lead, self.out_features)
 
