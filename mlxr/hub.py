@@ -57,16 +57,22 @@ def wanted(filename: str) -> bool:
     return "/" not in filename and any(fnmatch(filename, pat) for pat in WANTED)
 
 
+def _httpx():
+    """The HTTP client module huggingface_hub uses (httpx2 since 2.x, httpx in 1.x)."""
+    try:
+        import httpx2
+    except ImportError:  # pragma: no cover - huggingface_hub 1.x
+        import httpx as httpx2
+    return httpx2
+
+
 def _net_errors() -> tuple[type[BaseException], ...]:
     """What huggingface_hub raises for HTTP status errors and network failures."""
-    import httpx2
-
-    return (httpx2.HTTPError, OSError)  # HfHubHTTPError and OfflineModeIsEnabled are OSErrors
+    return (_httpx().HTTPError, OSError)  # HfHubHTTPError and OfflineModeIsEnabled are OSErrors
 
 
 def hub_error(e: Exception, name: str) -> MlxrError:
     """A huggingface_hub / HTTP exception -> one user-readable MlxrError."""
-    import httpx2
     from huggingface_hub import get_token
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -103,7 +109,7 @@ def hub_error(e: Exception, name: str) -> MlxrError:
         return MlxrError(f"{name}: forbidden (403): your token has no read access to {repo}")
     if isinstance(e, OfflineModeIsEnabled):
         return MlxrError(f"{name}: HF_HUB_OFFLINE is set: no Hub access (unset it to download)")
-    if isinstance(e, (httpx2.TransportError, ConnectionError)):
+    if isinstance(e, (_httpx().TransportError, ConnectionError)):
         return MlxrError(f"cannot reach the Hugging Face Hub at {endpoint()} "
                          f"({type(e).__name__}: {e}); check the connection, or set "
                          "HF_HUB_OFFLINE=1 to use cached models only")
@@ -140,8 +146,9 @@ def _progress_classes(total: int, initial: int, show: bool):
     HF_HUB_DISABLE_PROGRESS_BARS and non-TTY output are honoured."""
     from huggingface_hub.utils import tqdm as hf_tqdm
 
+    disable = (False if os.environ.get("TQDM_POSITION") == "-1" else None) if show else True
     total_bar = hf_tqdm(total=total, initial=initial, unit="B", unit_scale=True, desc="total",
-                        disable=None if show else True, position=0, leave=True)
+                        disable=disable, position=0, leave=True)
 
     class FileBar(hf_tqdm):
         def __init__(self, *a, **kw):
@@ -221,7 +228,11 @@ def pull(name: str, *, show_progress: bool = True, log=None) -> PullResult:
     from .config import SUPPORTED
     from .store import parse_name
 
-    log = log or (lambda msg: print(msg, file=sys.stderr))
+    if log is None:
+        from huggingface_hub.utils import tqdm as hf_tqdm
+
+        def log(msg):  # above the progress bars
+            hf_tqdm.write(msg, file=sys.stderr)
     parsed = parse_name(name)
     if parsed is None:
         raise MlxrError(f"{name!r} is not a Hub model name (ORG/REPO[@REVISION])")
@@ -297,11 +308,9 @@ def pull(name: str, *, show_progress: bool = True, log=None) -> PullResult:
             _fetch(repo_id, commit, f, s.lfs.sha256 if s.lfs else None, name, bar_class, log)
             log(f"  {f:<36} {human(size_of(f)):>10}" + ("  sha256 ok" if s.lfs else ""))
     except _net_errors() as e:
-        import httpx2
-
         err = hub_error(e, name)
         status = getattr(getattr(e, "response", None), "status_code", None) or 0
-        if isinstance(e, httpx2.TransportError) or status >= 500 or status in (408, 429):
+        if isinstance(e, _httpx().TransportError) or status >= 500 or status in (408, 429):
             raise MlxrError(f"{err}\ndownload interrupted; what was received is kept: run "
                             f"`mlxr pull {name}` again to resume") from None
         raise err from None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -253,10 +254,10 @@ def remove(repo_id: str, revision: str | None = None, cache: Path | None = None)
     root = repo_dir(repo_id, cache)
     if not root.is_dir():
         raise MlxrError(f"{repo_id}: not in the model cache ({cache}); see `mlxr list`")
+    locks = cache / ".locks" / root.name
     if revision is None:
-        import shutil
-
         shutil.rmtree(root)
+        shutil.rmtree(locks, ignore_errors=True)
         return [root]
     commit = commit_for(repo_id, revision, cache)
     if commit is None:
@@ -265,4 +266,6 @@ def remove(repo_id: str, revision: str | None = None, cache: Path | None = None)
     for ref in (root / "refs").rglob("*") if (root / "refs").is_dir() else []:
         if ref.is_file() and ref.read_text().strip() == commit:
             ref.unlink()
+    if not root.exists():  # that was the last revision
+        shutil.rmtree(locks, ignore_errors=True)
     return [root / "snapshots" / commit]

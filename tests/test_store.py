@@ -339,3 +339,16 @@ def test_unsupported_hub_repos_refused_before_download(hub, capsys):
     rc, _, err = run(capsys, "pull", "acme/mamba-mlx")
     assert rc == 1 and "'mamba' is not supported" in err
     assert hub.resolves() == []
+
+
+def test_pull_and_rm_by_commit(hub, tmp_path, capsys):
+    repo = hub.add_dir(NAME, STORIES)
+    assert run(capsys, "pull", f"{NAME}@{repo.sha}")[0] == 0
+    root = cache(tmp_path) / "models--mlxr-test--stories260K"
+    assert not (root / "refs" / "main").exists()  # a commit is not a ref
+    rc, out, _ = run(capsys, "list")
+    assert out.splitlines()[1].split()[0] == f"{NAME}@{repo.sha[:12]}"
+    assert resolve_model(f"{NAME}@{repo.sha}") == root / "snapshots" / repo.sha
+    rc, _, err = run(capsys, "rm", "--yes", f"{NAME}@{repo.sha}")
+    assert rc == 0, err
+    assert not root.exists() and not (cache(tmp_path) / ".locks" / root.name).exists()
