@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import ContextLengthError
+from .engine.kv_cache import new_cache
 from .models.decoder import Decoder
 from .sampling import Sampler, SamplingParams, StopMatcher
 
@@ -72,7 +73,7 @@ def stream_generate(decoder: Decoder, prompt_ids: Sequence[int], params: Samplin
     stops = StopMatcher(params.stop)
     stats = Stats(prompt_tokens=len(prompt_ids))
     history = [int(i) for i in prompt_ids]
-    cache = decoder.new_cache(len(history) + max_tokens)
+    cache = new_cache(decoder, len(history) + max_tokens)
 
     t0 = time.perf_counter()
     ids = torch.tensor(history, dtype=torch.long)

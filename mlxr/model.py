@@ -10,6 +10,7 @@ import torch
 from .checkpoint import open_checkpoint
 from .config import ModelConfig, load_config
 from .errors import ModelFormatError
+from .engine.kv_cache import new_cache
 from .generate import Chunk, check_prompt, stream_generate
 from .models.loader import build_decoder, check_checkpoint
 from .sampling import SamplingParams
@@ -63,7 +64,7 @@ class Model:
         """Teacher-forced logits of every position: float32 [T, vocab] on the CPU."""
         ids = [int(i) for i in token_ids]
         check_prompt(ids, self.config.vocab_size, self.config.context_length + 1)
-        cache = self.decoder.new_cache(len(ids))
+        cache = new_cache(self.decoder, len(ids))
         with torch.inference_mode():
             return self.decoder.forward(torch.tensor(ids), cache).float().cpu()
 

@@ -11,7 +11,6 @@ import torch
 
 from .. import ops
 from ..config import ModelConfig
-from ..kv_cache import KVCache
 from ..layers import Embedding, Linear, Rope
 
 
@@ -27,6 +26,48 @@ class Fused:
         if len(self.parts) == 1:
             return self.parts[0](x)
         return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+@dataclass
+class SeqSpan:
+    """One sequence's share of a step: q_len new tokens at positions [q_start, q_start+q_len).
+
+    Its context (positions [0, q_start+q_len)) lives in cache slots `slot_range` (a, b) when
+    they are consecutive (read as a view), else in `slots` [S] (gathered)."""
+
+    q_start: int
+    q_len: int
+    slot_range: tuple[int, int] | None = None
+    slots: torch.Tensor | None = None
+
+
+@dataclass
+class Step:
+    """Per-step state for a batch of sequences whose new tokens are flattened to N rows."""
+
+    spans: list[SeqSpan]
+    write_slots: torch.Tensor  # [N] long: cache slot of each new token
+    logits_rows: torch.Tensor | None = None  # rows of N whose logits are wanted (None = all)
+
+
+def span_for(block_table: list[int], block_size: int, q_start: int, q_len: int,
+             device) -> SeqSpan:
+    """The SeqSpan of a paged sequence (consecutive blocks become a plain slot range)."""
+    ctx = q_start + q_len
+    n = -(-ctx // block_size)
+    table = block_table[:n]
+    if table == list(range(table[0], table[0] + n)):
+        a = table[0] * block_size
+        return SeqSpan(q_start, q_len, slot_range=(a, a + ctx))
+    t = torch.tensor(table, dtype=torch.long)
+    slots = (t[:, None] * block_size + torch.arange(block_size)).flatten()[:ctx]
+    return SeqSpan(q_start, q_len, slots=slots.to(device))
+
+
+def write_slots_for(block_table: list[int], block_size: int, start: int, n: int) -> list[int]:
+    """Cache slots of positions [start, start+n) of a paged sequence."""
+    return [block_table[p // block_size] * block_size + p % block_size
+            for p in range(start, start + n)]
 
 
 @dataclass
@@ -46,7 +87,8 @@ class Layer:
 
 
 class Decoder:
-    """Embedding -> layers -> final norm -> LM head, over one sequence with a KV cache."""
+    """Embedding -> layers -> final norm -> LM head, over a batch of sequences whose KV lives in
+    a cache pool (paged for serving, one contiguous range for a single request)."""
 
     def __init__(self, config: ModelConfig, embed: Embedding, layers: list[Layer],
                  norm: torch.Tensor, lm_head: Linear | None, dtype: torch.dtype,
@@ -61,36 +103,48 @@ class Decoder:
         else:
             self._embed_scale = None
 
-    def new_cache(self, capacity: int = 256) -> KVCache:
-        c = self.config
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, capacity)
-
     def _residual(self, h: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         if self.config.clip_residual_fp16 and h.dtype == torch.float16:
             bound = torch.finfo(torch.float16).max
             return (h.float() + r.float()).clamp(-bound, bound).half()
         return h + r
 
-    def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
-        """Run tokens ids [T] at positions [cache.length, +T); return logits float32 [T|1, V]."""
-        c = self.config
+    def forward(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+        """One sequence: run ids [T] at positions [cache.length, +T) of a SequenceCache and
+        return logits float32 [T|1, V]."""
         t, start = ids.shape[0], cache.length
         cache.reserve(start + t)
+        step = Step([SeqSpan(start, t, slot_range=(0, start + t))],
+                    torch.arange(start, start + t, device=self.device),
+                    torch.tensor([t - 1], device=self.device) if last_only else None)
+        logits = self.forward_step(ids, step, cache.pool)
+        cache.length = start + t
+        return logits
+
+    def forward_step(self, ids: torch.Tensor, step: Step, pool) -> torch.Tensor:
+        """A batch step: ids [N] (all sequences' new tokens, flattened), KV in `pool`
+        (k[layer], v[layer] [K, slots, D]). Returns logits float32 [rows, V]."""
+        c = self.config
+        n = ids.shape[0]
         h = self.embed(ids.to(self.device))
         if self._embed_scale is not None:
             h = h * self._embed_scale
         eps, off = c.rms_norm_eps, c.norm_offset
         tables: dict[int, tuple] = {}
+        write = step.write_slots
+        contiguous = len(step.spans) == 1 and step.spans[0].slot_range is not None
         for i, layer in enumerate(self.layers):
             rope = self.ropes[i]
             if id(rope.spec) not in tables:
-                tables[id(rope.spec)] = rope.cos_sin(start, t)
+                cs = [rope.cos_sin(sp.q_start, sp.q_len) for sp in step.spans]
+                tables[id(rope.spec)] = (torch.cat([a for a, _ in cs]),
+                                         torch.cat([b for _, b in cs]))
             cos, sin = tables[id(rope.spec)]
             x = ops.rms_norm(h, layer.input_norm, eps, off)
             q, k, v = layer.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            q = q.reshape(t, c.num_heads, c.head_dim)
-            k = k.reshape(t, c.num_kv_heads, c.head_dim)
-            v = v.reshape(t, c.num_kv_heads, c.head_dim)
+            q = q.reshape(n, c.num_heads, c.head_dim)
+            k = k.reshape(n, c.num_kv_heads, c.head_dim)
+            v = v.reshape(n, c.num_kv_heads, c.head_dim)
             if layer.q_norm is not None:
                 q = ops.rms_norm(q, layer.q_norm, eps, off)
                 k = ops.rms_norm(k, layer.k_norm, eps, off)
@@ -100,12 +154,30 @@ class Decoder:
                 k = torch.cat((k[..., :r] * rope.scale, k[..., r:]), dim=-1)
             q = ops.rope(q, cos, sin, rope.spec.traditional)
             k = ops.rope(k, cos, sin, rope.spec.traditional)
-            keys, values = cache.write(i, start, k, v)
+            kc, vc = pool.k[i], pool.v[i]
+            if contiguous:  # one sequence in one range: plain slice writes
+                a = step.spans[0].slot_range[0] + step.spans[0].q_start
+                kc[:, a:a + n] = k.transpose(0, 1)
+                vc[:, a:a + n] = v.transpose(0, 1)
+            else:
+                kc.index_copy_(1, write, k.transpose(0, 1))
+                vc.index_copy_(1, write, v.transpose(0, 1))
             window = c.layer_window[i]
-            lo = 0 if window is None else max(0, start - window + 1)
-            o = ops.attention(q, keys[:, lo:], values[:, lo:], start, lo, c.attn_scale, window,
-                              c.attn_logit_softcap)
-            o = layer.o_proj(o.reshape(t, c.q_size))
+            outs, row = [], 0
+            for sp in step.spans:
+                ctx = sp.q_start + sp.q_len
+                lo = 0 if window is None else max(0, sp.q_start - window + 1)
+                if sp.slot_range is not None:
+                    a = sp.slot_range[0]
+                    keys, values = kc[:, a + lo:a + ctx], vc[:, a + lo:a + ctx]
+                else:
+                    sl = sp.slots[lo:ctx]
+                    keys, values = kc.index_select(1, sl), vc.index_select(1, sl)
+                outs.append(ops.attention(q[row:row + sp.q_len], keys, values, sp.q_start, lo,
+                                          c.attn_scale, window, c.attn_logit_softcap))
+                row += sp.q_len
+            o = outs[0] if len(outs) == 1 else torch.cat(outs)
+            o = layer.o_proj(o.reshape(n, c.q_size))
             if layer.post_attn_norm is not None:
                 o = ops.rms_norm(o, layer.post_attn_norm, eps, off)
             h = self._residual(h, o)
@@ -115,9 +187,8 @@ class Decoder:
             if layer.post_mlp_norm is not None:
                 m = ops.rms_norm(m, layer.post_mlp_norm, eps, off)
             h = self._residual(h, m)
-        cache.length = start + t
-        if last_only:
-            h = h[-1:]
+        if step.logits_rows is not None:
+            h = h.index_select(0, step.logits_rows)
         h = ops.rms_norm(h, self.norm, eps, off)
         logits = (self.lm_head(h) if self.lm_head is not None else self.embed.as_linear(h)).float()
         if c.final_logit_softcap is not None:

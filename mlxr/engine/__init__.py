@@ -1,0 +1,1 @@
+"""The serving engine: paged KV cache with prefix caching, scheduler, runner, async loop."""
