@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import trace
 from .errors import MlxrError
 
 FORMAT = "mlxr-golden/1"
@@ -227,14 +228,16 @@ def check_golden(model, golden: dict, tie_tol: float = DEFAULT_TIE_TOL,
     """Run both gates of `golden` on an mlxr model. free_run=None compares every golden token."""
     seq = golden["prompt_ids"] + golden["greedy"]
     # The last golden token is never fed: its position is predicted by the row before it.
-    logits = model.logits(seq[:-1] if golden["greedy"] else seq).numpy()
-    fails, ties, first = gate_logits(golden, logits, tie_tol)
+    with trace.span("teacher-forced gate"):
+        logits = model.logits(seq[:-1] if golden["greedy"] else seq).numpy()
+        fails, ties, first = gate_logits(golden, logits, tie_tol)
     n = len(golden["greedy"])
     k = n if free_run is None else max(0, min(int(free_run), n))
     match, free_div = 0, None
     if k:
-        ours = list(model.generate(golden["prompt_ids"], max_tokens=k, temperature=0.0,
-                                   ignore_eos=True))
+        with trace.span("free-run gate"):
+            ours = list(model.generate(golden["prompt_ids"], max_tokens=k, temperature=0.0,
+                                       ignore_eos=True))
         while match < min(k, len(ours)) and ours[match] == golden["greedy"][match]:
             match += 1
         if match < k:

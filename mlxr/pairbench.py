@@ -3,7 +3,8 @@
 Each side is a persistent worker process (its own environment, PYTHONPATH / mlxr checkout,
 interpreter and extra worker arguments) that loads the model once and warms up. The driver then
 asks A, B, A, B, ... for one generation each (same prompt ids, same token count, EOS ignored),
-so slow drift of the machine hits both sides alike. Per phase (prefill, decode) the speedup is
+so slow drift of the machine hits both sides alike. A sample is the per-phase minimum of
+`--repeat` generations (interference only adds time). Per phase (prefill, decode) the speedup is
 median(A seconds per token) / median(B seconds per token) over the N pairs, with the min/max of
 the per-pair ratios as the spread; the score is decode_speedup**0.75 * prefill_speedup**0.25.
 A phase below its floor (default 0.95) is a regression: exit code 1.
@@ -47,6 +48,11 @@ if opts.threads:
 t0 = time.perf_counter()
 model = mlxr.load(cfg["model"], device=opts.device, dtype=opts.dtype)
 load_s = time.perf_counter() - t0
+try:  # per-step spans under MLXR_TRACE (checkouts that have mlxr.trace)
+    from mlxr import trace
+    trace.instrument(model.decoder)
+except ImportError:
+    pass
 delay = float(os.environ.get("MLXR_TEST_DELAY_MS", "0") or 0) / 1e3
 if delay > 0:  # test hook: a slower "engine", injected here and never in mlxr itself
     inner = model.decoder.forward
@@ -73,11 +79,13 @@ say({"ready": True, "load_s": load_s, "mlxr_version": getattr(mlxr, "__version__
      "mlxr_file": mlxr.__file__, "device": str(model.device),
      "dtype": str(model.dtype).replace("torch.", ""), "threads": torch.get_num_threads()})
 def sample():
-    # One timed sample: the per-phase median of `repeat` generations (robust to one hiccup).
+    # One timed sample: the per-phase minimum of `repeat` generations. Interference from other
+    # processes only ever adds time (a preemption costs a whole scheduler tick), so the minimum
+    # is the least noisy estimate of the undisturbed time (as timeit does).
     rs = [once() for _ in range(cfg["repeat"])]
     r = dict(rs[-1])
     for k in ("prefill_s", "decode_s"):
-        r[k] = sorted(x[k] for x in rs)[len(rs) // 2]
+        r[k] = min(x[k] for x in rs)
     return r
 for line in sys.stdin:
     if line.strip() != "run":
@@ -109,6 +117,9 @@ class Side:
         full.pop("MLXR_TEST_DELAY_MS", None)  # only a side's own --x-env sets the test hook
         full["PYTHONPATH"] = os.pathsep.join([str(root)] + [p for p in full.get(
             "PYTHONPATH", "").split(os.pathsep) if p])
+        if full.get("MLXR_TRACE"):  # one trace file per side: run.json -> run.A.json, run.B.json
+            t = Path(full["MLXR_TRACE"])
+            full["MLXR_TRACE"] = str(t.with_name(f"{t.stem}.{name}{t.suffix or '.json'}"))
         full.update(env)
         self.desc = {"env": env, "path": str(root) if path else "(this checkout)",
                      "python": python or "(this interpreter)", "args": extra}
@@ -221,7 +232,7 @@ def run_pairs(model_dir: Path, a: dict, b: dict, pairs: int = 7, warmup: int = 2
 def format_table(res: dict) -> str:
     lines = [(f"paired benchmark: {res['model']}, {res['prompt_tokens']} prompt tokens, "
               f"{res['tokens']} generated, {res['pairs']} pairs (A B A B ...), "
-              f"sample = median of {res['repeat']}"),
+              f"sample = min of {res['repeat']}"),
              (f"{'phase':<8} {'A tok/s':>10} {'B tok/s':>10} {'speedup':>8} {'min':>7} "
               f"{'max':>7} {'floor':>6}  verdict")]
     for name, p in res["phases"].items():
@@ -239,7 +250,7 @@ def add_pair_args(p) -> None:
     p.add_argument("--pairs", type=int, default=7, help="number of A/B pairs (median over them)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per side before timing")
     p.add_argument("--repeat", type=int, default=1,
-                   help="generations per timed sample (the sample is their per-phase median)")
+                   help="generations per timed sample (the sample is their per-phase minimum)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="synthetic prompt length")
     p.add_argument("--prompt-ids", default=None, help="explicit prompt ids (comma separated)")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per run")

@@ -142,21 +142,21 @@ def stop() -> str | None:
 
 
 def instrument(decoder):
-    """Wrap `decoder.forward` so each call is a span: "prefill" for the first call on a fresh
-    cache or a multi-token input, "decode" otherwise. A no-op when tracing is off."""
+    """Wrap `decoder.forward` so each call is a span: "prefill" for the first call on a new
+    cache or a multi-token input, "decode" (with its step number) otherwise. A no-op when tracing is off."""
     if not ENABLED or getattr(decoder, "_mlxr_traced", False):
         return decoder
     inner = decoder.forward
-    step = {"n": 0}
+    state = {"n": 0, "cache": None}
 
     def forward(ids, cache, last_only=False, *a, **kw):
         n = int(ids.shape[-1]) if hasattr(ids, "shape") else len(ids)
-        if n > 1:
-            step["n"] = 0
+        if n > 1 or cache is not state["cache"]:  # a new cache starts with a prefill
+            state["n"], state["cache"] = 0, cache
             with span("prefill", {"tokens": n}):
                 return inner(ids, cache, last_only, *a, **kw)
-        step["n"] += 1
-        with span("decode", {"step": step["n"]}):
+        state["n"] += 1
+        with span("decode", {"step": state["n"]}):
             return inner(ids, cache, last_only, *a, **kw)
 
     decoder.forward = forward

@@ -75,7 +75,7 @@ def golden_cmd(args) -> int:
 def check_cmd(args) -> int:
     import mlxr
 
-    from .. import harness
+    from .. import harness, trace
 
     path = resolve_model(args.model)
     g = harness.load_golden(args.golden)
@@ -86,6 +86,7 @@ def check_cmd(args) -> int:
     for msg in problems:
         print(f"warning: {msg}", file=sys.stderr)
     model = mlxr.load(path, device=args.device, dtype=args.dtype or g["identity"].get("dtype"))
+    trace.instrument(model.decoder)  # per-step spans when MLXR_TRACE is set; else a no-op
     tol = harness.DEFAULT_TIE_TOL if args.tie_tol is None else args.tie_tol
     k = harness.DEFAULT_FREE_RUN if args.free_run is None else args.free_run
     res = harness.check_golden(model, g, tie_tol=tol, free_run=None if k < 0 else k)
