@@ -1,0 +1,281 @@
+"""The serving engine: requests in, per-step outputs out.
+
+`LLMEngine.step()` runs one scheduled batch through the decoder and turns the logits of every
+sequence that reached the end of its pending tokens into a sampled token, text and (at the end)
+a finish reason. `AsyncEngine` runs steps on a background thread and hands each request's
+outputs to an asyncio consumer (the HTTP server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import MlxrError
+from ..generate import check_prompt
+from ..models.decoder import Step, span_for, write_slots_for
+from ..sampling import Sampler, SamplingParams, StopMatcher
+from .kv_cache import BlockManager, KVPool
+from .scheduler import Scheduler, Sequence
+
+
+class QueueFullError(MlxrError):
+    """Too many requests are waiting; retry after `retry_after` seconds."""
+
+    def __init__(self, msg: str, retry_after: int = 1):
+        super().__init__(msg)
+        self.retry_after = retry_after
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class EngineRequest:
+    """What a client asks for: prompt ids, sampling, optional logprobs and a logits processor
+    (e.g. a grammar mask: f(generated_ids, logits [V] float32) -> logits)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    logprobs: int | None = None
+    logits_processor: Callable | None = None
+
+
+@dataclass
+class RequestOutput:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+
+
+class _Request(Sequence):
+    """A Sequence plus what turns its logits into outputs."""
+
+    def __init__(self, req: EngineRequest, sampler: Sampler, detok, stop_ids: set[int],
+                 max_tokens: int, emit: Callable[[RequestOutput], None]):
+        super().__init__(list(req.prompt_ids), len(req.prompt_ids), max_tokens)
+        self.req, self.sampler, self.detok, self.stop_ids, self.emit = (
+            req, sampler, detok, stop_ids, emit)
+        self.stops = StopMatcher(req.params.stop)
+        self.prompt_cached = 0
+
+
+def _kv_blocks(model, block_size: int, max_num_seqs: int, memory_fraction: float | None) -> int:
+    """Size the KV pool from free memory (capped at what max_num_seqs full contexts need)."""
+    c, dev = model.config, model.decoder.device
+    per_block = 2 * c.num_layers * c.num_kv_heads * c.head_dim * block_size * \
+        torch.tensor([], dtype=model.dtype).element_size()
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        budget = free * (memory_fraction or 0.8)
+    else:
+        avail = 8 << 30
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        avail = int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        budget = avail * (memory_fraction or 0.25)
+    need = max_num_seqs * -(-c.context_length // block_size)
+    return max(1, min(int(budget // per_block), need))
+
+
+class LLMEngine:
+    """Continuous batching over one model (synchronous; AsyncEngine drives it from a thread)."""
+
+    def __init__(self, model, max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
+                 block_size: int = 16, num_blocks: int | None = None,
+                 memory_fraction: float | None = None):
+        self.model, self.decoder = model, model.decoder
+        self.block_size = block_size
+        n = num_blocks or _kv_blocks(model, block_size, max_num_seqs, memory_fraction)
+        c = model.config
+        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, n, block_size,
+                           self.decoder.dtype, self.decoder.device)
+        self.blocks = BlockManager(n, block_size)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if self.decoder.device.type == "cuda" else 256
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.eos_ids = set(model.eos_token_ids)
+        self.lock = threading.Lock()
+
+    def add(self, req: EngineRequest, emit: Callable[[RequestOutput], None]) -> _Request:
+        """Validate and queue a request; `emit` receives its outputs (from the engine thread)."""
+        c = self.model.config
+        params = self.model.sampling_params(req.params)
+        params.validate(c.vocab_size)
+        check_prompt(req.prompt_ids, c.vocab_size, c.context_length)
+        pool_tokens = self.pool.num_blocks * self.block_size
+        if len(req.prompt_ids) >= pool_tokens:
+            raise MlxrError(f"the prompt has {len(req.prompt_ids)} tokens; the KV cache holds "
+                            f"{pool_tokens}")
+        if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+            raise MlxrError("logprobs must be between 0 and 20")
+        req = EngineRequest(req.prompt_ids, params, req.logprobs, req.logits_processor)
+        max_tokens = min(params.max_tokens, c.context_length - len(req.prompt_ids),
+                         pool_tokens - len(req.prompt_ids))
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        try:
+            detok = self.model.tokenizer.detokenizer(skip_special_tokens=True)
+        except (OSError, ValueError):
+            detok = None
+        r = _Request(req, Sampler(params, c.vocab_size), detok, stop_ids, max_tokens, emit)
+        with self.lock:
+            self.scheduler.add(r)
+        return r
+
+    def abort(self, seq: _Request) -> None:
+        seq.aborted = True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> dict:
+        s, b = self.scheduler, self.blocks
+        return {"running": len(s.running), "waiting": len(s.waiting),
+                "kv_blocks_total": len(b.blocks), "kv_blocks_used": len(b.blocks) - b.num_free,
+                "prefix_cache_queries": b.queries, "prefix_cache_hits": b.hits,
+                "preemptions": s.num_preemptions}
+
+    def step(self) -> None:
+        """Run one batch and emit outputs for every sequence that produced a token."""
+        with self.lock:
+            for seq in [s for s in (*self.scheduler.running, *self.scheduler.waiting)
+                        if s.aborted]:
+                self.scheduler.finish(seq)
+            batch = self.scheduler.schedule()
+        if not batch:
+            return
+        ids, spans, slots, rows, sampling = [], [], [], [], []
+        for seq, n in batch:
+            start = seq.num_computed
+            if seq.num_generated == 0:
+                seq.prompt_cached = seq.num_cached_tokens
+            ids += seq.token_ids[start:start + n]
+            spans.append(span_for(seq.block_table, self.block_size, start, n, "cpu"))
+            slots += write_slots_for(seq.block_table, self.block_size, start, n)
+            if start + n == len(seq.token_ids):
+                rows.append(len(ids) - 1)
+                sampling.append(seq)
+        dev = self.decoder.device
+        for sp in spans:
+            if sp.slots is not None:
+                sp.slots = sp.slots.to(dev)
+        step = Step(spans, torch.tensor(slots, device=dev), torch.tensor(rows, device=dev))
+        with torch.inference_mode():
+            logits = self.decoder.forward_step(torch.tensor(ids), step, self.pool)
+        logits = logits.cpu()
+        for seq, n in batch:
+            seq.num_computed += n
+            self.blocks.register(seq, seq.num_computed)
+        for row, seq in enumerate(sampling):
+            self._emit_token(seq, logits[row])
+
+    def _emit_token(self, seq: _Request, logits: torch.Tensor) -> None:
+        generated = seq.token_ids[seq.prompt_len:]
+        if seq.req.logits_processor is not None:
+            logits = seq.req.logits_processor(generated, logits)
+        token = seq.sampler(logits, seq.token_ids)
+        lps = None
+        if seq.req.logprobs is not None:
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            top = []
+            if seq.req.logprobs:
+                v, i = lp.topk(seq.req.logprobs)
+                top = [(int(a), float(b)) for a, b in zip(i, v)]
+            lps = [TokenLogprob(token, float(lp[token]), top)]
+        seq.token_ids.append(token)
+        finish, text, out_ids = None, "", [token]
+        if token in seq.stop_ids:
+            finish, out_ids, lps = "stop", [], None
+            text = seq.stops.feed(seq.detok.flush() if seq.detok else "")[0] + seq.stops.flush()
+        else:
+            piece = seq.detok.add(token) if seq.detok else ""
+            text, stopped = seq.stops.feed(piece)
+            if stopped:
+                finish = "stop"
+            elif seq.num_generated >= seq.max_tokens:
+                finish = "length"
+                more, stopped = seq.stops.feed(seq.detok.flush() if seq.detok else "")
+                text += more + ("" if stopped else seq.stops.flush())
+                finish = "stop" if stopped else "length"
+        if finish:
+            with self.lock:
+                self.scheduler.finish(seq)
+        seq.emit(RequestOutput(out_ids, text, finish, seq.prompt_len, seq.num_generated,
+                               seq.prompt_cached, lps))
+
+
+class AsyncEngine:
+    """LLMEngine on a background thread, with an async generator per request."""
+
+    def __init__(self, model, max_num_seqs: int = 16, max_queued: int = 64, **engine_kw):
+        self.engine = LLMEngine(model, max_num_seqs=max_num_seqs, **engine_kw)
+        self.max_queued = max_queued
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.ready = True
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            while self.engine.has_work():
+                try:
+                    self.engine.step()
+                except Exception as e:  # an engine fault ends every request, never the server
+                    self._error = e
+                    with self.engine.lock:
+                        seqs = [*self.engine.scheduler.running, *self.engine.scheduler.waiting]
+                        for seq in seqs:
+                            self.engine.scheduler.finish(seq)
+                    for seq in seqs:
+                        seq.emit(e)
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="mlxr-engine", daemon=True)
+            self._thread.start()
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Raises QueueFullError or MlxrError before streaming;
+        leaving the loop early aborts the request and frees its KV blocks."""
+        if len(self.engine.scheduler.waiting) >= self.max_queued:
+            raise QueueFullError("too many requests are waiting; retry later", retry_after=1)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        seq = self.engine.add(req, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+        self._ensure_thread()
+        self._wake.set()
+        done = False
+        try:
+            while True:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise MlxrError(f"engine failure: {out}") from out
+                done = out.finish_reason is not None
+                yield out
+                if done:
+                    return
+        finally:
+            if not done:
+                self.engine.abort(seq)
+                self._wake.set()

@@ -1,0 +1,110 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every step mixes decodes (one token per running sequence) with chunks of prompts still being
+prefilled, under a token budget, so a long prompt never stalls the streams already running.
+A request joins at the next step; finished ones leave. When the KV pool runs out, the newest
+running sequence is preempted (its blocks freed, recomputed later from its tokens).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache import BlockManager
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's state inside the engine."""
+
+    token_ids: list[int]  # prompt + generated
+    prompt_len: int
+    max_tokens: int
+    id: int = field(default_factory=lambda: next(_ids))
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_computed: int = 0  # tokens whose KV is in the cache
+    arrival: float = field(default_factory=time.monotonic)
+    finished: bool = False
+    aborted: bool = False
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free_seq(seq)
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        seq.finished = True
+        if seq in self.running:
+            self.running.remove(seq)
+            self.blocks.free_seq(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """The next step: (sequence, number of its pending tokens to compute) pairs."""
+        budget = self.max_tokens
+        batch: list[tuple[Sequence, int]] = []
+        # Running sequences first (decodes, then unfinished prefill chunks), oldest first.
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq not in self.running or budget == 0:
+                continue
+            # Room for the tokens to compute; preempt the newest others until there is.
+            while len(seq.token_ids) > len(seq.block_table) * self.blocks.block_size \
+                    and self.blocks.num_free == 0:
+                victim = max((s for s in self.running if s is not seq), key=lambda s: s.arrival,
+                             default=None)
+                if victim is None:
+                    break
+                batch = [(s, n) for s, n in batch if s is not victim]
+                self._preempt(victim)
+            if len(seq.token_ids) > len(seq.block_table) * self.blocks.block_size:
+                if self.blocks.num_free == 0:
+                    continue
+                self.blocks.append(seq)
+            n = min(seq.num_pending, budget)
+            batch.append((seq, n))
+            budget -= n
+        # Then admit waiting requests while there is budget, a sequence slot and KV room.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq)
+            seq.num_computed = seq.num_cached_tokens
+            self.running.append(seq)
+            n = min(seq.num_pending, budget)
+            batch.append((seq, n))
+            budget -= n
+        return batch

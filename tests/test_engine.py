@@ -1,0 +1,134 @@
+"""The serving engine: batch == single, prefix caching, chunked prefill, preemption, abort."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import mlxr
+from mlxr.cli.common import BUNDLED
+from mlxr.engine import AsyncEngine, EngineRequest, LLMEngine
+from mlxr.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model():
+    return mlxr.load(BUNDLED / "stories260K", device="cpu", dtype="float32")
+
+
+PROMPTS = ["Once upon a time", "Lily and Tom went to the park.", "The sun", "A big dog saw a cat"]
+
+
+def single(model, prompt_ids, n):
+    return list(model.generate(prompt_ids, max_tokens=n, temperature=0, ignore_eos=True))
+
+
+def run_all(engine: LLMEngine, reqs: list[EngineRequest]) -> list[list]:
+    outs = [[] for _ in reqs]
+    for i, r in enumerate(reqs):
+        engine.add(r, outs[i].append)
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        assert steps < 10_000
+    return outs
+
+
+def ids_of(outs):
+    return [t for o in outs for t in o.token_ids]
+
+
+@pytest.mark.parametrize("budget,num_blocks", [(256, None), (7, None), (256, 10)])
+def test_batch_equals_single(model, budget, num_blocks):
+    """Greedy tokens of concurrent requests equal each request run alone, also with tiny
+    prefill chunks (budget 7) and a pool small enough to force preemption (10 blocks)."""
+    tok = model.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS]
+    n = 40
+    engine = LLMEngine(model, max_num_seqs=4, max_num_batched_tokens=budget,
+                       num_blocks=num_blocks)
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    outs = run_all(engine, [EngineRequest(p, params) for p in prompts])
+    for p, o in zip(prompts, outs):
+        assert ids_of(o) == single(model, p, n)
+        assert o[-1].finish_reason == "length" and o[-1].completion_tokens == n
+        assert "".join(x.text for x in o) == tok.decode(ids_of(o), skip_special_tokens=True)
+    assert engine.blocks.num_free == len(engine.blocks.blocks)  # everything freed
+    if num_blocks:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_prefix_cache_hit_and_same_output(model):
+    tok = model.tokenizer
+    base = tok.encode("Once upon a time, there was a little girl named Lily. She loved to play "
+                      "outside in the park. One day, she saw a big, red ball.")
+    engine = LLMEngine(model, max_num_seqs=2)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    first = run_all(engine, [EngineRequest(base, params)])[0]
+    assert first[-1].cached_tokens == 0
+    second_prompt = base + ids_of(first) + tok.encode("Then", add_special_tokens=False)
+    second = run_all(engine, [EngineRequest(second_prompt, params)])[0]
+    # the first turn's full blocks (prompt and answer) are reused
+    assert second[-1].cached_tokens >= (len(base) + 16) // 16 * 16 - 16
+    assert second[-1].cached_tokens % engine.block_size == 0
+    assert ids_of(second) == single(model, second_prompt, 16)
+    assert engine.blocks.hits > 0
+
+
+def test_stop_string_and_logprobs(model):
+    tok = model.tokenizer
+    engine = LLMEngine(model)
+    p = tok.encode("Once upon a time")
+    full = "".join(o.text for o in run_all(engine, [EngineRequest(
+        p, SamplingParams(max_tokens=30, temperature=0))])[0])
+    stop = full[10:14]
+    outs = run_all(engine, [EngineRequest(p, SamplingParams(max_tokens=30, temperature=0,
+                                                              stop=(stop,)), logprobs=3)])[0]
+    text = "".join(o.text for o in outs)
+    assert text == full[:full.index(stop)] and outs[-1].finish_reason == "stop"
+    lp = outs[0].logprobs[0]
+    assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id and lp.logprob <= 0
+
+
+def test_bad_request_rejected_before_queueing(model):
+    engine = LLMEngine(model)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.add(EngineRequest([1, 2], SamplingParams(top_p=3.0)), lambda o: None)
+    with pytest.raises(ValueError, match="context"):
+        engine.add(EngineRequest([5] * 600, SamplingParams()), lambda o: None)
+    assert not engine.has_work()
+
+
+def test_async_engine_concurrent_and_abort(model):
+    tok = model.tokenizer
+    eng = AsyncEngine(model, max_num_seqs=4)
+
+    async def collect(prompt, n):
+        ids = []
+        async for out in eng.generate(EngineRequest(tok.encode(prompt), SamplingParams(
+                max_tokens=n, temperature=0, ignore_eos=True))):
+            ids += out.token_ids
+        return ids
+
+    async def abandon():
+        agen = eng.generate(EngineRequest(tok.encode("The sun"), SamplingParams(
+            max_tokens=400, temperature=0, ignore_eos=True)))
+        async for _ in agen:
+            break
+        await agen.aclose()
+
+    async def main():
+        res = await asyncio.gather(*(collect(p, 20) for p in PROMPTS), abandon())
+        for _ in range(100):  # the engine thread frees the aborted request's blocks
+            if not eng.engine.has_work():
+                break
+            await asyncio.sleep(0.02)
+        return res
+
+    res = asyncio.run(main())
+    for p, ids in zip(PROMPTS, res):
+        assert ids == single(model, tok.encode(p), 20)
+    assert not eng.engine.has_work()
+    assert eng.engine.blocks.num_free == len(eng.engine.blocks.blocks)
