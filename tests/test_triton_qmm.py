@@ -17,16 +17,16 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
-from mlxr.config import QuantSpec  # noqa: E402
-from mlxr.ops import triton_qmm as T  # noqa: E402
-from mlxr.quant import QuantWeight, dequantize, unpack_codes  # noqa: E402
-from mlxr.quant.fp import code_table, fp_scales  # noqa: E402
+from mlxr.config import QuantSpec
+from mlxr.ops import triton_qmm as T
+from mlxr.quant import QuantWeight, dequantize, unpack_codes
+from mlxr.quant.fp import code_table, fp_scales
 
 AFFINE = [(b, g) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)]
 FP = [("mxfp4", 4, 32, False), ("nvfp4", 4, 16, False), ("nvfp4", 4, 16, True),
@@ -154,7 +154,7 @@ def test_bf16_output():
 
 mx = None
 try:
-    import mlx.core as mx  # noqa: F811
+    import mlx.core as mx
 except ImportError:  # pragma: no cover
     pass
 

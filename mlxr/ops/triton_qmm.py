@@ -214,7 +214,7 @@ if HAVE_TRITON:
             gs = tl.load(gs_ptr).to(tl.float32) / 2688.0
 
         acc = tl.zeros([MP, BLOCK_N, UB], dtype=tl.float32)
-        for t in range(0, TPS):
+        for t in range(TPS):
             u = (pid_k * TPS + t) * UB + ru  # unit index [UB]
             umask = u < KU
             wmask = nmask[:, None] & umask[None, :]
@@ -290,7 +290,7 @@ if HAVE_TRITON:
             gs = tl.load(gs_ptr).to(tl.float32) / 2688.0
 
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for t in range(0, TPS):
+        for t in range(TPS):
             k0 = (pid_k * TPS + t) * BLOCK_K
             kk = k0 + rk
             kmask = kk < K
@@ -476,7 +476,7 @@ def qgemv(x: Tensor, w: Tensor, s: Tensor, b: Tensor | None, gs: Tensor | None, 
         ys = m * n
     dummy = s
     kern = _tuned("gemv")
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)
     kern[grid](x, w, s, b if b is not None else dummy, gs if gs is not None else dummy, y,
                m, n, x.stride(0), n, ys, K=k, BITS=bits, GROUP=group, MODE=MODES[mode],
                HAS_GS=gs is not None, PER=unit_codes(bits), MP=mp, SPLIT_K=split)
@@ -505,7 +505,7 @@ def qgemm(x: Tensor, w: Tensor, s: Tensor, b: Tensor | None, gs: Tensor | None, 
         ys = m * n
     dummy = s
     kern = _tuned("gemm")
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),  # noqa: E731
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),
                          split)
     kern[grid](x, w, s, b if b is not None else dummy, gs if gs is not None else dummy, y,
                m, n, x.stride(0), n, ys, K=k, BITS=bits, GROUP=group, MODE=MODES[mode],
