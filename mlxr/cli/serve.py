@@ -1,0 +1,53 @@
+"""`mlxr serve [MODEL]`: an OpenAI-compatible server (chat, completions, responses, models,
+health, metrics) over continuous batching. Closed by default: binds 127.0.0.1, checks Host and
+Origin, and requires --api-key to bind anywhere else. Never downloads a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .common import add_model_flags, resolve_model
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", help="model directory or pulled Hub name (default: the "
+                   "bundled model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; "
+                   "anything but loopback requires --api-key)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--api-key", default=os.environ.get("MLXR_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                   "(default: $MLXR_API_KEY)")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="browser Origin allowed to call the API (repeatable; '*' for any)")
+    p.add_argument("--served-model-name", help="model id clients use (default: the directory "
+                   "name)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
+    p.add_argument("--max-queued", type=int, default=64, help="waiting requests before 429")
+    p.add_argument("--max-connections", type=int, default=256)
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a client has to send its request headers")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client has to send its request body")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    add_model_flags(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from ..server import run
+
+    path = resolve_model(args.model)  # local only: serve never downloads
+    run(path, host=args.host, port=args.port, api_key=args.api_key,
+        allow_origins=args.allow_origin, model_id=args.served_model_name,
+        max_num_seqs=args.max_num_seqs, max_queued=args.max_queued,
+        max_connections=args.max_connections, max_body_bytes=args.max_body_bytes,
+        header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+        device=args.device, dtype=args.dtype, log_level=args.log_level)
+    return 0

@@ -1,0 +1,272 @@
+"""Engine outputs -> OpenAI wire format: chat and completions, streamed (SSE) and whole.
+
+`start()` submits a Job to the engine and waits for its first output, so that a full queue is a
+429 (with Retry-After) and bad input a 400 before any stream begins. Metrics (TTFT, TPOT, token
+counts) are recorded here, at the HTTP layer.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+
+from ..errors import MlxrError
+from .protocol import APIError
+from .tools import OutputSplitter
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Gen:
+    """A running request: iterate it for RequestOutputs; usage and timing are kept."""
+
+    def __init__(self, state, job, route: str):
+        self.state, self.job, self.route = state, job, route
+        self.t0 = time.monotonic()
+        self.ttft = None
+        self.prompt_tokens, self.completion_tokens, self.cached_tokens = len(job.prompt_ids), 0, 0
+        self.agen = self.head = None
+        self.finish_reason = None
+
+    def _track(self, out) -> None:
+        if self.ttft is None and out.token_ids:
+            self.ttft = time.monotonic() - self.t0
+        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = out.completion_tokens
+        self.cached_tokens = out.cached_tokens or 0
+        if out.finish_reason:
+            self.finish_reason = out.finish_reason
+
+    async def __aiter__(self):
+        outcome = "cancelled"
+        try:
+            if self.head is not None:
+                self._track(self.head)
+                yield self.head
+            async for out in self.agen:
+                self._track(out)
+                yield out
+            outcome = "ok"
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            self.state.metrics.request_done(
+                self.route, outcome, self.prompt_tokens, self.completion_tokens,
+                self.cached_tokens, self.ttft, time.monotonic() - self.t0)
+            if outcome != "ok":
+                await self.agen.aclose()
+
+    def usage(self, reasoning_tokens: int = 0) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+                "completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
+
+
+async def start(state, engine, job, route: str) -> Gen:
+    from ..engine import EngineRequest, QueueFullError
+
+    g = Gen(state, job, route)
+    g.agen = engine.generate(EngineRequest(prompt_ids=job.prompt_ids, params=job.params,
+                                           logprobs=job.logprobs,
+                                           logits_processor=job.processor))
+    try:
+        g.head = await g.agen.__anext__()
+    except StopAsyncIteration:
+        g.head = None
+    except QueueFullError as e:
+        state.metrics.request_done(route, "rejected")
+        retry = str(max(1, int(round(getattr(e, "retry_after", 1) or 1))))
+        raise APIError(429, "the server is busy: too many queued requests", "server_error",
+                       code="queue_full", headers={"Retry-After": retry}) from None
+    except MlxrError as e:
+        state.metrics.request_done(route, "invalid")
+        if str(e).startswith("engine failure"):
+            raise APIError(500, str(e), "server_error") from None
+        raise APIError(400, str(e), "invalid_request_error") from None
+    return g
+
+
+# -- logprobs ------------------------------------------------------------------------------------
+
+def _lp(v: float) -> float:
+    return max(float(v), -9999.0)
+
+
+def _tok(tok, i: int) -> str:
+    return tok.decode([i])
+
+
+def chat_logprobs(tok, lps) -> list[dict]:
+    out = []
+    for t in lps or []:
+        s = _tok(tok, t.token_id)
+        out.append({"token": s, "logprob": _lp(t.logprob), "bytes": list(s.encode()),
+                    "top_logprobs": [{"token": (ts := _tok(tok, i)), "logprob": _lp(v),
+                                      "bytes": list(ts.encode())} for i, v in t.top or []]})
+    return out
+
+
+def completion_logprobs(tok, lps, offset: int) -> dict:
+    d = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in lps or []:
+        s = _tok(tok, t.token_id)
+        d["tokens"].append(s)
+        d["token_logprobs"].append(_lp(t.logprob))
+        d["top_logprobs"].append({_tok(tok, i): _lp(v) for i, v in t.top or []})
+        d["text_offset"].append(offset)
+        offset += len(s)
+    return d
+
+
+# -- chat ----------------------------------------------------------------------------------------
+
+def events_to_delta(evs: list[tuple]) -> dict:
+    delta: dict = {}
+    content = "".join(e[1] for e in evs if e[0] == "content")
+    thought = "".join(e[1] for e in evs if e[0] == "reasoning")
+    if content:
+        delta["content"] = content
+    if thought:
+        delta["reasoning_content"] = delta["reasoning"] = thought
+    calls: dict[int, dict] = {}
+    for e in evs:
+        if e[0] == "call":
+            calls[e[1]] = {"index": e[1], "id": e[2], "type": "function",
+                           "function": {"name": e[3], "arguments": ""}}
+        elif e[0] == "args":
+            c = calls.setdefault(e[1], {"index": e[1], "function": {"arguments": ""}})
+            c["function"]["arguments"] += e[2]
+    if calls:
+        delta["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return delta
+
+
+def _splitter(job) -> OutputSplitter:
+    return OutputSplitter(job.family, job.reasoning, job.start_in_reasoning,
+                          tools=job.family is not None)
+
+
+def _reasoning_tokens(model, text: str) -> int:
+    return len(model.tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
+
+def _finish(reason: str | None, calls) -> str:
+    reason = reason or "stop"
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+async def chat_stream(state, model, job, gen: Gen, req):
+    cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
+
+    def chunk(delta, finish=None, logprobs=None):
+        return sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                    "model": state.model_id, "system_fingerprint": None,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                 "finish_reason": finish}], "usage": None})
+
+    yield chunk({"role": "assistant", "content": ""})
+    sp, thought = _splitter(job), []
+    try:
+        async for out in gen:
+            evs = sp.feed(out.text) + (sp.flush() if out.finish_reason else [])
+            thought += [e[1] for e in evs if e[0] == "reasoning"]
+            delta = events_to_delta(evs)
+            lp = ({"content": chat_logprobs(model.tokenizer, out.logprobs)}
+                  if job.logprobs is not None and out.logprobs else None)
+            if delta or lp:
+                yield chunk(delta, None, lp)
+        if gen.finish_reason is None:
+            delta = events_to_delta(sp.flush())
+            if delta:
+                yield chunk(delta)
+        yield chunk({}, _finish(gen.finish_reason, sp.tools and sp.tools.calls))
+        if job.include_usage:
+            yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                       "model": state.model_id, "choices": [],
+                       "usage": gen.usage(_reasoning_tokens(model, "".join(thought)))})
+    except Exception as e:  # mid-stream: the client raises APIError from this event
+        yield sse({"error": {"message": f"generation failed: {e}", "type": "server_error",
+                             "param": None, "code": None}})
+    yield "data: [DONE]\n\n"
+
+
+async def collect(gen: Gen, job):
+    sp, evs, lps = _splitter(job), [], []
+    async for out in gen:
+        evs += sp.feed(out.text)
+        lps += out.logprobs or []
+    evs += sp.flush()
+    return sp, evs, lps
+
+
+async def chat_full(state, model, engine, job, req, route):
+    gen = await start(state, engine, job, route)
+    sp, evs, lps = await collect(gen, job)
+    d = events_to_delta(evs)
+    calls = sp.tools.calls if sp.tools else []
+    msg = {"role": "assistant", "content": d.get("content", "" if not calls else None)}
+    if "reasoning" in d:
+        msg["reasoning_content"] = msg["reasoning"] = d["reasoning"]
+    if calls:
+        msg["tool_calls"] = [{"id": c["id"], "type": "function",
+                              "function": {"name": c["name"], "arguments": c["arguments"]}}
+                             for c in calls]
+    return {"id": "chatcmpl-" + secrets.token_hex(12), "object": "chat.completion",
+            "created": int(time.time()), "model": state.model_id, "system_fingerprint": None,
+            "choices": [{"index": 0, "message": msg, "finish_reason":
+                         _finish(gen.finish_reason, calls),
+                         "logprobs": {"content": chat_logprobs(model.tokenizer, lps)}
+                         if job.logprobs is not None else None}],
+            "usage": gen.usage(_reasoning_tokens(model, d.get("reasoning", "")))}
+
+
+# -- completions ---------------------------------------------------------------------------------
+
+async def completion_stream(state, model, job, gen: Gen, req):
+    cid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
+
+    def chunk(text, finish=None, logprobs=None, choices=True, usage=None):
+        return sse({"id": cid, "object": "text_completion", "created": created,
+                    "model": state.model_id, "system_fingerprint": None,
+                    "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                                 "finish_reason": finish}] if choices else [], "usage": usage})
+    offset = 0
+    try:
+        async for out in gen:
+            lp = (completion_logprobs(model.tokenizer, out.logprobs, offset)
+                  if job.logprobs is not None else None)
+            offset += len(out.text)
+            if out.text or lp or out.finish_reason:
+                yield chunk(out.text, out.finish_reason, lp)
+        if gen.finish_reason is None:
+            yield chunk("", "stop")
+        if job.include_usage:
+            yield chunk("", choices=False, usage=gen.usage())
+    except Exception as e:
+        yield sse({"error": {"message": f"generation failed: {e}", "type": "server_error",
+                             "param": None, "code": None}})
+    yield "data: [DONE]\n\n"
+
+
+async def completion_full(state, model, engine, job, req, route):
+    gen = await start(state, engine, job, route)
+    text, lps = [], []
+    async for out in gen:
+        text.append(out.text)
+        lps += out.logprobs or []
+    return {"id": "cmpl-" + secrets.token_hex(12), "object": "text_completion",
+            "created": int(time.time()), "model": state.model_id, "system_fingerprint": None,
+            "choices": [{"index": 0, "text": "".join(text), "finish_reason":
+                         gen.finish_reason or "stop",
+                         "logprobs": completion_logprobs(model.tokenizer, lps, 0)
+                         if job.logprobs is not None else None}],
+            "usage": gen.usage()}
+
+
+# re-exported for app.serve
+from .responses import responses_full, responses_stream  # noqa: E402,F401

@@ -1,0 +1,219 @@
+"""Closed-by-default HTTP posture: Host / Origin / API key checks, JSON-only bodies with a size
+limit and a read deadline (an ASGI middleware), and a header deadline per connection (a uvicorn
+protocol subclass against slow-loris clients).
+
+Every rejection is answered in the OpenAI error envelope.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+from dataclasses import dataclass, field
+
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
+CORS_ALLOW_HEADERS = ("authorization, content-type, accept, openai-beta, openai-organization, "
+                      "openai-project, x-stainless-arch, x-stainless-async, x-stainless-lang, "
+                      "x-stainless-os, x-stainless-package-version, x-stainless-retry-count, "
+                      "x-stainless-runtime, x-stainless-runtime-version, "
+                      "x-stainless-read-timeout, x-stainless-timeout, x-stainless-raw-response, "
+                      "x-stainless-helper-method, x-stainless-stream-helper")
+PUBLIC_PATHS = {"/health"}
+
+
+def is_loopback(host: str) -> bool:
+    h = host.strip("[]")
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(value: str) -> str:
+    """The host part of a Host header (port removed, IPv6 brackets kept off)."""
+    v = value.strip().lower()
+    if v.startswith("["):
+        return v[1:v.find("]")] if "]" in v else v
+    return v.rsplit(":", 1)[0] if v.count(":") == 1 else v
+
+
+@dataclass
+class SecurityConfig:
+    bind_host: str = "127.0.0.1"
+    api_key: str | None = None
+    allow_origins: list[str] = field(default_factory=list)
+    max_body_bytes: int = 4 << 20
+    body_timeout: float = 30.0
+    header_timeout: float = 10.0
+
+    @property
+    def loopback(self) -> bool:
+        return is_loopback(self.bind_host)
+
+    def check(self) -> None:
+        """The server refuses to start open to the network without an API key."""
+        if not self.loopback and not self.api_key:
+            raise ValueError(f"binding to {self.bind_host} (not loopback) requires --api-key "
+                             "(or MLXR_API_KEY)")
+
+
+def _origin_ok(cfg: SecurityConfig, origin: str) -> bool:
+    return "*" in cfg.allow_origins or origin.rstrip("/") in {
+        o.rstrip("/") for o in cfg.allow_origins}
+
+
+async def send_error(send, status: int, message: str, type: str = "invalid_request_error",
+                     code: str | None = None, headers: list | None = None) -> None:
+    body = json.dumps({"error": {"message": message, "type": type, "param": None,
+                                 "code": code}}).encode()
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs + (headers or [])})
+    await send({"type": "http.response.body", "body": body})
+
+
+class SecurityMiddleware:
+    """ASGI middleware applying SecurityConfig to every HTTP request."""
+
+    def __init__(self, app, cfg: SecurityConfig):
+        self.app, self.cfg = app, cfg
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        cfg = self.cfg
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        method, path = scope["method"], scope["path"]
+        # DNS rebinding: a page on evil.com resolving to 127.0.0.1 still sends Host: evil.com
+        if cfg.loopback and host_name(headers.get("host", "")) not in LOOPBACK_NAMES:
+            return await send_error(send, 403, "Host header must name this loopback server",
+                                    "permission_error", "invalid_host")
+        origin = headers.get("origin")
+        cors: list = []
+        if origin is not None:
+            if not _origin_ok(cfg, origin):
+                return await send_error(send, 403, f"origin {origin!r} is not allowed "
+                                        "(see --allow-origin)", "permission_error",
+                                        "origin_not_allowed")
+            cors = [(b"access-control-allow-origin", origin.encode("latin-1")),
+                    (b"vary", b"Origin")]
+            if method == "OPTIONS":
+                await send({"type": "http.response.start", "status": 204, "headers": cors + [
+                    (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                    (b"access-control-allow-headers", CORS_ALLOW_HEADERS.encode()),
+                    (b"access-control-max-age", b"600")]})
+                return await send({"type": "http.response.body", "body": b""})
+        if cfg.api_key and path not in PUBLIC_PATHS:
+            auth = headers.get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    token.strip().encode(), cfg.api_key.encode()):
+                return await send_error(send, 401, "missing or invalid API key (send "
+                                        "'Authorization: Bearer <key>')", "invalid_request_error",
+                                        "invalid_api_key", [(b"www-authenticate", b"Bearer")] + cors)
+        if cors:
+            send = _with_headers(send, cors)
+        if method in ("POST", "PUT", "PATCH"):
+            ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+            if ctype != "application/json":
+                return await send_error(send, 415, "request body must be JSON "
+                                        "(Content-Type: application/json)",
+                                        code="unsupported_media_type")
+            try:
+                length = int(headers.get("content-length", "0") or 0)
+            except ValueError:
+                return await send_error(send, 400, "bad Content-Length")
+            if length > cfg.max_body_bytes:
+                return await send_error(send, 413, f"request body over {cfg.max_body_bytes} "
+                                        "bytes", code="request_too_large")
+            try:
+                body = await asyncio.wait_for(self._read_body(receive), cfg.body_timeout)
+            except TimeoutError:
+                return await send_error(send, 408, "request body not received in time",
+                                        code="request_timeout")
+            if body is None:
+                return await send_error(send, 413, f"request body over {cfg.max_body_bytes} "
+                                        "bytes", code="request_too_large")
+            receive = _replay(body, receive)
+        return await self.app(scope, receive, send)
+
+    async def _read_body(self, receive) -> bytes | None:
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise asyncio.CancelledError
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.cfg.max_body_bytes:
+                return None
+            chunks.append(chunk)
+            if not msg.get("more_body"):
+                return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replay
+
+
+def _with_headers(send, extra: list):
+    async def wrapped(msg):
+        if msg["type"] == "http.response.start":
+            msg = dict(msg, headers=list(msg.get("headers", [])) + extra)
+        await send(msg)
+    return wrapped
+
+
+def deadline_protocol(header_timeout: float):
+    """A uvicorn h11 protocol class that closes connections whose request headers do not arrive
+    within `header_timeout` seconds (after connect, and after each response on keep-alive)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class DeadlineH11Protocol(H11Protocol):
+        _deadline = None
+
+        def _arm(self):
+            self._disarm()
+            self._deadline = self.loop.call_later(header_timeout, self._expired)
+
+        def _disarm(self):
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expired(self):
+            self._deadline = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def handle_events(self):
+            before = self.cycle
+            super().handle_events()
+            if self.cycle is not before:  # a complete request head arrived
+                self._disarm()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc):
+            self._disarm()
+            super().connection_lost(exc)
+
+    return DeadlineH11Protocol
