@@ -23,7 +23,7 @@ def resolve_model(name: str | None) -> Path:
     hub name `ORG/REPO[@REV]` already pulled into the Hugging Face cache (never downloads)."""
     from ..store import hub_cache, local_snapshot, parse_name, repo_dir
 
-    if name is None:
+    if not name:
         return BUNDLED / DEFAULT_MODEL
     p = Path(name).expanduser()
     if p.is_dir():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..errors import MlxrError
 from ..sampling import SamplingParams
-from .common import add_model_flags, resolve_model
+from .common import add_model_flags, confirm, ensure_model, resolve_model
 
 HELP = """Commands:
   /set temp|top_p|top_k|min_p|repeat_penalty|seed|max VALUE   change a sampling parameter
@@ -45,6 +45,8 @@ def register(sub) -> None:
     p.add_argument("--max", type=int, dest="max_tokens", help="maximum tokens to generate")
     p.add_argument("--system", help="system prompt (chat models)")
     p.add_argument("--verbose", action="store_true", help="print token counts and speeds")
+    p.add_argument("--yes", "-y", action="store_true",
+                   help="pull a missing Hub model without asking")
     add_model_flags(p)
     p.set_defaults(func=cmd_run)
 
@@ -165,7 +167,15 @@ def interactive(session: Session) -> int:
 def cmd_run(args) -> int:
     import mlxr
 
-    model = mlxr.load(resolve_model(args.model), device=args.device, dtype=args.dtype)
+    try:
+        path = resolve_model(args.model)
+    except MlxrError as e:
+        # A Hub name not downloaded yet: pull it after asking (or with --yes).
+        if "mlxr pull" not in str(e) or not confirm(f"{args.model} is not downloaded. Pull it "
+                                                    "now?", args.yes):
+            raise
+        path = ensure_model(args.model, allow_pull=True)
+    model = mlxr.load(path, device=args.device, dtype=args.dtype)
     fields = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
     kw = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     if args.repeat_penalty is not None:
