@@ -245,57 +245,82 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+PAIR_DEFAULTS = {"pairs": 7, "warmup": 2, "repeat": 1, "prompt_tokens": 64, "prompt_ids": None,
+                 "tokens": 32, "floor": 0.95, "prefill_floor": None, "decode_floor": None,
+                 "json": None}
+
+
 def add_pair_args(p) -> None:
-    """The paired-benchmark flags (shared by `mlxr bench-pair` and `mlxr bench --pair`)."""
-    p.add_argument("--pairs", type=int, default=7, help="number of A/B pairs (median over them)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed runs per side before timing")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="generations per timed sample (the sample is their per-phase minimum)")
-    p.add_argument("--prompt-tokens", type=int, default=64, help="synthetic prompt length")
-    p.add_argument("--prompt-ids", default=None, help="explicit prompt ids (comma separated)")
-    p.add_argument("--tokens", type=int, default=32, help="tokens generated per run")
+    """The paired-benchmark flags (shared by `mlxr bench-pair` and `mlxr bench --pair`).
+
+    Flags the parser already has (say `bench`'s own --tokens or --json) are left to it; run_pair
+    reads them by name, falling back to PAIR_DEFAULTS."""
+    have = set(getattr(p, "_option_string_actions", {}))
+
+    def add(flag, **kw):
+        if flag not in have:
+            p.add_argument(flag, **kw)
+
+    add("--pairs", type=int, default=7, help="number of A/B pairs (median over them)")
+    add("--warmup", type=int, default=2, help="untimed runs per side before timing")
+    add("--repeat", type=int, default=1,
+        help="generations per timed sample (the sample is their per-phase minimum)")
+    add("--prompt-tokens", type=int, default=64, help="synthetic prompt length")
+    add("--prompt-ids", default=None, help="explicit prompt ids (comma separated)")
+    add("--tokens", type=int, default=32, help="tokens generated per run")
     for s in ("a", "b"):
         who = "baseline" if s == "a" else "candidate"
-        p.add_argument(f"--{s}-env", action="append", metavar="K=V",
-                       help=f"environment variable for the {who} process (repeatable)")
-        p.add_argument(f"--{s}-path", default=None,
-                       help=f"mlxr checkout (repo root) the {who} imports (default: this one)")
-        p.add_argument(f"--{s}-python", default=None, help=f"interpreter for the {who}")
-        p.add_argument(f"--{s}-args", default="",
-                       help=f"extra worker args for the {who}, e.g. '--device cpu --dtype "
-                            "float32 --threads 4'")
-    p.add_argument("--floor", type=float, default=0.95, help="floor for both phases")
-    p.add_argument("--prefill-floor", type=float, default=None)
-    p.add_argument("--decode-floor", type=float, default=None)
-    p.add_argument("--json", default=None, metavar="FILE",
-                   help="write the result as JSON ('-': print JSON instead of the table)")
+        add(f"--{s}-env", action="append", metavar="K=V",
+            help=f"environment variable for the {who} process (repeatable)")
+        add(f"--{s}-path", default=None,
+            help=f"mlxr checkout (repo root) the {who} imports (default: this one)")
+        add(f"--{s}-python", default=None, help=f"interpreter for the {who}")
+        add(f"--{s}-args", default="",
+            help=f"extra worker args for the {who}, e.g. '--device cpu --dtype float32 "
+                 "--threads 4'")
+    add("--floor", type=float, default=0.95, help="floor for both phases")
+    add("--prefill-floor", type=float, default=None)
+    add("--decode-floor", type=float, default=None)
+    add("--json", default=None, metavar="FILE",
+        help="write the result as JSON ('-': print JSON instead of the table)")
 
 
 def run_pair(args) -> int:
+    """Run the paired benchmark from parsed args (see add_pair_args); exit code 0 / 1."""
     from .cli.common import resolve_model
+
+    def opt(name):
+        v = getattr(args, name, None)
+        return PAIR_DEFAULTS.get(name) if v is None else v
 
     model_dir = resolve_model(getattr(args, "model", None))
     common = []
     for flag in ("device", "dtype"):
         if getattr(args, flag, None):
-            common += [f"--{flag}", getattr(args, flag)]
+            common += [f"--{flag}", str(getattr(args, flag))]
     sides = {}
     for s in ("a", "b"):
-        sides[s] = {"env": parse_env(getattr(args, f"{s}_env")), "path": getattr(args, f"{s}_path"),
-                    "python": getattr(args, f"{s}_python"),
-                    "args": common + shlex.split(getattr(args, f"{s}_args") or "")}
+        sides[s] = {"env": parse_env(getattr(args, f"{s}_env", None)),
+                    "path": getattr(args, f"{s}_path", None),
+                    "python": getattr(args, f"{s}_python", None),
+                    "args": common + shlex.split(getattr(args, f"{s}_args", None) or "")}
     ids = None
-    if args.prompt_ids:
-        ids = [int(t) for t in args.prompt_ids.replace(",", " ").split()]
-    floors = {"prefill": args.prefill_floor if args.prefill_floor is not None else args.floor,
-              "decode": args.decode_floor if args.decode_floor is not None else args.floor}
-    res = run_pairs(model_dir, sides["a"], sides["b"], pairs=args.pairs, warmup=args.warmup,
-                    repeat=args.repeat, prompt_ids=ids, prompt_tokens=args.prompt_tokens, tokens=args.tokens,
-                    floors=floors)
-    if args.json == "-":
+    if opt("prompt_ids"):
+        try:
+            ids = [int(t) for t in str(opt("prompt_ids")).replace(",", " ").split()]
+        except ValueError:
+            raise MlxrError(f"--prompt-ids {opt('prompt_ids')!r}: not integers") from None
+    floor = opt("floor")
+    floors = {ph: floor if opt(f"{ph}_floor") is None else opt(f"{ph}_floor")
+              for ph in ("prefill", "decode")}
+    res = run_pairs(model_dir, sides["a"], sides["b"], pairs=opt("pairs"), warmup=opt("warmup"),
+                    repeat=opt("repeat"), prompt_ids=ids, prompt_tokens=opt("prompt_tokens"),
+                    tokens=opt("tokens"), floors=floors)
+    out = opt("json")
+    if out == "-":
         print(json.dumps(res, indent=1))
     else:
         print(format_table(res))
-        if args.json:
-            Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+        if out:
+            Path(out).write_text(json.dumps(res, indent=1) + "\n")
     return 0 if res["pass"] else 1

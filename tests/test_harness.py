@@ -258,12 +258,40 @@ def test_bench_pair_against_itself_scores_one(tmp_path, capsys):
 
 
 def test_bench_pair_injected_delay_fails_floor(tmp_path, capsys):
-    rc, res = _pair(tmp_path, "--pairs", "3", "--b-env", "MLXR_TEST_DELAY_MS=5")
+    rc, res = _pair(tmp_path, "--pairs", "3", "--b-env", "MLXR_TEST_DELAY_MS=5",
+                    "--a-path", str(ROOT))  # a checkout given by path, imported by that side
     table = capsys.readouterr().out
     assert rc == 1 and "REGRESSION" in table and "FAIL" in table
     assert res["phases"]["decode"]["speedup"] < 0.7 and not res["phases"]["decode"]["pass"]
     assert res["score"] < 0.7 and not res["pass"]
     assert res["sides"]["B"]["env"] == {"MLXR_TEST_DELAY_MS": "5"}
+    assert Path(res["sides"]["A"]["mlxr_file"]).resolve() == ROOT / "mlxr" / "__init__.py"
+
+
+def test_pair_summary_math_and_bench_forwarding():
+    from mlxr import pairbench
+
+    def run(pre, dec):
+        return {"prefill_s": pre, "decode_s": dec, "prompt_tokens": 10, "generation_tokens": 5,
+                "tokens": [1, 2, 3, 4, 5]}
+
+    a = [run(1.0, 4.0), run(1.2, 4.4), run(0.8, 3.6)]
+    b = [run(0.5, 4.0), run(0.6, 4.4), run(0.4, 3.6)]
+    res = pairbench.summarize(a, b, {"prefill": 0.95, "decode": 0.95})
+    assert res["phases"]["prefill"]["speedup"] == pytest.approx(2.0)
+    assert res["phases"]["decode"]["speedup"] == pytest.approx(1.0)
+    assert res["score"] == pytest.approx(2.0 ** 0.25) and res["pass"]
+    res = pairbench.summarize(b, a, {"prefill": 0.95, "decode": 0.95})
+    assert res["score"] == pytest.approx(0.5 ** 0.25) and not res["phases"]["prefill"]["pass"]
+    assert res["phases"]["decode"]["pass"] and not res["pass"]
+    # `mlxr bench` can forward --pair: flags it already has are left to it.
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=5)
+    pairbench.add_pair_args(p)
+    args = p.parse_args(["--a-env", "X=1", "--b-path", "."])
+    assert args.tokens == 5 and args.a_env == ["X=1"] and args.pairs == 7
 
 
 def test_bench_pair_bad_side(tmp_path):
