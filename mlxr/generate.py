@@ -8,15 +8,21 @@ finish reason and timing statistics.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .errors import ContextLengthError
+from .engine.cuda_graph import GraphCache
 from .engine.kv_cache import new_cache
 from .models.decoder import Decoder
 from .sampling import Sampler, SamplingParams, StopMatcher
+
+
+# Captured decode graphs (and their KV caches) per CUDA decoder, reused across requests.
+_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -73,16 +79,37 @@ def stream_generate(decoder: Decoder, prompt_ids: Sequence[int], params: Samplin
     stops = StopMatcher(params.stop)
     stats = Stats(prompt_tokens=len(prompt_ids))
     history = [int(i) for i in prompt_ids]
-    cache = new_cache(decoder, len(history) + max_tokens)
+    need = len(history) + max_tokens
+    if decoder.device.type == "cuda":
+        cache, graph = _graphs.setdefault(decoder, GraphCache()).get(decoder, need, new_cache)
+    else:
+        cache, graph = new_cache(decoder, need), None
+    greedy = params.temperature == 0 and not params.logit_bias and (
+        params.repetition_penalty in (None, 1.0)) and not params.presence_penalty and (
+        not params.frequency_penalty)
+
+    def tokens():
+        """Sampled tokens; the consumer appends each to `history` before asking for the next."""
+        logits = decoder.forward(torch.tensor(history), cache, last_only=True)[0]
+        token = sampler(logits.cpu(), history)
+        yield token
+        if graph is not None and greedy:
+            yield from graph.greedy(token, len(history) - 1, max_tokens - 1)
+            return
+        for _ in range(max_tokens - 1):
+            if graph is not None:
+                logits = graph.logits_for(token, len(history) - 1)
+            else:
+                logits = decoder.forward(torch.tensor([token]), cache, last_only=True)[0]
+            token = sampler(logits.cpu(), history)
+            yield token
 
     t0 = time.perf_counter()
-    ids = torch.tensor(history, dtype=torch.long)
     with torch.inference_mode():
-        logits = decoder.forward(ids, cache, last_only=True)[0]
-        token = sampler(logits.cpu(), history)
-        stats.prefill_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        for n in range(max_tokens):
+        for n, token in enumerate(tokens()):
+            if n == 0:
+                stats.prefill_s = time.perf_counter() - t0
+                t1 = time.perf_counter()
             stats.generation_tokens = n + 1
             history.append(token)
             if token in stop_ids:
@@ -106,5 +133,3 @@ def stream_generate(decoder: Decoder, prompt_ids: Sequence[int], params: Samplin
                             "stop" if stopped else "length", stats)
                 return
             yield Chunk([token], text, None, stats)
-            logits = decoder.forward(torch.tensor([token]), cache, last_only=True)[0]
-            token = sampler(logits.cpu(), history)

@@ -139,3 +139,28 @@ def test_prefill_then_decode_equals_full_recompute(built, family, dtype, tol):
     assert err.max() <= tol, f"{err.max():.2e}"
     margin_ok = _top2_margin(want) > 2 * tol * _range(want)
     assert (step.argmax(-1) == want.argmax(-1))[margin_ok].all()
+
+
+@pytest.mark.parametrize("family", ["llama_sliding", "gemma2", "gemma3_text", "phi3", "qwen3"])
+def test_static_decode_step_equals_eager(built, family):
+    """The CUDA-graph decode step (`forward_static`: device-side positions, whole-capacity
+    attention under a mask) computes the same logits as the eager step (run here on CPU)."""
+    import torch
+
+    b = built(family, "q4g64")
+    dec = b.model32.decoder
+    seq = b.seq[:30]
+    eager = new_cache(dec, 64)
+    static = new_cache(dec, 64)
+    tables = {}
+    for rope in dec.ropes:
+        tables.setdefault(id(rope.spec), rope.cos_sin(0, 64))
+    key_pos = torch.arange(64)
+    with torch.inference_mode():
+        dec.forward(torch.tensor(seq[:20]), eager, last_only=True)
+        dec.forward(torch.tensor(seq[:20]), static, last_only=True)
+        for p in range(20, 30):
+            want = dec.forward(torch.tensor([seq[p]]), eager, last_only=True)[0]
+            got = dec.forward_static(torch.tensor([seq[p]]), torch.tensor([p]), static.pool,
+                                     tables, key_pos)[0]
+            assert torch.allclose(got, want, rtol=0, atol=1e-4 * float(want.max() - want.min()))

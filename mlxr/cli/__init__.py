@@ -13,7 +13,7 @@ from importlib import import_module
 from ..errors import MlxrError
 
 # Verb modules, in the order `mlxr --help` lists them.
-VERB_MODULES = ["run", "serve", "harness", "store"]
+VERB_MODULES = ["run", "serve", "bench", "harness", "store"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -126,19 +126,73 @@ class Decoder:
         (k[layer], v[layer] [K, slots, D]). Returns logits float32 [rows, V]."""
         c = self.config
         n = ids.shape[0]
-        h = self.embed(ids.to(self.device))
-        if self._embed_scale is not None:
-            h = h * self._embed_scale
-        eps, off = c.rms_norm_eps, c.norm_offset
         tables: dict[int, tuple] = {}
-        write = step.write_slots
-        contiguous = len(step.spans) == 1 and step.spans[0].slot_range is not None
-        for i, layer in enumerate(self.layers):
-            rope = self.ropes[i]
+        for rope in self.ropes:
             if id(rope.spec) not in tables:
                 cs = [rope.cos_sin(sp.q_start, sp.q_len) for sp in step.spans]
                 tables[id(rope.spec)] = (torch.cat([a for a, _ in cs]),
                                          torch.cat([b for _, b in cs]))
+        contiguous = len(step.spans) == 1 and step.spans[0].slot_range is not None
+
+        def attend(i: int, q, k, v):
+            kc, vc = pool.k[i], pool.v[i]
+            if contiguous:  # one sequence in one range: plain slice writes
+                a = step.spans[0].slot_range[0] + step.spans[0].q_start
+                kc[:, a:a + n] = k.transpose(0, 1)
+                vc[:, a:a + n] = v.transpose(0, 1)
+            else:
+                kc.index_copy_(1, step.write_slots, k.transpose(0, 1))
+                vc.index_copy_(1, step.write_slots, v.transpose(0, 1))
+            window = c.layer_window[i]
+            outs, row = [], 0
+            for sp in step.spans:
+                ctx = sp.q_start + sp.q_len
+                lo = 0 if window is None else max(0, sp.q_start - window + 1)
+                if sp.slot_range is not None:
+                    a = sp.slot_range[0]
+                    keys, values = kc[:, a + lo:a + ctx], vc[:, a + lo:a + ctx]
+                else:
+                    sl = sp.slots[lo:ctx]
+                    keys, values = kc.index_select(1, sl), vc.index_select(1, sl)
+                outs.append(ops.attention(q[row:row + sp.q_len], keys, values, sp.q_start, lo,
+                                          c.attn_scale, window, c.attn_logit_softcap))
+                row += sp.q_len
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+        return self._run(ids, tables, attend, step.logits_rows)
+
+    def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, pool, tables: dict,
+                       key_pos: torch.Tensor) -> torch.Tensor:
+        """One decode token of one sequence with every shape fixed and every index on the
+        device, so the step can be captured in a CUDA graph. ids, pos [1] (device long); pool's
+        slots are positions; tables: rope spec id -> (cos, sin) [capacity, R]; key_pos =
+        arange(capacity). Attention covers the whole capacity under a visibility mask."""
+        c = self.config
+        step_tables = {k: (cs.index_select(0, pos), sn.index_select(0, pos))
+                       for k, (cs, sn) in tables.items()}
+        causal = key_pos <= pos
+
+        def attend(i: int, q, k, v):
+            kc, vc = pool.k[i], pool.v[i]
+            kc.index_copy_(1, pos, k.transpose(0, 1))
+            vc.index_copy_(1, pos, v.transpose(0, 1))
+            window = c.layer_window[i]
+            visible = causal if window is None else causal & (pos - key_pos < window)
+            return ops.attention_masked(q, kc, vc, visible, c.attn_scale, c.attn_logit_softcap)
+
+        return self._run(ids, step_tables, attend, None)
+
+    def _run(self, ids: torch.Tensor, tables: dict, attend, rows) -> torch.Tensor:
+        """Embedding, the layers (attention through `attend(layer, q, k, v) -> [N, H, D]`),
+        final norm and LM head (only for `rows` of N if given). Returns logits float32."""
+        c = self.config
+        n = ids.shape[0]
+        h = self.embed(ids.to(self.device))
+        if self._embed_scale is not None:
+            h = h * self._embed_scale
+        eps, off = c.rms_norm_eps, c.norm_offset
+        for i, layer in enumerate(self.layers):
+            rope = self.ropes[i]
             cos, sin = tables[id(rope.spec)]
             x = ops.rms_norm(h, layer.input_norm, eps, off)
             q, k, v = layer.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -154,30 +208,7 @@ class Decoder:
                 k = torch.cat((k[..., :r] * rope.scale, k[..., r:]), dim=-1)
             q = ops.rope(q, cos, sin, rope.spec.traditional)
             k = ops.rope(k, cos, sin, rope.spec.traditional)
-            kc, vc = pool.k[i], pool.v[i]
-            if contiguous:  # one sequence in one range: plain slice writes
-                a = step.spans[0].slot_range[0] + step.spans[0].q_start
-                kc[:, a:a + n] = k.transpose(0, 1)
-                vc[:, a:a + n] = v.transpose(0, 1)
-            else:
-                kc.index_copy_(1, write, k.transpose(0, 1))
-                vc.index_copy_(1, write, v.transpose(0, 1))
-            window = c.layer_window[i]
-            outs, row = [], 0
-            for sp in step.spans:
-                ctx = sp.q_start + sp.q_len
-                lo = 0 if window is None else max(0, sp.q_start - window + 1)
-                if sp.slot_range is not None:
-                    a = sp.slot_range[0]
-                    keys, values = kc[:, a + lo:a + ctx], vc[:, a + lo:a + ctx]
-                else:
-                    sl = sp.slots[lo:ctx]
-                    keys, values = kc.index_select(1, sl), vc.index_select(1, sl)
-                outs.append(ops.attention(q[row:row + sp.q_len], keys, values, sp.q_start, lo,
-                                          c.attn_scale, window, c.attn_logit_softcap))
-                row += sp.q_len
-            o = outs[0] if len(outs) == 1 else torch.cat(outs)
-            o = layer.o_proj(o.reshape(n, c.q_size))
+            o = layer.o_proj(attend(i, q, k, v).reshape(n, c.q_size))
             if layer.post_attn_norm is not None:
                 o = ops.rms_norm(o, layer.post_attn_norm, eps, off)
             h = self._residual(h, o)
@@ -187,8 +218,8 @@ class Decoder:
             if layer.post_mlp_norm is not None:
                 m = ops.rms_norm(m, layer.post_mlp_norm, eps, off)
             h = self._residual(h, m)
-        if step.logits_rows is not None:
-            h = h.index_select(0, step.logits_rows)
+        if rows is not None:
+            h = h.index_select(0, rows)
         h = ops.rms_norm(h, self.norm, eps, off)
         logits = (self.lm_head(h) if self.lm_head is not None else self.embed.as_linear(h)).float()
         if c.final_logit_softcap is not None:

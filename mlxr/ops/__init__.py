@@ -4,6 +4,6 @@ Today every op is the plain-torch reference (CPU, and CUDA through torch). Trito
 replace entries here behind the same signatures.
 """
 
-from .reference import attention, gated_act, rms_norm, rope
+from .reference import attention, attention_masked, gated_act, rms_norm, rope
 
-__all__ = ["attention", "gated_act", "rms_norm", "rope"]
+__all__ = ["attention", "attention_masked", "gated_act", "rms_norm", "rope"]

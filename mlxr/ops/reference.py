@@ -94,3 +94,20 @@ def attention(
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.bmm(probs, v)  # [K, rep*T, D]
     return out.reshape(h, t, d).transpose(0, 1)
+
+
+def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                     scale: float, softcap: float | None = None) -> torch.Tensor:
+    """GQA attention with the visibility of each key given as a tensor (static shapes, no host
+    values: CUDA-graph friendly). q [T, H, D], k/v [K, S, D], visible [S] or [T, S] bool."""
+    t, h, d = q.shape
+    kh = k.shape[0]
+    rep = h // kh
+    qg = q.transpose(0, 1).reshape(kh, rep * t, d)  # rows of one kv group: (rep, T)
+    scores = torch.bmm(qg * scale, k.transpose(1, 2)).float()  # [K, rep*T, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    mask = visible if visible.dim() == 1 else visible.repeat(rep, 1)
+    scores = scores.masked_fill(~mask, -math.inf)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.bmm(probs, v).reshape(h, t, d).transpose(0, 1)

@@ -1,0 +1,135 @@
+"""`mlxr bench MODEL [-p 512] [-n 128] [--device cpu|cuda]`: prefill and decode speed.
+
+Prefill p tokens, then decode n tokens greedily (EOS ignored), after a warm-up; median of
+repeats. Decoding one token reads every weight once, so the report puts the decode rate next to
+its bound: weight bytes per token / measured memory bandwidth. The last line is one JSON object.
+`--pair` runs a paired A/B comparison instead (see `mlxr bench-pair`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+from ..pairbench import add_pair_args, run_pair
+from .common import add_model_flags, resolve_model
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="measure prefill and decode speed",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", help="model directory (default: the bundled model)")
+    p.add_argument("-p", "--prompt-len", type=int, default=512, help="prompt tokens (prefill)")
+    p.add_argument("-n", "--num-tokens", type=int, default=128, help="tokens to decode")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
+    p.add_argument("--pair", action="store_true", help="paired A/B benchmark (bench-pair flags)")
+    add_model_flags(p)
+    add_pair_args(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step reads: every tensor once, except that an untied
+    embedding table contributes one row (the LM head is then its own matrix)."""
+    from ..checkpoint import open_checkpoint
+
+    with open_checkpoint(model.path) as ckpt:
+        total = sum(t.nbytes for t in ckpt.tensors.values())
+        if model.decoder.lm_head is not None:
+            emb = sum(t.nbytes for n, t in ckpt.tensors.items() if n.startswith("model.embed"))
+            total -= emb - emb // model.config.vocab_size
+    return total
+
+
+def memory_bandwidth(device) -> float:
+    """Measured bytes/s: device-to-device copy (read + write) on CUDA, read (a sum) on CPU."""
+    import torch
+
+    if device.type == "cuda":
+        src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        for _ in range(3):
+            dst.copy_(src)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(10):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        return 2 * src.numel() / statistics.median(times)
+    src = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
+    src.sum()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        src.sum()
+        times.append(time.perf_counter() - t)
+    return src.numel() * 4 / statistics.median(times)
+
+
+def peak_memory_gb(device) -> float:
+    import resource
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def cmd_bench(args) -> int:
+    if args.pair:
+        return run_pair(args)
+    import mlxr
+
+    if args.prompt_len < 1 or args.num_tokens < 2 or args.repeats < 1:
+        raise mlxr.MlxrError("need -p >= 1, -n >= 2 and --repeats >= 1")
+    model = mlxr.load(resolve_model(args.model), device=args.device, dtype=args.dtype)
+    c = model.config
+    if args.prompt_len + args.num_tokens > c.context_length:
+        raise mlxr.MlxrError(f"-p + -n exceeds the context ({c.context_length} tokens)")
+    rng = random.Random(0)
+    prompt = [rng.randrange(c.vocab_size) for _ in range(args.prompt_len)]
+
+    def once():
+        stats = None
+        for chunk in model.stream(prompt, max_tokens=args.num_tokens, temperature=0,
+                                  ignore_eos=True):
+            stats = chunk.stats
+        return stats
+
+    once()  # warm-up: kernels compiled/tuned, graphs captured, caches allocated
+    runs = [once() for _ in range(args.repeats)]
+    prefill = statistics.median(r.prefill_tps for r in runs)
+    decode = statistics.median(r.decode_tps for r in runs)
+    wbytes = weight_bytes_per_token(model)
+    bw = memory_bandwidth(model.device)
+    achieved = wbytes * decode
+    out = {
+        "model": str(model.path.name), "device": model.device.type, "dtype": str(model.dtype),
+        "prompt_tokens": args.prompt_len, "decode_tokens": args.num_tokens,
+        "prefill_tok_s": round(prefill, 2), "decode_tok_s": round(decode, 2),
+        "weight_gb_per_token": round(wbytes / 1e9, 4), "achieved_gb_s": round(achieved / 1e9, 2),
+        "bandwidth_gb_s": round(bw / 1e9, 2), "bound_tok_s": round(bw / wbytes, 1),
+        "pct_of_bound": round(100 * achieved / bw, 1),
+        "peak_memory_gb": round(peak_memory_gb(model.device), 3),
+        "prefill_tok_s_all": [round(r.prefill_tps, 2) for r in runs],
+        "decode_tok_s_all": [round(r.decode_tps, 2) for r in runs],
+    }
+    print(f"{out['model']} on {out['device']} ({out['dtype']}), median of {args.repeats}")
+    print(f"  prefill {args.prompt_len:>5} tokens: {prefill:10.1f} tok/s")
+    print(f"  decode  {args.num_tokens:>5} tokens: {decode:10.1f} tok/s   "
+          f"{out['achieved_gb_s']:.1f} GB/s of {out['bandwidth_gb_s']:.1f} measured "
+          f"({out['pct_of_bound']:.1f}% of the bound {out['bound_tok_s']:.0f} tok/s; "
+          f"{out['weight_gb_per_token']:.3f} GB/token)")
+    print(f"  peak memory {out['peak_memory_gb']:.2f} GB")
+    print(json.dumps(out))
+    sys.stdout.flush()
+    return 0
