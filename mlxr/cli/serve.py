@@ -27,6 +27,8 @@ def register(sub) -> None:
     p.add_argument("--served-model-name", help="model id clients use (default: the directory "
                    "name)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step (chunked prefill; default: engine's choice)")
     p.add_argument("--max-queued", type=int, default=64, help="waiting requests before 429")
     p.add_argument("--max-connections", type=int, default=256)
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
@@ -46,7 +48,8 @@ def cmd_serve(args) -> int:
     path = resolve_model(args.model)  # local only: serve never downloads
     run(path, host=args.host, port=args.port, api_key=args.api_key,
         allow_origins=args.allow_origin, model_id=args.served_model_name,
-        max_num_seqs=args.max_num_seqs, max_queued=args.max_queued,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_queued=args.max_queued,
         max_connections=args.max_connections, max_body_bytes=args.max_body_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         device=args.device, dtype=args.dtype, log_level=args.log_level)

@@ -198,7 +198,7 @@ def chat_job(model, req: ChatRequest) -> Job:
         raise bad_request(f"chat template: {e}", "messages") from None
     family = detect_family(template) if tools else None
     reasoning = "<think>" in template or "reasoning_content" in template
-    tail = tok.decode(ids[-6:]).rstrip()
+    tail = tok.decode(ids[-24:]).rstrip()
     job = Job(list(ids), _sampling(model, req, len(ids), req.max_completion_tokens or
                                     req.max_tokens),
               family=family, reasoning=reasoning,

@@ -97,30 +97,47 @@ def _lp(v: float) -> float:
     return max(float(v), -9999.0)
 
 
-def _tok(tok, i: int) -> str:
-    return tok.decode([i])
+class Logprobs:
+    """OpenAI logprobs entries for one request. Token text is what the token adds after the
+    tokens before it (so SentencePiece word-initial spaces are kept); byte tokens give their
+    byte."""
 
+    def __init__(self, tok):
+        self.tok, self.ctx = tok, []
 
-def chat_logprobs(tok, lps) -> list[dict]:
-    out = []
-    for t in lps or []:
-        s = _tok(tok, t.token_id)
-        out.append({"token": s, "logprob": _lp(t.logprob), "bytes": list(s.encode()),
-                    "top_logprobs": [{"token": (ts := _tok(tok, i)), "logprob": _lp(v),
-                                      "bytes": list(ts.encode())} for i, v in t.top or []]})
-    return out
+    def piece(self, i: int) -> tuple[str, list[int]]:
+        t = self.tok.id_to_token(i) or ""
+        if len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            b = bytes([int(t[3:5], 16)])
+            return b.decode("utf-8", "replace"), list(b)
+        ctx = self.ctx[-4:]
+        prev, full = self.tok.decode(ctx), self.tok.decode(ctx + [i])
+        s = full[len(prev):] if full.startswith(prev) else self.tok.decode([i])
+        return s, list(s.encode())
 
+    def chat(self, lps) -> list[dict]:
+        out = []
+        for t in lps or []:
+            s, b = self.piece(t.token_id)
+            top = []
+            for i, v in t.top or []:
+                ts, tb = self.piece(i)
+                top.append({"token": ts, "logprob": _lp(v), "bytes": tb})
+            out.append({"token": s, "logprob": _lp(t.logprob), "bytes": b, "top_logprobs": top})
+            self.ctx.append(t.token_id)
+        return out
 
-def completion_logprobs(tok, lps, offset: int) -> dict:
-    d = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for t in lps or []:
-        s = _tok(tok, t.token_id)
-        d["tokens"].append(s)
-        d["token_logprobs"].append(_lp(t.logprob))
-        d["top_logprobs"].append({_tok(tok, i): _lp(v) for i, v in t.top or []})
-        d["text_offset"].append(offset)
-        offset += len(s)
-    return d
+    def completion(self, lps, offset: int) -> dict:
+        d = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t in lps or []:
+            s, _ = self.piece(t.token_id)
+            d["tokens"].append(s)
+            d["token_logprobs"].append(_lp(t.logprob))
+            d["top_logprobs"].append({self.piece(i)[0]: _lp(v) for i, v in t.top or []})
+            d["text_offset"].append(offset)
+            offset += len(s)
+            self.ctx.append(t.token_id)
+        return d
 
 
 # -- chat ----------------------------------------------------------------------------------------
@@ -170,13 +187,13 @@ async def chat_stream(state, model, job, gen: Gen, req):
                                  "finish_reason": finish}], "usage": None})
 
     yield chunk({"role": "assistant", "content": ""})
-    sp, thought = _splitter(job), []
+    sp, thought, lpf = _splitter(job), [], Logprobs(model.tokenizer)
     try:
         async for out in gen:
             evs = sp.feed(out.text) + (sp.flush() if out.finish_reason else [])
             thought += [e[1] for e in evs if e[0] == "reasoning"]
             delta = events_to_delta(evs)
-            lp = ({"content": chat_logprobs(model.tokenizer, out.logprobs)}
+            lp = ({"content": lpf.chat(out.logprobs)}
                   if job.logprobs is not None and out.logprobs else None)
             if delta or lp:
                 yield chunk(delta, None, lp)
@@ -220,7 +237,7 @@ async def chat_full(state, model, engine, job, req, route):
             "created": int(time.time()), "model": state.model_id, "system_fingerprint": None,
             "choices": [{"index": 0, "message": msg, "finish_reason":
                          _finish(gen.finish_reason, calls),
-                         "logprobs": {"content": chat_logprobs(model.tokenizer, lps)}
+                         "logprobs": {"content": Logprobs(model.tokenizer).chat(lps)}
                          if job.logprobs is not None else None}],
             "usage": gen.usage(_reasoning_tokens(model, d.get("reasoning", "")))}
 
@@ -235,10 +252,10 @@ async def completion_stream(state, model, job, gen: Gen, req):
                     "model": state.model_id, "system_fingerprint": None,
                     "choices": [{"index": 0, "text": text, "logprobs": logprobs,
                                  "finish_reason": finish}] if choices else [], "usage": usage})
-    offset = 0
+    offset, lpf = 0, Logprobs(model.tokenizer)
     try:
         async for out in gen:
-            lp = (completion_logprobs(model.tokenizer, out.logprobs, offset)
+            lp = (lpf.completion(out.logprobs, offset)
                   if job.logprobs is not None else None)
             offset += len(out.text)
             if out.text or lp or out.finish_reason:
@@ -263,7 +280,7 @@ async def completion_full(state, model, engine, job, req, route):
             "created": int(time.time()), "model": state.model_id, "system_fingerprint": None,
             "choices": [{"index": 0, "text": "".join(text), "finish_reason":
                          gen.finish_reason or "stop",
-                         "logprobs": completion_logprobs(model.tokenizer, lps, 0)
+                         "logprobs": Logprobs(model.tokenizer).completion(lps, 0)
                          if job.logprobs is not None else None}],
             "usage": gen.usage()}
 
