@@ -131,7 +131,7 @@ def test_responses_tools(client):
     r = client.responses.create(model="story-chat", input="Weather in Paris?",
                                 tools=[{"type": "function", **WEATHER["function"]}],
                                 tool_choice="required", max_output_tokens=64)
-    fc = [o for o in r.output if o.type == "function_call"][0]
+    fc = next(o for o in r.output if o.type == "function_call")
     assert fc.name == "get_weather" and json.loads(fc.arguments)["city"] in ("Paris", "Rome")
 
 

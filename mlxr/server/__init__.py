@@ -11,7 +11,7 @@ from pathlib import Path
 from .app import ServerState, create_app
 from .security import SecurityConfig, deadline_protocol
 
-__all__ = ["ServerState", "SecurityConfig", "create_app", "run"]
+__all__ = ["SecurityConfig", "ServerState", "create_app", "run"]
 
 
 def run(model_path: Path, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,

@@ -20,8 +20,15 @@ from pydantic import ValidationError
 from ..errors import MlxrError
 from ..sampling import SamplingParams
 from .metrics import Metrics
-from .protocol import (APIError, ChatRequest, CompletionRequest, ResponsesRequest, bad_request,
-                       error_body, unsupported)
+from .protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    ResponsesRequest,
+    bad_request,
+    error_body,
+    unsupported,
+)
 from .security import SecurityConfig, SecurityMiddleware
 
 log = logging.getLogger("mlxr.server")
@@ -57,6 +64,7 @@ class ServerState:
     def load(self) -> None:
         try:
             import mlxr
+
             from ..engine import AsyncEngine
 
             model = mlxr.load(self.model_path, **self.load_kw)

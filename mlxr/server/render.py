@@ -80,7 +80,7 @@ async def start(state, engine, job, route: str) -> Gen:
         g.head = None
     except QueueFullError as e:
         state.metrics.request_done(route, "rejected")
-        retry = str(max(1, int(round(getattr(e, "retry_after", 1) or 1))))
+        retry = str(max(1, round(getattr(e, "retry_after", 1) or 1)))
         raise APIError(429, "the server is busy: too many queued requests", "server_error",
                        code="queue_full", headers={"Retry-After": retry}) from None
     except MlxrError as e:
@@ -206,7 +206,7 @@ async def chat_stream(state, model, job, gen: Gen, req):
             yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
                        "model": state.model_id, "choices": [],
                        "usage": gen.usage(_reasoning_tokens(model, "".join(thought)))})
-    except Exception as e:  # mid-stream: the client raises APIError from this event
+    except Exception as e:  # noqa: BLE001 -- mid-stream: the client raises APIError from it
         yield sse({"error": {"message": f"generation failed: {e}", "type": "server_error",
                              "param": None, "code": None}})
     yield "data: [DONE]\n\n"
@@ -264,7 +264,7 @@ async def completion_stream(state, model, job, gen: Gen, req):
             yield chunk("", "stop")
         if job.include_usage:
             yield chunk("", choices=False, usage=gen.usage())
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 -- reported in the stream
         yield sse({"error": {"message": f"generation failed: {e}", "type": "server_error",
                              "param": None, "code": None}})
     yield "data: [DONE]\n\n"
@@ -286,4 +286,4 @@ async def completion_full(state, model, engine, job, req, route):
 
 
 # re-exported for app.serve
-from .responses import responses_full, responses_stream  # noqa: E402,F401
+from .responses import responses_full, responses_stream  # noqa: F401

@@ -247,6 +247,6 @@ async def responses_stream(state, model, job, gen, req):
                           _usage(gen, _reasoning_tokens(model, "".join(thought))), incomplete)
         yield event({"type": "response.completed" if status == "completed" else
                      "response.incomplete", "response": final})
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 -- reported in the stream
         yield event({"type": "error", "code": "server_error", "message":
                      f"generation failed: {e}", "param": None})
