@@ -132,3 +132,15 @@ def test_async_engine_concurrent_and_abort(model):
         assert ids == single(model, tok.encode(p), 20)
     assert not eng.engine.has_work()
     assert eng.engine.blocks.num_free == len(eng.engine.blocks.blocks)
+
+
+def test_long_prompt_prefilled_in_chunks_alone(model):
+    """A prompt longer than the step budget, with nothing else running: the steps that only
+    prefill (no sampled row) must work and the result equal the single-request path."""
+    tok = model.tokenizer
+    prompt = tok.encode("Once upon a time, there was a little girl named Lily. " * 6)
+    engine = LLMEngine(model, max_num_batched_tokens=16)
+    out = run_all(engine, [EngineRequest(prompt, SamplingParams(max_tokens=8, temperature=0,
+                                                                  ignore_eos=True))])[0]
+    assert len(prompt) > 3 * 16
+    assert ids_of(out) == single(model, prompt, 8)

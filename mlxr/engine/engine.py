@@ -175,7 +175,8 @@ class LLMEngine:
         for sp in spans:
             if sp.slots is not None:
                 sp.slots = sp.slots.to(dev)
-        step = Step(spans, torch.tensor(slots, device=dev), torch.tensor(rows, device=dev))
+        step = Step(spans, torch.tensor(slots, dtype=torch.long, device=dev),
+                    torch.tensor(rows, dtype=torch.long, device=dev))
         with torch.inference_mode():
             logits = self.decoder.forward_step(torch.tensor(ids), step, self.pool)
         logits = logits.cpu()

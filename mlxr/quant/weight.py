@@ -192,7 +192,10 @@ class QuantWeight:
 
     def embed(self, ids: Tensor) -> Tensor:
         """ids long [...] -> dequantized rows [..., in] in compute dtype."""
-        flat = ids.reshape(-1).to(self.device, torch.int64)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
+        # Range-check host ids only: on the device the check would sync (and break CUDA-graph
+        # capture); device ids come from our own sampler or from checked prompts.
+        if not ids.is_cuda and ids.numel() and (int(ids.min()) < 0
+                                                or int(ids.max()) >= self.out_features):
             raise IndexError(f"{self.name}: token id out of range [0, {self.out_features})")
+        flat = ids.reshape(-1).to(self.device, torch.int64)
         return self.dequant_rows(flat).reshape(*ids.shape, self.in_features)
