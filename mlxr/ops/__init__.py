@@ -1,9 +1,60 @@
 """The single dispatch point for compute ops.
 
-Today every op is the plain-torch reference (CPU, and CUDA through torch). Triton kernels
-replace entries here behind the same signatures.
+`mlxr.ops.reference` holds the plain-torch versions (the spec, the CPU path, the test oracle).
+On CUDA tensors, with triton importable and MLXR_KERNELS != "torch" (read at each call), the
+per-layer ops run as one Triton launch each (`mlxr.ops.triton_fused`), behind the same
+signatures. `attention` (eager, host positions) always runs the reference.
 """
 
-from .reference import attention, attention_masked, gated_act, rms_norm, rope
+from __future__ import annotations
+
+import os
+
+from . import reference
+from .reference import attention
+
+_fused = None  # mlxr.ops.triton_fused, imported at the first CUDA call (triton is slow to import)
+
+
+def _fast(x) -> bool:
+    global _fused
+    if not x.is_cuda or os.environ.get("MLXR_KERNELS", "").lower() == "torch":
+        return False
+    if _fused is None:
+        try:
+            from . import triton_fused
+        except ImportError:  # pragma: no cover
+            triton_fused = False
+        _fused = triton_fused if triton_fused and triton_fused.HAVE_TRITON else False
+    return bool(_fused)
+
+
+def rms_norm(x, weight, eps: float, offset: float = 0.0):
+    """x [..., E] -> x / rms(x) * (offset + weight) (see reference.rms_norm)."""
+    if _fast(x):
+        return _fused.rms_norm(x, weight, eps, offset)
+    return reference.rms_norm(x, weight, eps, offset)
+
+
+def rope(x, cos, sin, traditional: bool):
+    """Rotate the first 2*cos.shape[-1] features of x [T, H, D] (see reference.rope)."""
+    if _fast(x):
+        return _fused.rope(x, cos, sin, traditional)
+    return reference.rope(x, cos, sin, traditional)
+
+
+def gated_act(gate, up, act: str):
+    """act(gate) * up (see reference.gated_act)."""
+    if _fast(gate):
+        return _fused.gated_act(gate, up, act)
+    return reference.gated_act(gate, up, act)
+
+
+def attention_masked(q, k, v, visible, scale: float, softcap: float | None = None):
+    """GQA attention under a key-visibility mask (see reference.attention_masked)."""
+    if _fast(q):
+        return _fused.attention_masked(q, k, v, visible, scale, softcap)
+    return reference.attention_masked(q, k, v, visible, scale, softcap)
+
 
 __all__ = ["attention", "attention_masked", "gated_act", "rms_norm", "rope"]
