@@ -158,7 +158,9 @@ if HAVE_TRITON:
             vis = tl.load(vrow + s_idx[None, :], mask=rmask[:, None] & smask[None, :], other=0) != 0
             if tl.max(tl.max(vis.to(tl.int32), axis=1), axis=0) > 0:
                 kv_off = s_idx.to(tl.int64)[:, None]
-                km = smask[:, None] & dmask[None, :]
+                # keys no row sees are not read (0): stale NaN/inf there cannot leak via 0 * v
+                kvis = tl.max(vis.to(tl.int32), axis=0) > 0
+                km = (smask & kvis)[:, None] & dmask[None, :]
                 k = tl.load(kbase + kv_off * sk1 + d[None, :], mask=km, other=0.0)
                 if DOT_F32:  # fp32 inputs, or the interpreter (its bf16 dot is broken)
                     sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
