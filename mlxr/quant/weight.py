@@ -26,7 +26,7 @@ from torch import Tensor
 from mlxr.config import QuantSpec
 from mlxr.errors import ModelFormatError
 
-from . import int4pack
+from . import cuda, int4pack
 from .affine import unpack_codes
 from .dequant import validate
 from .fp import code_table, fp_scales
@@ -103,6 +103,8 @@ class QuantWeight:
                 self.packed = packed.contiguous()  # cannot decode the int4 layout: keep a copy
         elif dev.type == "cuda":
             self.packed = packed.contiguous()  # Triton kernels read the mlx words as shipped
+            if cuda.tinygemm_supported(self):  # decode path; the words stay for prefill
+                self.i4, self.i4_sz = cuda.tinygemm_pack(self.packed, self.scales, self.biases)
         elif bits == 8:
             self.codes = packed.contiguous().view(torch.uint8)  # [out, in], zero-copy
         elif bits in (3, 5, 6) and not exact:
@@ -183,8 +185,10 @@ class QuantWeight:
             from . import cpu
             y = cpu.linear(self, x2)
         elif x2.is_cuda and _use_triton(self):
-            from mlxr.ops import triton_qmm
-            y = triton_qmm.qmatmul(x2, self)
+            y = cuda.linear(self, x2)
+            if y is None:
+                from mlxr.ops import triton_qmm
+                y = triton_qmm.qmatmul(x2, self)
         else:
             from . import cpu  # generic torch fallback (MLXR_KERNELS=torch, no triton, ...)
             y = cpu.tiled_linear(self, x2)

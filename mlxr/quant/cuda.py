@@ -1,0 +1,95 @@
+"""CUDA matmul paths for QuantWeight, chosen by batch size (measured on the H200, docs/perf.md).
+
+- decode (M <= 16), affine 4-bit: torch's tinygemm kernel (`_weight_int4pack_mm`), fed by a
+  one-time load repack of the mlx codes (nibble order swapped, torch's tiled layout). It
+  computes `x @ ((q - 8) * s + z)^T` per group, so mlx's `w = s*q + b` maps to `z = b + 8*s`.
+- prefill (M > 16), affine 2/4/8-bit: one Triton pass dequantizes the packed words to a bf16
+  scratch matrix (read 0.5 B, write 2 B per weight), then cuBLAS does the GEMM on tensor cores.
+  The scratch is per call, never stored.
+- everything else: the Triton GEMV/GEMM kernels of `mlxr.ops.triton_qmm`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU-only install: these paths are never taken
+    triton = None
+
+DECODE_MAX_M = 16
+INNER_K_TILES = 8
+
+
+def tinygemm_supported(qw) -> bool:
+    sp = qw.spec
+    return (hasattr(torch, "_weight_int4pack_mm") and sp.mode == "affine" and sp.bits == 4
+            and qw.compute_dtype == torch.bfloat16 and sp.group_size in (32, 64, 128, 256)
+            and qw.out_features % 8 == 0 and qw.in_features % (INNER_K_TILES * 16) == 0)
+
+
+def tinygemm_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tensor, Tensor]:
+    """mlx 4-bit words [N, K/8] -> (torch int4pack tensor, scales_and_zeros [K/G, N, 2])."""
+    b = packed.contiguous().view(torch.uint8)  # element 2j in the low nibble of byte j
+    swapped = ((b << 4) | (b >> 4)).contiguous()  # torch wants element 2j in the high nibble
+    w = torch._convert_weight_to_int4pack(swapped, INNER_K_TILES)
+    s = scales.to(torch.float32)
+    z = biases.to(torch.float32) + 8.0 * s
+    sz = torch.stack([s, z], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return w, sz
+
+
+def dequant_supported(qw) -> bool:
+    sp = qw.spec
+    return triton is not None and sp.mode == "affine" and sp.bits in (2, 4, 8) \
+        and qw.packed is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K: tl.constexpr, BITS: tl.constexpr,
+                        G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+        """out[n, k] = s[n, k // G] * code(n, k) + b[n, k // G] (fp32, rounded once)."""
+        PER: tl.constexpr = 32 // BITS  # codes per 32-bit word
+        WORDS: tl.constexpr = K // PER
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        words = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+        rmask = rows < N
+        wmask = rmask[:, None] & (words[None, :] < WORDS)
+        w = tl.load(w_ptr + rows[:, None] * WORDS + words[None, :], mask=wmask, other=0)
+        shifts = tl.arange(0, PER) * BITS
+        q = (w[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)  # [BN, BW, PER]
+        cols = words[:, None] * PER + tl.arange(0, PER)[None, :]  # [BW, PER]
+        g = cols // G
+        mask = wmask[:, :, None] & (cols[None, :, :] < K)
+        sp = rows[:, None, None] * (K // G) + g[None, :, :]
+        s = tl.load(s_ptr + sp, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + sp, mask=mask, other=0.0).to(tl.float32)
+        out = q.to(tl.float32) * s + b
+        tl.store(out_ptr + rows[:, None, None] * K + cols[None, :, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize(qw, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """The full weight [N, K] in `dtype`, dequantized by one Triton pass (2/4/8-bit affine)."""
+    n, k, sp = qw.out_features, qw.in_features, qw.spec
+    out = torch.empty(n, k, dtype=dtype, device=qw.packed.device)
+    bn, bw = 16, 32
+    grid = (triton.cdiv(n, bn), triton.cdiv(k * sp.bits // 32, bw))
+    _dequant_kernel[grid](qw.packed, qw.scales, qw.biases, out, n, K=k, BITS=sp.bits,
+                          G=sp.group_size, BLOCK_N=bn, BLOCK_W=bw)
+    return out
+
+
+def linear(qw, x: Tensor) -> Tensor | None:
+    """x [M, K] -> [M, N] by the fastest measured path, or None to use the generic kernels."""
+    m = x.shape[0]
+    if m <= DECODE_MAX_M and qw.i4 is not None:
+        return torch._weight_int4pack_mm(x, qw.i4, qw.spec.group_size, qw.i4_sz)
+    if m > DECODE_MAX_M and qw.compute_dtype != torch.float32 and dequant_supported(qw):
+        return x @ dequantize(qw, x.dtype).t()
+    return None
