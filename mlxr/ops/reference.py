@@ -65,6 +65,7 @@ def attention(
     """Causal GQA attention. q [T, H, D] at positions q_start.., k/v [K, S, D] at k_start...
 
     Key j is visible to query i iff j <= i and (window is None or i - j < window).
+    The cache may hold k/v in a wider dtype than q (float32 on CPU); the math runs in k's dtype.
     Returns [T, H, D] in q's dtype.
     """
     t, h, d = q.shape
@@ -79,12 +80,13 @@ def attention(
     if softcap is None and (t * rep > 64 or q.is_cuda):
         attn_mask = None if bool(mask.all()) else mask.to(q.device)
         out = F.scaled_dot_product_attention(
-            qh[None], k[None], v[None], attn_mask=attn_mask, scale=scale, enable_gqa=h != kh
+            qh[None], k[None].to(q.dtype), v[None].to(q.dtype), attn_mask=attn_mask,
+            scale=scale, enable_gqa=h != kh,
         )[0]
         return out.transpose(0, 1)
     # Few queries (decode): plain batched matmuls per kv head beat the CPU flash kernel, which
     # parallelises over query blocks. q rows of one kv group: [K, rep*T, D].
-    qg = qh.reshape(kh, rep * t, d)
+    qg = qh.reshape(kh, rep * t, d).to(k.dtype)
     scores = torch.bmm(qg * scale, k.transpose(1, 2)).float()  # [K, rep*T, S]
     if softcap is not None:  # gemma2: tanh(s / cap) * cap before the mask
         scores = torch.tanh(scores / softcap) * softcap
@@ -93,7 +95,7 @@ def attention(
         scores = scores.masked_fill(~m, -math.inf)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.bmm(probs, v)  # [K, rep*T, D]
-    return out.reshape(h, t, d).transpose(0, 1)
+    return out.reshape(h, t, d).transpose(0, 1).to(q.dtype)
 
 
 def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
@@ -103,11 +105,11 @@ def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     t, h, d = q.shape
     kh = k.shape[0]
     rep = h // kh
-    qg = q.transpose(0, 1).reshape(kh, rep * t, d)  # rows of one kv group: (rep, T)
+    qg = q.transpose(0, 1).reshape(kh, rep * t, d).to(k.dtype)  # rows of a kv group: (rep, T)
     scores = torch.bmm(qg * scale, k.transpose(1, 2)).float()  # [K, rep*T, S]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     mask = visible if visible.dim() == 1 else visible.repeat(rep, 1)
     scores = scores.masked_fill(~mask, -math.inf)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.bmm(probs, v).reshape(h, t, d).transpose(0, 1)
+    return torch.bmm(probs, v).reshape(h, t, d).transpose(0, 1).to(q.dtype)

@@ -14,12 +14,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU-only install: these paths are never taken
-    triton = None
-
 DECODE_MAX_M = 16
 INNER_K_TILES = 8
 
@@ -44,45 +38,16 @@ def tinygemm_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tenso
 
 def dequant_supported(qw) -> bool:
     sp = qw.spec
-    return triton is not None and sp.mode == "affine" and sp.bits in (2, 4, 8) \
-        and qw.packed is not None
-
-
-if triton is not None:
-
-    @triton.jit
-    def _dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K: tl.constexpr, BITS: tl.constexpr,
-                        G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
-        """out[n, k] = s[n, k // G] * code(n, k) + b[n, k // G] (fp32, rounded once)."""
-        PER: tl.constexpr = 32 // BITS  # codes per 32-bit word
-        WORDS: tl.constexpr = K // PER
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        words = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-        rmask = rows < N
-        wmask = rmask[:, None] & (words[None, :] < WORDS)
-        w = tl.load(w_ptr + rows[:, None] * WORDS + words[None, :], mask=wmask, other=0)
-        shifts = tl.arange(0, PER) * BITS
-        q = (w[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)  # [BN, BW, PER]
-        cols = words[:, None] * PER + tl.arange(0, PER)[None, :]  # [BW, PER]
-        g = cols // G
-        mask = wmask[:, :, None] & (cols[None, :, :] < K)
-        sp = rows[:, None, None] * (K // G) + g[None, :, :]
-        s = tl.load(s_ptr + sp, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + sp, mask=mask, other=0.0).to(tl.float32)
-        out = q.to(tl.float32) * s + b
-        tl.store(out_ptr + rows[:, None, None] * K + cols[None, :, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask)
+    return sp.mode == "affine" and sp.bits in (2, 4, 8) and qw.packed is not None
 
 
 def dequantize(qw, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """The full weight [N, K] in `dtype`, dequantized by one Triton pass (2/4/8-bit affine)."""
-    n, k, sp = qw.out_features, qw.in_features, qw.spec
-    out = torch.empty(n, k, dtype=dtype, device=qw.packed.device)
-    bn, bw = 16, 32
-    grid = (triton.cdiv(n, bn), triton.cdiv(k * sp.bits // 32, bw))
-    _dequant_kernel[grid](qw.packed, qw.scales, qw.biases, out, n, K=k, BITS=sp.bits,
-                          G=sp.group_size, BLOCK_N=bn, BLOCK_W=bw)
-    return out
+    from ..ops.triton_dequant import dequant_affine  # Triton loads only when a GPU uses it
+
+    sp = qw.spec
+    return dequant_affine(qw.packed, qw.scales, qw.biases, qw.in_features, sp.bits,
+                          sp.group_size, dtype)
 
 
 def linear(qw, x: Tensor) -> Tensor | None:
