@@ -144,3 +144,16 @@ def test_long_prompt_prefilled_in_chunks_alone(model):
                                                                   ignore_eos=True))])[0]
     assert len(prompt) > 3 * 16
     assert ids_of(out) == single(model, prompt, 8)
+
+
+def test_engine_default_dtype_batches():
+    """The fast dtype (bf16 compute, float32 KV on CPU) through the batched paged path."""
+    model = mlxr.load(BUNDLED / "stories260K", device="cpu")
+    tok = model.tokenizer
+    engine = LLMEngine(model, max_num_seqs=4, max_num_batched_tokens=8)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    outs = run_all(engine, [EngineRequest(p, params) for p in prompts])
+    for p, o in zip(prompts, outs):
+        assert ids_of(o)[:6] == single(model, p, 6)  # a real model: no near-ties this early
+        assert o[-1].completion_tokens == 12

@@ -144,8 +144,8 @@ class Decoder:
                 kc[:, a:a + n] = k.transpose(0, 1)
                 vc[:, a:a + n] = v.transpose(0, 1)
             else:
-                kc.index_copy_(1, step.write_slots, k.transpose(0, 1))
-                vc.index_copy_(1, step.write_slots, v.transpose(0, 1))
+                kc.index_copy_(1, step.write_slots, k.transpose(0, 1).to(kc.dtype))
+                vc.index_copy_(1, step.write_slots, v.transpose(0, 1).to(vc.dtype))
             window = c.layer_window[i]
             outs, row = [], 0
             for sp in step.spans:
@@ -177,8 +177,8 @@ class Decoder:
 
         def attend(i: int, q, k, v):
             kc, vc = pool.k[i], pool.v[i]
-            kc.index_copy_(1, pos, k.transpose(0, 1))
-            vc.index_copy_(1, pos, v.transpose(0, 1))
+            kc.index_copy_(1, pos, k.transpose(0, 1).to(kc.dtype))
+            vc.index_copy_(1, pos, v.transpose(0, 1).to(vc.dtype))
             window = c.layer_window[i]
             visible = causal if window is None else causal & (pos - key_pos < window)
             return ops.attention_masked(q, kc, vc, visible, c.attn_scale, c.attn_logit_softcap)
