@@ -55,6 +55,38 @@ class Chunk:
     stats: Stats = field(default_factory=Stats)
 
 
+class TextStream:
+    """Sampled tokens -> what to emit: token ids, text (detokenized, stop strings cut and never
+    shown) and, at the end, the finish reason. Shared by the single-request generator and the
+    serving engine, so both stop the same way."""
+
+    def __init__(self, detokenizer, params: SamplingParams, eos_ids: Sequence[int],
+                 max_tokens: int):
+        self.detok, self.max_tokens = detokenizer, max_tokens
+        self.stop_ids = params.stop_token_set(eos_ids)
+        self.stops = StopMatcher(params.stop)
+        self.count = 0
+
+    def _flush(self) -> tuple[str, bool]:
+        text, stopped = self.stops.feed(self.detok.flush() if self.detok is not None else "")
+        return (text if stopped else text + self.stops.flush()), stopped
+
+    def push(self, token: int) -> tuple[list[int], str, str | None]:
+        """(ids to emit, text to emit, finish reason or None) for the next sampled token."""
+        self.count += 1
+        if token in self.stop_ids:
+            # Like mlx-lm, the EOS / stop token itself is not part of the output.
+            return [], self._flush()[0], "stop"
+        piece = self.detok.add(token) if self.detok is not None else ""
+        text, stopped = self.stops.feed(piece)
+        if stopped:
+            return [token], text, "stop"
+        if self.count >= self.max_tokens:
+            more, stopped = self._flush()
+            return [token], text + more, "stop" if stopped else "length"
+        return [token], text, None
+
+
 def check_prompt(prompt_ids: Sequence[int], vocab_size: int, context: int) -> None:
     """Reject empty prompts, ids outside the embedding table and prompts past the context."""
     if len(prompt_ids) == 0:
@@ -74,9 +106,8 @@ def stream_generate(decoder: Decoder, prompt_ids: Sequence[int], params: Samplin
     check_prompt(prompt_ids, c.vocab_size, c.context_length)
     params.validate(c.vocab_size)
     max_tokens = min(params.max_tokens, c.context_length - len(prompt_ids))
-    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
     sampler = Sampler(params, c.vocab_size, device="cpu")
-    stops = StopMatcher(params.stop)
+    out = TextStream(detokenizer, params, eos_ids, max_tokens)
     stats = Stats(prompt_tokens=len(prompt_ids))
     history = [int(i) for i in prompt_ids]
     need = len(history) + max_tokens
@@ -112,24 +143,9 @@ def stream_generate(decoder: Decoder, prompt_ids: Sequence[int], params: Samplin
                 t1 = time.perf_counter()
             stats.generation_tokens = n + 1
             history.append(token)
-            if token in stop_ids:
-                tail = detokenizer.flush() if detokenizer is not None else ""
-                text, _ = stops.feed(tail)
+            ids, text, finish = out.push(token)
+            if finish:
                 stats.decode_s = time.perf_counter() - t1
-                # Like mlx-lm, the EOS / stop token itself is not part of the output.
-                yield Chunk([], text + stops.flush(), "stop", stats)
+            yield Chunk(ids, text, finish, stats)
+            if finish:
                 return
-            piece = detokenizer.add(token) if detokenizer is not None else ""
-            text, stopped = stops.feed(piece)
-            if stopped:
-                stats.decode_s = time.perf_counter() - t1
-                yield Chunk([token], text, "stop", stats)
-                return
-            if n == max_tokens - 1:
-                tail = detokenizer.flush() if detokenizer is not None else ""
-                more, stopped = stops.feed(tail)
-                stats.decode_s = time.perf_counter() - t1
-                yield Chunk([token], text + more + ("" if stopped else stops.flush()),
-                            "stop" if stopped else "length", stats)
-                return
-            yield Chunk([token], text, None, stats)

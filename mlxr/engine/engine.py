@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import MlxrError
-from ..generate import check_prompt
+from ..generate import TextStream, check_prompt
 from ..models.decoder import Step, span_for, write_slots_for
-from ..sampling import Sampler, SamplingParams, StopMatcher
+from ..sampling import Sampler, SamplingParams
 from .kv_cache import BlockManager, KVPool
 from .scheduler import Scheduler, Sequence
 
@@ -63,12 +63,10 @@ class RequestOutput:
 class _Request(Sequence):
     """A Sequence plus what turns its logits into outputs."""
 
-    def __init__(self, req: EngineRequest, sampler: Sampler, detok, stop_ids: set[int],
-                 max_tokens: int, emit: Callable[[RequestOutput], None]):
-        super().__init__(list(req.prompt_ids), len(req.prompt_ids), max_tokens)
-        self.req, self.sampler, self.detok, self.stop_ids, self.emit = (
-            req, sampler, detok, stop_ids, emit)
-        self.stops = StopMatcher(req.params.stop)
+    def __init__(self, req: EngineRequest, sampler: Sampler, out: TextStream,
+                 emit: Callable[[RequestOutput], None]):
+        super().__init__(list(req.prompt_ids), len(req.prompt_ids))
+        self.req, self.sampler, self.out, self.emit = req, sampler, out, emit
         self.prompt_cached = 0
 
 
@@ -128,12 +126,12 @@ class LLMEngine:
         req = EngineRequest(req.prompt_ids, params, req.logprobs, req.logits_processor)
         max_tokens = min(params.max_tokens, c.context_length - len(req.prompt_ids),
                          pool_tokens - len(req.prompt_ids))
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         try:
             detok = self.model.tokenizer.detokenizer(skip_special_tokens=True)
         except (OSError, ValueError):
             detok = None
-        r = _Request(req, Sampler(params, c.vocab_size), detok, stop_ids, max_tokens, emit)
+        out = TextStream(detok, params, self.eos_ids, max_tokens)
+        r = _Request(req, Sampler(params, c.vocab_size), out, emit)
         with self.lock:
             self.scheduler.add(r)
         return r
@@ -200,20 +198,9 @@ class LLMEngine:
                 top = [(int(a), float(b)) for a, b in zip(i, v)]
             lps = [TokenLogprob(token, float(lp[token]), top)]
         seq.token_ids.append(token)
-        finish, text, out_ids = None, "", [token]
-        if token in seq.stop_ids:
-            finish, out_ids, lps = "stop", [], None
-            text = seq.stops.feed(seq.detok.flush() if seq.detok else "")[0] + seq.stops.flush()
-        else:
-            piece = seq.detok.add(token) if seq.detok else ""
-            text, stopped = seq.stops.feed(piece)
-            if stopped:
-                finish = "stop"
-            elif seq.num_generated >= seq.max_tokens:
-                finish = "length"
-                more, stopped = seq.stops.feed(seq.detok.flush() if seq.detok else "")
-                text += more + ("" if stopped else seq.stops.flush())
-                finish = "stop" if stopped else "length"
+        out_ids, text, finish = seq.out.push(token)
+        if not out_ids:
+            lps = None
         if finish:
             with self.lock:
                 self.scheduler.finish(seq)

@@ -24,7 +24,6 @@ class Sequence:
 
     token_ids: list[int]  # prompt + generated
     prompt_len: int
-    max_tokens: int
     id: int = field(default_factory=lambda: next(_ids))
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
@@ -45,7 +44,7 @@ class Sequence:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.blocks = blocks
-        self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -73,7 +72,7 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """The next step: (sequence, number of its pending tokens to compute) pairs."""
-        budget = self.max_tokens
+        budget = self.max_batched_tokens
         batch: list[tuple[Sequence, int]] = []
         # Running sequences first (decodes, then unfinished prefill chunks), oldest first.
         for seq in sorted(self.running, key=lambda s: s.arrival):
