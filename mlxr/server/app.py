@@ -1,5 +1,6 @@
 """The ASGI app: OpenAI routes (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models),
-/health, /metrics and a few Ollama routes, over the batching engine (`mlxr.engine.AsyncEngine`).
+/health, /metrics and the Ollama routes (ollama.py), over the batching engine
+(`mlxr.engine.AsyncEngine`).
 
 Requests are validated and turned into a `Job` (prompt ids, sampling params, grammar, tool and
 reasoning parsing) here; `render.py` turns the engine's outputs into each API's wire format.
@@ -286,7 +287,7 @@ def create_app(state: ServerState, security: SecurityConfig, load_in_background:
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from . import render
+    from . import ollama, render
     from .responses import responses_job
 
     security.check()
@@ -378,19 +379,7 @@ def create_app(state: ServerState, security: SecurityConfig, load_in_background:
         return await serve(request, ResponsesRequest, responses_job, "responses",
                            render.responses_stream, render.responses_full)
 
-    # Ollama
-    @app.get("/api/tags")
-    async def tags():
-        return {"models": [{"name": state.model_id, "model": state.model_id,
-                            "modified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                         time.gmtime(state.created)),
-                            "size": 0, "details": {"format": "mlx"}}]}
-
-    @app.get("/api/version")
-    async def version():
-        from .. import __version__
-        return {"version": __version__}
-
+    ollama.register(app, state, _parse)  # /api/generate, /api/chat, /api/tags, /api/version
     app.add_middleware(SecurityMiddleware, cfg=security)
     return app
 
