@@ -85,7 +85,8 @@ class ModelConfig:
     fused_gate_up: bool = False  # phi3: mlp.gate_up_proj (gate rows first)
     clip_residual_fp16: bool = False  # gemma3: fp16 residual adds clipped to the fp16 range
     layer_rope: tuple[RopeSpec, ...] = field(default=(), repr=False)
-    layer_window: tuple[int | None, ...] = field(default=(), repr=False)  # sliding window per layer (None = global)
+    # sliding window per layer (None = global attention)
+    layer_window: tuple[int | None, ...] = field(default=(), repr=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     quant: QuantConfig | None = None

@@ -143,7 +143,8 @@ def stop() -> str | None:
 
 def instrument(decoder):
     """Wrap `decoder.forward` so each call is a span: "prefill" for the first call on a new
-    cache or a multi-token input, "decode" (with its step number) otherwise. A no-op when tracing is off."""
+    cache or a multi-token input, "decode" (with its step number) otherwise. A no-op when
+    tracing is off."""
     if not ENABLED or getattr(decoder, "_mlxr_traced", False):
         return decoder
     inner = decoder.forward

@@ -36,7 +36,8 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", help="model directory (default: the bundled model)")
     p.add_argument("prompt", nargs="?", help="prompt text ('-' reads standard input)")
-    p.add_argument("--temp", type=float, dest="temperature", help="sampling temperature (0 = greedy)")
+    p.add_argument("--temp", type=float, dest="temperature",
+                   help="sampling temperature (0 = greedy)")
     p.add_argument("--top-p", type=float)
     p.add_argument("--top-k", type=int)
     p.add_argument("--min-p", type=float)

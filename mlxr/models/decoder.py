@@ -77,7 +77,8 @@ class Layer:
     input_norm: torch.Tensor
     qkv: Fused  # -> [N, H*D + 2*K*D]
     o_proj: Linear
-    mlp_norm: torch.Tensor  # post_attention_layernorm (llama) / pre_feedforward_layernorm (gemma2/3)
+    # post_attention_layernorm (llama) / pre_feedforward_layernorm (gemma2/3)
+    mlp_norm: torch.Tensor
     gate_up: Fused  # -> [N, 2F], gate first
     down_proj: Linear
     q_norm: torch.Tensor | None = None
