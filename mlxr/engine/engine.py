@@ -74,7 +74,7 @@ def _kv_blocks(model, block_size: int, max_num_seqs: int, memory_fraction: float
     """Size the KV pool from free memory (capped at what max_num_seqs full contexts need)."""
     c, dev = model.config, model.decoder.device
     per_block = 2 * c.num_layers * c.num_kv_heads * c.head_dim * block_size * \
-        torch.tensor([], dtype=model.decoder.kv_dtype).element_size()
+        torch.tensor([], dtype=model.dtype).element_size()
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         budget = free * (memory_fraction or 0.8)
@@ -103,7 +103,7 @@ class LLMEngine:
         n = num_blocks or _kv_blocks(model, block_size, max_num_seqs, memory_fraction)
         c = model.config
         self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, n, block_size,
-                           self.decoder.kv_dtype, self.decoder.device)
+                           self.decoder.dtype, self.decoder.device)
         self.blocks = BlockManager(n, block_size)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.decoder.device.type == "cuda" else 256

@@ -158,7 +158,7 @@ class SequenceCache:
 
 
 def new_cache(decoder, capacity: int = 256) -> SequenceCache:
-    """A SequenceCache shaped for `decoder` (layers, kv heads, head dim, kv dtype, device)."""
+    """A SequenceCache shaped for `decoder` (layers, kv heads, head dim, dtype, device)."""
     c = decoder.config
-    return SequenceCache(c.num_layers, c.num_kv_heads, c.head_dim, decoder.kv_dtype,
+    return SequenceCache(c.num_layers, c.num_kv_heads, c.head_dim, decoder.dtype,
                          decoder.device, max(1, capacity))
