@@ -157,3 +157,12 @@ def test_engine_default_dtype_batches():
     for p, o in zip(prompts, outs):
         assert ids_of(o)[:6] == single(model, p, 6)  # a real model: no near-ties this early
         assert o[-1].completion_tokens == 12
+
+
+@pytest.mark.parametrize("skip,text", [(True, ""), (False, "<s>")])
+def test_special_tokens_in_text_only_when_asked(model, skip, text):
+    """Tool-call parsing needs special markers in the text; plain chat leaves them out."""
+    engine = LLMEngine(model)
+    params = SamplingParams(max_tokens=1, temperature=0, logit_bias={1: 100.0})  # force <s>
+    out = run_all(engine, [EngineRequest([1, 403], params, skip_special_tokens=skip)])[0]
+    assert ids_of(out) == [1] and "".join(o.text for o in out) == text

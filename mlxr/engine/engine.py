@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -41,12 +41,15 @@ class TokenLogprob:
 @dataclass
 class EngineRequest:
     """What a client asks for: prompt ids, sampling, optional logprobs and a logits processor
-    (e.g. a grammar mask: f(generated_ids, logits [V] float32) -> logits)."""
+    (e.g. a grammar mask: f(generated_ids, logits [V] float32) -> logits). Special tokens are
+    left out of the text unless asked for (tool-call parsers need markers such as Mistral's
+    [TOOL_CALLS] or Llama's <|python_tag|>)."""
 
     prompt_ids: list[int]
     params: SamplingParams
     logprobs: int | None = None
     logits_processor: Callable | None = None
+    skip_special_tokens: bool = True
 
 
 @dataclass
@@ -123,11 +126,11 @@ class LLMEngine:
                             f"{pool_tokens}")
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise MlxrError("logprobs must be between 0 and 20")
-        req = EngineRequest(req.prompt_ids, params, req.logprobs, req.logits_processor)
+        req = replace(req, params=params)
         max_tokens = min(params.max_tokens, c.context_length - len(req.prompt_ids),
                          pool_tokens - len(req.prompt_ids))
         try:
-            detok = self.model.tokenizer.detokenizer(skip_special_tokens=True)
+            detok = self.model.tokenizer.detokenizer(req.skip_special_tokens)
         except (OSError, ValueError):
             detok = None
         out = TextStream(detok, params, self.eos_ids, max_tokens)

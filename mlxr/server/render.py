@@ -73,7 +73,8 @@ async def start(state, engine, job, route: str) -> Gen:
     g = Gen(state, job, route)
     g.agen = engine.generate(EngineRequest(prompt_ids=job.prompt_ids, params=job.params,
                                            logprobs=job.logprobs,
-                                           logits_processor=job.processor))
+                                           logits_processor=job.processor,
+                                           skip_special_tokens=job.family is None))
     try:
         g.head = await g.agen.__anext__()
     except StopAsyncIteration:
