@@ -34,14 +34,12 @@ class Embedding:
 
     def __init__(self, weight: torch.Tensor | QuantWeight):
         self.weight = weight
+        self.as_linear = Linear(weight)  # x [N, E] -> logits [N, V]
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, QuantWeight):
             return self.weight.embed(ids)
         return self.weight[ids]
-
-    def as_linear(self, x: torch.Tensor) -> torch.Tensor:
-        return Linear(self.weight)(x)
 
 
 def rope_inv_freq(spec: RopeSpec, seq_len: int) -> tuple[torch.Tensor, float]:

@@ -15,16 +15,13 @@ from ..layers import Embedding, Linear, Rope
 
 
 class Fused:
-    """Several projections of the same input: one Linear when their weights could be stacked at
-    load (one matmul), else a list whose outputs are concatenated. Output [N, sum(sizes)]."""
+    """Projections of the same input whose weights could not be stacked at load (different
+    storage formats, e.g. an 8-bit v_proj beside 4-bit q/k): outputs concatenated."""
 
     def __init__(self, parts: list[Linear]):
         self.parts = parts
-        self.sizes = [p.out_features for p in parts]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if len(self.parts) == 1:
-            return self.parts[0](x)
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
@@ -75,11 +72,11 @@ class Layer:
     """Weights of one block. Norm weights are [E] (q/k norms [D]) in the compute dtype."""
 
     input_norm: torch.Tensor
-    qkv: Fused  # -> [N, H*D + 2*K*D]
+    qkv: Linear | Fused  # -> [N, H*D + 2*K*D]
     o_proj: Linear
     # post_attention_layernorm (llama) / pre_feedforward_layernorm (gemma2/3)
     mlp_norm: torch.Tensor
-    gate_up: Fused  # -> [N, 2F], gate first
+    gate_up: Linear | Fused  # -> [N, 2F], gate first
     down_proj: Linear
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None

@@ -213,9 +213,7 @@ def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
     b = _Builder(ckpt, c, dtype, device, dry_run)
 
     def linear(*paths: str) -> Linear | Fused:
-        parts = [(p, *table[p][1:]) for p in paths]
-        lin = b.linear(parts)
-        return lin if len(paths) == 1 or isinstance(lin, Fused) else Fused([lin])
+        return b.linear([(p, *table[p][1:]) for p in paths])
 
     def norm(path: str) -> torch.Tensor:
         return b.float_tensor(path + ".weight", (table[path][1],))
