@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import ContextLengthError
+from . import trace
 from .engine.cuda_graph import GraphCache
 from .engine.kv_cache import new_cache
 from .models.decoder import Decoder
@@ -120,19 +121,27 @@ def stream_generate(decoder: Decoder, prompt_ids: Sequence[int], params: Samplin
         not params.frequency_penalty)
 
     def tokens():
-        """Sampled tokens; the consumer appends each to `history` before asking for the next."""
-        logits = decoder.forward(torch.tensor(history), cache, last_only=True)[0]
-        token = sampler(logits.cpu(), history)
+        """Sampled tokens; the consumer appends each to `history` before asking for the next.
+        With MLXR_TRACE set, the prefill and every decode step are trace spans."""
+        with trace.span("prefill", {"tokens": len(history)}):
+            logits = decoder.forward(torch.tensor(history), cache, last_only=True)[0]
+            token = sampler(logits.cpu(), history)
         yield token
         if graph is not None and greedy:
-            yield from graph.greedy(token, len(history) - 1, max_tokens - 1)
-            return
+            steps = graph.greedy(token, len(history) - 1, max_tokens - 1)
+            while True:
+                with trace.span("decode"):
+                    token = next(steps, None)
+                if token is None:
+                    return
+                yield token
         for _ in range(max_tokens - 1):
-            if graph is not None:
-                logits = graph.logits_for(token, len(history) - 1)
-            else:
-                logits = decoder.forward(torch.tensor([token]), cache, last_only=True)[0]
-            token = sampler(logits.cpu(), history)
+            with trace.span("decode"):
+                if graph is not None:
+                    logits = graph.logits_for(token, len(history) - 1)
+                else:
+                    logits = decoder.forward(torch.tensor([token]), cache, last_only=True)[0]
+                token = sampler(logits.cpu(), history)
             yield token
 
     t0 = time.perf_counter()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .. import trace
 from ..errors import MlxrError
 from ..generate import TextStream, check_prompt
 from ..models.decoder import Step, span_for, write_slots_for
@@ -178,7 +179,8 @@ class LLMEngine:
                 sp.slots = sp.slots.to(dev)
         step = Step(spans, torch.tensor(slots, dtype=torch.long, device=dev),
                     torch.tensor(rows, dtype=torch.long, device=dev))
-        with torch.inference_mode():
+        with torch.inference_mode(), trace.span("step", {"sequences": len(batch),
+                                                         "tokens": len(ids)}):
             logits = self.decoder.forward_step(torch.tensor(ids), step, self.pool)
         logits = logits.cpu()
         for seq, n in batch:
