@@ -122,10 +122,10 @@ def stream_generate(decoder: Decoder, prompt_ids: Sequence[int], params: Samplin
 
     def tokens():
         """Sampled tokens; the consumer appends each to `history` before asking for the next.
-        With MLXR_TRACE set, the prefill and every decode step are trace spans."""
-        with trace.span("prefill", {"tokens": len(history)}):
-            logits = decoder.forward(torch.tensor(history), cache, last_only=True)[0]
-            token = sampler(logits.cpu(), history)
+        With MLXR_TRACE set, `decoder.forward` calls are spans (mlxr.load instruments it) and
+        so is each CUDA-graph decode step here."""
+        logits = decoder.forward(torch.tensor(history), cache, last_only=True)[0]
+        token = sampler(logits.cpu(), history)
         yield token
         if graph is not None and greedy:
             steps = graph.greedy(token, len(history) - 1, max_tokens - 1)
@@ -136,12 +136,12 @@ def stream_generate(decoder: Decoder, prompt_ids: Sequence[int], params: Samplin
                     return
                 yield token
         for _ in range(max_tokens - 1):
-            with trace.span("decode"):
-                if graph is not None:
+            if graph is not None:
+                with trace.span("decode"):
                     logits = graph.logits_for(token, len(history) - 1)
-                else:
-                    logits = decoder.forward(torch.tensor([token]), cache, last_only=True)[0]
-                token = sampler(logits.cpu(), history)
+            else:
+                logits = decoder.forward(torch.tensor([token]), cache, last_only=True)[0]
+            token = sampler(logits.cpu(), history)
             yield token
 
     t0 = time.perf_counter()

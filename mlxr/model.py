@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from . import trace
 from .checkpoint import open_checkpoint
 from .config import ModelConfig, load_config
 from .errors import ModelFormatError
@@ -129,6 +130,7 @@ def load(path: str | Path, device: str | torch.device | None = None,
     config, gen = load_config(path)
     with open_checkpoint(path) as ckpt:
         decoder = build_decoder(ckpt, config, dt, dev)
+    trace.instrument(decoder)  # prefill/decode spans when MLXR_TRACE is set; else a no-op
     return Model(path, config, gen, decoder, dt, dev)
 
 
