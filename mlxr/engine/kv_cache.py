@@ -121,10 +121,6 @@ class BlockManager:
         seq.block_table.clear()
         seq.num_cached_tokens = 0
 
-    def can_append(self, seq) -> bool:
-        """Room for one more token (a new block is needed when the last one is full)."""
-        return len(seq.token_ids) <= len(seq.block_table) * self.block_size or self.num_free > 0
-
     def append(self, seq) -> None:
         """Allocate a block when the token just appended to `seq.token_ids` starts one."""
         if len(seq.token_ids) > len(seq.block_table) * self.block_size:
