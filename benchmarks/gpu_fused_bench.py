@@ -25,54 +25,22 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
 import torch
+from gpu_timing import L2_BYTES, graph_time_us
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mlxr.ops import reference as R
 from mlxr.ops import triton_fused as F
 
-L2_BYTES = 50 << 20
 MODELS = {  # name: E, H, K, D, F
     "qwen3-0.6b": (1024, 16, 8, 128, 3072),
     "llama-8b": (4096, 32, 8, 128, 14336),
 }
 SEQS = {"qwen3-0.6b": (1024, 8192, 32768), "llama-8b": (1024, 8192)}
-
-
-def graph_time_us(fns, reps: int = 15) -> float:
-    """Median time per call of a CUDA graph holding all fns."""
-    for f in fns:
-        f()  # compile / warm up outside capture
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(a.elapsed_time(e) * 1000.0 / len(fns))
-    del g
-    return statistics.median(times)
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:

@@ -24,17 +24,16 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
 import torch
+from gpu_timing import L2_BYTES, graph_time_us
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mlxr.ops import triton_qmm as T
 
-L2_BYTES = 50 << 20
 
 LLAMA8B = [("8B qkv", 6144, 4096), ("8B o", 4096, 4096), ("8B gate_up", 28672, 4096),
            ("8B down", 4096, 14336), ("8B lm_head", 128256, 4096)]
@@ -73,37 +72,6 @@ def make_weight(n: int, k: int, f, dev, gen):
 
 def weight_bytes(w, s, b) -> int:
     return sum(t.numel() * t.element_size() for t in (w, s, b) if t is not None)
-
-
-def graph_time_us(fns, reps: int = 15) -> float:
-    """Median time per call of a CUDA graph holding all fns (each one launch)."""
-    for f in fns:
-        f()  # warm-up / autotune outside capture
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:  # one eager pass on a side stream (allocator warm-up before capture)
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(a.elapsed_time(e) * 1000.0 / len(fns))
-    del g
-    return statistics.median(times)
 
 
 def copies_for(nbytes: int) -> int:

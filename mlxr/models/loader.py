@@ -174,10 +174,12 @@ class _Builder:
         """One Linear for projections of the same input, stacked along the output dim (one
         matmul instead of several) when they share a storage format."""
         ws = [self.weight(path, out, inp) for path, out, inp, _ in parts]
-        bs = [self.float_tensor(path + ".bias", (out,)) if bias else
-              torch.zeros(out, dtype=self.dtype, device=self.device)
-              for path, out, inp, bias in parts]
-        bias = torch.cat(bs) if any(p[3] for p in parts) else None
+        bs: list = [None] * len(parts)
+        if any(p[3] for p in parts):  # a part without a bias contributes zeros
+            bs = [self.float_tensor(path + ".bias", (out,)) if has else
+                  torch.zeros(out, dtype=self.dtype, device=self.device)
+                  for path, out, _, has in parts]
+        bias = None if bs[0] is None else torch.cat(bs)
         if len(ws) == 1:
             return Linear(ws[0] if isinstance(ws[0], torch.Tensor) else self.quant(ws[0]), bias)
         if all(isinstance(w, torch.Tensor) for w in ws):
@@ -188,8 +190,8 @@ class _Builder:
                            None if ws[0].biases is None else torch.cat([w.biases for w in ws]),
                            ws[0].spec, None)
             return Linear(self.quant(cat), bias)
-        return Fused([Linear(w if isinstance(w, torch.Tensor) else self.quant(w),
-                             None if bias is None else b) for w, b in zip(ws, bs)])
+        return Fused([Linear(w if isinstance(w, torch.Tensor) else self.quant(w), b)
+                      for w, b in zip(ws, bs)])
 
 
 def check_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> None:

@@ -457,6 +457,18 @@ def _split_k(n_tiles: int, k: int, dev: torch.device, forced: int | None) -> int
     return split
 
 
+def _out(m: int, n: int, split: int, odt: torch.dtype, dev) -> tuple[Tensor, int]:
+    """The output [M, N], or fp32 split-K partials [split, M, N] (summed by `_finish`), and the
+    partials' stride."""
+    if split == 1:
+        return torch.empty(m, n, device=dev, dtype=odt), 0
+    return torch.empty(split, m, n, device=dev, dtype=torch.float32), m * n
+
+
+def _finish(y: Tensor, split: int, odt: torch.dtype) -> Tensor:
+    return y.sum(0).to(odt) if split > 1 else y
+
+
 def qgemv(x: Tensor, w: Tensor, s: Tensor, b: Tensor | None, gs: Tensor | None, *, mode: str,
           bits: int, group: int, out_dtype: torch.dtype | None = None,
           split_k: int | None = None) -> Tensor:
@@ -468,21 +480,14 @@ def qgemv(x: Tensor, w: Tensor, s: Tensor, b: Tensor | None, gs: Tensor | None, 
     mp = _next_pow2(max(m, 1))
     split = _split_k(-(-n // 16), k, x.device, split_k)
     odt = out_dtype or x.dtype
-    if split == 1:
-        y = torch.empty(m, n, device=x.device, dtype=odt)
-        ys = 0
-    else:
-        y = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-        ys = m * n
+    y, ys = _out(m, n, split, odt, x.device)
     dummy = s
     kern = _tuned("gemv")
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)
     kern[grid](x, w, s, b if b is not None else dummy, gs if gs is not None else dummy, y,
                m, n, x.stride(0), n, ys, K=k, BITS=bits, GROUP=group, MODE=MODES[mode],
                HAS_GS=gs is not None, PER=unit_codes(bits), MP=mp, SPLIT_K=split)
-    if split > 1:
-        y = y.sum(0).to(odt)
-    return y
+    return _finish(y, split, odt)
 
 
 def qgemm(x: Tensor, w: Tensor, s: Tensor, b: Tensor | None, gs: Tensor | None, *, mode: str,
@@ -497,12 +502,7 @@ def qgemm(x: Tensor, w: Tensor, s: Tensor, b: Tensor | None, gs: Tensor | None, 
     # split-K only for the small-M buckets, where the grid is just N tiles
     split = _split_k(-(-n // 64), k, x.device, split_k) if mb <= 16 else (split_k or 1)
     odt = out_dtype or x.dtype
-    if split == 1:
-        y = torch.empty(m, n, device=x.device, dtype=odt)
-        ys = 0
-    else:
-        y = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-        ys = m * n
+    y, ys = _out(m, n, split, odt, x.device)
     dummy = s
     kern = _tuned("gemm")
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),
@@ -511,9 +511,7 @@ def qgemm(x: Tensor, w: Tensor, s: Tensor, b: Tensor | None, gs: Tensor | None, 
                m, n, x.stride(0), n, ys, K=k, BITS=bits, GROUP=group, MODE=MODES[mode],
                HAS_GS=gs is not None, SPLIT_K=split, DOT_IEEE=x.dtype == torch.float32 or _interpret(),
                M_BUCKET=mb)
-    if split > 1:
-        y = y.sum(0).to(odt)
-    return y
+    return _finish(y, split, odt)
 
 
 def qmatmul(x: Tensor, qw, out_dtype: torch.dtype | None = None) -> Tensor:

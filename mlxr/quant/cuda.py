@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import int4pack
+
 DECODE_MAX_M = 16
 INNER_K_TILES = 8
 
@@ -30,10 +32,7 @@ def tinygemm_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tenso
     b = packed.contiguous().view(torch.uint8)  # element 2j in the low nibble of byte j
     swapped = ((b << 4) | (b >> 4)).contiguous()  # torch wants element 2j in the high nibble
     w = torch._convert_weight_to_int4pack(swapped, INNER_K_TILES)
-    s = scales.to(torch.float32)
-    z = biases.to(torch.float32) + 8.0 * s
-    sz = torch.stack([s, z], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    return w, sz
+    return w, int4pack.scales_and_zeros(scales, biases)  # same (q - 8) * s + z form as the CPU
 
 
 def dequant_supported(qw) -> bool:
