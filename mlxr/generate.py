@@ -116,9 +116,6 @@ def stream_generate(decoder: Decoder, prompt_ids: Sequence[int], params: Samplin
         cache, graph = _graphs.setdefault(decoder, GraphCache()).get(decoder, need, new_cache)
     else:
         cache, graph = new_cache(decoder, need), None
-    greedy = params.temperature == 0 and not params.logit_bias and (
-        params.repetition_penalty in (None, 1.0)) and not params.presence_penalty and (
-        not params.frequency_penalty)
 
     def tokens():
         """Sampled tokens; the consumer appends each to `history` before asking for the next.
@@ -127,7 +124,7 @@ def stream_generate(decoder: Decoder, prompt_ids: Sequence[int], params: Samplin
         logits = decoder.forward(torch.tensor(history), cache, last_only=True)[0]
         token = sampler(logits.cpu(), history)
         yield token
-        if graph is not None and greedy:
+        if graph is not None and sampler.plain_argmax:
             steps = graph.greedy(token, len(history) - 1, max_tokens - 1)
             while True:
                 with trace.span("decode"):

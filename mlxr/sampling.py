@@ -286,6 +286,14 @@ class Sampler:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def plain_argmax(self) -> bool:
+        """Greedy with nothing applied before the argmax (no bias, no penalties): the token is
+        the argmax of the raw logits, so it can be chosen where the logits are (on the GPU)."""
+        p = self.params
+        return (self.greedy and self._bias_ids is None and self.rep_penalty is None
+                and not p.presence_penalty and not p.frequency_penalty)
+
     def _ids(self, token_ids: Sequence[int]) -> Tensor:
         t = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1).to(self.device)
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):

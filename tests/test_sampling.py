@@ -474,3 +474,16 @@ def test_stop_matcher_chunking_invariant():
         ends = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
         expected = (text[: min(ends)[1]], True) if ends else (text, False)
         assert ref == expected, text
+
+
+def test_plain_argmax_only_without_logit_processing():
+    from mlxr.sampling import Sampler, SamplingParams
+
+    assert Sampler(SamplingParams(temperature=0), 8).plain_argmax
+    assert Sampler(SamplingParams(), 8).plain_argmax  # unset temperature is greedy
+    for kw in ({"temperature": 0.7}, {"temperature": 0, "logit_bias": {1: 2.0}},
+               {"temperature": 0, "repetition_penalty": 1.1},
+               {"temperature": 0, "presence_penalty": 0.5},
+               {"temperature": 0, "frequency_penalty": 0.5}):
+        assert not Sampler(SamplingParams(**kw), 8).plain_argmax, kw
+    assert Sampler(SamplingParams(temperature=0, repetition_penalty=1.0), 8).plain_argmax
