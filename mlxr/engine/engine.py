@@ -18,6 +18,7 @@ from ..errors import MlxrError
 from ..generate import TextStream, check_prompt
 from ..models.decoder import Step, span_for, write_slots_for
 from ..sampling import Sampler, SamplingParams
+from .decode_graphs import PagedDecodeRunner, supported
 from .kv_cache import BlockManager, KVPool
 from .scheduler import Scheduler, Sequence
 
@@ -95,18 +96,31 @@ def _kv_blocks(model, block_size: int, max_num_seqs: int, memory_fraction: float
 
 
 class LLMEngine:
-    """Continuous batching over one model (synchronous; AsyncEngine drives it from a thread)."""
+    """Continuous batching over one model (synchronous; AsyncEngine drives it from a thread).
+
+    Steps in which every scheduled sequence decodes one token run through a PagedDecodeRunner
+    (`paged_decode`: None = on CUDA where the step can be captured in graphs, True = also
+    eagerly elsewhere, for tests); other steps (prefill chunks) run `Decoder.forward_step`."""
 
     def __init__(self, model, max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None,
-                 memory_fraction: float | None = None):
+                 memory_fraction: float | None = None, paged_decode: bool | None = None):
         self.model, self.decoder = model, model.decoder
         self.block_size = block_size
         n = num_blocks or _kv_blocks(model, block_size, max_num_seqs, memory_fraction)
         c = model.config
-        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, n, block_size,
+        capture = supported(self.decoder)
+        use_paged = capture if paged_decode is None else paged_decode
+        # one extra block when decoding in buckets: the padding rows' trash block
+        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, n + use_paged, block_size,
                            self.decoder.dtype, self.decoder.device)
         self.blocks = BlockManager(n, block_size)
+        self.paged = None
+        if use_paged:
+            with torch.inference_mode():
+                self.paged = PagedDecodeRunner(self.decoder, self.pool, n, max_num_seqs,
+                                               min(c.context_length, n * block_size),
+                                               capture and paged_decode is not False)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.decoder.device.type == "cuda" else 256
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
@@ -119,7 +133,7 @@ class LLMEngine:
         params = self.model.sampling_params(req.params)
         params.validate(c.vocab_size)
         check_prompt(req.prompt_ids, c.vocab_size, c.context_length)
-        pool_tokens = self.pool.num_blocks * self.block_size
+        pool_tokens = len(self.blocks.blocks) * self.block_size
         if len(req.prompt_ids) >= pool_tokens:
             raise MlxrError(f"the prompt has {len(req.prompt_ids)} tokens; the KV cache holds "
                             f"{pool_tokens}")
@@ -160,6 +174,10 @@ class LLMEngine:
             batch = self.scheduler.schedule()
         if not batch:
             return
+        if self.paged is not None and all(n == 1 and s.num_computed + 1 == len(s.token_ids)
+                                          for s, n in batch):
+            self._decode_step([s for s, _ in batch])
+            return
         ids, spans, slots, rows, sampling = [], [], [], [], []
         for seq, n in batch:
             start = seq.num_computed
@@ -187,12 +205,31 @@ class LLMEngine:
         for row, seq in enumerate(sampling):
             self._emit_token(seq, logits[row])
 
-    def _emit_token(self, seq: _Request, logits: torch.Tensor) -> None:
-        generated = seq.token_ids[seq.prompt_len:]
-        if seq.req.logits_processor is not None:
-            logits = seq.req.logits_processor(generated, logits)
-        token = seq.sampler(logits, seq.token_ids)
+    def _decode_step(self, seqs: list[_Request]) -> None:
+        """One token for each sequence through the paged decode runner: plain-greedy rows take
+        the argmax chosen on the device; the others get their logits row on the host."""
+        host = [not (s.sampler.plain_argmax and s.req.logits_processor is None
+                     and s.req.logprobs is None) for s in seqs]
+        with torch.inference_mode(), trace.span("decode", {"sequences": len(seqs)}):
+            greedy, logits = self.paged.run(seqs, host)
+        for seq in seqs:
+            seq.num_computed += 1
+            self.blocks.register(seq, seq.num_computed)
+        for row, seq in enumerate(seqs):
+            if host[row]:
+                self._emit_token(seq, logits[row])
+            else:
+                self._emit_token(seq, None, greedy[row])
+
+    def _emit_token(self, seq: _Request, logits: torch.Tensor | None,
+                    token: int | None = None) -> None:
+        """Sample from `logits` [V] (or take `token`, chosen on the device) and emit it."""
         lps = None
+        if token is None:
+            generated = seq.token_ids[seq.prompt_len:]
+            if seq.req.logits_processor is not None:
+                logits = seq.req.logits_processor(generated, logits)
+            token = seq.sampler(logits, seq.token_ids)
         if seq.req.logprobs is not None:
             lp = torch.log_softmax(logits.float(), dim=-1)
             top = []

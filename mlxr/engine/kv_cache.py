@@ -118,7 +118,7 @@ class BlockManager:
             b.ref_count -= 1
             if b.ref_count == 0:
                 self.free.append(block_id)
-        seq.block_table.clear()
+        seq.block_table = []  # a new list: holders of the old one (decode tables) see the change
         seq.num_cached_tokens = 0
 
     def append(self, seq) -> None:

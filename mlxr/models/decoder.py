@@ -180,6 +180,27 @@ class Decoder:
 
         return self._run(ids, step_tables, attend, None)
 
+    def forward_paged(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                      block_tables: torch.Tensor, ctx_lens: torch.Tensor, pool,
+                      tables: dict) -> torch.Tensor:
+        """One decode token for each of B sequences of a paged pool, every shape fixed and every
+        index on the device (the serving engine captures it per batch bucket). ids, pos, slots
+        [B] long (token, its position, its cache slot); block_tables [B, W] int32; ctx_lens [B]
+        = pos + 1; tables: rope spec id -> (cos, sin) [positions, R]. Returns logits
+        float32 [B, V]."""
+        c = self.config
+        step_tables = {k: (cs.index_select(0, pos), sn.index_select(0, pos))
+                       for k, (cs, sn) in tables.items()}
+
+        def attend(i: int, q, k, v):
+            kc, vc = pool.k[i], pool.v[i]
+            kc.index_copy_(1, slots, k.transpose(0, 1))
+            vc.index_copy_(1, slots, v.transpose(0, 1))
+            return ops.paged_attention(q, kc, vc, block_tables, ctx_lens, pool.block_size,
+                                       c.attn_scale, c.layer_window[i], c.attn_logit_softcap)
+
+        return self._run(ids, step_tables, attend, None)
+
     def _run(self, ids: torch.Tensor, tables: dict, attend, rows) -> torch.Tensor:
         """Embedding, the layers (attention through `attend(layer, q, k, v) -> [N, H, D]`),
         final norm and LM head (only for `rows` of N if given). Returns logits float32."""

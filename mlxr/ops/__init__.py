@@ -3,12 +3,15 @@
 `mlxr.ops.reference` holds the plain-torch versions (the spec, the CPU path, the test oracle).
 On CUDA tensors, with triton importable and MLXR_KERNELS != "torch" (read at each call), the
 per-layer ops run as one Triton launch each (`mlxr.ops.triton_fused`), behind the same
-signatures. `attention` (eager, host positions) always runs the reference.
+signatures; `paged_attention` (the batched decode step over the paged cache) runs
+`mlxr.ops.triton_paged`. `attention` (eager, host positions) always runs the reference.
 """
 
 from __future__ import annotations
 
 import os
+
+import torch
 
 from . import reference
 from .reference import attention
@@ -57,4 +60,20 @@ def attention_masked(q, k, v, visible, scale: float, softcap: float | None = Non
     return reference.attention_masked(q, k, v, visible, scale, softcap)
 
 
-__all__ = ["attention", "attention_masked", "gated_act", "rms_norm", "rope"]
+def paged_attention(q, k, v, block_tables, ctx_lens, block_size: int, scale: float,
+                    window: int | None = None, softcap: float | None = None):
+    """Decode attention of B sequences over a paged cache (see reference.paged_attention)."""
+    if _fast(q):
+        from .triton_paged import paged_attention as fast
+        return fast(q, k, v, block_tables, ctx_lens, block_size, scale, window, softcap)
+    return reference.paged_attention(q, k, v, block_tables, ctx_lens, block_size, scale, window,
+                                     softcap)
+
+
+def fast_kernels(device) -> bool:
+    """Whether ops on `device` run as Triton kernels (every op capturable in a CUDA graph)."""
+    return _fast(torch.empty(0, device=device))
+
+
+__all__ = ["attention", "attention_masked", "fast_kernels", "gated_act", "paged_attention",
+           "rms_norm", "rope"]

@@ -119,3 +119,24 @@ def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     scores = scores.masked_fill(~mask, -math.inf)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.bmm(probs, v).reshape(h, t, d).transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    block_tables: torch.Tensor, ctx_lens: torch.Tensor, block_size: int,
+                    scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """Decode attention over a paged KV cache, one new token per sequence.
+
+    q [B, H, D]: row b is the token at position ctx_lens[b] - 1 of sequence b (ctx_lens [B] >= 1).
+    Position p of sequence b lives in cache slot block_tables[b, p // block_size] * block_size
+    + p % block_size of k/v [K, slots, D]; the token sees positions [max(0, n - window), n).
+    Returns [B, H, D] in q's dtype, row by row exactly as `attention` computes it."""
+    outs = []
+    tables = block_tables.cpu().long()
+    for b, n in enumerate(ctx_lens.tolist()):
+        lo = 0 if window is None else max(0, n - window)
+        p = torch.arange(lo, n)
+        slots = (tables[b, p // block_size] * block_size + p % block_size).to(k.device)
+        outs.append(attention(q[b:b + 1], k.index_select(1, slots), v.index_select(1, slots),
+                              n - 1, lo, scale, window, softcap))
+    return torch.cat(outs) if outs else q.new_empty(q.shape)

@@ -1,0 +1,173 @@
+"""Triton decode attention over the paged KV cache: one new token for each of B sequences.
+
+The serving engine's decode step (`Decoder.forward_paged`, captured in a CUDA graph per batch
+bucket) cannot slice each sequence's context on the host, so this kernel reads it through the
+block table. Grid (sequence, kv head, split of the context): a program holds the REP query heads
+of its kv group (padded to 16 rows for tl.dot) so each K/V tile is read once, walks the tiles of
+BLOCK_S positions its split owns with an online softmax (exp2 domain, fp32), and gathers each
+tile's slots as block_tables[b, p // block_size] * block_size + p % block_size. The context
+length is read on the device, so the loop bound is a runtime value (a while loop: the tiles of a
+short sequence cost nothing however large the captured capacity). Splits exist for small
+batches (few programs, long contexts); their fp32 partials are merged by `_paged_combine_kernel`.
+Numerics follow `triton_fused.attention_masked` (scores and softmax in fp32, p rounded to v's
+dtype for the P.V dot); `reference.paged_attention` is the spec.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+LOG2E = 1.4426950408889634
+TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, o_ptr, pacc_ptr, pml_ptr,
+                       sq0, sq1, sk0, sk1, sv0, sv1, stab, window, qk_scale, inv_cap, cap2,
+                       REP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                       NSPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                       SINGLE: tl.constexpr, DOT_F32: tl.constexpr):
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    sp = tl.program_id(2)
+    r = tl.arange(0, BLOCK_M)
+    rmask = r < REP
+    head = g * REP + r
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    qm = rmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + b.to(tl.int64) * sq0 + head.to(tl.int64)[:, None] * sq1 + d[None, :],
+                mask=qm, other=0.0)
+    n = tl.load(len_ptr + b)
+    lo = n * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(n - window, 0)
+    t_lo = lo // BLOCK_S
+    t_hi = tl.cdiv(n, BLOCK_S)
+    per = tl.cdiv(t_hi - t_lo, NSPLIT)
+    t = t_lo + sp * per
+    t_end = tl.minimum(t + per, t_hi)
+    kbase = k_ptr + g.to(tl.int64) * sk0
+    vbase = v_ptr + g.to(tl.int64) * sv0
+    tab = tab_ptr + b.to(tl.int64) * stab
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    while t < t_end:
+        pos = t * BLOCK_S + tl.arange(0, BLOCK_S)
+        valid = (pos >= lo) & (pos < n)
+        blk = tl.load(tab + pos // BS, mask=valid, other=0)
+        slot = (blk.to(tl.int64) * BS + pos % BS)[:, None]
+        km = valid[:, None] & dmask[None, :]
+        k = tl.load(kbase + slot * sk1 + d[None, :], mask=km, other=0.0)
+        if DOT_F32:  # fp32 inputs, or the interpreter (its bf16 dot is broken)
+            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        if SOFTCAP:  # cap * tanh(s / cap), tanh(z) = 1 - 2 / (exp(2z) + 1); log2 units
+            z2 = sc * inv_cap
+            sc = cap2 - 2.0 * cap2 / (tl.exp2(z2) + 1.0)
+        else:
+            sc = sc * qk_scale
+        sc = tl.where(valid[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(sc - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vbase + slot * sv1 + d[None, :], mask=km, other=0.0)
+        pv = p.to(v.dtype)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(pv.to(tl.float32), v.to(tl.float32),
+                                                input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pv, v)
+        m_i = m_new
+        t += 1
+    if SINGLE:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        optr = o_ptr + (b.to(tl.int64) * H + head[:, None]) * D + d[None, :]
+        tl.store(optr, out.to(o_ptr.dtype.element_ty), mask=qm)
+    else:
+        prow = ((b.to(tl.int64) * tl.num_programs(1) + g) * NSPLIT + sp) * REP + r
+        tl.store(pacc_ptr + prow[:, None] * D + d[None, :], acc, mask=qm)
+        tl.store(pml_ptr + prow * 2, m_i, mask=rmask)
+        tl.store(pml_ptr + prow * 2 + 1, l_i, mask=rmask)
+
+
+@triton.jit
+def _paged_combine_kernel(pacc_ptr, pml_ptr, o_ptr, REP: tl.constexpr, H: tl.constexpr,
+                          D: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)  # b * H + head
+    b = pid // H
+    head = pid % H
+    g = head // REP
+    j = tl.arange(0, BLOCK_N)
+    jm = j < NSPLIT
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    prow = ((b.to(tl.int64) * (H // REP) + g) * NSPLIT + j) * REP + head % REP
+    m = tl.load(pml_ptr + prow * 2, mask=jm, other=float("-inf"))
+    lsum = tl.load(pml_ptr + prow * 2 + 1, mask=jm, other=0.0)
+    mx = tl.max(m, axis=0)
+    w = tl.exp2(m - tl.where(mx == float("-inf"), 0.0, mx))  # 0 for empty splits
+    l_tot = tl.sum(w * lsum, axis=0)
+    acc = tl.load(pacc_ptr + prow[:, None] * D + d[None, :], mask=jm[:, None] & dmask[None, :],
+                  other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(l_tot > 0.0, l_tot, 1.0)
+    tl.store(o_ptr + pid.to(tl.int64) * D + d, out.to(o_ptr.dtype.element_ty), mask=dmask)
+
+
+def _p2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def paged_attention(q: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, ctx_lens: Tensor,
+                    block_size: int, scale: float, window: int | None = None,
+                    softcap: float | None = None, splits: int | None = None) -> Tensor:
+    """See `mlxr.ops.reference.paged_attention`; `splits` overrides the split policy (tests).
+    block_tables [B, W] and ctx_lens [B] are int32 or int64 on q's device."""
+    bsz, h, d = q.shape
+    kh = k.shape[0]
+    rep = h // kh
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    out = torch.empty((bsz, h, d), dtype=q.dtype, device=q.device)
+    if bsz == 0:
+        return out
+    block_d = max(16, _p2(d))
+    block_s = 64 if block_d <= 128 else 32
+    if splits is None:
+        splits = min(MAX_SPLITS, max(1, triton.cdiv(TARGET_PROGRAMS, bsz * kh)))
+    single = splits == 1
+    if single:
+        pacc = pml = out  # unused
+    else:
+        pacc = torch.empty((bsz * kh * splits * rep, d), dtype=torch.float32, device=q.device)
+        pml = torch.empty((bsz * kh * splits * rep, 2), dtype=torch.float32, device=q.device)
+    if softcap is not None:
+        inv_cap, cap2, qk_scale = 2.0 * scale / softcap * LOG2E, softcap * LOG2E, 0.0
+    else:
+        inv_cap, cap2, qk_scale = 0.0, 0.0, scale * LOG2E
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    _paged_attn_kernel[(bsz, kh, splits)](
+        q, k, v, block_tables, ctx_lens, out, pacc, pml, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_tables.stride(0),
+        int(window or 0), qk_scale, inv_cap, cap2, REP=rep, H=h, D=d, BS=block_size,
+        BLOCK_M=max(16, _p2(rep)), BLOCK_D=block_d, BLOCK_S=block_s, NSPLIT=splits,
+        HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, SINGLE=single,
+        DOT_F32=q.dtype == torch.float32 or interpret, num_warps=4)
+    if not single:
+        _paged_combine_kernel[(bsz * h,)](pacc, pml, out, REP=rep, H=h, D=d, NSPLIT=splits,
+                                          BLOCK_N=_p2(splits), BLOCK_D=block_d, num_warps=4)
+    return out

@@ -1,0 +1,91 @@
+"""Paged decode attention (mlxr.ops.triton_paged) vs reference.paged_attention, CPU interpreter.
+
+Fresh random data: shuffled (non-consecutive) block tables, contexts of 1 token, exact block and
+tile boundaries and ragged ends, GQA rep 1/2/4, sliding windows, softcap, single pass and split
+contexts (combine). Stale slots (other sequences' blocks, the free pool) hold NaN, so any read
+outside a sequence's visible positions shows up.
+
+Tolerances: fp32, the same fp32 math in another order: 1e-5 * max|v|. bf16 against the reference
+on fp32-upcast inputs (the exact answer): p rounded to bf16 before P.V (<= 2^-7 max|v|) and the
+output rounded once (2^-7 |out|), plus 1 ulp for the interpreter's truncating casts.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mlxr.ops import reference as R
+from mlxr.ops import triton_paged as P
+
+
+def _case(seed, lens, kh, rep, d, bs, dtype):
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // bs) for n in lens]
+    nblocks = sum(need) + 3
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    width = max(need) + 2
+    tables = torch.full((len(lens), width), nblocks + 99, dtype=torch.int32)  # junk past the end
+    at = 0
+    for b, m in enumerate(need):
+        tables[b, :m] = torch.tensor(perm[at:at + m], dtype=torch.int32)
+        at += m
+    k = torch.full((kh, nblocks * bs, d), float("nan"))
+    v = torch.full((kh, nblocks * bs, d), float("nan"))
+    for b, n in enumerate(lens):  # only each sequence's live positions hold numbers
+        p = torch.arange(n)
+        slots = tables[b, p // bs].long() * bs + p % bs
+        k[:, slots] = torch.randn(kh, n, d, generator=g)
+        v[:, slots] = torch.randn(kh, n, d, generator=g)
+    q = torch.randn(len(lens), kh * rep, d, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype), tables, torch.tensor(lens, dtype=torch.int32)
+
+
+CASES = [  # lens, kv heads, rep, head dim, block size, window, softcap, splits
+    ([1, 17, 64, 65], 2, 2, 16, 16, None, None, None),
+    ([130, 5], 1, 4, 32, 16, None, None, 3),
+    ([100, 1, 200], 2, 1, 16, 32, 40, None, None),
+    ([77, 129], 2, 2, 24, 16, 64, 30.0, 2),
+    ([3], 4, 2, 16, 16, None, 50.0, 5),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_paged_attention_matches_reference(case, dtype):
+    lens, kh, rep, d, bs, window, softcap, splits = CASES[case]
+    q, k, v, tables, ctx = _case(100 + case, lens, kh, rep, d, bs, dtype)
+    scale = d ** -0.5
+    out = P.paged_attention(q, k, v, tables, ctx, bs, scale, window, softcap, splits=splits)
+    assert out.shape == q.shape and out.dtype == dtype
+    ref = R.paged_attention(q.float(), k.float(), v.float(), tables, ctx, bs, scale, window,
+                            softcap)
+    assert torch.isfinite(out).all()
+    vmax = torch.nan_to_num(v.float(), nan=0.0).abs().max()
+    if dtype == torch.float32:
+        tol = 1e-5 * vmax
+    else:
+        tol = 2 ** -7 * vmax + 2 * 2 ** -7 * ref.abs() + 2 ** -20
+    assert ((out.float() - ref).abs() <= tol).all(), (out.float() - ref).abs().max()
+
+
+def test_splits_agree_with_single_pass():
+    q, k, v, tables, ctx = _case(7, [150, 33], 2, 2, 16, 16, torch.float32)
+    one = P.paged_attention(q, k, v, tables, ctx, 16, 0.25, splits=1)
+    many = P.paged_attention(q, k, v, tables, ctx, 16, 0.25, splits=4)
+    assert (one - many).abs().max() <= 1e-5 * v.nan_to_num().abs().max()
+
+
+def test_reference_row_equals_contiguous_attention():
+    """The reference is `attention` over each sequence's gathered context (the eager path)."""
+    q, k, v, tables, ctx = _case(3, [40], 2, 2, 16, 16, torch.float32)
+    p = torch.arange(40)
+    slots = tables[0, p // 16].long() * 16 + p % 16
+    want = R.attention(q, k[:, slots], v[:, slots], 39, 0, 0.25)
+    assert torch.equal(R.paged_attention(q, k, v, tables, ctx, 16, 0.25), want)
