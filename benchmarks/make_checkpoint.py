@@ -3,6 +3,10 @@ benchmark numbers without downloading a model.
 
     python benchmarks/make_checkpoint.py qwen3-0.6b OUT_DIR [--bits 4] [--group-size 64]
     python benchmarks/make_checkpoint.py llama-3.1-8b OUT_DIR --bits 2
+    python benchmarks/make_checkpoint.py qwen3-0.6b OUT_DIR --tokenizer TOKENIZER_DIR
+
+`--tokenizer` copies a real tokenizer's files (e.g. Qwen3's vocab.json, merges.txt,
+tokenizer_config.json) next to the weights, for benchmarks that need text (the server).
 
 The files are exactly what mlx-lm writes (uint32 packed codes, bf16 scales and biases, the same
 tensor names and config keys), filled with random codes and scales chosen so activations stay
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -114,8 +119,14 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--mode", default="affine", choices=["affine", *FP_MODES])
+    ap.add_argument("--tokenizer", type=Path, help="copy this directory's tokenizer files in")
     a = ap.parse_args()
-    print(write(a.shape, a.out, a.bits, a.group_size, a.mode))
+    out = write(a.shape, a.out, a.bits, a.group_size, a.mode)
+    if a.tokenizer:
+        for f in a.tokenizer.iterdir():
+            if f.name != "config.json" and f.is_file():
+                shutil.copy(f, out / f.name)
+    print(out)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Paged decode attention (mlxr.ops.triton_paged) vs reference.paged_attention, CPU interpreter.
+"""Paged decode attention (mlxr.ops.triton_paged) vs reference.paged_attention: on the GPU when
+there is one, else under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
 
 Fresh random data: shuffled (non-consecutive) block tables, contexts of 1 token, exact block and
 tile boundaries and ragged ends, GQA rep 1/2/4, sliding windows, softcap, single pass and split
@@ -12,10 +13,6 @@ output rounded once (2^-7 |out|), plus 1 ulp for the interpreter's truncating ca
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
-
 import pytest
 import torch
 
@@ -23,6 +20,8 @@ pytest.importorskip("triton")
 
 from mlxr.ops import reference as R
 from mlxr.ops import triton_paged as P
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _case(seed, lens, kh, rep, d, bs, dtype):
@@ -44,7 +43,8 @@ def _case(seed, lens, kh, rep, d, bs, dtype):
         k[:, slots] = torch.randn(kh, n, d, generator=g)
         v[:, slots] = torch.randn(kh, n, d, generator=g)
     q = torch.randn(len(lens), kh * rep, d, generator=g)
-    return q.to(dtype), k.to(dtype), v.to(dtype), tables, torch.tensor(lens, dtype=torch.int32)
+    return (q.to(DEV, dtype), k.to(DEV, dtype), v.to(DEV, dtype), tables.to(DEV),
+            torch.tensor(lens, dtype=torch.int32, device=DEV))
 
 
 CASES = [  # lens, kv heads, rep, head dim, block size, window, softcap, splits
@@ -86,6 +86,7 @@ def test_reference_row_equals_contiguous_attention():
     """The reference is `attention` over each sequence's gathered context (the eager path)."""
     q, k, v, tables, ctx = _case(3, [40], 2, 2, 16, 16, torch.float32)
     p = torch.arange(40)
-    slots = tables[0, p // 16].long() * 16 + p % 16
+    slots = (tables[0, p // 16].long() * 16 + p % 16).cpu()
+    q, k, v = q.cpu(), k.cpu(), v.cpu()
     want = R.attention(q, k[:, slots], v[:, slots], 39, 0, 0.25)
-    assert torch.equal(R.paged_attention(q, k, v, tables, ctx, 16, 0.25), want)
+    assert torch.equal(R.paged_attention(q, k, v, tables.cpu(), ctx.cpu(), 16, 0.25), want)

@@ -1,0 +1,101 @@
+"""Output tokens/s of the serving engine itself (no HTTP): B requests at once, greedy, fixed
+length, stepped to completion by LLMEngine; the same batches the server would run.
+
+    python benchmarks/engine_bench.py MODEL [--batches 1,8,64,256] [--prompt 32] [--tokens 128]
+        [--device cuda] [--eager]
+
+Per batch size: a warm-up round, then a measured one. Reports output tok/s over the whole round
+(prefill steps included), the median decode-step time, and how much of it the host spends
+outside the decode runner (scheduling, sampling bookkeeping, detokenization). `--eager` turns
+the captured decode graphs off (the eager forward_step path) for an A/B. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import mlxr
+from mlxr.engine import EngineRequest, LLMEngine
+from mlxr.sampling import SamplingParams
+
+
+def sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def round_(engine: LLMEngine, batch: int, prompt: int, tokens: int, vocab: int,
+           seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    done = [0]
+    for _ in range(batch):
+        ids = torch.randint(100, vocab - 100, (prompt,), generator=g).tolist()
+        engine.add(EngineRequest(ids, params), lambda o: done.__setitem__(0, done[0] + len(
+            o.token_ids)))
+    runner = engine.paged
+    inside = [0.0]
+    if runner is not None:
+        run = runner.run
+
+        def timed(seqs, want):
+            t = time.perf_counter()
+            out = run(seqs, want)
+            inside[0] += time.perf_counter() - t
+            return out
+        runner.run = timed
+    steps = []
+    dev = engine.decoder.device
+    sync(dev)
+    t0 = time.perf_counter()
+    while engine.has_work():
+        t = time.perf_counter()
+        before = inside[0]
+        engine.step()
+        steps.append((time.perf_counter() - t, inside[0] - before))
+    sync(dev)
+    wall = time.perf_counter() - t0
+    if runner is not None:
+        runner.run = run
+    decode = [s for s in steps[len(steps) // 4:]]  # past the prefill steps
+    step_s = statistics.median(s for s, _ in decode)
+    runner_s = statistics.median(r for _, r in decode)
+    return {"batch": batch, "output_tok_s": round(done[0] / wall, 1), "wall_s": round(wall, 3),
+            "steps": len(steps), "step_ms": round(step_s * 1e3, 3),
+            "runner_ms": round(runner_s * 1e3, 3),
+            "host_other_ms": round((step_s - runner_s) * 1e3, 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--batches", default="1,8,64,256")
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--eager", action="store_true", help="no decode graphs (forward_step)")
+    a = ap.parse_args()
+    batches = [int(b) for b in a.batches.split(",")]
+    model = mlxr.load(a.model, device=a.device)
+    t = time.perf_counter()
+    engine = LLMEngine(model, max_num_seqs=max(batches), paged_decode=False if a.eager else None)
+    setup = time.perf_counter() - t
+    print(f"engine ready in {setup:.1f} s (decode graphs: "
+          f"{sorted(engine.paged.graphs) if engine.paged else 'off'})")
+    out = []
+    for b in batches:
+        round_(engine, b, a.prompt, min(16, a.tokens), model.config.vocab_size, 0)  # warm-up
+        r = round_(engine, b, a.prompt, a.tokens, model.config.vocab_size, 1)
+        out.append(r)
+        print(f"batch {b:4d}: {r['output_tok_s']:10.1f} output tok/s  step {r['step_ms']} ms "
+              f"(runner {r['runner_ms']} ms, host other {r['host_other_ms']} ms)")
+    print(json.dumps({"setup_s": round(setup, 1), "eager": a.eager, "rounds": out}))
+
+
+if __name__ == "__main__":
+    main()
