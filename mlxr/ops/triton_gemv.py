@@ -65,20 +65,26 @@ class GemvConfig:
 def default_config(m: int, n: int, k: int, bits: int, group: int,
                    sm_count: int = 132) -> GemvConfig:
     """A reasonable launch before measurement: ~256 words of a row per tile (1 KiB, 16-byte
-    vectors over 64 threads), 4 rows per thread at M = 1 (fewer as M grows, the accumulators
-    scale with M), and split-K until there are >= 4 programs per SM."""
+    vectors over 64 threads), 4 rows per thread at M = 1 (fewer as M grows: the accumulators
+    scale with M), and split-K (halving the tile when a row has too few tiles) until there are
+    >= 4 programs per SM."""
     per = unit_codes(bits)
     uw = per * bits // 32
     upg = group // per
     ng = k // group
-    gt = max(1, min(_next_pow2(ng), _prev_pow2(max(1, 256 // (upg * uw)))))
-    warps = 4
-    block_n = 16 if m <= 2 else (8 if m <= 8 else 4)
-    tiles = -(-ng // gt)
+    words = 256 if m <= 8 else 128
+    gt = max(1, min(_next_pow2(ng), _prev_pow2(max(1, words // (upg * uw)))))
+    block_n = 16 if m <= 2 else (8 if m <= 4 else 4)
+    rows = -(-n // block_n)
     split = 1
-    while -(-n // block_n) * split < 4 * sm_count and tiles // (split * 2) >= 2 and split < 8:
-        split *= 2
-    return GemvConfig(block_n, gt, warps, 1, split, 1)
+    while rows * split < 4 * sm_count and split < 16:
+        if -(-ng // gt) >= 2 * split:
+            split *= 2
+        elif gt > 1 and gt * upg * uw > 64:
+            gt //= 2
+        else:
+            break
+    return GemvConfig(block_n, gt, 4, 1, split, 1)
 
 
 def _prev_pow2(v: int) -> int:
