@@ -7,9 +7,15 @@
   scratch matrix (read 0.5 B, write 2 B per weight), then cuBLAS does the GEMM on tensor cores.
   The scratch is per call, never stored.
 - everything else: the Triton GEMV/GEMM kernels of `mlxr.ops.triton_qmm`.
+
+Env `MLXR_GEMV=triton` (read at every call, so A/B runs need no reload) routes decode (M <= 16)
+of every format, affine 4-bit included, to the GEMV of `mlxr.ops.triton_gemv` instead of tinygemm
+/ `triton_qmm` (benchmarks/gpu_gemv_sweep.py measures both). The tinygemm copy is still built.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -52,6 +58,12 @@ def dequantize(qw, dtype: torch.dtype = torch.bfloat16) -> Tensor:
 def linear(qw, x: Tensor) -> Tensor | None:
     """x [M, K] -> [M, N] by the fastest measured path, or None to use the generic kernels."""
     m = x.shape[0]
+    if m <= DECODE_MAX_M and os.environ.get("MLXR_GEMV", "").lower() == "triton":
+        from ..ops import triton_gemv
+
+        sp = qw.spec
+        return triton_gemv.qgemv(x, qw.packed, qw.scales, qw.biases, qw.global_scale,
+                                 mode=sp.mode, bits=sp.bits, group=sp.group_size)
     if m <= DECODE_MAX_M and qw.i4 is not None:
         return torch._weight_int4pack_mm(x, qw.i4, qw.spec.group_size, qw.i4_sz)
     if m > DECODE_MAX_M and qw.compute_dtype != torch.float32 and dequant_supported(qw):
