@@ -86,7 +86,7 @@ def test_reference_row_equals_contiguous_attention():
     """The reference is `attention` over each sequence's gathered context (the eager path)."""
     q, k, v, tables, ctx = _case(3, [40], 2, 2, 16, 16, torch.float32)
     p = torch.arange(40)
-    slots = (tables[0, p // 16].long() * 16 + p % 16).cpu()
+    slots = tables[0].cpu()[p // 16].long() * 16 + p % 16
     q, k, v = q.cpu(), k.cpu(), v.cpu()
     want = R.attention(q, k[:, slots], v[:, slots], 39, 0, 0.25)
     assert torch.equal(R.paged_attention(q, k, v, tables.cpu(), ctx.cpu(), 16, 0.25), want)
