@@ -130,3 +130,17 @@ def test_env_switch_routes_decode(monkeypatch):
     assert y is not None and y.dtype == torch.bfloat16
     assert ((y.float() - ref.float()).abs() <= ref.float().abs() * 2.0**-7 + 1e-6).all()
     assert qcuda.linear(qw, torch.randn(17, 128).to(torch.bfloat16)) is None  # prefill path
+
+
+def test_gpu_sweep_smoke():
+    """benchmarks/gpu_gemv_sweep.py imports and passes its correctness checks (--smoke)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_gemv_sweep.py"),
+                        "--smoke"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "0 wrong or failed" in r.stdout and "default" in r.stdout

@@ -28,7 +28,7 @@ fp modes decode each extracted code with `triton_qmm._code_value` (table-free fp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -66,25 +66,30 @@ def default_config(m: int, n: int, k: int, bits: int, group: int,
                    sm_count: int = 132) -> GemvConfig:
     """A reasonable launch before measurement: ~256 words of a row per tile (1 KiB, 16-byte
     vectors over 64 threads), 4 rows per thread at M = 1 (fewer as M grows: the accumulators
-    scale with M), and split-K (halving the tile when a row has too few tiles) until there are
-    >= 4 programs per SM."""
-    per = unit_codes(bits)
-    uw = per * bits // 32
-    upg = group // per
-    ng = k // group
-    words = 256 if m <= 8 else 128
-    gt = max(1, min(_next_pow2(ng), _prev_pow2(max(1, words // (upg * uw)))))
+    scale with M), and split-K as `fill_split` decides."""
     block_n = 16 if m <= 2 else (8 if m <= 4 else 4)
-    rows = -(-n // block_n)
+    return fill_split(GemvConfig(block_n=block_n), n, k, bits, group,
+                      256 if m <= 8 else 128, sm_count)
+
+
+def fill_split(cfg: GemvConfig, n: int, k: int, bits: int, group: int, tile_words: int,
+               sm_count: int = 132) -> GemvConfig:
+    """`cfg` with GT set to ~tile_words words of a row per tile and split-K doubled (halving the
+    tile when a row has too few tiles to split) until there are >= 4 programs per SM."""
+    per = unit_codes(bits)
+    gw = group // per * (per * bits // 32)  # words per group
+    ng = k // group
+    gt = max(1, min(_next_pow2(ng), _prev_pow2(max(1, tile_words // gw))))
+    rows = -(-n // cfg.block_n)
     split = 1
     while rows * split < 4 * sm_count and split < 16:
         if -(-ng // gt) >= 2 * split:
             split *= 2
-        elif gt > 1 and gt * upg * uw > 64:
+        elif gt > 1 and gt * gw > 64:
             gt //= 2
         else:
             break
-    return GemvConfig(block_n, gt, 4, 1, split, 1)
+    return replace(cfg, gt=gt, split_k=split)
 
 
 def _prev_pow2(v: int) -> int:
