@@ -166,3 +166,126 @@ def test_special_tokens_in_text_only_when_asked(model, skip, text):
     params = SamplingParams(max_tokens=1, temperature=0, logit_bias={1: 100.0})  # force <s>
     out = run_all(engine, [EngineRequest([1, 403], params, skip_special_tokens=skip)])[0]
     assert ids_of(out) == [1] and "".join(o.text for o in out) == text
+
+
+# -- AsyncEngine: one handoff per step, merged outputs for a lagging consumer ----------------------
+
+def test_merge_outputs():
+    from mlxr.engine.async_engine import merge_outputs
+    from mlxr.engine.engine import RequestOutput, TokenLogprob
+
+    a = RequestOutput([5], "Once", None, 3, 1, 0, [TokenLogprob(5, -0.1)])
+    b = RequestOutput([], "", None, 3, 1, 0, None)  # e.g. text held back by a stop string
+    c = RequestOutput([7, 8], " upon", "length", 3, 3, 2, [TokenLogprob(7, -1.0),
+                                                            TokenLogprob(8, -2.0)])
+    m = merge_outputs([a, b, c])
+    assert m.token_ids == [5, 7, 8] and m.text == "Once upon"
+    assert (m.finish_reason, m.prompt_tokens, m.completion_tokens, m.cached_tokens) == \
+        ("length", 3, 3, 2)
+    assert [lp.token_id for lp in m.logprobs] == [5, 7, 8]
+    assert merge_outputs([b, RequestOutput([9], "x", None, 3, 2, 0)]).logprobs is None
+    assert merge_outputs([a]) is a
+
+
+def test_async_engine_slow_consumer_gets_merged_outputs(model):
+    """A consumer that falls behind gets what queued up as one output; the concatenation equals
+    the token-by-token stream (ids, text, logprobs) and the greedy result of the request alone."""
+    tok = model.tokenizer
+    n = 24
+    prompt = tok.encode("Once upon a time")
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    ref = run_all(LLMEngine(model), [EngineRequest(prompt, params, logprobs=2)])[0]
+    assert len(ref) == n
+    eng = AsyncEngine(model)
+
+    async def main():
+        outs = []
+        async for out in eng.generate(EngineRequest(prompt, params, logprobs=2)):
+            outs.append(out)
+            if len(outs) == 1:  # lag behind until the engine has produced everything
+                for _ in range(500):
+                    if not eng.engine.has_work():
+                        break
+                    await asyncio.sleep(0.01)
+        return outs
+
+    outs = asyncio.run(main())
+    assert len(outs) == 2 and len(outs[1].token_ids) == n - 1  # merged, not n outputs
+    assert ids_of(outs) == ids_of(ref) == single(model, prompt, n)
+    assert "".join(o.text for o in outs) == "".join(o.text for o in ref)
+    lps = [lp for o in outs for lp in o.logprobs]
+    assert [(lp.token_id, lp.logprob, lp.top) for lp in lps] == \
+        [(lp.token_id, lp.logprob, lp.top) for o in ref for lp in o.logprobs]
+    assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == n
+
+
+def test_async_engine_one_handoff_per_step(model):
+    """8 concurrent streams: the engine thread wakes the event loop once per step (not once per
+    token per stream), and every stream still equals its request served alone."""
+    tok = model.tokenizer
+    eng = AsyncEngine(model, max_num_seqs=8)
+    steps, handoffs = [0], [0]
+    step = eng.engine.step
+
+    def counted_step():
+        steps[0] += 1
+        step()
+    eng.engine.step = counted_step
+    prompts = [tok.encode(f"{p} {i}") for i in range(2) for p in PROMPTS]
+
+    async def collect(p):
+        ids = []
+        async for out in eng.generate(EngineRequest(p, SamplingParams(
+                max_tokens=16, temperature=0, ignore_eos=True))):
+            ids += out.token_ids
+        return ids
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        threadsafe = loop.call_soon_threadsafe
+
+        def counted(*a, **kw):
+            handoffs[0] += 1
+            return threadsafe(*a, **kw)
+        loop.call_soon_threadsafe = counted
+        return await asyncio.gather(*(collect(p) for p in prompts))
+
+    res = asyncio.run(main())
+    for p, ids in zip(prompts, res):
+        assert ids == single(model, p, 16)
+    assert 0 < handoffs[0] <= steps[0] < 8 * 16
+
+
+def test_async_engine_fault_ends_every_stream(model):
+    """An exception in a step reaches every running request (through the batched handoff) as an
+    MlxrError, after the outputs it had; the engine then serves new requests."""
+    from mlxr.errors import MlxrError
+
+    tok = model.tokenizer
+    eng = AsyncEngine(model, max_num_seqs=4)
+    step, calls = eng.engine.step, [0]
+
+    def faulty():
+        calls[0] += 1
+        if calls[0] == 6:
+            raise RuntimeError("boom")
+        step()
+    eng.engine.step = faulty
+
+    async def collect(p):
+        got = []
+        try:
+            async for out in eng.generate(EngineRequest(tok.encode(p), SamplingParams(
+                    max_tokens=50, temperature=0, ignore_eos=True))):
+                got += out.token_ids
+        except MlxrError as e:
+            return got, str(e)
+        return got, None
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*(collect(p) for p in PROMPTS)), 60)
+
+    res = asyncio.run(main())
+    assert all(err is not None and "boom" in err and 0 < len(got) < 50 for got, err in res)
+    again = asyncio.run(collect(PROMPTS[0]))
+    assert again[1] is None and again[0] == single(model, tok.encode(PROMPTS[0]), 50)

@@ -1,16 +1,63 @@
 """`AsyncEngine`: an LLMEngine stepped on a background thread, with an async generator per
-request for the asyncio consumer (the HTTP server)."""
+request for the asyncio consumer (the HTTP server).
+
+Handoff: the engine thread collects every output of a step (the per-request `emit` callbacks
+only append to a list) and hands the whole step to each event loop with ONE
+`call_soon_threadsafe` -- one self-pipe write per step instead of one per token, which at 256
+streams is the difference between 256 wake-ups of the loop per step and one.
+
+Coalescing: a consumer that lags (the HTTP stream is still writing the previous chunk when the
+next step lands) receives everything queued for it merged into one RequestOutput
+(`merge_outputs`), so a slow client costs one SSE chunk per catch-up, not one per token.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections import deque
 from collections.abc import AsyncIterator
 
 from ..errors import MlxrError
 from .engine import EngineRequest, LLMEngine, QueueFullError, RequestOutput
 
-__all__ = ["AsyncEngine", "RequestOutput"]
+__all__ = ["AsyncEngine", "RequestOutput", "merge_outputs"]
+
+
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: token ids, text and logprobs concatenated;
+    finish reason and counts from the last (they are running totals)."""
+    if len(outs) == 1:
+        return outs[0]
+    last = outs[-1]
+    lps = [lp for o in outs if o.logprobs for lp in o.logprobs]
+    return RequestOutput([t for o in outs for t in o.token_ids], "".join(o.text for o in outs),
+                         last.finish_reason, last.prompt_tokens, last.completion_tokens,
+                         last.cached_tokens,
+                         lps if lps or any(o.logprobs is not None for o in outs) else None)
+
+
+class _Stream:
+    """One request's mailbox on its event loop: outputs (or an engine exception) in order, and
+    the future its consumer sleeps on when the mailbox is empty. Touched only on the loop."""
+
+    __slots__ = ("items", "loop", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: deque = deque()
+        self.waiter: asyncio.Future | None = None
+
+
+def _deliver(batch: list) -> None:
+    """On the event loop: drop one step's outputs into their mailboxes, wake the consumers."""
+    for stream, out in batch:
+        stream.items.append(out)
+        w = stream.waiter
+        if w is not None:
+            stream.waiter = None
+            if not w.done():
+                w.set_result(None)
 
 
 class AsyncEngine:
@@ -22,10 +69,29 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._outbox: list = []  # (stream, output): appended by emit during a step
         self.ready = True
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def _flush(self) -> None:
+        """Hand what the last step emitted to the event loop(s): one thread-safe call each."""
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+        loop = batch[0][0].loop
+        if all(s.loop is loop for s, _ in batch):  # the server: one loop
+            groups = {loop: batch}
+        else:
+            groups = {}
+            for item in batch:
+                groups.setdefault(item[0].loop, []).append(item)
+        for lp, items in groups.items():
+            try:
+                lp.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that loop is closed: nobody is left to read
+                pass
 
     def _loop(self) -> None:
         while True:
@@ -42,6 +108,7 @@ class AsyncEngine:
                             self.engine.scheduler.finish(seq)
                     for seq in seqs:
                         seq.emit(e)
+                self._flush()
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -49,21 +116,31 @@ class AsyncEngine:
             self._thread.start()
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Raises QueueFullError or MlxrError before streaming;
-        leaving the loop early aborts the request and frees its KV blocks."""
+        """Stream a request's outputs (those that queued up while the consumer was busy come
+        merged into one). Raises QueueFullError or MlxrError before streaming; leaving the loop
+        early aborts the request and frees its KV blocks."""
         if len(self.engine.scheduler.waiting) >= self.max_queued:
             raise QueueFullError("too many requests are waiting; retry later", retry_after=1)
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        seq = self.engine.add(req, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+        stream = _Stream(loop)
+        # emit runs on the engine thread inside step(); _flush (same thread) swaps the list
+        seq = self.engine.add(req, lambda out: self._outbox.append((stream, out)))
         self._ensure_thread()
         self._wake.set()
+        items = stream.items
         done = False
         try:
             while True:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    raise MlxrError(f"engine failure: {out}") from out
+                if not items:
+                    stream.waiter = loop.create_future()
+                    await stream.waiter
+                if isinstance(items[0], BaseException):
+                    e = items.popleft()
+                    raise MlxrError(f"engine failure: {e}") from e
+                outs = [items.popleft()]
+                while items and not isinstance(items[0], BaseException):
+                    outs.append(items.popleft())
+                out = merge_outputs(outs)
                 done = out.finish_reason is not None
                 yield out
                 if done:
