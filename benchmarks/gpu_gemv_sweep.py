@@ -38,8 +38,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from mlxr.ops import triton_gemv as G  # noqa: E402
-from mlxr.ops import triton_qmm as T  # noqa: E402
+from mlxr.ops import triton_gemv as G
+from mlxr.ops import triton_qmm as T
 
 SHAPES = [("8B qkv", 6144, 4096), ("8B o", 4096, 4096), ("8B gate_up", 28672, 4096),
           ("8B down", 4096, 14336), ("8B lm_head", 128256, 4096), ("0.6B qkv", 4096, 1024),

@@ -33,8 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from .triton_qmm import (HAVE_TRITON, MODES, _check, _next_pow2, _sm_count, qgemv_ref,
-                         unit_codes)
+from .triton_qmm import HAVE_TRITON, MODES, _check, _next_pow2, _sm_count, qgemv_ref, unit_codes
 
 if HAVE_TRITON:
     import triton
@@ -42,7 +41,7 @@ if HAVE_TRITON:
 
     from .triton_qmm import _code_value, _group_scale
 
-__all__ = ["GemvConfig", "qgemv", "qgemv_ref", "default_config", "MAX_M"]
+__all__ = ["MAX_M", "GemvConfig", "default_config", "qgemv", "qgemv_ref"]
 
 MAX_M = 16
 
