@@ -14,7 +14,7 @@ import os
 import torch
 
 from . import reference
-from .reference import attention
+from .reference import attention, paged_items
 
 _fused = None  # mlxr.ops.triton_fused, imported at the first CUDA call (triton is slow to import)
 
@@ -70,10 +70,26 @@ def paged_attention(q, k, v, block_tables, ctx_lens, block_size: int, scale: flo
                                      softcap)
 
 
+def paged_prefill_attention(q, k, v, block_tables, items, block_size: int, scale: float,
+                            window: int | None = None, softcap: float | None = None):
+    """Causal attention of a mixed batch over a paged cache, by tiles of rows (see
+    reference.paged_prefill_attention; `paged_items` makes the tiles)."""
+    if _fast(q):
+        from .triton_paged import paged_prefill_attention as fast
+        return fast(q, k, v, block_tables, items, block_size, scale, window, softcap)
+    return reference.paged_prefill_attention(q, k, v, block_tables, items, block_size, scale,
+                                             window, softcap)
+
+
+def prefill_tile(num_heads: int, num_kv_heads: int) -> int:
+    """Rows per item of paged_prefill_attention (the Triton kernel's query tile)."""
+    return max(1, 64 // (num_heads // num_kv_heads))
+
+
 def fast_kernels(device) -> bool:
     """Whether ops on `device` run as Triton kernels (every op capturable in a CUDA graph)."""
     return _fast(torch.empty(0, device=device))
 
 
 __all__ = ["attention", "attention_masked", "fast_kernels", "gated_act", "paged_attention",
-           "rms_norm", "rope"]
+           "paged_items", "paged_prefill_attention", "prefill_tile", "rms_norm", "rope"]

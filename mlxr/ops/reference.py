@@ -140,3 +140,31 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         outs.append(attention(q[b:b + 1], k.index_select(1, slots), v.index_select(1, slots),
                               n - 1, lo, scale, window, softcap))
     return torch.cat(outs) if outs else q.new_empty(q.shape)
+
+
+def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            block_tables: torch.Tensor, items: torch.Tensor, block_size: int,
+                            scale: float, window: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of a mixed batch over a paged KV cache (K/V of the new tokens already
+    written). q [N, H, D]; items [I, 4] (sequence s, first row of q, its position, number of
+    rows): rows [r, r+n) of q are positions [p, p+n) of sequence s, whose position x lives in
+    slot block_tables[s, x // block_size] * block_size + x % block_size of k/v [K, slots, D].
+    Returns [N, H, D] in q's dtype, computed tile by tile exactly as `attention` does."""
+    out = torch.empty_like(q)
+    tables = block_tables.cpu().long()
+    for s, r, p, n in items.tolist():
+        lo = 0 if window is None else max(0, p - window + 1)
+        x = torch.arange(lo, p + n)
+        slots = (tables[s, x // block_size] * block_size + x % block_size).to(k.device)
+        out[r:r + n] = attention(q[r:r + n], k.index_select(1, slots), v.index_select(1, slots),
+                                 p, lo, scale, window, softcap)
+    return out
+
+
+def paged_items(spans: list[tuple[int, int, int]], tile: int) -> torch.Tensor:
+    """Items of `paged_prefill_attention` for spans (sequence index, first row, first position,
+    number of rows): each span cut into tiles of at most `tile` rows. int32 [I, 4] (host)."""
+    items = [(s, r + i, p + i, min(tile, n - i)) for s, r, p, n in spans
+             for i in range(0, n, tile)]
+    return torch.tensor(items, dtype=torch.int32).reshape(-1, 4)
