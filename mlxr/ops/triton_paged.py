@@ -126,6 +126,80 @@ def _paged_combine_kernel(pacc_ptr, pml_ptr, o_ptr, REP: tl.constexpr, H: tl.con
     tl.store(o_ptr + pid.to(tl.int64) * D + d, out.to(o_ptr.dtype.element_ty), mask=dmask)
 
 
+@triton.jit
+def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, item_ptr, o_ptr,
+                          sq0, sq1, sk0, sk1, sv0, sv1, stab, window, qk_scale, inv_cap, cap2,
+                          REP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                          TQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                          DOT_F32: tl.constexpr):
+    it = tl.program_id(0)
+    g = tl.program_id(1)
+    seq = tl.load(item_ptr + it * 4)
+    row0 = tl.load(item_ptr + it * 4 + 1)
+    pos0 = tl.load(item_ptr + it * 4 + 2)
+    nq = tl.load(item_ptr + it * 4 + 3)
+    r = tl.arange(0, BLOCK_M)  # rows ordered (token, rep)
+    t = r // REP
+    rmask = (t < nq) & (r < TQ * REP)
+    head = g * REP + r % REP
+    qpos = pos0 + t
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    qm = rmask[:, None] & dmask[None, :]
+    qrow = (row0 + t).to(tl.int64)
+    q = tl.load(q_ptr + qrow[:, None] * sq0 + head.to(tl.int64)[:, None] * sq1 + d[None, :],
+                mask=qm, other=0.0)
+    lo = pos0 * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(pos0 - window + 1, 0)
+    tt = lo // BLOCK_S
+    t_end = tl.cdiv(pos0 + nq, BLOCK_S)
+    kbase = k_ptr + g.to(tl.int64) * sk0
+    vbase = v_ptr + g.to(tl.int64) * sv0
+    tab = tab_ptr + seq.to(tl.int64) * stab
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    while tt < t_end:
+        pos = tt * BLOCK_S + tl.arange(0, BLOCK_S)
+        live = (pos >= lo) & (pos < pos0 + nq)
+        blk = tl.load(tab + pos // BS, mask=live, other=0)
+        slot = (blk.to(tl.int64) * BS + pos % BS)[:, None]
+        km = live[:, None] & dmask[None, :]
+        k = tl.load(kbase + slot * sk1 + d[None, :], mask=km, other=0.0)
+        if DOT_F32:
+            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        if SOFTCAP:
+            z2 = sc * inv_cap
+            sc = cap2 - 2.0 * cap2 / (tl.exp2(z2) + 1.0)
+        else:
+            sc = sc * qk_scale
+        vis = live[None, :] & (pos[None, :] <= qpos[:, None])
+        if HAS_WINDOW:
+            vis = vis & (qpos[:, None] - pos[None, :] < window)
+        sc = tl.where(vis, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(sc - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vbase + slot * sv1 + d[None, :], mask=km, other=0.0)
+        pv = p.to(v.dtype)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(pv.to(tl.float32), v.to(tl.float32),
+                                                input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pv, v)
+        m_i = m_new
+        tt += 1
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + (qrow[:, None] * H + head[:, None]) * D + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=qm)
+
+
 def _p2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -170,4 +244,38 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, ctx_l
     if not single:
         _paged_combine_kernel[(bsz * h,)](pacc, pml, out, REP=rep, H=h, D=d, NSPLIT=splits,
                                           BLOCK_N=_p2(splits), BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+def paged_prefill_attention(q: Tensor, k: Tensor, v: Tensor, block_tables: Tensor,
+                            items: Tensor, block_size: int, scale: float,
+                            window: int | None = None, softcap: float | None = None) -> Tensor:
+    """Causal attention of a mixed batch (prefill chunks and decodes) over the paged cache.
+
+    q [N, H, D]: the step's new tokens, flattened. items [I, 4] int32: one row per program tile
+    (sequence index into block_tables [S, W], first row of q, position of that row, number of
+    tokens <= prefill_tile(H, K)); tokens of a tile are consecutive rows and positions of one
+    sequence, whose K/V (these tokens' included) are already in the cache. Returns [N, H, D]."""
+    n, h, d = q.shape
+    kh = k.shape[0]
+    rep = h // kh
+    out = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
+    if n == 0 or items.shape[0] == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    tq = max(1, 64 // rep)  # = ops.prefill_tile: items hold at most this many rows
+    block_d = max(16, _p2(d))
+    if softcap is not None:
+        inv_cap, cap2, qk_scale = 2.0 * scale / softcap * LOG2E, softcap * LOG2E, 0.0
+    else:
+        inv_cap, cap2, qk_scale = 0.0, 0.0, scale * LOG2E
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    _paged_prefill_kernel[(items.shape[0], kh)](
+        q, k, v, block_tables, items, out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), block_tables.stride(0), int(window or 0), qk_scale, inv_cap,
+        cap2, REP=rep, H=h, D=d, BS=block_size, TQ=tq, BLOCK_M=max(16, _p2(tq * rep)),
+        BLOCK_D=block_d, BLOCK_S=64 if block_d <= 128 else 32, HAS_WINDOW=window is not None,
+        SOFTCAP=softcap is not None, DOT_F32=q.dtype == torch.float32 or interpret,
+        num_warps=4)
     return out
