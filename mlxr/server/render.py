@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from json.encoder import encode_basestring as json_str  # json.dumps(s, ensure_ascii=False), C
 
 from ..errors import MlxrError
 from .protocol import APIError
@@ -18,6 +19,22 @@ from .tools import OutputSplitter
 
 def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def json_value(v) -> str:
+    """json.dumps(v, ensure_ascii=False), short-cut for the per-chunk scalars."""
+    if v is None:
+        return "null"
+    if type(v) is str:
+        return json_str(v)
+    return json.dumps(v, ensure_ascii=False)
+
+
+def sse_prefix(envelope: dict, tail: str) -> str:
+    """`data: ` + the JSON of `envelope` left open + `tail`: the constant head of every chunk of
+    one stream, so that a chunk costs the encoding of its own fields only. The bytes equal
+    `sse()` of the whole object (same key order, same separators)."""
+    return "data: " + json.dumps(envelope, ensure_ascii=False)[:-1] + tail
 
 
 class Gen:
@@ -181,11 +198,16 @@ def _finish(reason: str | None, calls) -> str:
 async def chat_stream(state, model, job, gen: Gen, req):
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
 
+    # per chunk: the delta, logprobs and finish reason are encoded; the rest is prebuilt
+    pre = sse_prefix({"id": cid, "object": "chat.completion.chunk", "created": created,
+                      "model": state.model_id, "system_fingerprint": None},
+                     ', "choices": [{"index": 0, "delta": ')
+
     def chunk(delta, finish=None, logprobs=None):
-        return sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                    "model": state.model_id, "system_fingerprint": None,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
-                                 "finish_reason": finish}], "usage": None})
+        d = ('{"content": ' + json_str(delta["content"]) + "}"
+             if len(delta) == 1 and "content" in delta else json_value(delta))
+        return (f'{pre}{d}, "logprobs": {json_value(logprobs)}, '
+                f'"finish_reason": {json_value(finish)}}}], "usage": null}}\n\n')
 
     yield chunk({"role": "assistant", "content": ""})
     sp, thought, lpf = _splitter(job), [], Logprobs(model.tokenizer)
@@ -248,11 +270,13 @@ async def chat_full(state, model, engine, job, req, route):
 async def completion_stream(state, model, job, gen: Gen, req):
     cid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
 
-    def chunk(text, finish=None, logprobs=None, choices=True, usage=None):
-        return sse({"id": cid, "object": "text_completion", "created": created,
-                    "model": state.model_id, "system_fingerprint": None,
-                    "choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                                 "finish_reason": finish}] if choices else [], "usage": usage})
+    head = {"id": cid, "object": "text_completion", "created": created,
+            "model": state.model_id, "system_fingerprint": None}
+    pre = sse_prefix(head, ', "choices": [{"index": 0, "text": ')
+
+    def chunk(text, finish=None, logprobs=None):  # prebuilt head: see chat_stream
+        return (f'{pre}{json_str(text)}, "logprobs": {json_value(logprobs)}, '
+                f'"finish_reason": {json_value(finish)}}}], "usage": null}}\n\n')
     offset, lpf = 0, Logprobs(model.tokenizer)
     try:
         async for out in gen:
@@ -264,7 +288,7 @@ async def completion_stream(state, model, job, gen: Gen, req):
         if gen.finish_reason is None:
             yield chunk("", "stop")
         if job.include_usage:
-            yield chunk("", choices=False, usage=gen.usage())
+            yield sse(dict(head, choices=[], usage=gen.usage()))
     except Exception as e:  # noqa: BLE001 -- reported in the stream
         yield sse({"error": {"message": f"generation failed: {e}", "type": "server_error",
                              "param": None, "code": None}})
