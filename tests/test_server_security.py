@@ -96,6 +96,20 @@ def test_slow_headers_are_cut_off(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_huge_header_refused(server):
+    """A request head past 64 KiB is refused (httptools has no limit of its own)."""
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 100_000)
+        s.settimeout(5)
+        t = time.time()
+        got = b""
+        while chunk := s.recv(4096):
+            got += chunk
+        assert got.startswith((b"HTTP/1.1 431", b"HTTP/1.1 400")), got[:100]
+        assert time.time() - t < 0.9  # refused, not cut off by the 1 s header deadline
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_queue_full_429(server):
     async def main():
         async with httpx.AsyncClient(base_url=server.url, headers=auth(), timeout=60) as c:
