@@ -1,0 +1,46 @@
+"""Which 4-bit matmul serves batched decode (M = 16..512 rows): torch's tinygemm int4 kernel or
+one Triton dequantization pass + cuBLAS (today's path above M = 16)? CUDA-graph timing at the
+Qwen3-0.6B and Llama-3.1-8B projection shapes. The last line is JSON.
+
+    PYTHONPATH=. python benchmarks/gpu_mid_m.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from gpu_timing import graph_time_us
+
+from mlxr.ops.triton_dequant import dequant_affine
+from mlxr.quant.cuda import tinygemm_pack
+
+SHAPES = {"0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024),
+          "0.6b down": (1024, 3072), "0.6b head": (151936, 1024), "8b gate_up": (28672, 4096),
+          "8b down": (4096, 14336)}
+MS = (16, 32, 64, 128, 256, 512)
+
+
+def main() -> None:
+    g = 64
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        packed = torch.randint(0, 2 ** 31, (n, k // 8), dtype=torch.int32, device="cuda")
+        scales = (torch.rand(n, k // g, device="cuda") * 0.01).bfloat16()
+        biases = (-8 * scales.float()).bfloat16()
+        i4, sz = tinygemm_pack(packed, scales, biases)
+        for m in MS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            tg = graph_time_us([lambda: torch._weight_int4pack_mm(x, i4, g, sz)])
+            dq = graph_time_us([lambda: x @ dequant_affine(packed, scales, biases, k, 4, g,
+                                                           torch.bfloat16).t()])
+            ref = x @ dequant_affine(packed, scales, biases, k, 4, g, torch.bfloat16).t()
+            err = (torch._weight_int4pack_mm(x, i4, g, sz).float() - ref.float()).abs().max()
+            rows.append({"shape": name, "m": m, "tinygemm_us": round(tg, 1),
+                         "dequant_cublas_us": round(dq, 1), "max_diff": float(err)})
+            print(f"{name:14s} M={m:4d} tinygemm {tg:8.1f} us  dequant+cuBLAS {dq:8.1f} us")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
