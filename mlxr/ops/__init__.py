@@ -4,7 +4,9 @@
 On CUDA tensors, with triton importable and MLXR_KERNELS != "torch" (read at each call), the
 per-layer ops run as one Triton launch each (`mlxr.ops.triton_fused`), behind the same
 signatures; `paged_attention` (the batched decode step over the paged cache) runs
-`mlxr.ops.triton_paged`. `attention` (eager, host positions) always runs the reference.
+`mlxr.ops.triton_paged`; `add_rms_norm` and `qkv_rope_write` (a layer's glue between its
+matmuls, fused) run `mlxr.ops.triton_layer`. `attention` (eager, host positions) always runs
+the reference.
 """
 
 from __future__ import annotations
@@ -70,6 +72,27 @@ def paged_attention(q, k, v, block_tables, ctx_lens, block_size: int, scale: flo
                                      softcap)
 
 
+def add_rms_norm(h, r, weight, eps: float, offset: float = 0.0):
+    """(h + r, rms_norm(h + r)): a residual add and the norm after it (see reference)."""
+    if _fast(h):
+        from .triton_layer import add_rms_norm as fast
+        return fast(h, r, weight, eps, offset)
+    return reference.add_rms_norm(h, r, weight, eps, offset)
+
+
+def qkv_rope_write(qkv, n_heads: int, n_kv_heads: int, head_dim: int, q_norm, k_norm,
+                   eps: float, offset: float, rope_scale: float, cos, sin, traditional: bool,
+                   k_cache, v_cache, slots):
+    """q/k norm, RoPE and the KV-cache write of a fused qkv projection; returns q [N, H, D]
+    (see reference.qkv_rope_write)."""
+    args = (qkv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, offset, rope_scale, cos,
+            sin, traditional, k_cache, v_cache, slots)
+    if _fast(qkv):
+        from .triton_layer import qkv_rope_write as fast
+        return fast(*args)
+    return reference.qkv_rope_write(*args)
+
+
 def paged_prefill_attention(q, k, v, block_tables, items, block_size: int, scale: float,
                             window: int | None = None, softcap: float | None = None):
     """Causal attention of a mixed batch over a paged cache, by tiles of rows (see
@@ -91,5 +114,6 @@ def fast_kernels(device) -> bool:
     return _fast(torch.empty(0, device=device))
 
 
-__all__ = ["attention", "attention_masked", "fast_kernels", "gated_act", "paged_attention",
-           "paged_items", "paged_prefill_attention", "prefill_tile", "rms_norm", "rope"]
+__all__ = ["add_rms_norm", "attention", "attention_masked", "fast_kernels", "gated_act",
+           "paged_attention", "paged_items", "paged_prefill_attention", "prefill_tile",
+           "qkv_rope_write", "rms_norm", "rope"]

@@ -142,6 +142,40 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.cat(outs) if outs else q.new_empty(q.shape)
 
 
+def add_rms_norm(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float,
+                 offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add and the next norm: s = h + r in h's dtype, and rms_norm(s)."""
+    s = (h + r).to(h.dtype)
+    return s, rms_norm(s, weight, eps, offset)
+
+
+def qkv_rope_write(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
+                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                   offset: float, rope_scale: float, cos: torch.Tensor, sin: torch.Tensor,
+                   traditional: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slots: torch.Tensor) -> torch.Tensor:
+    """From the fused projection qkv [N, (H + 2K) * D] to attention's inputs: q and k get the
+    per-head RMSNorm (q_norm / k_norm [D], if given), the yarn/longrope pre-scale of their
+    first 2R features and RoPE (cos/sin [N|1, R], see `rope`); k and v are written to
+    k_cache / v_cache [K, S, D] at cache slots `slots` [N] (long). Returns q [N, H, D]."""
+    n = qkv.shape[0]
+    q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], -1)
+    q = q.reshape(n, n_heads, head_dim)
+    k = k.reshape(n, n_kv_heads, head_dim)
+    v = v.reshape(n, n_kv_heads, head_dim)
+    if q_norm is not None:
+        q = rms_norm(q, q_norm, eps, offset)
+        k = rms_norm(k, k_norm, eps, offset)
+    if rope_scale != 1.0:
+        r2 = 2 * cos.shape[-1]
+        q = torch.cat((q[..., :r2] * rope_scale, q[..., r2:]), dim=-1)
+        k = torch.cat((k[..., :r2] * rope_scale, k[..., r2:]), dim=-1)
+    q = rope(q, cos, sin, traditional)
+    k_cache.index_copy_(1, slots, rope(k, cos, sin, traditional).transpose(0, 1))
+    v_cache.index_copy_(1, slots, v.transpose(0, 1))
+    return q
+
+
 def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             block_tables: torch.Tensor, items: torch.Tensor, block_size: int,
                             scale: float, window: int | None = None,
