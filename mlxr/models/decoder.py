@@ -101,11 +101,16 @@ class Decoder:
         else:
             self._embed_scale = None
 
-    def _residual(self, h: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        if self.config.clip_residual_fp16 and h.dtype == torch.float16:
+    def _add_norm(self, h: torch.Tensor, r: torch.Tensor,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual add and the norm after it: (h + r, rms_norm(h + r, weight)), one fused op
+        unless gemma3's fp16 residual clipping applies."""
+        c = self.config
+        if c.clip_residual_fp16 and h.dtype == torch.float16:
             bound = torch.finfo(torch.float16).max
-            return (h.float() + r.float()).clamp(-bound, bound).half()
-        return h + r
+            h = (h.float() + r.float()).clamp(-bound, bound).half()
+            return h, ops.rms_norm(h, weight, c.rms_norm_eps, c.norm_offset)
+        return ops.add_rms_norm(h, r, weight, c.rms_norm_eps, c.norm_offset)
 
     def forward(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
         """One sequence: run ids [T] at positions [cache.length, +T) of a SequenceCache and
@@ -123,24 +128,15 @@ class Decoder:
         """A batch step: ids [N] (all sequences' new tokens, flattened), KV in `pool`
         (k[layer], v[layer] [K, slots, D]). Returns logits float32 [rows, V]."""
         c = self.config
-        n = ids.shape[0]
         tables: dict[int, tuple] = {}
         for rope in self.ropes:
             if id(rope.spec) not in tables:
                 cs = [rope.cos_sin(sp.q_start, sp.q_len) for sp in step.spans]
                 tables[id(rope.spec)] = (torch.cat([a for a, _ in cs]),
                                          torch.cat([b for _, b in cs]))
-        contiguous = len(step.spans) == 1 and step.spans[0].slot_range is not None
 
-        def attend(i: int, q, k, v):
+        def attend(i: int, q):
             kc, vc = pool.k[i], pool.v[i]
-            if contiguous:  # one sequence in one range: plain slice writes
-                a = step.spans[0].slot_range[0] + step.spans[0].q_start
-                kc[:, a:a + n] = k.transpose(0, 1)
-                vc[:, a:a + n] = v.transpose(0, 1)
-            else:
-                kc.index_copy_(1, step.write_slots, k.transpose(0, 1))
-                vc.index_copy_(1, step.write_slots, v.transpose(0, 1))
             window = c.layer_window[i]
             outs, row = [], 0
             for sp in step.spans:
@@ -157,7 +153,7 @@ class Decoder:
                 row += sp.q_len
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-        return self._run(ids, tables, attend, step.logits_rows)
+        return self._run(ids, tables, pool, step.write_slots, attend, step.logits_rows)
 
     def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, pool, tables: dict,
                        key_pos: torch.Tensor) -> torch.Tensor:
@@ -170,15 +166,13 @@ class Decoder:
                        for k, (cs, sn) in tables.items()}
         causal = key_pos <= pos
 
-        def attend(i: int, q, k, v):
-            kc, vc = pool.k[i], pool.v[i]
-            kc.index_copy_(1, pos, k.transpose(0, 1))
-            vc.index_copy_(1, pos, v.transpose(0, 1))
+        def attend(i: int, q):
             window = c.layer_window[i]
             visible = causal if window is None else causal & (pos - key_pos < window)
-            return ops.attention_masked(q, kc, vc, visible, c.attn_scale, c.attn_logit_softcap)
+            return ops.attention_masked(q, pool.k[i], pool.v[i], visible, c.attn_scale,
+                                        c.attn_logit_softcap)
 
-        return self._run(ids, step_tables, attend, None)
+        return self._run(ids, step_tables, pool, pos, attend, None)
 
     def forward_paged(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                       block_tables: torch.Tensor, ctx_lens: torch.Tensor, pool,
@@ -192,55 +186,47 @@ class Decoder:
         step_tables = {k: (cs.index_select(0, pos), sn.index_select(0, pos))
                        for k, (cs, sn) in tables.items()}
 
-        def attend(i: int, q, k, v):
-            kc, vc = pool.k[i], pool.v[i]
-            kc.index_copy_(1, slots, k.transpose(0, 1))
-            vc.index_copy_(1, slots, v.transpose(0, 1))
-            return ops.paged_attention(q, kc, vc, block_tables, ctx_lens, pool.block_size,
-                                       c.attn_scale, c.layer_window[i], c.attn_logit_softcap)
+        def attend(i: int, q):
+            return ops.paged_attention(q, pool.k[i], pool.v[i], block_tables, ctx_lens,
+                                       pool.block_size, c.attn_scale, c.layer_window[i],
+                                       c.attn_logit_softcap)
 
-        return self._run(ids, step_tables, attend, None)
+        return self._run(ids, step_tables, pool, slots, attend, None)
 
-    def _run(self, ids: torch.Tensor, tables: dict, attend, rows) -> torch.Tensor:
-        """Embedding, the layers (attention through `attend(layer, q, k, v) -> [N, H, D]`),
-        final norm and LM head (only for `rows` of N if given). Returns logits float32."""
+    def _run(self, ids: torch.Tensor, tables: dict, pool, slots: torch.Tensor, attend,
+             rows) -> torch.Tensor:
+        """Embedding, the layers, final norm and LM head (only for `rows` of N if given).
+        Layer i writes the new tokens' k/v to cache slots `slots` [N] of pool.k/v[i], then
+        attends through `attend(i, q [N, H, D]) -> [N, H, D]`. Returns logits float32."""
         c = self.config
         n = ids.shape[0]
-        h = self.embed(ids.to(self.device))
+        h = self.embed(ids.to(self.device))  # [N, E]
         if self._embed_scale is not None:
             h = h * self._embed_scale
         eps, off = c.rms_norm_eps, c.norm_offset
+        # layer 0's input norm; every later norm runs fused with the residual add before it
+        x = ops.rms_norm(h, self.layers[0].input_norm, eps, off)
         for i, layer in enumerate(self.layers):
             rope = self.ropes[i]
-            cos, sin = tables[id(rope.spec)]
-            x = ops.rms_norm(h, layer.input_norm, eps, off)
-            q, k, v = layer.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            q = q.reshape(n, c.num_heads, c.head_dim)
-            k = k.reshape(n, c.num_kv_heads, c.head_dim)
-            v = v.reshape(n, c.num_kv_heads, c.head_dim)
-            if layer.q_norm is not None:
-                q = ops.rms_norm(q, layer.q_norm, eps, off)
-                k = ops.rms_norm(k, layer.k_norm, eps, off)
-            if rope.scale != 1.0:  # yarn / longrope scale the rotated features of q and k
-                r = rope.spec.dims
-                q = torch.cat((q[..., :r] * rope.scale, q[..., r:]), dim=-1)
-                k = torch.cat((k[..., :r] * rope.scale, k[..., r:]), dim=-1)
-            q = ops.rope(q, cos, sin, rope.spec.traditional)
-            k = ops.rope(k, cos, sin, rope.spec.traditional)
-            o = layer.o_proj(attend(i, q, k, v).reshape(n, c.q_size))
+            cos, sin = tables[id(rope.spec)]  # [N|1, R]
+            q = ops.qkv_rope_write(layer.qkv(x), c.num_heads, c.num_kv_heads, c.head_dim,
+                                   layer.q_norm, layer.k_norm, eps, off, rope.scale, cos, sin,
+                                   rope.spec.traditional, pool.k[i], pool.v[i], slots)
+            o = layer.o_proj(attend(i, q).reshape(n, c.q_size))
             if layer.post_attn_norm is not None:
                 o = ops.rms_norm(o, layer.post_attn_norm, eps, off)
-            h = self._residual(h, o)
-            x = ops.rms_norm(h, layer.mlp_norm, eps, off)
+            h, x = self._add_norm(h, o, layer.mlp_norm)
             gate, up = layer.gate_up(x).split(c.intermediate_size, dim=-1)
             m = layer.down_proj(ops.gated_act(gate, up, c.hidden_act))
             if layer.post_mlp_norm is not None:
                 m = ops.rms_norm(m, layer.post_mlp_norm, eps, off)
-            h = self._residual(h, m)
-        if rows is not None:
-            h = h.index_select(0, rows)
-        h = ops.rms_norm(h, self.norm, eps, off)
-        logits = (self.lm_head(h) if self.lm_head is not None else self.embed.as_linear(h)).float()
+            if i + 1 < len(self.layers):
+                h, x = self._add_norm(h, m, self.layers[i + 1].input_norm)
+            else:  # the final norm, on the wanted rows only
+                if rows is not None:
+                    h, m = h.index_select(0, rows), m.index_select(0, rows)
+                _, x = self._add_norm(h, m, self.norm)
+        logits = (self.lm_head(x) if self.lm_head is not None else self.embed.as_linear(x)).float()
         if c.final_logit_softcap is not None:
             cap = c.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
