@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .. import trace
+from .. import ops, trace
 from ..errors import MlxrError
 from ..generate import TextStream, check_prompt
-from ..models.decoder import Step, span_for, write_slots_for
+from ..models.decoder import PagedBatch, Step, span_for, write_slots_for
 from ..sampling import Sampler, SamplingParams
 from .decode_graphs import PagedDecodeRunner, supported
 from .kv_cache import BlockManager, KVPool
@@ -179,12 +179,18 @@ class LLMEngine:
             self._decode_step([s for s, _ in batch])
             return
         ids, spans, slots, rows, sampling = [], [], [], [], []
-        for seq, n in batch:
+        paged = self.paged is not None
+        positions, tiles = [], []
+        for s, (seq, n) in enumerate(batch):
             start = seq.num_computed
             if seq.num_generated == 0:
                 seq.prompt_cached = seq.num_cached_tokens
+            if paged:
+                tiles.append((s, len(ids), start, n))
+                positions += range(start, start + n)
+            else:
+                spans.append(span_for(seq.block_table, self.block_size, start, n, "cpu"))
             ids += seq.token_ids[start:start + n]
-            spans.append(span_for(seq.block_table, self.block_size, start, n, "cpu"))
             slots += write_slots_for(seq.block_table, self.block_size, start, n)
             if start + n == len(seq.token_ids):
                 rows.append(len(ids) - 1)
@@ -195,31 +201,51 @@ class LLMEngine:
                 sp.slots = sp.slots.to(dev)
         step = Step(spans, torch.tensor(slots, dtype=torch.long, device=dev),
                     torch.tensor(rows, dtype=torch.long, device=dev))
+        if paged:
+            width = max(len(seq.block_table) for seq, _ in batch)
+            tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table))
+                                   for seq, _ in batch], dtype=torch.int32)
+            c = self.model.config
+            items = ops.paged_items(tiles, ops.prefill_tile(c.num_heads, c.num_kv_heads))
+            step.paged = PagedBatch(tables.to(dev), items.to(dev),
+                                    torch.tensor(positions, dtype=torch.long, device=dev),
+                                    self.paged.rope)
         with torch.inference_mode(), trace.span("step", {"sequences": len(batch),
                                                          "tokens": len(ids)}):
             logits = self.decoder.forward_step(torch.tensor(ids), step, self.pool)
-        logits = logits.cpu()
+            host = self._needs_host(sampling)
+            greedy = logits.argmax(dim=-1).tolist()
+            want = [r for r, h in enumerate(host) if h]
+            rows = logits[torch.tensor(want, device=dev)].cpu() if want else []
         for seq, n in batch:
             seq.num_computed += n
             self.blocks.register(seq, seq.num_computed)
-        for row, seq in enumerate(sampling):
-            self._emit_token(seq, logits[row])
+        self._emit_all(sampling, host, greedy, dict(zip(want, rows)))
 
-    def _decode_step(self, seqs: list[_Request]) -> None:
-        """One token for each sequence through the paged decode runner: plain-greedy rows take
-        the argmax chosen on the device; the others get their logits row on the host."""
-        host = [not (s.sampler.plain_argmax and s.req.logits_processor is None
+    @staticmethod
+    def _needs_host(seqs: list[_Request]) -> list[bool]:
+        """Which sequences need their logits row on the host (anything but a plain argmax)."""
+        return [not (s.sampler.plain_argmax and s.req.logits_processor is None
                      and s.req.logprobs is None) for s in seqs]
-        with torch.inference_mode(), trace.span("decode", {"sequences": len(seqs)}):
-            greedy, logits = self.paged.run(seqs, host)
-        for seq in seqs:
-            seq.num_computed += 1
-            self.blocks.register(seq, seq.num_computed)
+
+    def _emit_all(self, seqs: list[_Request], host: list[bool], greedy: list[int],
+                  logits: dict) -> None:
         for row, seq in enumerate(seqs):
             if host[row]:
                 self._emit_token(seq, logits[row])
             else:
                 self._emit_token(seq, None, greedy[row])
+
+    def _decode_step(self, seqs: list[_Request]) -> None:
+        """One token for each sequence through the paged decode runner: plain-greedy rows take
+        the argmax chosen on the device; the others get their logits row on the host."""
+        host = self._needs_host(seqs)
+        with torch.inference_mode(), trace.span("decode", {"sequences": len(seqs)}):
+            greedy, logits = self.paged.run(seqs, host)
+        for seq in seqs:
+            seq.num_computed += 1
+            self.blocks.register(seq, seq.num_computed)
+        self._emit_all(seqs, host, greedy, logits)
 
     def _emit_token(self, seq: _Request, logits: torch.Tensor | None,
                     token: int | None = None) -> None:

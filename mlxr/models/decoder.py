@@ -39,12 +39,27 @@ class SeqSpan:
 
 
 @dataclass
+class PagedBatch:
+    """A step's sequences as the paged attention kernel reads them (the serving engine on CUDA):
+    block_tables [S, W] int32, items [I, 4] int32 (`ops.paged_items`: row tiles of one sequence
+    each), positions [N] long of the new tokens, and RoPE tables to gather them from (rope spec
+    id -> (cos, sin) [positions, R])."""
+
+    block_tables: torch.Tensor
+    items: torch.Tensor
+    positions: torch.Tensor
+    rope: dict
+
+
+@dataclass
 class Step:
-    """Per-step state for a batch of sequences whose new tokens are flattened to N rows."""
+    """Per-step state for a batch of sequences whose new tokens are flattened to N rows. With
+    `paged`, attention runs over the whole batch in one kernel and `spans` is not read."""
 
     spans: list[SeqSpan]
     write_slots: torch.Tensor  # [N] long: cache slot of each new token
     logits_rows: torch.Tensor | None = None  # rows of N whose logits are wanted (None = all)
+    paged: PagedBatch | None = None
 
 
 def span_for(block_table: list[int], block_size: int, q_start: int, q_len: int,
@@ -128,6 +143,17 @@ class Decoder:
         """A batch step: ids [N] (all sequences' new tokens, flattened), KV in `pool`
         (k[layer], v[layer] [K, slots, D]). Returns logits float32 [rows, V]."""
         c = self.config
+        if step.paged is not None:
+            pb = step.paged
+            tables = {k: (cs.index_select(0, pb.positions), sn.index_select(0, pb.positions))
+                      for k, (cs, sn) in pb.rope.items()}
+
+            def attend_paged(i: int, q):
+                return ops.paged_prefill_attention(
+                    q, pool.k[i], pool.v[i], pb.block_tables, pb.items, pool.block_size,
+                    c.attn_scale, c.layer_window[i], c.attn_logit_softcap)
+
+            return self._run(ids, tables, pool, step.write_slots, attend_paged, step.logits_rows)
         tables: dict[int, tuple] = {}
         for rope in self.ropes:
             if id(rope.spec) not in tables:
