@@ -240,6 +240,81 @@ def wait_ready(port: int, proc) -> str:
     raise RuntimeError("the server did not become ready")
 
 
+# -- --null-engine: the server path alone --------------------------------------------------------
+
+def null_engine_server(model_path: str, port: int, max_seqs: int, step_s: float):
+    """`mlxr serve`'s app, AsyncEngine, uvicorn protocol and loop in this process, over an
+    LLMEngine stand-in whose step costs nothing but one output per running request and a sleep
+    of `step_s` (the GPU's time, GIL released): the ceiling of everything between the engine step
+    and the socket on this CPU."""
+    import threading
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import uvicorn
+
+    import mlxr
+    from mlxr.cli.common import BUNDLED
+    from mlxr.engine import async_engine
+    from mlxr.engine.engine import RequestOutput
+    from mlxr.server.app import ServerState, create_app
+    from mlxr.server.security import SecurityConfig, deadline_protocol
+
+    class Seq:
+        def __init__(self, req, emit):
+            self.req, self.emit, self.n, self.aborted = req, emit, 0, False
+
+    class NullLLMEngine:
+        def __init__(self):
+            self.lock, self.running = threading.Lock(), []
+            self.scheduler = type("Scheduler", (), {"waiting": []})()
+
+        def add(self, req, emit):
+            seq = Seq(req, emit)
+            with self.lock:
+                self.running.append(seq)
+            return seq
+
+        def abort(self, seq):
+            seq.aborted = True
+
+        def has_work(self):
+            return bool(self.running)
+
+        def stats(self):
+            return {"running": len(self.running), "waiting": 0}
+
+        def step(self):
+            with self.lock:
+                batch = list(self.running)
+            for seq in batch:
+                seq.n += 1
+                done = seq.aborted or seq.n >= seq.req.params.max_tokens
+                if done:
+                    with self.lock:
+                        self.running.remove(seq)
+                if not seq.aborted:
+                    seq.emit(RequestOutput([400], " word", "length" if done else None,
+                                           len(seq.req.prompt_ids), seq.n, 0, None))
+            time.sleep(step_s)
+
+    path = Path(model_path)
+    if not path.is_dir() and (BUNDLED / model_path).is_dir():
+        path = BUNDLED / model_path
+    eng = object.__new__(async_engine.AsyncEngine)
+    eng.__dict__.update(engine=NullLLMEngine(), max_queued=max_seqs * 2, _wake=threading.Event(),
+                        _thread=None, _error=None, _outbox=[], ready=True)
+    state = ServerState(path, path.name, {}, {})
+    state.model, state.engine = mlxr.load(path, device="cpu"), eng
+    state.ready.set()
+    app = create_app(state, SecurityConfig(), load_in_background=False)
+    srv = uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, http=deadline_protocol(10),
+                                        limit_concurrency=max_seqs * 2 + 8, log_level="warning",
+                                        lifespan="off", server_header=False, ws="none"))
+    threading.Thread(target=srv.run, daemon=True, name="null-engine-server").start()
+    return srv
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
@@ -251,6 +326,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="runs per level; the median is kept")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra argument for `mlxr serve` (repeatable)")
+    ap.add_argument("--null-engine", action="store_true",
+                    help="serve from this process over a no-cost engine stand-in: the ceiling of "
+                    "the server path (HTTP, SSE, handoff) alone; MODEL gives the tokenizer")
+    ap.add_argument("--null-step-ms", type=float, default=0.0,
+                    help="with --null-engine: the time each step sleeps (the GPU's share)")
     a = ap.parse_args()
     levels = [int(c) for c in a.clients.split(",")]
     port = free_port()
@@ -260,7 +340,13 @@ def main() -> None:
            *a.server_arg]
     if a.device:
         cmd += ["--device", a.device]
-    proc = subprocess.Popen(cmd, env=dict(os.environ))
+    if a.null_engine:
+        srv = null_engine_server(a.model, port, max(levels), a.null_step_ms / 1e3)
+        proc = type("InProcess", (), {"pid": os.getpid(), "returncode": None,
+                                      "poll": lambda self: None, "wait": lambda self, t: None,
+                                      "terminate": lambda self: setattr(srv, "should_exit", 1)})()
+    else:
+        proc = subprocess.Popen(cmd, env=dict(os.environ))
     clients = None
     out = []
     try:
