@@ -1,7 +1,8 @@
 """`mlxr serve`: an OpenAI-compatible HTTP server over the batching engine.
 
 `create_app(state, security)` builds the ASGI app (app.py); `run(...)` serves it with uvicorn,
-closed by default (see security.py).
+closed by default (see security.py): on uvloop and uvicorn's httptools protocol when those are
+installed (uvicorn[standard]), else on asyncio and h11.
 """
 
 from __future__ import annotations
