@@ -149,7 +149,7 @@ def _worker(conn, barriers, port: int, model: str) -> None:
     with the others, run its streams concurrently, send back (per-stream results, end time)."""
     while (task := conn.recv()) is not None:
         n, prompts, tokens = task
-        barriers[n].wait()
+        barriers[n].wait(600)  # a worker that never arrives breaks it: no hang
         res = asyncio.run(_streams(port, model, prompts, tokens))
         end = time.perf_counter()
         conn.send(([r if isinstance(r, dict) else repr(r) for r in res], end))
@@ -177,7 +177,7 @@ class Clients:
                   for j in range(k)]
         for j in range(k):
             self.pipes[j].send((k, shares[j], tokens))
-        self.barriers[k].wait()
+        self.barriers[k].wait(600)
         t0 = time.perf_counter()
         res, ends = [], []
         for j in range(k):
