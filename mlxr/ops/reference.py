@@ -70,15 +70,25 @@ def attention(
     """
     t, h, d = q.shape
     kh, s, _ = k.shape
-    qpos = torch.arange(q_start, q_start + t)
-    kpos = torch.arange(k_start, k_start + s)
+    # Every key visible to every query: the last key is not after the first query, and (with a
+    # window) the last query still sees the first key. Decided on the host, and the mask is
+    # built where q lives: a host-built mask copied per layer would synchronise the GPU.
+    all_visible = k_start + s - 1 <= q_start and (
+        window is None or q_start + t - 1 - k_start < window)
+    qpos = torch.arange(q_start, q_start + t, device=q.device)
+    kpos = torch.arange(k_start, k_start + s, device=q.device)
     mask = kpos[None, :] <= qpos[:, None]
     if window is not None:
         mask &= qpos[:, None] - kpos[None, :] < window
     qh = q.transpose(0, 1)  # [H, T, D]
     rep = h // kh
     if softcap is None and (t * rep > 64 or q.is_cuda):
-        attn_mask = None if bool(mask.all()) else mask.to(q.device)
+        if q.is_cuda and window is None and q_start == k_start and t == s:
+            # a whole causal prompt: the flash kernel's own causal mask, no mask tensor
+            out = F.scaled_dot_product_attention(qh[None], k[None], v[None], is_causal=True,
+                                                 scale=scale, enable_gqa=h != kh)[0]
+            return out.transpose(0, 1)
+        attn_mask = None if all_visible else mask
         # CPU: float32 SDPA beats bf16 (Qwen3-0.6B prefill 512: 254 vs 233 tok/s end to end)
         wide = torch.float32 if not q.is_cuda else q.dtype
         out = F.scaled_dot_product_attention(
@@ -96,8 +106,8 @@ def attention(
     scores = torch.bmm(qg * scale, k.transpose(1, 2)).float()  # [K, rep*T, S]
     if softcap is not None:  # gemma2: tanh(s / cap) * cap before the mask
         scores = torch.tanh(scores / softcap) * softcap
-    if not bool(mask.all()):
-        m = mask.to(q.device).repeat(rep, 1)  # rows ordered (rep, T) like qg
+    if not all_visible:
+        m = mask.repeat(rep, 1)  # rows ordered (rep, T) like qg
         scores = scores.masked_fill(~m, -math.inf)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.bmm(probs, v)  # [K, rep*T, D]
