@@ -14,13 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import ContextLengthError
 from . import trace
 from .engine.cuda_graph import GraphCache
 from .engine.kv_cache import new_cache
+from .errors import ContextLengthError
 from .models.decoder import Decoder
 from .sampling import Sampler, SamplingParams, StopMatcher
-
 
 # Captured decode graphs (and their KV caches) per CUDA decoder, reused across requests.
 _graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -72,13 +71,20 @@ class TextStream:
         text, stopped = self.stops.feed(self.detok.flush() if self.detok is not None else "")
         return (text if stopped else text + self.stops.flush()), stopped
 
-    def push(self, token: int) -> tuple[list[int], str, str | None]:
-        """(ids to emit, text to emit, finish reason or None) for the next sampled token."""
+    def wants_text(self, token: int) -> bool:
+        """Whether `push(token)` detokenizes it (else it stops, or there is no detokenizer)."""
+        return self.detok is not None and token not in self.stop_ids
+
+    def push(self, token: int, piece: str | None = None) -> tuple[list[int], str, str | None]:
+        """(ids to emit, text to emit, finish reason or None) for the next sampled token.
+        `piece`: its new text when the caller already ran the detokenizer (`windows` +
+        `accept`, batched across streams) for a token that `wants_text`."""
         self.count += 1
         if token in self.stop_ids:
             # Like mlx-lm, the EOS / stop token itself is not part of the output.
             return [], self._flush()[0], "stop"
-        piece = self.detok.add(token) if self.detok is not None else ""
+        if piece is None:
+            piece = self.detok.add(token) if self.detok is not None else ""
         text, stopped = self.stops.feed(piece)
         if stopped:
             return [token], text, "stop"

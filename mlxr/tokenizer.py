@@ -137,6 +137,11 @@ class Tokenizer:
         ids = [int(i) for i in ids]
         return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(self, seqs: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
+        """decode() of each id list, in one call (tokenizers decodes them in parallel, without
+        the GIL: the serving engine detokenizes every sequence of a step this way)."""
+        return self._tk.decode_batch(seqs, skip_special_tokens=skip_special_tokens)
+
     def detokenizer(self, skip_special_tokens: bool = False) -> StreamingDetokenizer:
         return StreamingDetokenizer(self, skip_special_tokens=skip_special_tokens)
 
@@ -203,12 +208,24 @@ class StreamingDetokenizer:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 
     def add(self, token_id: int) -> str:
+        return self.accept([self._decode(w) for w in self.windows(token_id)])
+
+    def windows(self, token_id: int) -> list[list[int]]:
+        """Append `token_id` and return the id windows whose text `accept` needs (decode them
+        one by one, or many streams' at once with Tokenizer.decode_batch)."""
         self.token_ids.append(int(token_id))
         ids = self.token_ids
-        prefix_text = (
-            self._decode(ids[self._prefix : self._read]) if self._read > self._prefix else ""
-        )
-        new_text = self._decode(ids[self._prefix :])
+        new = ids[self._prefix:]
+        return [ids[self._prefix:self._read], new] if self._read > self._prefix else [new]
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        return self._skip
+
+    def accept(self, texts: list[str]) -> str:
+        """The newly completed text, given the decoded `windows` of the last token."""
+        prefix_text, new_text = texts if len(texts) == 2 else ("", texts[0])
+        ids = self.token_ids
         pending = len(ids) - self._read
         if (
             (new_text.endswith("\ufffd") and pending < self.MAX_PENDING)

@@ -230,11 +230,51 @@ class LLMEngine:
 
     def _emit_all(self, seqs: list[_Request], host: list[bool], greedy: list[int],
                   logits: dict) -> None:
+        """Choose each sequence's token (device greedy or host sampling), detokenize them all
+        in one batched call per skip-special setting, then emit."""
+        chosen = [self._choose(seq, logits[row]) if host[row] else (greedy[row], None)
+                  for row, seq in enumerate(seqs)]
+        pieces: list[str | None] = [None] * len(seqs)
+        for skip in (True, False):
+            rows, windows, counts = [], [], []
+            for row, seq in enumerate(seqs):
+                detok = seq.out.detok
+                if seq.out.wants_text(chosen[row][0]) and detok.skip_special_tokens == skip:
+                    w = detok.windows(chosen[row][0])
+                    rows.append(row)
+                    windows += w
+                    counts.append(len(w))
+            if rows:
+                texts = self.model.tokenizer.decode_batch(windows, skip)
+                at = 0
+                for row, n in zip(rows, counts):
+                    pieces[row] = seqs[row].out.detok.accept(texts[at:at + n])
+                    at += n
         for row, seq in enumerate(seqs):
-            if host[row]:
-                self._emit_token(seq, logits[row])
-            else:
-                self._emit_token(seq, None, greedy[row])
+            token, lps = chosen[row]
+            seq.token_ids.append(token)
+            out_ids, text, finish = seq.out.push(token, pieces[row])
+            if finish:
+                with self.lock:
+                    self.scheduler.finish(seq)
+            seq.emit(RequestOutput(out_ids, text, finish, seq.prompt_len, seq.num_generated,
+                                   seq.prompt_cached, lps if out_ids else None))
+
+    @staticmethod
+    def _choose(seq: _Request, logits: torch.Tensor) -> tuple[int, list | None]:
+        """Sample from a logits row [V] (processor, penalties, sampling) plus its logprobs."""
+        if seq.req.logits_processor is not None:
+            logits = seq.req.logits_processor(seq.token_ids[seq.prompt_len:], logits)
+        token = seq.sampler(logits, seq.token_ids)
+        lps = None
+        if seq.req.logprobs is not None:
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            top = []
+            if seq.req.logprobs:
+                v, i = lp.topk(seq.req.logprobs)
+                top = [(int(a), float(b)) for a, b in zip(i, v)]
+            lps = [TokenLogprob(token, float(lp[token]), top)]
+        return token, lps
 
     def _decode_step(self, seqs: list[_Request]) -> None:
         """One token for each sequence through the paged decode runner: plain-greedy rows take
@@ -246,29 +286,3 @@ class LLMEngine:
             seq.num_computed += 1
             self.blocks.register(seq, seq.num_computed)
         self._emit_all(seqs, host, greedy, logits)
-
-    def _emit_token(self, seq: _Request, logits: torch.Tensor | None,
-                    token: int | None = None) -> None:
-        """Sample from `logits` [V] (or take `token`, chosen on the device) and emit it."""
-        lps = None
-        if token is None:
-            generated = seq.token_ids[seq.prompt_len:]
-            if seq.req.logits_processor is not None:
-                logits = seq.req.logits_processor(generated, logits)
-            token = seq.sampler(logits, seq.token_ids)
-        if seq.req.logprobs is not None:
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            top = []
-            if seq.req.logprobs:
-                v, i = lp.topk(seq.req.logprobs)
-                top = [(int(a), float(b)) for a, b in zip(i, v)]
-            lps = [TokenLogprob(token, float(lp[token]), top)]
-        seq.token_ids.append(token)
-        out_ids, text, finish = seq.out.push(token)
-        if not out_ids:
-            lps = None
-        if finish:
-            with self.lock:
-                self.scheduler.finish(seq)
-        seq.emit(RequestOutput(out_ids, text, finish, seq.prompt_len, seq.num_generated,
-                               seq.prompt_cached, lps))

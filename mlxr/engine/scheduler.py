@@ -75,8 +75,9 @@ class Scheduler:
         budget = self.max_batched_tokens
         batch: list[tuple[Sequence, int]] = []
         # Running sequences first (decodes, then unfinished prefill chunks), oldest first.
+        preempted: set[Sequence] = set()  # (a set: `in self.running` per sequence is O(n^2))
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq not in self.running or budget == 0:
+            if seq in preempted or budget == 0:
                 continue
             # Room for the tokens to compute; preempt the newest others until there is.
             while len(seq.token_ids) > len(seq.block_table) * self.blocks.block_size \
@@ -87,6 +88,7 @@ class Scheduler:
                     break
                 batch = [(s, n) for s, n in batch if s is not victim]
                 self._preempt(victim)
+                preempted.add(victim)
             if len(seq.token_ids) > len(seq.block_table) * self.blocks.block_size:
                 if self.blocks.num_free == 0:
                     continue
