@@ -1,9 +1,9 @@
 """CUDA matmul paths for QuantWeight, chosen by batch size (measured on the H200, docs/perf.md).
 
-- decode (M <= 16), affine 4-bit: torch's tinygemm kernel (`_weight_int4pack_mm`), fed by a
+- decode (M <= 32), affine 4-bit: torch's tinygemm kernel (`_weight_int4pack_mm`), fed by a
   one-time load repack of the mlx codes (nibble order swapped, torch's tiled layout). It
   computes `x @ ((q - 8) * s + z)^T` per group, so mlx's `w = s*q + b` maps to `z = b + 8*s`.
-- prefill (M > 16), affine 2/4/8-bit: one Triton pass dequantizes the packed words to a bf16
+- prefill and large decode batches (M > 16; > 32 for 4-bit), affine 2/4/8-bit: one Triton pass dequantizes the packed words to a bf16
   scratch matrix (read 0.5 B, write 2 B per weight), then cuBLAS does the GEMM on tensor cores.
   The scratch is per call, never stored.
 - everything else: the Triton GEMV/GEMM kernels of `mlxr.ops.triton_qmm`.
@@ -23,6 +23,9 @@ from torch import Tensor
 from . import int4pack
 
 DECODE_MAX_M = 16
+# tinygemm beats dequant + cuBLAS up to 32 rows (H200, benchmarks/gpu_mid_m.py: 8B gate_up at
+# M=32 268 vs 630 us, 0.6B o 12 vs 17 us; at 64 rows the 0.6B shapes already favour cuBLAS)
+TINYGEMM_MAX_M = 32
 INNER_K_TILES = 8
 
 
@@ -64,7 +67,7 @@ def linear(qw, x: Tensor) -> Tensor | None:
         sp = qw.spec
         return triton_gemv.qgemv(x, qw.packed, qw.scales, qw.biases, qw.global_scale,
                                  mode=sp.mode, bits=sp.bits, group=sp.group_size)
-    if m <= DECODE_MAX_M and qw.i4 is not None:
+    if m <= TINYGEMM_MAX_M and qw.i4 is not None:
         return torch._weight_int4pack_mm(x, qw.i4, qw.spec.group_size, qw.i4_sz)
     if m > DECODE_MAX_M and qw.compute_dtype != torch.float32 and dequant_supported(qw):
         return x @ dequantize(qw, x.dtype).t()
