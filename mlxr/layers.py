@@ -107,12 +107,27 @@ class Rope:
         self.spec, self.device = spec, device
         self._inv, self.scale = rope_inv_freq(spec, 0)
         self._dynamic = (spec.scaling or {}).get("rope_type") == "dynamic"
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @staticmethod
+    def _angles(inv: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end, dtype=torch.float32)
+        return pos[:, None] * inv[None, :]
 
     def cos_sin(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Angles for positions [start, start+length): cos, sin each [length, dims/2] float32."""
-        inv = self._inv
-        if self._dynamic:
-            inv, _ = rope_inv_freq(self.spec, start + length)
-        pos = torch.arange(start, start + length, dtype=torch.float32)
-        ang = pos[:, None] * inv[None, :]
-        return ang.cos().to(self.device), ang.sin().to(self.device)
+        """Angles for positions [start, start+length): cos, sin each [length, dims/2] float32.
+
+        Static RoPE reads slices of a table kept on the device (grown geometrically): computing
+        the angles on the host and copying them per call cost ~4 ms of a 512-token GPU prefill.
+        The values are the same either way (the same float32 ops per position)."""
+        end = start + length
+        if self._dynamic:  # the frequencies depend on the sequence length
+            inv, _ = rope_inv_freq(self.spec, end)
+            ang = self._angles(inv, start, end)
+            return ang.cos().to(self.device), ang.sin().to(self.device)
+        if self._table is None or self._table[0].shape[0] < end:
+            cap = max(end, 4096, 2 * (0 if self._table is None else self._table[0].shape[0]))
+            ang = self._angles(self._inv, 0, cap)
+            self._table = (ang.cos().to(self.device), ang.sin().to(self.device))
+        cos, sin = self._table
+        return cos[start:end], sin[start:end]
