@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
@@ -289,3 +290,32 @@ def test_async_engine_fault_ends_every_stream(model):
     assert all(err is not None and "boom" in err and 0 < len(got) < 50 for got, err in res)
     again = asyncio.run(collect(PROMPTS[0]))
     assert again[1] is None and again[0] == single(model, tok.encode(PROMPTS[0]), 50)
+
+
+@pytest.mark.parametrize("interval", [3, None])
+def test_async_engine_stream_interval(model, interval):
+    """With a stream interval of 3, a stream gets its first token at once, then its tokens
+    three steps at a time (and the rest at the end); the concatenation is the same stream. The
+    default hands every token over while at most 64 streams run."""
+    tok = model.tokenizer
+    eng = AsyncEngine(model, max_num_seqs=4, stream_interval=interval)
+    n = 20
+
+    async def collect(p):
+        outs = []
+        async for out in eng.generate(EngineRequest(tok.encode(p), SamplingParams(
+                max_tokens=n, temperature=0, ignore_eos=True))):
+            outs.append(out)
+        return outs
+
+    async def main():
+        return await asyncio.gather(*(collect(p) for p in PROMPTS))
+
+    for p, outs in zip(PROMPTS, asyncio.run(main())):
+        assert ids_of(outs) == single(model, tok.encode(p), n)
+        ends = list(itertools.accumulate(len(o.token_ids) for o in outs))
+        if interval == 3:  # deliveries end at 1, 4, 7, ... 19, 20 (a lagging consumer may
+            assert set(ends) <= {1, 4, 7, 10, 13, 16, 19, 20}  # merge some of them)
+            assert len(ends) >= 2
+        assert ends[-1] == n and outs[-1].finish_reason == "length"
+    assert not eng._held

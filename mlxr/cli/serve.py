@@ -30,6 +30,9 @@ def register(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per engine step (chunked prefill; default: engine's choice)")
     p.add_argument("--max-queued", type=int, default=64, help="waiting requests before 429")
+    p.add_argument("--stream-interval", type=int, default=None, metavar="N",
+                   help="hand each stream its tokens every N engine steps (default: 1 up to 64 "
+                   "running streams, then one step more per 64)")
     p.add_argument("--max-connections", type=int, default=256)
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--header-timeout", type=float, default=10.0,
@@ -52,5 +55,6 @@ def cmd_serve(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_queued=args.max_queued,
         max_connections=args.max_connections, max_body_bytes=args.max_body_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-        device=args.device, dtype=args.dtype, log_level=args.log_level)
+        device=args.device, dtype=args.dtype, log_level=args.log_level,
+        stream_interval=args.stream_interval)
     return 0

@@ -19,7 +19,7 @@ def run(model_path: Path, *, host: str = "127.0.0.1", port: int = 8080, api_key:
         allow_origins=(), model_id: str | None = None, max_num_seqs: int = 16,
         max_num_batched_tokens: int | None = None, max_queued: int = 64, max_connections: int = 256, max_body_bytes: int = 4 << 20,
         header_timeout: float = 10.0, body_timeout: float = 30.0, device=None, dtype=None,
-        log_level: str = "info") -> None:
+        log_level: str = "info", stream_interval: int | None = None) -> None:
     import uvicorn
 
     sec = SecurityConfig(bind_host=host, api_key=api_key, allow_origins=list(allow_origins),
@@ -27,7 +27,8 @@ def run(model_path: Path, *, host: str = "127.0.0.1", port: int = 8080, api_key:
                          header_timeout=header_timeout)
     sec.check()
     state = ServerState(model_path, model_id or Path(model_path).name,
-                        dict(max_num_seqs=max_num_seqs, max_queued=max_queued, **(
+                        dict(max_num_seqs=max_num_seqs, max_queued=max_queued,
+                             stream_interval=stream_interval, **(
                             {"max_num_batched_tokens": max_num_batched_tokens}
                             if max_num_batched_tokens else {})),
                         dict(device=device, dtype=dtype))
