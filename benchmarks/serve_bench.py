@@ -242,7 +242,8 @@ def wait_ready(port: int, proc) -> str:
 
 # -- --null-engine: the server path alone --------------------------------------------------------
 
-def null_engine_server(model_path: str, port: int, max_seqs: int, step_s: float):
+def null_engine_server(model_path: str, port: int, max_seqs: int, step_s: float,
+                       stream_interval: int | None = None, host_s: float = 0.0):
     """`mlxr serve`'s app, AsyncEngine, uvicorn protocol and loop in this process, over an
     LLMEngine stand-in whose step costs nothing but one output per running request and a sleep
     of `step_s` (the GPU's time, GIL released): the ceiling of everything between the engine step
@@ -267,7 +268,7 @@ def null_engine_server(model_path: str, port: int, max_seqs: int, step_s: float)
     class NullLLMEngine:
         def __init__(self):
             self.lock, self.running = threading.Lock(), []
-            self.scheduler = type("Scheduler", (), {"waiting": []})()
+            self.scheduler = type("Scheduler", (), {"waiting": [], "running": self.running})()
 
         def add(self, req, emit):
             seq = Seq(req, emit)
@@ -296,6 +297,9 @@ def null_engine_server(model_path: str, port: int, max_seqs: int, step_s: float)
                 if not seq.aborted:
                     seq.emit(RequestOutput([400], " word", "length" if done else None,
                                            len(seq.req.prompt_ids), seq.n, 0, None))
+            end = time.perf_counter() + host_s  # the engine's own Python per step (GIL held)
+            while time.perf_counter() < end:
+                pass
             time.sleep(step_s)
 
     path = Path(model_path)
@@ -303,7 +307,8 @@ def null_engine_server(model_path: str, port: int, max_seqs: int, step_s: float)
         path = BUNDLED / model_path
     eng = object.__new__(async_engine.AsyncEngine)
     eng.__dict__.update(engine=NullLLMEngine(), max_queued=max_seqs * 2, _wake=threading.Event(),
-                        _thread=None, _error=None, _outbox=[], ready=True)
+                        _thread=None, _error=None, _outbox=[], ready=True,
+                        stream_interval=stream_interval, _held={})
     state = ServerState(path, path.name, {}, {})
     state.model, state.engine = mlxr.load(path, device="cpu"), eng
     state.ready.set()
@@ -329,6 +334,11 @@ def main() -> None:
     ap.add_argument("--null-engine", action="store_true",
                     help="serve from this process over a no-cost engine stand-in: the ceiling of "
                     "the server path (HTTP, SSE, handoff) alone; MODEL gives the tokenizer")
+    ap.add_argument("--null-stream-interval", type=int, default=None,
+                    help="with --null-engine: AsyncEngine's stream_interval (default: auto)")
+    ap.add_argument("--null-host-ms", type=float, default=0.0,
+                    help="with --null-engine: Python work per step with the GIL held (the "
+                    "engine's host share)")
     ap.add_argument("--null-step-ms", type=float, default=0.0,
                     help="with --null-engine: the time each step sleeps (the GPU's share)")
     a = ap.parse_args()
@@ -341,7 +351,8 @@ def main() -> None:
     if a.device:
         cmd += ["--device", a.device]
     if a.null_engine:
-        srv = null_engine_server(a.model, port, max(levels), a.null_step_ms / 1e3)
+        srv = null_engine_server(a.model, port, max(levels), a.null_step_ms / 1e3,
+                                 a.null_stream_interval, a.null_host_ms / 1e3)
         proc = type("InProcess", (), {"pid": os.getpid(), "returncode": None,
                                       "poll": lambda self: None, "wait": lambda self, t: None,
                                       "terminate": lambda self: setattr(srv, "should_exit", 1)})()
