@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from .cuda_graph import graphable
 
 # Batch sizes with a captured graph: small steps fine-grained, then every 32 rows.
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -29,11 +30,10 @@ def buckets_for(max_batch: int) -> list[int]:
 
 
 def supported(decoder) -> bool:
-    """Whether the paged decode step can be captured for `decoder` (CUDA, Triton kernels, and a
-    RoPE that does not depend on the sequence length: dynamic NTK does)."""
-    return (decoder.device.type == "cuda" and ops.fast_kernels(decoder.device)
-            and not any((r.spec.scaling or {}).get("rope_type") == "dynamic"
-                        for r in decoder.ropes))
+    """Whether the paged decode step can be captured for `decoder`: graphable (CUDA, a RoPE
+    that does not depend on the sequence length) and run by Triton kernels (the reference
+    paged attention reads the block tables on the host)."""
+    return graphable(decoder) and ops.fast_kernels(decoder.device)
 
 
 class PagedDecodeRunner:
