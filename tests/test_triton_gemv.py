@@ -126,12 +126,32 @@ def test_env_switch_routes_decode(monkeypatch):
     x = torch.randn(2, 128).to(torch.bfloat16)
     monkeypatch.delenv("MLXR_GEMV", raising=False)
     assert qcuda.linear(qw, x) is None
+    one = qcuda.linear(qw, x[:1])  # M = 1, 3-bit, bf16: triton_gemv by default (measured)
+    ref1 = T.qgemv_ref(x[:1], w, s, b, None, mode="affine", bits=3, group=32)
+    assert one is not None
+    assert ((one.float() - ref1.float()).abs() <= ref1.float().abs() * 2.0**-7 + 1e-6).all()
     monkeypatch.setenv("MLXR_GEMV", "triton")
     y = qcuda.linear(qw, x)
     ref = T.qgemv_ref(x, w, s, b, None, mode="affine", bits=3, group=32)
     assert y is not None and y.dtype == torch.bfloat16
     assert ((y.float() - ref.float()).abs() <= ref.float().abs() * 2.0**-7 + 1e-6).all()
     assert qcuda.linear(qw, torch.randn(17, 128).to(torch.bfloat16)) is None  # prefill path
+
+
+def test_default_route_only_where_measured():
+    """2/3-bit M = 1 bf16 go to triton_gemv by default; 4/6/8-bit, M > 1 and the float32 mode do
+    not; a large 2-bit matrix gets the sweep's 32-row launch."""
+    def qw_of(bits, n=24, k=128, dtype=torch.bfloat16):
+        spec = QuantSpec(mode="affine", bits=bits, group_size=32)
+        w, s, b, _ = random_weight("affine", bits, 32, n, k, 4)
+        return QuantWeight.from_tensors(w, s, b, spec, compute_dtype=dtype)
+
+    assert qcuda.gemv_v2_default(qw_of(2), 1) and qcuda.gemv_v2_default(qw_of(3), 1)
+    assert not qcuda.gemv_v2_default(qw_of(2), 2)
+    assert not any(qcuda.gemv_v2_default(qw_of(b), 1) for b in (4, 6, 8))
+    assert not qcuda.gemv_v2_default(qw_of(2, dtype=torch.float32), 1)
+    assert qcuda._gemv_v2_config(qw_of(2, 4096, 4096), 1).block_n == 32
+    assert qcuda._gemv_v2_config(qw_of(3, 4096, 4096), 1) is None
 
 
 def test_gpu_sweep_smoke():

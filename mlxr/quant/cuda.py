@@ -8,6 +8,7 @@
   The scratch is per call, never stored.
 - everything else: the Triton GEMV/GEMM kernels of `mlxr.ops.triton_qmm`.
 
+Affine 2/3-bit at M = 1 (bf16/fp16) use `mlxr.ops.triton_gemv` by default (measured faster).
 Env `MLXR_GEMV=triton` (read at every call, so A/B runs need no reload) routes decode (M <= 16)
 of every format, affine 4-bit included, to the GEMV of `mlxr.ops.triton_gemv` instead of tinygemm
 / `triton_qmm` (benchmarks/gpu_gemv_sweep.py measures both). The tinygemm copy is still built.
@@ -58,15 +59,39 @@ def dequantize(qw, dtype: torch.dtype = torch.bfloat16) -> Tensor:
                           sp.group_size, dtype)
 
 
+def gemv_v2_default(qw, m: int) -> bool:
+    """Where triton_gemv was measured faster than triton_qmm's GEMV without any switch: affine
+    2- and 3-bit at M = 1 in bf16/fp16 (H200 sweep, docs/perf.md: 8B shapes 2-bit 1.2-1.5x,
+    3-bit qkv 1.1x; other widths and M were not measured, and the float32 exact mode keeps the
+    kernel its parity runs used)."""
+    sp = qw.spec
+    return (m == 1 and sp.mode == "affine" and sp.bits in (2, 3)
+            and qw.compute_dtype != torch.float32)
+
+
+def _gemv_v2_config(qw, m: int):
+    """The sweep's best launch for large 2-bit matrices (32 rows per program: x loaded once
+    for more rows); the default launch elsewhere (measured equal to the best at 0.6B shapes)."""
+    from ..ops import triton_gemv
+
+    n, k, sp = qw.out_features, qw.in_features, qw.spec
+    if sp.bits == 2 and m == 1 and n >= 4096 and k >= 4096:
+        return triton_gemv.fill_split(triton_gemv.GemvConfig(block_n=32), n, k, sp.bits,
+                                      sp.group_size, 256)
+    return None
+
+
 def linear(qw, x: Tensor) -> Tensor | None:
     """x [M, K] -> [M, N] by the fastest measured path, or None to use the generic kernels."""
     m = x.shape[0]
-    if m <= DECODE_MAX_M and os.environ.get("MLXR_GEMV", "").lower() == "triton":
+    if m <= DECODE_MAX_M and (os.environ.get("MLXR_GEMV", "").lower() == "triton"
+                              or gemv_v2_default(qw, m)):
         from ..ops import triton_gemv
 
         sp = qw.spec
         return triton_gemv.qgemv(x, qw.packed, qw.scales, qw.biases, qw.global_scale,
-                                 mode=sp.mode, bits=sp.bits, group=sp.group_size)
+                                 mode=sp.mode, bits=sp.bits, group=sp.group_size,
+                                 config=_gemv_v2_config(qw, m))
     if m <= TINYGEMM_MAX_M and qw.i4 is not None:
         return torch._weight_int4pack_mm(x, qw.i4, qw.spec.group_size, qw.i4_sz)
     if m > DECODE_MAX_M and qw.compute_dtype != torch.float32 and dequant_supported(qw):
