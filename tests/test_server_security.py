@@ -175,3 +175,11 @@ def test_reasoning_template(tmp_path, assets):
                        for ch in chunks) == m["reasoning_content"]
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "x"])
+def test_bad_stream_interval_is_a_usage_error(value):
+    """A bad --stream-interval stops `mlxr serve` at the command line (exit 2), naming it."""
+    r = subprocess.run([sys.executable, "-m", "mlxr", "serve", "stories260K",
+                        "--stream-interval", value], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--stream-interval" in r.stderr

@@ -11,6 +11,13 @@ import os
 from .common import add_model_flags, resolve_model
 
 
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -30,7 +37,7 @@ def register(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per engine step (chunked prefill; default: engine's choice)")
     p.add_argument("--max-queued", type=int, default=64, help="waiting requests before 429")
-    p.add_argument("--stream-interval", type=int, default=None, metavar="N",
+    p.add_argument("--stream-interval", type=_positive_int, default=None, metavar="N",
                    help="hand each stream its tokens every N engine steps (default: 1 up to 64 "
                    "running streams, then one step more per 64)")
     p.add_argument("--max-connections", type=int, default=256)
