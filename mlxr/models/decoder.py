@@ -62,6 +62,11 @@ class Step:
     paged: PagedBatch | None = None
 
 
+def _gather(tables: dict, pos: torch.Tensor) -> dict:
+    """RoPE tables (rope spec id -> (cos, sin) [positions, R]) at positions pos [N] (device)."""
+    return {k: (cs.index_select(0, pos), sn.index_select(0, pos)) for k, (cs, sn) in tables.items()}
+
+
 def span_for(block_table: list[int], block_size: int, q_start: int, q_len: int,
              device) -> SeqSpan:
     """The SeqSpan of a paged sequence (consecutive blocks become a plain slot range)."""
@@ -145,8 +150,7 @@ class Decoder:
         c = self.config
         if step.paged is not None:
             pb = step.paged
-            tables = {k: (cs.index_select(0, pb.positions), sn.index_select(0, pb.positions))
-                      for k, (cs, sn) in pb.rope.items()}
+            tables = _gather(pb.rope, pb.positions)
 
             def attend_paged(i: int, q):
                 return ops.paged_prefill_attention(
@@ -188,8 +192,7 @@ class Decoder:
         slots are positions; tables: rope spec id -> (cos, sin) [capacity, R]; key_pos =
         arange(capacity). Attention covers the whole capacity under a visibility mask."""
         c = self.config
-        step_tables = {k: (cs.index_select(0, pos), sn.index_select(0, pos))
-                       for k, (cs, sn) in tables.items()}
+        step_tables = _gather(tables, pos)
         causal = key_pos <= pos
 
         def attend(i: int, q):
@@ -209,8 +212,7 @@ class Decoder:
         = pos + 1; tables: rope spec id -> (cos, sin) [positions, R]. Returns logits
         float32 [B, V]."""
         c = self.config
-        step_tables = {k: (cs.index_select(0, pos), sn.index_select(0, pos))
-                       for k, (cs, sn) in tables.items()}
+        step_tables = _gather(tables, pos)
 
         def attend(i: int, q):
             return ops.paged_attention(q, pool.k[i], pool.v[i], block_tables, ctx_lens,

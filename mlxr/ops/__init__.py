@@ -16,7 +16,7 @@ import os
 import torch
 
 from . import reference
-from .reference import attention, paged_items
+from .reference import attention, paged_items, prefill_tile
 
 _fused = None  # mlxr.ops.triton_fused, imported at the first CUDA call (triton is slow to import)
 
@@ -102,11 +102,6 @@ def paged_prefill_attention(q, k, v, block_tables, items, block_size: int, scale
         return fast(q, k, v, block_tables, items, block_size, scale, window, softcap)
     return reference.paged_prefill_attention(q, k, v, block_tables, items, block_size, scale,
                                              window, softcap)
-
-
-def prefill_tile(num_heads: int, num_kv_heads: int) -> int:
-    """Rows per item of paged_prefill_attention (the Triton kernel's query tile)."""
-    return max(1, 64 // (num_heads // num_kv_heads))
 
 
 def fast_kernels(device) -> bool:

@@ -209,6 +209,12 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
+def prefill_tile(num_heads: int, num_kv_heads: int) -> int:
+    """Rows per item of paged_prefill_attention: the Triton kernel's query tile (rep * rows <= 64
+    query-head rows per program)."""
+    return max(1, 64 // (num_heads // num_kv_heads))
+
+
 def paged_items(spans: list[tuple[int, int, int]], tile: int) -> torch.Tensor:
     """Items of `paged_prefill_attention` for spans (sequence index, first row, first position,
     number of rows): each span cut into tiles of at most `tile` rows. int32 [I, 4] (host)."""

@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .reference import prefill_tile
+
 LOG2E = 1.4426950408889634
 TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
 MAX_SPLITS = 32
@@ -264,7 +266,7 @@ def paged_prefill_attention(q: Tensor, k: Tensor, v: Tensor, block_tables: Tenso
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
-    tq = max(1, 64 // rep)  # = ops.prefill_tile: items hold at most this many rows
+    tq = prefill_tile(h, kh)  # items hold at most this many rows
     block_d = max(16, _p2(d))
     if softcap is not None:
         inv_cap, cap2, qk_scale = 2.0 * scale / softcap * LOG2E, softcap * LOG2E, 0.0
