@@ -202,25 +202,29 @@ class LLMEngine:
         step = Step(spans, torch.tensor(slots, dtype=torch.long, device=dev),
                     torch.tensor(rows, dtype=torch.long, device=dev))
         if paged:
-            width = max(len(seq.block_table) for seq, _ in batch)
-            tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table))
-                                   for seq, _ in batch], dtype=torch.int32)
-            c = self.model.config
-            items = ops.paged_items(tiles, ops.prefill_tile(c.num_heads, c.num_kv_heads))
-            step.paged = PagedBatch(tables.to(dev), items.to(dev),
-                                    torch.tensor(positions, dtype=torch.long, device=dev),
-                                    self.paged.rope)
+            step.paged = self._paged_batch([seq for seq, _ in batch], tiles, positions)
         with torch.inference_mode(), trace.span("step", {"sequences": len(batch),
                                                          "tokens": len(ids)}):
             logits = self.decoder.forward_step(torch.tensor(ids), step, self.pool)
             host = self._needs_host(sampling)
             greedy = logits.argmax(dim=-1).tolist()
             want = [r for r, h in enumerate(host) if h]
-            rows = logits[torch.tensor(want, device=dev)].cpu() if want else []
+            host_logits = logits[torch.tensor(want, device=dev)].cpu() if want else []
         for seq, n in batch:
             seq.num_computed += n
             self.blocks.register(seq, seq.num_computed)
-        self._emit_all(sampling, host, greedy, dict(zip(want, rows)))
+        self._emit_all(sampling, host, greedy, dict(zip(want, host_logits)))
+
+    def _paged_batch(self, seqs: list[_Request], tiles: list[tuple], positions: list[int]):
+        """The step as the paged attention kernel reads it: block tables [S, W] (padded with
+        block 0, never read past a sequence's length), row tiles, positions of the new tokens."""
+        dev, c = self.decoder.device, self.model.config
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table))
+                               for seq in seqs], dtype=torch.int32)
+        items = ops.paged_items(tiles, ops.prefill_tile(c.num_heads, c.num_kv_heads))
+        return PagedBatch(tables.to(dev), items.to(dev),
+                          torch.tensor(positions, dtype=torch.long, device=dev), self.paged.rope)
 
     @staticmethod
     def _needs_host(seqs: list[_Request]) -> list[bool]:
