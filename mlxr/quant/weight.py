@@ -13,7 +13,8 @@ mlx computes with fp32 params.
 `linear` dispatches on device: CPU -> `mlxr.quant.cpu.linear`; CUDA -> the Triton kernels of
 `mlxr.ops.triton_qmm` (GEMV for small batches, tensor-core GEMM for prefill) reading the packed
 words as shipped (on CUDA `packed` is always kept, never unpacked codes), after the measured
-fast paths of `mlxr.quant.cuda` (tinygemm 4-bit decode, dequant + cuBLAS prefill; env
+fast paths of `mlxr.quant.cuda` (tinygemm 4-bit decode, `mlxr.ops.triton_gemv` for 2/3-bit
+at M = 1, dequant + cuBLAS prefill; env
 `MLXR_GEMV=triton` sends all decode to `mlxr.ops.triton_gemv`); env `MLXR_KERNELS=torch` (or no
 triton) selects the generic tiled torch path instead.
 """
