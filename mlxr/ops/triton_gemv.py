@@ -39,7 +39,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_qmm import _code_value, _group_scale
+    from .triton_qmm import _code_value, _group_scale, _pick
 
 __all__ = ["MAX_M", "GemvConfig", "default_config", "qgemv", "qgemv_ref"]
 
@@ -123,30 +123,16 @@ if HAVE_TRITON:
         return w0, w1, w2, w3, w4
 
     @triton.jit
-    def _word(w0, w1, w2, w3, w4, I: tl.constexpr):
-        if I == 0:
-            r = w0
-        elif I == 1:
-            r = w1
-        elif I == 2:
-            r = w2
-        elif I == 3:
-            r = w3
-        else:
-            r = w4
-        return r
-
-    @triton.jit
     def _value(w0, w1, w2, w3, w4, C: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr):
         """fp32 value of code C (static) of each unit: affine q exactly; fp modes as
         `_code_value` (value / 2^14 or / 2^8, the power folded into the group scale)."""
         O: tl.constexpr = C * BITS
         SH: tl.constexpr = O % 32
         MASK: tl.constexpr = (1 << BITS) - 1
-        lo = _word(w0, w1, w2, w3, w4, O // 32)
+        lo = _pick(w0, w1, w2, w3, w4, O // 32)
         if SH + BITS > 32:  # straddles two words
             LOW: tl.constexpr = 32 - SH
-            hi = _word(w0, w1, w2, w3, w4, O // 32 + 1)
+            hi = _pick(w0, w1, w2, w3, w4, O // 32 + 1)
             q = ((lo >> SH) & ((1 << LOW) - 1)) | ((hi << LOW) & MASK)
             v = _code_value(q, MODE)
         elif MODE == 0:

@@ -30,6 +30,39 @@ MAX_SPLITS = 32
 
 
 @triton.jit
+def _scores(q, k, qk_scale, inv_cap, cap2, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr):
+    """q [M, D] . k [S, D]^T in log2 units (scale, or softcap, applied): fp32 [M, S]."""
+    if DOT_F32:  # fp32 inputs, or the interpreter (its bf16 dot is broken)
+        sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k))
+    if SOFTCAP:  # cap * tanh(s / cap), tanh(z) = 1 - 2 / (exp(2z) + 1); log2 units
+        sc = cap2 - 2.0 * cap2 / (tl.exp2(sc * inv_cap) + 1.0)
+    else:
+        sc = sc * qk_scale
+    return sc
+
+
+@triton.jit
+def _online_softmax(sc, v, m_i, l_i, acc, DOT_F32: tl.constexpr):
+    """One tile of the online softmax: scores sc [M, S] (-inf where invisible), values v
+    [S, D]; returns the new running max, sum and accumulator. p is rounded to v's dtype for
+    the P.V dot, as the reference rounds its probabilities."""
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(sc - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pv = p.to(v.dtype)
+    if DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(pv.to(tl.float32), v.to(tl.float32),
+                                            input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(pv, v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, o_ptr, pacc_ptr, pml_ptr,
                        sq0, sq1, sk0, sk1, sv0, sv1, stab, window, qk_scale, inv_cap, cap2,
                        REP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
@@ -69,29 +102,10 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, o_ptr, pacc_ptr, p
         slot = (blk.to(tl.int64) * BS + pos % BS)[:, None]
         km = valid[:, None] & dmask[None, :]
         k = tl.load(kbase + slot * sk1 + d[None, :], mask=km, other=0.0)
-        if DOT_F32:  # fp32 inputs, or the interpreter (its bf16 dot is broken)
-            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
-        if SOFTCAP:  # cap * tanh(s / cap), tanh(z) = 1 - 2 / (exp(2z) + 1); log2 units
-            z2 = sc * inv_cap
-            sc = cap2 - 2.0 * cap2 / (tl.exp2(z2) + 1.0)
-        else:
-            sc = sc * qk_scale
+        sc = _scores(q, k, qk_scale, inv_cap, cap2, SOFTCAP, DOT_F32)
         sc = tl.where(valid[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(sc - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(vbase + slot * sv1 + d[None, :], mask=km, other=0.0)
-        pv = p.to(v.dtype)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(pv.to(tl.float32), v.to(tl.float32),
-                                                input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(pv, v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(sc, v, m_i, l_i, acc, DOT_F32)
         t += 1
     if SINGLE:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -170,32 +184,13 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, item_ptr, o_ptr,
         slot = (blk.to(tl.int64) * BS + pos % BS)[:, None]
         km = live[:, None] & dmask[None, :]
         k = tl.load(kbase + slot * sk1 + d[None, :], mask=km, other=0.0)
-        if DOT_F32:
-            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
-        if SOFTCAP:
-            z2 = sc * inv_cap
-            sc = cap2 - 2.0 * cap2 / (tl.exp2(z2) + 1.0)
-        else:
-            sc = sc * qk_scale
+        sc = _scores(q, k, qk_scale, inv_cap, cap2, SOFTCAP, DOT_F32)
         vis = live[None, :] & (pos[None, :] <= qpos[:, None])
         if HAS_WINDOW:
             vis = vis & (qpos[:, None] - pos[None, :] < window)
         sc = tl.where(vis, sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(sc - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(vbase + slot * sv1 + d[None, :], mask=km, other=0.0)
-        pv = p.to(v.dtype)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(pv.to(tl.float32), v.to(tl.float32),
-                                                input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(pv, v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(sc, v, m_i, l_i, acc, DOT_F32)
         tt += 1
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(o_ptr + (qrow[:, None] * H + head[:, None]) * D + d[None, :],
