@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine import ids_of, run_all, single
 
 import mlxr
 from mlxr.cli.common import BUNDLED
@@ -21,26 +22,6 @@ def model():
 
 PROMPTS = ["Once upon a time", "Lily and Tom went to the park.", "The sun", "A big dog saw a cat",
            "Tim had a red ball", "One day", "The little bird sang"]
-
-
-def run_all(engine, reqs):
-    outs = [[] for _ in reqs]
-    for i, r in enumerate(reqs):
-        engine.add(r, outs[i].append)
-    steps = 0
-    while engine.has_work():
-        engine.step()
-        steps += 1
-        assert steps < 10_000
-    return outs
-
-
-def ids_of(outs):
-    return [t for o in outs for t in o.token_ids]
-
-
-def single(model, prompt_ids, n):
-    return list(model.generate(prompt_ids, max_tokens=n, temperature=0, ignore_eos=True))
 
 
 def test_buckets_cover_every_batch():
