@@ -88,3 +88,29 @@ def test_host_sampled_rows_beside_device_greedy(model):
         assert [o.text for o in a] == [o.text for o in b]
     la, lb = eager[3], paged[3]
     assert [x.logprobs[0].top for x in la] == [x.logprobs[0].top for x in lb]
+
+
+@pytest.mark.parametrize("family", ["llama_sliding", "gemma2", "gemma3_text", "phi3", "qwen3"])
+def test_paged_engine_equals_eager_engine_per_family(family, tmp_path):
+    """The paged step (one attention call over the whole batch, windows and softcaps applied
+    from block tables) gives the eager engine's tokens for the families whose attention has
+    something special: sliding windows (prompts longer than the window of 8), logit softcap,
+    partial rotary with longrope, q/k norms. Chunked prefill (budget 11) mixes prefill chunks
+    and decodes in one step."""
+    mlx_ref = pytest.importorskip("mlx_ref")
+    path = mlx_ref.make_model(tmp_path, family, "q4g64")
+    model = mlxr.load(path, device="cpu", dtype="float32")
+    g = torch.Generator().manual_seed(5)
+    vocab = mlx_ref.BASE["vocab_size"]
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (3, 12, 21, 30)]
+
+    def run(paged):
+        engine = LLMEngine(model, max_num_seqs=4, max_num_batched_tokens=11,
+                           paged_decode=paged)
+        return run_all(engine, [EngineRequest(p, SamplingParams(max_tokens=14, temperature=0,
+                                                                ignore_eos=True))
+                                for p in prompts])
+
+    eager, paged = run(False), run(True)
+    for a, b in zip(eager, paged):
+        assert ids_of(a) == ids_of(b) and len(ids_of(a)) == 14
