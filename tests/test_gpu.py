@@ -25,9 +25,21 @@ FIXTURES = Path(os.environ.get("MLXR_GPU_FIXTURES", ".gpu_fixtures"))
 CASES = sorted(p.name for p in FIXTURES.iterdir()) if FIXTURES.is_dir() else []
 
 
+_models: dict = {}
+
+
 def _load(case):
     ref = np.load(FIXTURES / case / "reference.npz")
     return FIXTURES / case / "model", ref
+
+
+def _model(path, dtype=None):
+    """One loaded model per (case, dtype) for the whole file: its kernels compiled and its decode
+    graphs captured once (loading afresh in every test made the file run ~8 s per case)."""
+    key = (str(path), dtype)
+    if key not in _models:
+        _models[key] = mlxr.load(path, device="cuda", dtype=dtype)
+    return _models[key]
 
 
 def _range(x):
@@ -41,7 +53,7 @@ def test_fixtures_present():
 @pytest.mark.parametrize("case", CASES)
 def test_float32_on_gpu_matches_mlx_lm(case):
     path, ref = _load(case)
-    m = mlxr.load(path, device="cuda", dtype="float32")
+    m = _model(path, "float32")
     seq = [int(i) for i in ref["prompt"]] + [int(i) for i in ref["greedy"]]
     ours = m.logits(seq).numpy()
     want = ref["logits32"]
@@ -61,7 +73,7 @@ def test_float32_on_gpu_matches_mlx_lm(case):
 @pytest.mark.parametrize("case", CASES)
 def test_bf16_on_gpu_close_to_reference(case):
     path, ref = _load(case)
-    m = mlxr.load(path, device="cuda")
+    m = _model(path)
     seq = [int(i) for i in ref["prompt"]] + [int(i) for i in ref["greedy"]]
     ours = m.logits(seq).numpy()
     want = ref["logits32"]
@@ -77,7 +89,7 @@ def test_prefill_vs_graph_decode_on_gpu(case, dtype):
     """Greedy decode through the CUDA graph equals argmax of teacher-forced batch prefill on
     the decoded sequence, except at near-ties."""
     path, ref = _load(case)
-    m = mlxr.load(path, device="cuda", dtype=dtype)
+    m = _model(path, dtype)
     prompt = [int(i) for i in ref["prompt"]]
     gen = list(m.generate(prompt, max_tokens=24))
     full = m.logits(prompt + gen).numpy()
