@@ -1,21 +1,47 @@
 #!/usr/bin/env bash
-# GPU parity run: mlx-lm references are made on a CPU machine (mlx does not run on the GPU
-# machine), then the suite runs on the GPU against them.
+# GPU parity and benchmark runs. mlx-lm references are made on a CPU machine (mlx does not run
+# on the GPU machine), then the suites run on the GPU against them.
 #
 #   here (CPU, with the test extras):  scripts/gpu_parity.sh make
 #   on the GPU machine, repo root:     scripts/gpu_parity.sh run      (carry .gpu_fixtures)
-#   on the GPU machine, benchmarks:    scripts/gpu_parity.sh bench
+#   on the GPU machine, benchmarks:    scripts/gpu_parity.sh bench    (single request, engine)
+#   on the GPU machine, serving:       scripts/gpu_parity.sh serve    (needs the server's
+#       packages there: carry wheels in .whl, see the device notes; a tokenizer dir in .gpu_tok)
+#
+# Outputs go to $OUT when it is set (the device tool brings that folder back), else ./gpu-out.
+# Triton's compile cache is kept in .triton_cache (ignored), so later calls on the same warm
+# machine skip the compiles.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+out="${OUT:-gpu-out}"
+mkdir -p "$out"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TRITON_CACHE_DIR="$PWD/.triton_cache"
+wheels() {
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  fi
+}
 case "${1:-}" in
   make) rm -rf .gpu_fixtures && python scripts/make_gpu_fixtures.py .gpu_fixtures ;;
-  run) MLXR_GPU_FIXTURES=.gpu_fixtures PYTHONPATH=. python3 -m pytest -q tests/test_gpu.py ;;
+  run)
+    MLXR_GPU_FIXTURES=.gpu_fixtures python3 -m pytest -q -rf tests/test_triton_paged.py \
+      tests/test_gpu_engine.py tests/test_gpu.py 2>&1 | tee "$out/parity.txt" | tail -5 ;;
   bench)
-    export PYTHONPATH=.
     python3 benchmarks/make_checkpoint.py qwen3-0.6b /tmp/q06 >/dev/null
-    python3 -m mlxr bench /tmp/q06 -p 512 -n 128 --device cuda
-    python3 benchmarks/gpu_profile.py /tmp/q06
+    python3 -m mlxr bench /tmp/q06 -p 512 -n 128 --device cuda | tee "$out/bench-0.6b.txt"
+    python3 benchmarks/gpu_profile.py /tmp/q06 | tee "$out/profile-decode.txt"
+    python3 benchmarks/gpu_profile_prefill.py /tmp/q06 | tee "$out/profile-prefill.txt"
+    python3 benchmarks/engine_bench.py /tmp/q06 --device cuda | tee "$out/engine.txt"
     python3 benchmarks/make_checkpoint.py llama-3.1-8b /tmp/l8 >/dev/null
-    python3 -m mlxr bench /tmp/l8 -p 512 -n 64 --device cuda --repeats 2 ;;
-  *) echo "usage: $0 make|run|bench" >&2; exit 2 ;;
+    python3 -m mlxr bench /tmp/l8 -p 512 -n 64 --device cuda --repeats 2 \
+      | tee "$out/bench-8b.txt" ;;
+  serve)
+    wheels
+    python3 benchmarks/make_checkpoint.py qwen3-0.6b /tmp/q06 --tokenizer .gpu_tok >/dev/null
+    python3 benchmarks/serve_bench.py /tmp/q06 --device cuda --clients 1,8,64,256 \
+      --tokens 128 | tee "$out/serve.txt"
+    python3 benchmarks/serve_bench.py /tmp/q06 --null-engine --null-step-ms 7 --clients 256 \
+      --tokens 128 | tee "$out/serve-null.txt" ;;
+  *) echo "usage: $0 make|run|bench|serve" >&2; exit 2 ;;
 esac
