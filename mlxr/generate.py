@@ -113,7 +113,9 @@ def stream_generate(decoder: Decoder, prompt_ids: Sequence[int], params: Samplin
     check_prompt(prompt_ids, c.vocab_size, c.context_length)
     params.validate(c.vocab_size)
     max_tokens = min(params.max_tokens, c.context_length - len(prompt_ids))
-    sampler = Sampler(params, c.vocab_size, device="cpu")
+    # Token selection where the logits are: on CUDA only the chosen id crosses to the host (a
+    # [V] float32 row to copy and a CPU sort for top-p cost more than the decode step itself).
+    sampler = Sampler(params, c.vocab_size, device=decoder.device)
     out = TextStream(detokenizer, params, eos_ids, max_tokens)
     stats = Stats(prompt_tokens=len(prompt_ids))
     history = [int(i) for i in prompt_ids]
@@ -128,7 +130,7 @@ def stream_generate(decoder: Decoder, prompt_ids: Sequence[int], params: Samplin
         With MLXR_TRACE set, `decoder.forward` calls are spans (mlxr.load instruments it) and
         so is each CUDA-graph decode step here."""
         logits = decoder.forward(torch.tensor(history), cache, last_only=True)[0]
-        token = sampler(logits.cpu(), history)
+        token = sampler(logits, history)
         yield token
         if graph is not None and sampler.plain_argmax:
             steps = graph.greedy(token, len(history) - 1, max_tokens - 1)
@@ -144,7 +146,7 @@ def stream_generate(decoder: Decoder, prompt_ids: Sequence[int], params: Samplin
                     logits = graph.logits_for(token, len(history) - 1)
             else:
                 logits = decoder.forward(torch.tensor([token]), cache, last_only=True)[0]
-            token = sampler(logits.cpu(), history)
+            token = sampler(logits, history)
             yield token
 
     t0 = time.perf_counter()
