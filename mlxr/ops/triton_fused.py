@@ -128,6 +128,51 @@ if HAVE_TRITON:
         tl.store(o_ptr + row * F + c, (a * u).to(o_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
+    def _scores(q, k, qk_scale, inv_cap, cap2, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr):
+        """q [M, D] . k [S, D]^T in log2 units (scale, or softcap, applied): fp32 [M, S].
+        Shared by every attention kernel (here and mlxr.ops.triton_paged)."""
+        if DOT_F32:  # fp32 inputs, or the interpreter (its bf16 dot is broken)
+            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        if SOFTCAP:  # cap * tanh(s / cap), tanh(z) = 1 - 2 / (exp(2z) + 1); log2 units
+            sc = cap2 - 2.0 * cap2 / (tl.exp2(sc * inv_cap) + 1.0)  # inv_cap = 2 log2(e) s/cap
+        else:
+            sc = sc * qk_scale  # scale * log2(e)
+        return sc
+
+    @triton.jit
+    def _online_softmax(sc, v, m_i, l_i, acc, DOT_F32: tl.constexpr):
+        """One tile of the online softmax: scores sc [M, S] (-inf where invisible), values v
+        [S, D]; returns the new running max, sum and accumulator. p is rounded to v's dtype
+        for the P.V dot, as the reference rounds its probabilities."""
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(sc - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pv = p.to(v.dtype)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(pv.to(tl.float32), v.to(tl.float32),
+                                                input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pv, v)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _merge_splits(pacc_ptr, pml_ptr, prow, jm, d, dmask, D: tl.constexpr):
+        """One row's output [BLOCK_D] fp32 from its splits' partials: acc at pacc[prow, :D],
+        (max, sum) at pml[prow, 0:2], for the splits jm marks (empty splits weigh 0)."""
+        m = tl.load(pml_ptr + prow * 2, mask=jm, other=float("-inf"))
+        lsum = tl.load(pml_ptr + prow * 2 + 1, mask=jm, other=0.0)
+        mx = tl.max(m, axis=0)
+        w = tl.exp2(m - tl.where(mx == float("-inf"), 0.0, mx))
+        l_tot = tl.sum(w * lsum, axis=0)
+        acc = tl.load(pacc_ptr + prow[:, None] * D + d[None, :],
+                      mask=jm[:, None] & dmask[None, :], other=0.0)
+        return tl.sum(acc * w[:, None], axis=0) / tl.where(l_tot > 0.0, l_tot, 1.0)
+
+    @triton.jit
     def _attn_split_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, pacc_ptr, pml_ptr,
                            S, sq0, sq1, sk0, sk1, sv0, sv1, svis, qk_scale, inv_cap, cap2,
                            T: tl.constexpr, REP: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
@@ -162,29 +207,10 @@ if HAVE_TRITON:
                 kvis = tl.max(vis.to(tl.int32), axis=0) > 0
                 km = (smask & kvis)[:, None] & dmask[None, :]
                 k = tl.load(kbase + kv_off * sk1 + d[None, :], mask=km, other=0.0)
-                if DOT_F32:  # fp32 inputs, or the interpreter (its bf16 dot is broken)
-                    sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-                else:
-                    sc = tl.dot(q, tl.trans(k))
-                if SOFTCAP:  # cap * tanh(s / cap), tanh(z) = 1 - 2 / (exp(2z) + 1); log2 units
-                    z2 = sc * inv_cap  # = 2 log2(e) * scale * s / cap
-                    sc = cap2 - 2.0 * cap2 / (tl.exp2(z2) + 1.0)
-                else:
-                    sc = sc * qk_scale  # scale * log2(e)
+                sc = _scores(q, k, qk_scale, inv_cap, cap2, SOFTCAP, DOT_F32)
                 sc = tl.where(vis, sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_safe)
-                p = tl.exp2(sc - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
                 v = tl.load(vbase + kv_off * sv1 + d[None, :], mask=km, other=0.0)
-                pv = p.to(v.dtype)  # rounded like the reference's probs.to(v.dtype)
-                if DOT_F32:
-                    acc = acc * alpha[:, None] + tl.dot(pv.to(tl.float32), v.to(tl.float32),
-                                                        input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(pv, v)
-                m_i = m_new
+                m_i, l_i, acc = _online_softmax(sc, v, m_i, l_i, acc, DOT_F32)
         if SINGLE:
             out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
             optr = o_ptr + (t.to(tl.int64)[:, None] * H + head[:, None]) * D + d[None, :]
@@ -208,14 +234,7 @@ if HAVE_TRITON:
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
         prow = (g * NSPLIT + j).to(tl.int64) * RT + row
-        m = tl.load(pml_ptr + prow * 2, mask=jm, other=float("-inf"))
-        lsum = tl.load(pml_ptr + prow * 2 + 1, mask=jm, other=0.0)
-        mx = tl.max(m, axis=0)
-        w = tl.exp2(m - tl.where(mx == float("-inf"), 0.0, mx))  # 0 for empty splits
-        l_tot = tl.sum(w * lsum, axis=0)
-        acc = tl.load(pacc_ptr + prow[:, None] * D + d[None, :], mask=jm[:, None] & dmask[None, :],
-                      other=0.0)
-        out = tl.sum(acc * w[:, None], axis=0) / tl.where(l_tot > 0.0, l_tot, 1.0)
+        out = _merge_splits(pacc_ptr, pml_ptr, prow, jm, d, dmask, D)
         t = row % T
         head = g * REP + row // T
         tl.store(o_ptr + (t * H + head).to(tl.int64) * D + d, out.to(o_ptr.dtype.element_ty),

@@ -9,8 +9,9 @@ tile's slots as block_tables[b, p // block_size] * block_size + p % block_size. 
 length is read on the device, so the loop bound is a runtime value (a while loop: the tiles of a
 short sequence cost nothing however large the captured capacity). Splits exist for small
 batches (few programs, long contexts); their fp32 partials are merged by `_paged_combine_kernel`.
-Numerics follow `triton_fused.attention_masked` (scores and softmax in fp32, p rounded to v's
-dtype for the P.V dot); `reference.paged_attention` is the spec.
+Numerics are `triton_fused.attention_masked`'s, through the same score, online-softmax and
+split-merge helpers (scores and softmax in fp32, p rounded to v's dtype for the P.V dot);
+`reference.paged_attention` is the spec.
 """
 
 from __future__ import annotations
@@ -23,43 +24,11 @@ import triton.language as tl
 from torch import Tensor
 
 from .reference import prefill_tile
+from .triton_fused import _merge_splits, _online_softmax, _scores
 
 LOG2E = 1.4426950408889634
 TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
 MAX_SPLITS = 32
-
-
-@triton.jit
-def _scores(q, k, qk_scale, inv_cap, cap2, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr):
-    """q [M, D] . k [S, D]^T in log2 units (scale, or softcap, applied): fp32 [M, S]."""
-    if DOT_F32:  # fp32 inputs, or the interpreter (its bf16 dot is broken)
-        sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        sc = tl.dot(q, tl.trans(k))
-    if SOFTCAP:  # cap * tanh(s / cap), tanh(z) = 1 - 2 / (exp(2z) + 1); log2 units
-        sc = cap2 - 2.0 * cap2 / (tl.exp2(sc * inv_cap) + 1.0)
-    else:
-        sc = sc * qk_scale
-    return sc
-
-
-@triton.jit
-def _online_softmax(sc, v, m_i, l_i, acc, DOT_F32: tl.constexpr):
-    """One tile of the online softmax: scores sc [M, S] (-inf where invisible), values v
-    [S, D]; returns the new running max, sum and accumulator. p is rounded to v's dtype for
-    the P.V dot, as the reference rounds its probabilities."""
-    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(sc - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    pv = p.to(v.dtype)
-    if DOT_F32:
-        acc = acc * alpha[:, None] + tl.dot(pv.to(tl.float32), v.to(tl.float32),
-                                            input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(pv, v)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -131,14 +100,7 @@ def _paged_combine_kernel(pacc_ptr, pml_ptr, o_ptr, REP: tl.constexpr, H: tl.con
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     prow = ((b.to(tl.int64) * (H // REP) + g) * NSPLIT + j) * REP + head % REP
-    m = tl.load(pml_ptr + prow * 2, mask=jm, other=float("-inf"))
-    lsum = tl.load(pml_ptr + prow * 2 + 1, mask=jm, other=0.0)
-    mx = tl.max(m, axis=0)
-    w = tl.exp2(m - tl.where(mx == float("-inf"), 0.0, mx))  # 0 for empty splits
-    l_tot = tl.sum(w * lsum, axis=0)
-    acc = tl.load(pacc_ptr + prow[:, None] * D + d[None, :], mask=jm[:, None] & dmask[None, :],
-                  other=0.0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.where(l_tot > 0.0, l_tot, 1.0)
+    out = _merge_splits(pacc_ptr, pml_ptr, prow, jm, d, dmask, D)
     tl.store(o_ptr + pid.to(tl.int64) * D + d, out.to(o_ptr.dtype.element_ty), mask=dmask)
 
 
