@@ -120,7 +120,7 @@ class LLMEngine:
             with torch.inference_mode():
                 self.paged = PagedDecodeRunner(self.decoder, self.pool, n, max_num_seqs,
                                                min(c.context_length, n * block_size),
-                                               capture and paged_decode is not False)
+                                               capture)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.decoder.device.type == "cuda" else 256
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
