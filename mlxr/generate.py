@@ -120,8 +120,11 @@ def stream_generate(decoder: Decoder, prompt_ids: Sequence[int], params: Samplin
     stats = Stats(prompt_tokens=len(prompt_ids))
     history = [int(i) for i in prompt_ids]
     need = len(history) + max_tokens
+    prefill = None
     if decoder.device.type == "cuda":
-        cache, graph = _graphs.setdefault(decoder, GraphCache()).get(decoder, need, new_cache)
+        graphs = _graphs.setdefault(decoder, GraphCache())
+        cache, graph = graphs.get(decoder, need, new_cache)
+        prefill = graphs.prefill_graph(decoder, cache, len(history))
     else:
         cache, graph = new_cache(decoder, need), None
 
@@ -129,7 +132,10 @@ def stream_generate(decoder: Decoder, prompt_ids: Sequence[int], params: Samplin
         """Sampled tokens; the consumer appends each to `history` before asking for the next.
         With MLXR_TRACE set, `decoder.forward` calls are spans (mlxr.load instruments it) and
         so is each CUDA-graph decode step here."""
-        logits = decoder.forward(torch.tensor(history), cache, last_only=True)[0]
+        if prefill is not None:
+            logits = prefill.run(history)[0]
+        else:
+            logits = decoder.forward(torch.tensor(history), cache, last_only=True)[0]
         token = sampler(logits, history)
         yield token
         if graph is not None and sampler.plain_argmax:
