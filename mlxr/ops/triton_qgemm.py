@@ -1,0 +1,349 @@
+"""Tensor-core prefill GEMM and dequantization for MLX affine 2/4/8-bit weights (Hopper-minded).
+
+y[M, N] = x[M, K] @ W[N, K]^T with W as the file stores it: int32 words [N, K*bits/32] (code j of
+a word at bits [j*bits, (j+1)*bits), PER = 32/bits codes per word), scales/biases [N, K/G]
+(bf16/fp16/fp32). Every weight is w = s*q + b in fp32, rounded ONCE to x's dtype: q*s is exact in
+fp32 (<= 8 + 11 significant bits), so fma or mul+add give the same w, and `qgemm` feeds tl.dot
+exactly the bf16 matrix that `dequant_affine` writes for cuBLAS; only the GEMM's summation order
+differs between the two prefill paths.
+
+`qgemm` (the fused kernel, `_qgemm_kernel`): each program owns one output tile [BLOCK_M,
+BLOCK_N] (grouped launch order: GROUP_M row tiles run next to each other so a weight tile is
+fetched from HBM once and re-read from L2), K loop over BLOCK_K tiles (BLOCK_K a multiple or a
+divisor of the group size, so a tile holds whole groups or lies in one):
+  * words: one 2-D [BLOCK_N, BLOCK_K/PER] int32 load per tile (each row a contiguous run: 16-byte
+    vector loads, pipelined over num_stages like the x tile);
+  * codes: the word tile viewed as [BLOCK_N, NGT groups, WPG words, 1] and broadcast against
+    per-code constants [PER] -> [BLOCK_N, NGT, WPG, PER] (no per-element gather or index math);
+    each code is masked in place and OR'ed with an fp32 exponent, so the float is exactly
+    2^e + q and one subtraction leaves q (no shift for most codes, no int->float conversion);
+  * scale and bias loaded once per group ([BLOCK_N, NGT], prefetched one tile ahead) and
+    broadcast, one fp32 fma, one rounding, reshape to [BLOCK_N, BLOCK_K];
+  * tl.dot with fp32 accumulation, either x @ W^T (acc [BM, BN]) or, with `w_as_a`, W @ x^T
+    (acc [BN, BM], stored transposed): the weight is then the register "A" operand of wgmma
+    and x the shared-memory "B" one, whose N side may be as small as 8 (small M).
+  Optional split-K writes fp32 partials [S, M, N] summed by torch (small-M shapes whose
+  output tiles cannot fill the GPU).
+`dequant_affine`: the same tile math writing [N, K] (2-D word loads, wide contiguous stores),
+bit-identical to `mlxr.ops.triton_dequant.dequant_affine`.
+
+Under TRITON_INTERPRET (CPU tests) the interpreter's bf16 dot is broken and its fp32 -> bf16
+cast truncates: the dot runs in fp32 (`input_precision="ieee"`, exact bf16 inputs) and the
+weight rounding is done with integer ops (round to nearest even, what the GPU's cvt does).
+K is a constexpr (static loop bounds for the interpreter; a model has 2-3 distinct K).
+Torch twin: `triton_qmm.qgemm_ref` (bf16-rounded dequantized weight, fp32 matmul).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from .triton_qmm import HAVE_TRITON, _check, _interpret, _sm_count, qgemm_ref
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+__all__ = ["QgemmConfig", "default_config", "dequant_affine", "qgemm", "qgemm_ref"]
+
+BITS = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class QgemmConfig:
+    """Launch shape of `qgemm`: output tile, K tile, launch grouping, warps, pipeline depth,
+    operand order (w_as_a: W @ x^T) and split-K."""
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    w_as_a: bool = False
+    split_k: int = 1
+
+    def label(self) -> str:
+        return (f"{self.block_m}x{self.block_n}x{self.block_k}_w{self.num_warps}"
+                f"_s{self.num_stages}{'_wa' if self.w_as_a else ''}"
+                f"{f'_k{self.split_k}' if self.split_k > 1 else ''}")
+
+
+def default_config(m: int, n: int, k: int, bits: int, group: int,
+                   sm_count: int = 132) -> QgemmConfig:
+    """Launch before measurement (benchmarks/gpu_qgemm_sweep.py measures alternatives):
+    large M: 128x128 tiles, 8 warps (two warpgroups), the dequantized weight as wgmma's B
+    operand; M <= 64: the weight as the A operand (x's side of the MMA can be 64 wide), 4 warps,
+    split-K until there are about as many programs as SMs."""
+    if m <= 64:
+        cfg = QgemmConfig(block_m=64 if m > 32 else 32, block_n=128, block_k=128, num_warps=4,
+                          num_stages=4, w_as_a=True)
+    elif m <= 256:
+        cfg = QgemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    else:
+        cfg = QgemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+    return fill_split(cfg, m, n, k, group, sm_count)
+
+
+def fill_split(cfg: QgemmConfig, m: int, n: int, k: int, group: int,
+               sm_count: int = 132) -> QgemmConfig:
+    """`cfg` with split-K doubled while the grid is under one program per SM and every split
+    keeps at least 4 K tiles (the pipeline needs a few iterations to pay off)."""
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    nt = -(-k // cfg.block_k)
+    split = 1
+    while tiles * split * 2 <= sm_count * 1.5 and nt // (split * 2) >= 4:
+        split *= 2
+    return replace(cfg, split_k=split)
+
+
+# ====================================================================== Triton kernels
+if HAVE_TRITON:
+
+    @triton.jit
+    def _round(v, DT: tl.constexpr, EXACT_ROUND: tl.constexpr):
+        """fp32 -> DT, round to nearest even. EXACT_ROUND (interpreter, bf16 only): with integer
+        ops, because the interpreter's cast truncates."""
+        if EXACT_ROUND and DT == tl.bfloat16:  # (NaN/inf never occur here)
+            u = v.to(tl.uint32, bitcast=True)
+            u = u + 0x7FFF + ((u >> 16) & 1)
+            r = (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            r = v.to(DT)
+        return r
+
+    @triton.jit
+    def _affine_tile(wd, s, b, DT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, NGT: tl.constexpr, EXACT_ROUND: tl.constexpr):
+        """words [BLOCK_N, BLOCK_K/PER] int32, scales/biases [BLOCK_N, NGT] (NGT groups in the
+        tile) -> weights [BLOCK_N, BLOCK_K] in DT: w = s*q + b in fp32, rounded once."""
+        PER: tl.constexpr = 32 // BITS
+        WPG: tl.constexpr = BLOCK_K // PER // NGT  # words per group inside the tile
+        w4 = tl.reshape(wd, [BLOCK_N, NGT, WPG, 1])
+        # code j sits at bits [SH, SH + BITS), SH = j*BITS. If SH + BITS <= 23 it is masked in
+        # place and OR'ed with the exponent of 2^(23-SH): that fp32 is exactly 2^(23-SH) + q, and
+        # one subtraction leaves q (no shift, no int->float conversion). Higher codes do the same
+        # from the word shifted right by 9 (one shift per word, shared by them).
+        sh = tl.arange(0, PER) * BITS  # [PER], constants per register after layout
+        hi = sh + BITS > 23
+        sh = tl.where(hi, sh - 9, sh)
+        src = tl.where(hi[None, None, None, :], w4 >> 9, w4)  # [BN, NGT, WPG, PER]
+        expo = (150 - sh) << 23  # fp32 bits of 2^(23-SH)
+        f = ((src & (((1 << BITS) - 1) << sh)) | expo).to(tl.float32, bitcast=True)
+        qf = f - expo.to(tl.float32, bitcast=True)
+        sf = s.to(tl.float32)[:, :, None, None]
+        bf = b.to(tl.float32)[:, :, None, None]
+        v = tl.reshape(qf * sf + bf, [BLOCK_N, BLOCK_K])
+        return _round(v, DT, EXACT_ROUND)
+
+    @triton.jit
+    def _load_groups(s_ptr, b_ptr, s_row, g, nmask, NG: tl.constexpr, EVEN_N: tl.constexpr,
+                     EVEN_K: tl.constexpr):
+        """scales and biases [BN, NGT] of groups g [NGT] for the rows s_row [BN, 1]."""
+        sp = s_row + g[None, :]
+        if EVEN_N and EVEN_K:
+            s = tl.load(s_ptr + sp)
+            b = tl.load(b_ptr + sp)
+        else:
+            gmask = nmask[:, None] & (g < NG)[None, :]
+            s = tl.load(s_ptr + sp, mask=gmask, other=0.0)
+            b = tl.load(b_ptr + sp, mask=gmask, other=0.0)
+        return s, b
+
+    @triton.jit
+    def _qgemm_kernel(
+        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_ym, stride_ys,
+        K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr, W_AS_A: tl.constexpr, SPLIT_K: tl.constexpr,
+        EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        # grouped order: GROUP_M row tiles x every column tile, row tile fastest, so programs
+        # running together share each weight tile (re-read from L2) and the x row tiles
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        width = GROUP_M * num_n
+        first_m = (pid // width) * GROUP_M
+        gm = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % gm
+        pid_n = (pid % width) // gm
+
+        PER: tl.constexpr = 32 // BITS
+        KW: tl.constexpr = K // PER  # words per weight row
+        NG: tl.constexpr = K // GROUP  # groups per weight row
+        BW: tl.constexpr = BLOCK_K // PER  # words per tile row
+        NGT: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP  # groups per tile (1: inside one)
+        NT: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+        TPS: tl.constexpr = (NT + SPLIT_K - 1) // SPLIT_K  # K tiles per split
+        DT: tl.constexpr = x_ptr.dtype.element_ty
+
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mmask = rm < M
+        nmask = rn < N
+        rk = tl.arange(0, BLOCK_K)
+        rw = tl.arange(0, BW)
+        rg = tl.arange(0, NGT)
+        x_row = x_ptr + rm[:, None] * stride_xm  # [BM, 1]
+        w_row = w_ptr + rn[:, None].to(tl.int64) * KW  # [BN, 1]
+        s_row = rn[:, None].to(tl.int64) * NG  # [BN, 1]
+
+        if W_AS_A:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # scales/biases are 2-byte loads the pipeliner does not make asynchronous: prefetch the
+        # next tile's into registers while this tile is computed
+        k0 = pid_k * TPS * BLOCK_K
+        s, b = _load_groups(s_ptr, b_ptr, s_row, k0 // GROUP + rg, nmask, NG, EVEN_N, EVEN_K)
+        for t in range(TPS):
+            k0 = (pid_k * TPS + t) * BLOCK_K
+            kn = k0 + BLOCK_K
+            if EVEN_K:  # stay inside the matrix (the value is not used past the last tile)
+                kn = tl.minimum(kn, K - BLOCK_K)
+            s_next, b_next = _load_groups(s_ptr, b_ptr, s_row, kn // GROUP + rg, nmask, NG,
+                                          EVEN_N, EVEN_K)
+            xp = x_row + (k0 + rk)[None, :]  # [BM, BK]
+            wp = w_row + (k0 // PER + rw)[None, :]  # [BN, BW]
+            if EVEN_K:
+                xt = tl.load(xp, mask=mmask[:, None], other=0.0)
+                if EVEN_N:
+                    wd = tl.load(wp)
+                else:
+                    wd = tl.load(wp, mask=nmask[:, None], other=0)
+            else:  # ragged K (whole groups) or a split past the end: masked words and x
+                xt = tl.load(xp, mask=mmask[:, None] & (k0 + rk < K)[None, :], other=0.0)
+                wd = tl.load(wp, mask=nmask[:, None] & (k0 // PER + rw < KW)[None, :], other=0)
+            wt = _affine_tile(wd, s, b, DT, BITS, BLOCK_N, BLOCK_K, NGT, INTERPRET)  # [BN, BK]
+            if INTERPRET:  # exact bf16 values, fp32 products (the interpreter's bf16 dot)
+                if W_AS_A:
+                    acc = tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)), acc,
+                                 input_precision="ieee")
+                else:
+                    acc = tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), acc,
+                                 input_precision="ieee")
+            elif W_AS_A:
+                acc = tl.dot(wt, tl.trans(xt), acc)  # [BN, BM]
+            else:
+                acc = tl.dot(xt, tl.trans(wt), acc)  # [BM, BN]
+            s, b = s_next, b_next
+        if W_AS_A:
+            acc = tl.trans(acc)
+        yp = y_ptr + pid_k * stride_ys + rm[:, None] * stride_ym + rn[None, :]  # [BM, BN]
+        out = _round(acc, y_ptr.dtype.element_ty, INTERPRET)
+        tl.store(yp, out, mask=mmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K: tl.constexpr, BITS: tl.constexpr,
+                        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN: tl.constexpr, EXACT_ROUND: tl.constexpr):
+        """out[n, k] = s[n, k // G] * code(n, k) + b[n, k // G] over a [BLOCK_N, BLOCK_K] tile:
+        one 2-D word load, scales per group, contiguous BLOCK_K-wide row stores."""
+        PER: tl.constexpr = 32 // BITS
+        KW: tl.constexpr = K // PER
+        NG: tl.constexpr = K // GROUP
+        BW: tl.constexpr = BLOCK_K // PER
+        NGT: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = tl.program_id(1) * BLOCK_K
+        rw = k0 // PER + tl.arange(0, BW)
+        rg = k0 // GROUP + tl.arange(0, NGT)
+        rk = k0 + tl.arange(0, BLOCK_K)
+        rows = rn[:, None].to(tl.int64)
+        if EVEN:
+            wd = tl.load(w_ptr + rows * KW + rw[None, :])
+            s = tl.load(s_ptr + rows * NG + rg[None, :])
+            b = tl.load(b_ptr + rows * NG + rg[None, :])
+        else:
+            nmask = rn[:, None] < N
+            gmask = nmask & (rg < NG)[None, :]
+            wd = tl.load(w_ptr + rows * KW + rw[None, :], mask=nmask & (rw < KW)[None, :],
+                         other=0)
+            s = tl.load(s_ptr + rows * NG + rg[None, :], mask=gmask, other=0.0)
+            b = tl.load(b_ptr + rows * NG + rg[None, :], mask=gmask, other=0.0)
+        out = _affine_tile(wd, s, b, out_ptr.dtype.element_ty, BITS, BLOCK_N, BLOCK_K, NGT,
+                           EXACT_ROUND)
+        op = out_ptr + rows * K + rk[None, :]
+        if EVEN:
+            tl.store(op, out)
+        else:
+            tl.store(op, out, mask=(rn[:, None] < N) & (rk < K)[None, :])
+
+
+# ====================================================================== launchers
+def _validate(x: Tensor | None, w: Tensor, s: Tensor, b: Tensor, bits: int, group: int) -> int:
+    if bits not in BITS or group not in (32, 64, 128):
+        raise ValueError(f"triton_qgemm: affine {bits}-bit g{group} is not supported "
+                         f"(bits {BITS}, groups 32/64/128)")
+    if b is None or b.shape != s.shape or s.shape[0] != w.shape[0]:
+        raise ValueError("triton_qgemm: affine weights need scales and biases [N, K/G]")
+    if x is not None:
+        return _check(x, w, s, "affine", bits, group)[1]
+    k = s.shape[1] * group
+    if w.dim() != 2 or w.shape[1] * 32 != k * bits or k % 32:
+        raise ValueError(f"shape mismatch: w {tuple(w.shape)}, scales {tuple(s.shape)}, "
+                         f"{bits}b g{group}")
+    return k
+
+
+def qgemm(x: Tensor, w: Tensor, s: Tensor, b: Tensor, *, bits: int, group: int,
+          out_dtype: torch.dtype | None = None, config: QgemmConfig | None = None,
+          warmup: bool = False) -> Tensor | None:
+    """y [M, N] = x [M, K] (bf16/fp16) @ W^T for affine words w int32 [N, K*bits/32] and
+    scales/biases [N, K/G]; output in out_dtype (default x.dtype). config: launch override
+    (default: `default_config`). warmup: compile only (returns None)."""
+    k = _validate(x, w, s, b, bits, group)
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"triton_qgemm.qgemm takes bf16/fp16 activations, not {x.dtype}")
+    m, n = x.shape[0], w.shape[0]
+    x = x.contiguous()
+    w = w.view(torch.int32) if w.dtype == torch.uint32 else w
+    cfg = config or default_config(m, n, k, bits, group, _sm_count(x.device))
+    bk = cfg.block_k
+    if bk < 32 or bk & (bk - 1):
+        raise ValueError(f"block_k must be a power of two >= 32, not {bk}")
+    split = cfg.split_k
+    nt = -(-k // bk)
+    tps = -(-nt // split)
+    odt = out_dtype or x.dtype
+    if split == 1:
+        y, ys = torch.empty(m, n, device=x.device, dtype=odt), 0
+    else:
+        y, ys = torch.empty(split, m, n, device=x.device, dtype=torch.float32), m * n
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+    args = (x, w, s, b, y, m, n, x.stride(0), n, ys)
+    kw = {"K": k, "BITS": bits, "GROUP": group, "BLOCK_M": cfg.block_m,
+          "BLOCK_N": cfg.block_n, "BLOCK_K": bk, "GROUP_M": cfg.group_m, "W_AS_A": cfg.w_as_a,
+          "SPLIT_K": split, "EVEN_N": n % cfg.block_n == 0,
+          "EVEN_K": k % bk == 0 and tps * split == nt, "INTERPRET": _interpret(),
+          "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if warmup:
+        _qgemm_kernel.warmup(*args, grid=grid, **kw)
+        return None
+    _qgemm_kernel[grid](*args, **kw)
+    return y.sum(0).to(odt) if split > 1 else y
+
+
+def dequant_affine(packed: Tensor, scales: Tensor, biases: Tensor, in_features: int, bits: int,
+                   group_size: int, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """packed int32 [N, K*bits/32], scales/biases [N, K/G] -> [N, K] in `dtype` (same
+    signature and values as `mlxr.ops.triton_dequant.dequant_affine`)."""
+    k = _validate(None, packed, scales, biases, bits, group_size)
+    if k != in_features:
+        raise ValueError(f"in_features {in_features} does not match scales {tuple(scales.shape)}")
+    n = packed.shape[0]
+    packed = packed.view(torch.int32) if packed.dtype == torch.uint32 else packed
+    out = torch.empty(n, k, dtype=dtype, device=packed.device)
+    # [32 rows, 256 columns] per program: 4-bit reads 32 B and writes 512 B per row (16-byte
+    # vectors per thread), 16 KiB of output per program
+    bn, bk = 32, 256
+    grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
+    _dequant_kernel[grid](packed, scales, biases, out, n, K=k, BITS=bits, GROUP=group_size,
+                          BLOCK_N=bn, BLOCK_K=bk, EVEN=n % bn == 0 and k % bk == 0,
+                          EXACT_ROUND=_interpret(), num_warps=4)
+    return out
+
