@@ -10,7 +10,7 @@ import torch
 from . import trace
 from .checkpoint import open_checkpoint
 from .config import ModelConfig, load_config
-from .errors import ModelFormatError
+from .errors import MlxrError, ModelFormatError
 from .engine.kv_cache import new_cache
 from .generate import Chunk, check_prompt, stream_generate
 from .models.loader import build_decoder, check_checkpoint
@@ -26,7 +26,8 @@ def _pick_device(device) -> torch.device:
 
 
 class Model:
-    """A loaded model: config, tokenizer, teacher-forced logits and streaming generation."""
+    """A loaded model: config, tokenizer, teacher-forced logits and streaming generation.
+    (`decoder` is None when loaded with weights=False: config and tokenizer only.)"""
 
     def __init__(self, path: Path, config: ModelConfig, generation_config: dict, decoder,
                  dtype: torch.dtype, device: torch.device):
@@ -65,9 +66,15 @@ class Model:
         """Teacher-forced logits of every position: float32 [T, vocab] on the CPU."""
         ids = [int(i) for i in token_ids]
         check_prompt(ids, self.config.vocab_size, self.config.context_length + 1)
-        cache = new_cache(self.decoder, len(ids))
+        decoder = self._decoder()
+        cache = new_cache(decoder, len(ids))
         with torch.inference_mode():
-            return self.decoder.forward(torch.tensor(ids), cache).float().cpu()
+            return decoder.forward(torch.tensor(ids), cache).float().cpu()
+
+    def _decoder(self):
+        if self.decoder is None:
+            raise MlxrError(f"{self.path.name} was loaded with weights=False: it cannot compute")
+        return self.decoder
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -94,7 +101,7 @@ class Model:
                 raise
             detok = None  # id prompts work without tokenizer files; text is then empty
         eos = self.eos_token_ids if detok is not None else self.config.eos_token_ids
-        return stream_generate(self.decoder, ids, params, eos, detok)
+        return stream_generate(self._decoder(), ids, params, eos, detok)
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                  **kw) -> Iterator[int]:
@@ -108,12 +115,14 @@ class Model:
 
 
 def load(path: str | Path, device: str | torch.device | None = None,
-         dtype: str | torch.dtype | None = None) -> Model:
+         dtype: str | torch.dtype | None = None, weights: bool = True) -> Model:
     """Load an MLX / HF model directory.
 
     device: "cpu", "cuda" or None (CUDA when available). dtype: "float32" computes everything in
     float32 with the quantized codes untouched (the exact mode tests use); the default is
-    bfloat16, the fast dtype on both CPU and GPU.
+    bfloat16, the fast dtype on both CPU and GPU. weights=False reads config.json and
+    generation_config.json only (the tokenizer loads on first use): no decoder is built and the
+    safetensors are not opened -- what a server process needs whose engine runs elsewhere.
     """
     path = Path(path)
     if not path.is_dir():
@@ -128,6 +137,8 @@ def load(path: str | Path, device: str | torch.device | None = None,
     else:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     config, gen = load_config(path)
+    if not weights:
+        return Model(path, config, gen, None, dt, dev)
     with open_checkpoint(path) as ckpt:
         decoder = build_decoder(ckpt, config, dt, dev)
     trace.instrument(decoder)  # prefill/decode spans when MLXR_TRACE is set; else a no-op

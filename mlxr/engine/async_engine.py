@@ -64,6 +64,13 @@ def _merge_held(held: list) -> list:
     return ([merge_outputs(outs)] if outs else []) + rest
 
 
+def engine_failure(e: BaseException) -> MlxrError:
+    """What a request sees when a step raised `e` (the server answers it with a 500)."""
+    err = MlxrError(f"engine failure: {e}")
+    err.__cause__ = e
+    return err
+
+
 def _deliver(batch: list) -> None:
     """On the event loop: drop one step's outputs into their mailboxes, wake the consumers."""
     for stream, out in batch:
@@ -73,6 +80,37 @@ def _deliver(batch: list) -> None:
             stream.waiter = None
             if not w.done():
                 w.set_result(None)
+
+
+def to_loops(batch: list) -> None:
+    """From any thread: deliver (stream, output) pairs with one thread-safe call per event loop."""
+    loop = batch[0][0].loop
+    if all(s.loop is loop for s, _ in batch):  # the server: one loop
+        groups = {loop: batch}
+    else:
+        groups = {}
+        for item in batch:
+            groups.setdefault(item[0].loop, []).append(item)
+    for lp, items in groups.items():
+        try:
+            lp.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:  # that loop is closed: nobody is left to read
+            pass
+
+
+async def next_output(stream: _Stream) -> RequestOutput:
+    """On the stream's loop: its next output, everything queued merged into one; an exception
+    in the mailbox (a failed step or a rejected request) is raised."""
+    items = stream.items
+    if not items:
+        stream.waiter = stream.loop.create_future()
+        await stream.waiter
+    if isinstance(items[0], BaseException):
+        raise items.popleft()
+    outs = [items.popleft()]
+    while items and not isinstance(items[0], BaseException):
+        outs.append(items.popleft())
+    return merge_outputs(outs)
 
 
 class AsyncEngine:
@@ -116,20 +154,11 @@ class AsyncEngine:
                     or out.finish_reason is not None:
                 del self._held[stream]
                 batch += [(stream, o) for o in _merge_held(held)]
-        if not batch:
-            return
-        loop = batch[0][0].loop
-        if all(s.loop is loop for s, _ in batch):  # the server: one loop
-            groups = {loop: batch}
-        else:
-            groups = {}
-            for item in batch:
-                groups.setdefault(item[0].loop, []).append(item)
-        for lp, items in groups.items():
-            try:
-                lp.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # that loop is closed: nobody is left to read
-                pass
+        if batch:
+            self._handoff(batch)
+
+    # ProcEngine's engine process overrides this to send the step over a pipe
+    _handoff = staticmethod(to_loops)
 
     def _loop(self) -> None:
         while True:
@@ -145,7 +174,7 @@ class AsyncEngine:
                         for seq in seqs:
                             self.engine.scheduler.finish(seq)
                     for seq in seqs:
-                        seq.emit(e)
+                        seq.emit(engine_failure(e))
                 self._flush()
 
     def _ensure_thread(self) -> None:
@@ -165,20 +194,10 @@ class AsyncEngine:
         seq = self.engine.add(req, lambda out: self._outbox.append((stream, out)))
         self._ensure_thread()
         self._wake.set()
-        items = stream.items
         done = False
         try:
             while True:
-                if not items:
-                    stream.waiter = loop.create_future()
-                    await stream.waiter
-                if isinstance(items[0], BaseException):
-                    e = items.popleft()
-                    raise MlxrError(f"engine failure: {e}") from e
-                outs = [items.popleft()]
-                while items and not isinstance(items[0], BaseException):
-                    outs.append(items.popleft())
-                out = merge_outputs(outs)
+                out = await next_output(stream)
                 done = out.finish_reason is not None
                 yield out
                 if done:

@@ -35,11 +35,13 @@ def _lltokenizer(model):
 
 
 class GrammarProcessor:
-    """A logits processor for one request (not shared: it holds the parser state)."""
+    """A logits processor for one request (not shared: it holds the parser state). `grammar` is
+    kept: ProcEngine sends it, not the processor, to the engine process, which rebuilds one."""
 
     def __init__(self, model, grammar: str):
         import llguidance
 
+        self.grammar = grammar
         self.matcher = llguidance.LLMatcher(_lltokenizer(model), grammar, log_level=0)
         if self.matcher.is_error():
             raise bad_request(f"invalid grammar: {self.matcher.get_error()}", "response_format")
