@@ -40,6 +40,9 @@ def register(sub) -> None:
     p.add_argument("--stream-interval", type=_positive_int, default=None, metavar="N",
                    help="hand each stream its tokens every N engine steps (default: 1 up to 64 "
                    "running streams, then one step more per 64)")
+    p.add_argument("--engine-process", choices=["auto", "on", "off"], default="auto",
+                   help="run the engine in its own process, so that the HTTP work and the "
+                   "engine's Python do not share one GIL (default auto: on with CUDA)")
     p.add_argument("--max-connections", type=int, default=256)
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--header-timeout", type=float, default=10.0,
@@ -63,5 +66,5 @@ def cmd_serve(args) -> int:
         max_connections=args.max_connections, max_body_bytes=args.max_body_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         device=args.device, dtype=args.dtype, log_level=args.log_level,
-        stream_interval=args.stream_interval)
+        stream_interval=args.stream_interval, engine_process=args.engine_process)
     return 0

@@ -19,7 +19,8 @@ def run(model_path: Path, *, host: str = "127.0.0.1", port: int = 8080, api_key:
         allow_origins=(), model_id: str | None = None, max_num_seqs: int = 16,
         max_num_batched_tokens: int | None = None, max_queued: int = 64, max_connections: int = 256, max_body_bytes: int = 4 << 20,
         header_timeout: float = 10.0, body_timeout: float = 30.0, device=None, dtype=None,
-        log_level: str = "info", stream_interval: int | None = None) -> None:
+        log_level: str = "info", stream_interval: int | None = None,
+        engine_process: str = "auto") -> None:
     import uvicorn
 
     sec = SecurityConfig(bind_host=host, api_key=api_key, allow_origins=list(allow_origins),
@@ -31,7 +32,7 @@ def run(model_path: Path, *, host: str = "127.0.0.1", port: int = 8080, api_key:
                              stream_interval=stream_interval, **(
                             {"max_num_batched_tokens": max_num_batched_tokens}
                             if max_num_batched_tokens else {})),
-                        dict(device=device, dtype=dtype))
+                        dict(device=device, dtype=dtype), engine_process)
     app = create_app(state, sec)
     uvicorn.run(app, host=host, port=port, http=deadline_protocol(header_timeout),
                 limit_concurrency=max_connections, timeout_keep_alive=5,

@@ -1,6 +1,7 @@
 """The ASGI app: OpenAI routes (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models),
 /health, /metrics and the Ollama routes (ollama.py), over the batching engine
-(`mlxr.engine.AsyncEngine`).
+(`mlxr.engine.AsyncEngine` on a thread, or `mlxr.engine.proc_engine.ProcEngine` in a process of
+its own, when this process then loads the config and tokenizer only).
 
 Requests are validated and turned into a `Job` (prompt ids, sampling params, grammar, tool and
 reasoning parsing) here; `render.py` turns the engine's outputs into each API's wire format.
@@ -51,11 +52,16 @@ class Job:
 
 
 class ServerState:
-    """The model and engine, loaded in the background so /health can say "loading"."""
+    """The model and engine, loaded in the background so /health can say "loading".
+    engine_process: "on" runs the engine in a child process (ProcEngine), "off" on a thread of
+    this process (AsyncEngine), "auto" = on when the device is CUDA."""
 
-    def __init__(self, model_path: Path, model_id: str, engine_kw: dict, load_kw: dict):
+    def __init__(self, model_path: Path, model_id: str, engine_kw: dict, load_kw: dict,
+                 engine_process: str = "auto"):
+        if engine_process not in ("auto", "on", "off"):
+            raise ValueError(f"engine_process must be auto, on or off, not {engine_process!r}")
         self.model_path, self.model_id = Path(model_path), model_id
-        self.engine_kw, self.load_kw = engine_kw, load_kw
+        self.engine_kw, self.load_kw, self.engine_process = engine_kw, load_kw, engine_process
         self.model = self.engine = None
         self.error: str | None = None
         self.created = int(time.time())
@@ -67,11 +73,27 @@ class ServerState:
             import mlxr
 
             from ..engine import AsyncEngine
+            from ..engine.proc_engine import ProcEngine
+            from ..model import _pick_device
 
-            model = mlxr.load(self.model_path, **self.load_kw)
-            model.tokenizer  # noqa: B018 -- fail now, not on the first request
-            self.engine = AsyncEngine(model, **self.engine_kw)
-            self.model = model
+            mode = self.engine_process
+            if mode == "auto":
+                mode = "on" if _pick_device(self.load_kw.get("device")).type == "cuda" else "off"
+            if mode == "on":
+                # the child loads (and validates) the weights; here: config and tokenizer
+                engine = ProcEngine(self.model_path, self.load_kw, **self.engine_kw)
+                try:
+                    model = mlxr.load(self.model_path, **self.load_kw, weights=False)
+                    model.tokenizer  # noqa: B018 -- fail now, not on the first request
+                    engine.wait_ready()
+                except BaseException:
+                    engine.close()
+                    raise
+            else:
+                model = mlxr.load(self.model_path, **self.load_kw)
+                model.tokenizer  # noqa: B018 -- fail now, not on the first request
+                engine = AsyncEngine(model, **self.engine_kw)
+            self.engine, self.model = engine, model
             self.ready.set()
             log.info("model %s ready", self.model_id)
         except Exception as e:  # reported by /health and every request
@@ -326,8 +348,10 @@ def create_app(state: ServerState, security: SecurityConfig, load_in_background:
 
     @app.get("/health")
     async def health():
-        if state.error:
-            return JSONResponse({"status": "error", "message": state.error}, 500)
+        error = state.error or (state.engine is not None and not state.engine.ready
+                                and state.engine.error)  # ProcEngine: its process is gone
+        if error:
+            return JSONResponse({"status": "error", "message": error}, 500)
         if not state.ready.is_set():
             return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": "2"})
         return {"status": "ok", "model": state.model_id}

@@ -1,0 +1,282 @@
+"""`ProcEngine`: the batching engine in a process of its own, for the server.
+
+Why: at high concurrency the HTTP path (uvicorn, FastAPI, SSE writes) and the engine's host-side
+Python (scheduling, sampling, detokenizing) each want most of a core; in one process they take
+turns on one GIL. ProcEngine runs the model and `AsyncEngine`'s engine thread in a child process
+(multiprocessing "spawn": no CUDA state is forked), so the server process keeps only the tokenizer
+and the HTTP work.
+
+Protocol, two one-way pipes of pickled tuples (nothing per token):
+- in: ("add", rid, EngineRequest) and ("abort", rid). EOF (the server closed it or died) ends the
+  child.
+- out: first ("ready", stats) or ("failed", exception); then at most ONE message per engine step,
+  (outputs, errors, stats values) with outputs = [(rid, token_ids, text, finish_reason,
+  prompt_tokens, completion_tokens, cached_tokens, logprobs)] and errors = [(rid, queue_full,
+  message)]. The stream interval and the merging of held outputs run in the child (AsyncEngine's
+  `_flush`), so a step's message carries only what is due; a step with nothing due but changed
+  stats (blocks freed by an abort) sends the stats alone.
+One reader thread in the server process turns each message into RequestOutputs and hands the step
+to the event loop with one `call_soon_threadsafe`, as AsyncEngine's thread does.
+
+Logits processors are closures and cannot cross: a grammar processor (anything with a `grammar`
+string) is sent as ("grammar", text) and rebuilt in the child with the child's model; another is
+sent only if it pickles (e.g. a module-level function).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+from ..errors import MlxrError
+from .async_engine import AsyncEngine, _Stream, next_output, to_loops
+from .engine import EngineRequest, QueueFullError, RequestOutput, TokenLogprob
+
+__all__ = ["ProcEngine"]
+
+
+# -- the engine process --------------------------------------------------------------------------
+
+class _Remote:
+    """The child's handle of a request: what AsyncEngine's `_flush` keys the held outputs on."""
+
+    __slots__ = ("closed", "rid", "seq")
+
+    def __init__(self, rid: int):
+        self.rid, self.closed, self.seq = rid, False, None
+
+
+class _ChildEngine(AsyncEngine):
+    """AsyncEngine whose step handoff is a message on the pipe instead of event-loop calls."""
+
+    def __init__(self, model, tx, **kw):
+        super().__init__(model, **kw)
+        self.tx = tx
+        self.send_lock = threading.Lock()  # the engine thread and the request reader both send
+        self.remotes: dict[int, _Remote] = {}
+        self.sent_stats = None
+
+    def _send(self, outs: list, errs: list) -> None:
+        stats = tuple(self.engine.stats().values())
+        with self.send_lock:
+            self.tx.send((outs, errs, stats))
+        self.sent_stats = stats
+
+    def _handoff(self, batch: list) -> None:
+        outs, errs = [], []
+        for r, o in batch:
+            if isinstance(o, RequestOutput):
+                outs.append((r.rid, o.token_ids, o.text, o.finish_reason, o.prompt_tokens,
+                             o.completion_tokens, o.cached_tokens,
+                             o.logprobs and [(t.token_id, t.logprob, t.top) for t in o.logprobs]))
+                if o.finish_reason is None:
+                    continue
+            else:  # engine_failure(...): the request is over
+                errs.append((r.rid, False, str(o)))
+            self.remotes.pop(r.rid, None)
+        self._send(outs, errs)
+
+    def _flush(self) -> None:
+        super()._flush()
+        if tuple(self.engine.stats().values()) != self.sent_stats:
+            self._send([], [])
+
+    def _add(self, rid: int, req: EngineRequest) -> None:
+        r = self.remotes[rid] = _Remote(rid)
+        try:
+            if len(self.engine.scheduler.waiting) >= self.max_queued:
+                raise QueueFullError("too many requests are waiting; retry later")
+            if isinstance(req.logits_processor, tuple):  # ("grammar", text), see ProcEngine
+                from ..server.grammar import GrammarProcessor
+
+                req = replace(req, logits_processor=GrammarProcessor(self.engine.model,
+                                                                     req.logits_processor[1]))
+            r.seq = self.engine.add(req, lambda out: self._outbox.append((r, out)))
+        except Exception as e:  # noqa: BLE001 -- bad input is a 400, anything else a 500
+            self.remotes.pop(rid, None)
+            msg = str(e) if isinstance(e, ValueError) else f"engine failure: {e}"
+            self._send([], [(rid, isinstance(e, QueueFullError), msg)])
+            return
+        self._ensure_thread()
+        self._wake.set()
+
+    def serve(self, rx) -> None:
+        """Apply the server's requests and aborts until the pipe closes."""
+        while True:
+            try:
+                msg = rx.recv()
+            except EOFError:
+                return
+            if msg[0] == "add":
+                self._add(msg[1], msg[2])
+            elif (r := self.remotes.pop(msg[1], None)) is not None:  # abort
+                r.closed = True
+                self.engine.abort(r.seq)
+                self._wake.set()
+
+
+def _portable_error(e: Exception) -> Exception:
+    """`e` if it survives pickling (same type on the server side), else its text."""
+    try:
+        return pickle.loads(pickle.dumps(e))
+    except Exception:  # noqa: BLE001 -- e.g. an __init__ with other arguments
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def _child_main(path: str, load_kw: dict, engine_kw: dict, rx, tx) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server; its exit ends us
+    try:
+        import mlxr
+
+        model = mlxr.load(path, **load_kw)
+        model.tokenizer  # noqa: B018 -- fail now, not on the first request
+        eng = _ChildEngine(model, tx, **engine_kw)
+    except Exception as e:  # noqa: BLE001 -- reported as the server's load error
+        tx.send(("failed", _portable_error(e)))
+        return
+    tx.send(("ready", eng.engine.stats()))
+    eng.serve(rx)
+    os._exit(0)  # now, without waiting for the engine thread (it may be inside a step)
+
+
+# -- the server side -----------------------------------------------------------------------------
+
+def _portable(req: EngineRequest) -> EngineRequest:
+    """The request as it can cross the pipe (see the module docstring for processors)."""
+    p = req.logits_processor
+    if p is None:
+        return req
+    grammar = getattr(p, "grammar", None)
+    if isinstance(grammar, str):
+        return replace(req, logits_processor=("grammar", grammar))
+    try:
+        pickle.dumps(p)
+    except Exception as e:  # noqa: BLE001 -- closures, locks, C objects...
+        raise MlxrError("this logits processor cannot be sent to the engine process (it does "
+                        f"not pickle: {e}); use a grammar or a module-level function, or serve "
+                        "with --engine-process off") from None
+    return req
+
+
+class ProcEngine:
+    """The engine in a child process, used as the server uses AsyncEngine: `generate`, `stats`,
+    `ready`. The child loads `mlxr.load(path, **load_kw)` itself and builds
+    `AsyncEngine(model, **engine_kw)` (max_num_seqs, max_queued, stream_interval, LLMEngine
+    options). Call `wait_ready()` before serving and `close()` to stop the child."""
+
+    def __init__(self, path: str | Path, load_kw: dict | None = None, **engine_kw):
+        ctx = mp.get_context("spawn")
+        rx, self._tx = ctx.Pipe(duplex=False)  # requests: server -> engine
+        self._rx, tx = ctx.Pipe(duplex=False)  # steps: engine -> server
+        self.proc = ctx.Process(target=_child_main, name="mlxr-engine", daemon=True,
+                                args=(str(path), dict(load_kw or {}), engine_kw, rx, tx))
+        self.proc.start()
+        rx.close()  # the child's ends: ours see EOF when it exits
+        tx.close()
+        self._streams: dict[int, _Stream] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # sends come from the event loop(s)
+        self._keys: tuple = ()
+        self._stats: tuple = ()
+        self.ready = False
+        self.error: str | None = None  # why the engine process is gone, once it is
+        self._reader: threading.Thread | None = None  # joins the child when it is gone
+
+    def wait_ready(self) -> None:
+        """Block until the child has loaded the model; raise its load error if it failed."""
+        try:
+            kind, val = self._rx.recv()
+        except EOFError:
+            self.proc.join(10)
+            raise MlxrError(f"the engine process exited (code {self.proc.exitcode}) while "
+                            "loading the model") from None
+        if kind == "failed":
+            self.proc.join(10)
+            raise val
+        self._keys, self._stats = tuple(val), tuple(val.values())
+        self.ready = True
+        self._reader = threading.Thread(target=self._read, name="mlxr-engine-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    def stats(self) -> dict:
+        """The engine's stats (LLMEngine.stats keys) as of its last step."""
+        return dict(zip(self._keys, self._stats))
+
+    def _read(self) -> None:
+        """The reader thread: one message per step -> one handoff to the event loop(s)."""
+        streams = self._streams
+        try:
+            while True:
+                outs, errs, self._stats = self._rx.recv()
+                batch = []
+                for rid, ids, text, finish, p, c, cached, lps in outs:
+                    st = streams.get(rid)
+                    if st is not None and not st.closed:
+                        batch.append((st, RequestOutput(
+                            ids, text, finish, p, c, cached,
+                            lps and [TokenLogprob(*t) for t in lps])))
+                for rid, full, msg in errs:
+                    if (st := streams.get(rid)) is not None:
+                        batch.append((st, QueueFullError(msg) if full else MlxrError(msg)))
+                if batch:
+                    to_loops(batch)
+        except (EOFError, OSError):
+            pass
+        self.proc.join(10)
+        self.error = f"the engine process exited (code {self.proc.exitcode})"
+        self.ready = False
+        left = [(st, MlxrError(f"engine failure: {self.error}")) for st in list(streams.values())]
+        if left:
+            to_loops(left)
+
+    def _send(self, msg: tuple) -> None:
+        try:
+            with self._lock:
+                self._tx.send(msg)
+        except (OSError, ValueError) as e:  # the child is gone, or we closed
+            raise MlxrError(f"engine failure: the engine process is gone ({e})") from None
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """As AsyncEngine.generate: outputs (merged when the consumer lags); QueueFullError or
+        MlxrError before streaming; leaving the loop early aborts the request in the child."""
+        if not self.ready:
+            raise MlxrError(f"engine failure: {self.error or 'the engine is not ready'}")
+        msg = ("add", next(self._ids), _portable(req))
+        rid = msg[1]
+        stream = self._streams[rid] = _Stream(asyncio.get_running_loop())
+        done = False
+        try:
+            self._send(msg)
+            while True:
+                out = await next_output(stream)
+                done = out.finish_reason is not None
+                yield out
+                if done:
+                    return
+        finally:
+            stream.closed = True
+            del self._streams[rid]
+            if not done:
+                with contextlib.suppress(MlxrError):
+                    self._send(("abort", rid))
+
+    def close(self) -> None:
+        """Stop the engine process: it exits when its request pipe closes."""
+        self._tx.close()
+        if self._reader is not None:  # it joins the process (two joiners would race)
+            self._reader.join(20)
+        else:
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
