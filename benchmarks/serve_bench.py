@@ -1,7 +1,7 @@
 """Output tokens/s of `mlxr serve` under 1, 8, 64, 256 concurrent streaming clients.
 
     python benchmarks/serve_bench.py MODEL [--clients 1,8,64,256] [--tokens 64] [--device cpu]
-                                           [--procs N] [--rounds R]
+                                           [--procs N] [--rounds R] [--engine-process on]
 
 Starts a real server process on a loopback port, then for each concurrency level runs that many
 simultaneous streaming /v1/completions requests (distinct prompts, EOS ignored, fixed length,
@@ -196,16 +196,24 @@ class Clients:
             w.join(5)
 
 
-def cpu_seconds(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, children: bool) -> tuple[float, float] | None:
+    """CPU seconds (user + system) of a process and, with `children`, of its live child
+    processes together (the engine process of `--engine-process on`)."""
+    from pathlib import Path
+
+    def one(p):
+        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    try:
+        kids = [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
+                for c in (t / "children").read_text().split()] if children else []
+        return one(pid), sum(one(k) for k in kids)
     except (OSError, ValueError, IndexError):
         return None
 
 
-def summarize(clients: int, res: list[dict], wall: float, cpu: float | None) -> dict:
+def summarize(clients: int, res: list[dict], wall: float,
+              cpu: tuple[float, float] | None) -> dict:
     toks = sum(r["tokens"] for r in res)
     itl = sorted(r["itl"] for r in res if r["itl"] is not None)
     out = {"clients": clients, "wall_s": round(wall, 3), "output_tok_s": round(toks / wall, 1),
@@ -214,9 +222,11 @@ def summarize(clients: int, res: list[dict], wall: float, cpu: float | None) -> 
            "itl_p50_ms": round(statistics.median(itl) * 1e3, 2) if itl else None,
            "itl_p99_ms": round(itl[min(len(itl) - 1, int(len(itl) * 0.99))] * 1e3, 2)
            if itl else None}
-    if cpu is not None:
-        out["server_cpu_s"] = round(cpu, 3)
-        out["server_cpu_us_per_token"] = round(cpu / toks * 1e6, 1)
+    if cpu is not None:  # the whole server: HTTP process + engine process when it has one
+        out["server_cpu_s"] = round(sum(cpu), 3)
+        out["server_cpu_us_per_token"] = round(sum(cpu) / toks * 1e6, 1)
+        if cpu[1]:
+            out["engine_process_cpu_us_per_token"] = round(cpu[1] / toks * 1e6, 1)
     return out
 
 
@@ -331,6 +341,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="runs per level; the median is kept")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra argument for `mlxr serve` (repeatable)")
+    ap.add_argument("--engine-process", choices=["auto", "on", "off"], default=None,
+                    help="`mlxr serve --engine-process` (default: the server's, auto)")
     ap.add_argument("--null-engine", action="store_true",
                     help="serve from this process over a no-cost engine stand-in: the ceiling of "
                     "the server path (HTTP, SSE, handoff) alone; MODEL gives the tokenizer")
@@ -350,6 +362,8 @@ def main() -> None:
            *a.server_arg]
     if a.device:
         cmd += ["--device", a.device]
+    if a.engine_process:
+        cmd += ["--engine-process", a.engine_process]
     if a.null_engine:
         srv = null_engine_server(a.model, port, max(levels), a.null_step_ms / 1e3,
                                  a.null_stream_interval, a.null_host_ms / 1e3)
@@ -367,11 +381,11 @@ def main() -> None:
         for c in levels:
             rounds = []
             for r in range(a.rounds):
-                cpu0 = cpu_seconds(proc.pid)
+                cpu0 = cpu_seconds(proc.pid, not a.null_engine)  # (null: children = clients)
                 res, wall = clients.level(c, a.tokens, f".{r}")
-                cpu1 = cpu_seconds(proc.pid)
-                rounds.append(summarize(c, res, wall,
-                                        cpu1 - cpu0 if None not in (cpu0, cpu1) else None))
+                cpu1 = cpu_seconds(proc.pid, not a.null_engine)
+                rounds.append(summarize(c, res, wall, (cpu1[0] - cpu0[0], cpu1[1] - cpu0[1])
+                                        if None not in (cpu0, cpu1) else None))
             rounds.sort(key=lambda x: x["output_tok_s"])
             out.append(rounds[len(rounds) // 2])
     finally:
@@ -384,7 +398,7 @@ def main() -> None:
               f"(wall {r['wall_s']} s, TTFT p50 {r['ttft_p50_s']} s, ITL p50 "
               f"{r['itl_p50_ms']} ms, {r['streamed_pieces']} chunks for "
               f"{r['output_tokens']} tokens, server CPU {r.get('server_cpu_us_per_token')} "
-              "us/token)")
+              f"us/token, engine process {r.get('engine_process_cpu_us_per_token')})")
     print(json.dumps(out))
 
 
