@@ -23,8 +23,8 @@ Per case:
   BMxBNxBK_w<warps>_s<stages>[_wa: W @ x^T][_k<split>], split-K filled by fill_split for the
   grid), `dq+cublas` (triton_dequant, what serves prefill today), `dq2+cublas` (the new
   dequantizer), `cublas_bf16` (x @ W^T on a pre-dequantized bf16 weight: the ceiling).
-All fused configs of the run are compiled first, in parallel threads where Triton's
-AsyncCompileMode exists. A config that fails to compile or run is printed and skipped.
+Each case's fused configs are compiled before it is timed, in parallel threads where Triton's
+AsyncCompileMode exists (compile time counts against the budget, so it is printed). A config that fails to compile or run is printed and skipped.
 Per case one summary line (best fused config vs the baselines); the last line is JSON.
 """
 
@@ -54,16 +54,18 @@ MS = (512, 2048, 128, 64)
 GROUP = 64
 L2_BYTES = 50 << 20
 C = Q.QgemmConfig
-# BM, BN, BK, warps, stages, w_as_a. Large M: the dequantized tile as wgmma's shared-memory B
-# operand (x @ W^T) or as its register A operand (W @ x^T), 128/256-row tiles; small M: W as A
-# (the x side of the MMA can be 64 wide), 4-warp tiles, split-K to fill the SMs.
-LARGE = [C(128, 128, 64, 8, 8, 3), C(128, 128, 64, 8, 8, 4), C(128, 128, 128, 8, 8, 2),
+# BM, BN, BK, group_m, warps, stages, w_as_a (, split, maxnreg). Large M: the dequantized tile
+# as wgmma's shared-memory B operand (x @ W^T: the MMA waits for each tile, so overlap comes from
+# a second program per SM) or as its register A operand (W @ x^T: the next tile's dequant runs
+# under the MMA), 128/256-row tiles, 4 or 8 warps; small M: W as A (the x side of the MMA can be
+# 64 wide), split-K to fill the SMs.
+LARGE = [C(128, 128, 64, 8, 8, 3), C(128, 128, 64, 8, 8, 3, True, 1, 128),
+         C(128, 128, 64, 8, 8, 3, True), C(128, 128, 64, 8, 4, 3), C(128, 128, 64, 8, 4, 3, True),
          C(256, 128, 64, 8, 8, 3), C(256, 128, 64, 8, 8, 3, True), C(128, 256, 64, 8, 8, 3),
-         C(128, 128, 64, 8, 8, 3, True), C(128, 256, 64, 8, 8, 3, True),
-         C(128, 128, 128, 8, 8, 3, True), C(64, 128, 64, 8, 4, 4), C(128, 64, 64, 8, 4, 4, True)]
+         C(128, 256, 64, 8, 8, 3, True), C(128, 128, 128, 8, 8, 2)]
 SMALL = [C(64, 128, 64, 8, 4, 4, True), C(64, 64, 128, 8, 4, 4, True), C(64, 128, 64, 8, 4, 4),
-         C(128, 128, 64, 8, 8, 3, True), C(128, 64, 64, 8, 4, 4, True),
-         C(64, 256, 64, 8, 8, 3, True), C(128, 128, 64, 8, 8, 3)]
+         C(128, 128, 64, 8, 8, 3, True, 1, 128), C(128, 64, 64, 8, 4, 4, True),
+         C(64, 256, 64, 8, 8, 3, True), C(128, 128, 64, 8, 8, 3), C(128, 128, 64, 8, 4, 3)]
 
 
 def variants(m: int, n: int, k: int, bits: int, sms: int, smoke: bool):
@@ -106,11 +108,9 @@ def rel_err(y, ref) -> float:
     return ((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
-def warm_all(plan, dev, gen, sms, smoke) -> None:
-    """Compile every fused variant of the plan up front (parallel threads when Triton has
-    AsyncCompileMode; failures surface again, and are reported, at the real launch)."""
-    if smoke:
-        return
+def warm(x, w, s, bits, cfgs) -> None:
+    """Compile the case's fused launches before timing them, in parallel threads where Triton
+    has AsyncCompileMode (failures surface again, and are reported, at the real launch)."""
     try:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -118,20 +118,14 @@ def warm_all(plan, dev, gen, sms, smoke) -> None:
     except ImportError:
         return
     t0 = time.time()
-    jobs = []
-    for _, n, k, bits, m in plan:
-        w = torch.zeros(n, k * bits // 32, device=dev, dtype=torch.int32)
-        s = torch.zeros(n, k // GROUP, device=dev, dtype=torch.bfloat16)
-        x = torch.zeros(m, k, device=dev, dtype=torch.bfloat16)
-        jobs += [(x, w, s, bits, cfg) for _, cfg in variants(m, n, k, bits, sms, smoke)]
-    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as ex, \
-            AsyncCompileMode(ex, ignore_errors=True):
-        for x, w, s, bits, cfg in jobs:
-            try:
+    try:
+        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as ex, \
+                AsyncCompileMode(ex, ignore_errors=True):
+            for cfg in cfgs:
                 Q.qgemm(x, w, s, s, bits=bits, group=GROUP, config=cfg, warmup=True)
-            except Exception as e:  # noqa: BLE001 - reported again at the real launch
-                print(f"# warm-up {cfg.label()}: {type(e).__name__}", flush=True)
-    print(f"# compiled {len(jobs)} launches in {time.time() - t0:.0f}s", flush=True)
+    except Exception as e:  # noqa: BLE001 - compiles then happen at the first launch
+        print(f"# warm-up: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+    print(f"# compiled {len(cfgs)} launches in {time.time() - t0:.1f}s", flush=True)
 
 
 def run_case(label, n, k, bits, m, dev, gen, sms, smoke, rows, best):
@@ -146,9 +140,12 @@ def run_case(label, n, k, bits, m, dev, gen, sms, smoke, rows, best):
     ref = x.float() @ wbf.float().t()
     flop = 2 * m * n * k
     wbfs = [wbf] + ([] if smoke else [wbf.clone() for _ in range(copies_for(wbf.numel() * 2) - 1)])
+    vs = variants(m, n, k, bits, sms, smoke)
+    if not smoke:
+        warm(x, w, s, bits, [cfg for _, cfg in vs])
     cands = [(name, cfg.label(), (lambda c, cfg=cfg: Q.qgemm(x, *c, bits=bits, group=GROUP,
                                                             config=cfg)))
-             for name, cfg in variants(m, n, k, bits, sms, smoke)]
+             for name, cfg in vs]
     cands += [("dq+cublas", "-", lambda c: x @ D.dequant_affine(*c, k, bits, GROUP).t()),
               ("dq2+cublas", "-", lambda c: x @ Q.dequant_affine(*c, k, bits, GROUP).t())]
     case = {}
@@ -220,7 +217,6 @@ def main(argv=None) -> None:
     name = "interpreter" if smoke else torch.cuda.get_device_name()
     print(f"# {name}  torch {torch.__version__}  triton {T.triton.__version__}", flush=True)
     t0 = time.time()
-    warm_all(plan, dev, gen, sms, smoke)
     rows: list[dict] = []
     best: list[dict] = []
     for lb, n, k, bits, m in plan:

@@ -55,7 +55,8 @@ BITS = (2, 4, 8)
 @dataclass(frozen=True)
 class QgemmConfig:
     """Launch shape of `qgemm`: output tile, K tile, launch grouping, warps, pipeline depth,
-    operand order (w_as_a: W @ x^T) and split-K."""
+    operand order (w_as_a: W @ x^T), split-K, and an optional register cap per thread
+    (maxnreg: e.g. 128 lets two 8-warp programs share an SM's 64K registers)."""
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
@@ -64,11 +65,13 @@ class QgemmConfig:
     num_stages: int = 3
     w_as_a: bool = False
     split_k: int = 1
+    maxnreg: int | None = None
 
     def label(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}_w{self.num_warps}"
                 f"_s{self.num_stages}{'_wa' if self.w_as_a else ''}"
-                f"{f'_k{self.split_k}' if self.split_k > 1 else ''}")
+                f"{f'_k{self.split_k}' if self.split_k > 1 else ''}"
+                f"{f'_r{self.maxnreg}' if self.maxnreg else ''}")
 
 
 def default_config(m: int, n: int, k: int, bits: int, group: int,
@@ -321,6 +324,8 @@ def qgemm(x: Tensor, w: Tensor, s: Tensor, b: Tensor, *, bits: int, group: int,
           "SPLIT_K": split, "EVEN_N": n % cfg.block_n == 0,
           "EVEN_K": k % bk == 0 and tps * split == nt, "INTERPRET": _interpret(),
           "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.maxnreg and not _interpret():
+        kw["maxnreg"] = cfg.maxnreg
     if warmup:
         _qgemm_kernel.warmup(*args, grid=grid, **kw)
         return None
