@@ -12,7 +12,8 @@ BLOCK_N] (grouped launch order: GROUP_M row tiles run next to each other so a we
 fetched from HBM once and re-read from L2), K loop over BLOCK_K tiles (BLOCK_K a multiple or a
 divisor of the group size, so a tile holds whole groups or lies in one):
   * words: one 2-D [BLOCK_N, BLOCK_K/PER] int32 load per tile (each row a contiguous run: 16-byte
-    vector loads, pipelined over num_stages like the x tile);
+    vector loads, pipelined over num_stages like the x tile; x rows past M are clamped to row
+    M-1 instead of masked, their results are never stored);
   * codes: the word tile viewed as [BLOCK_N, NGT groups, WPG words, 1] and broadcast against
     per-code constants [PER] -> [BLOCK_N, NGT, WPG, PER] (no per-element gather or index math);
     each code is masked in place and OR'ed with an fp32 exponent, so the float is exactly
@@ -119,9 +120,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _affine_tile(wd, s, b, DT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, NGT: tl.constexpr, EXACT_ROUND: tl.constexpr):
+                     BLOCK_K: tl.constexpr, NGT: tl.constexpr, EXACT_ROUND: tl.constexpr, opaque):
         """words [BLOCK_N, BLOCK_K/PER] int32, scales/biases [BLOCK_N, NGT] (NGT groups in the
-        tile) -> weights [BLOCK_N, BLOCK_K] in DT: w = s*q + b in fp32, rounded once."""
+        tile) -> weights [BLOCK_N, BLOCK_K] in DT: w = s*q + b in fp32, rounded once.
+        opaque: any runtime int >= 0 (see below)."""
         PER: tl.constexpr = 32 // BITS
         WPG: tl.constexpr = BLOCK_K // PER // NGT  # words per group inside the tile
         w4 = tl.reshape(wd, [BLOCK_N, NGT, WPG, 1])
@@ -133,7 +135,10 @@ if HAVE_TRITON:
         hi = sh + BITS > 23
         sh = tl.where(hi, sh - 9, sh)
         src = tl.where(hi[None, None, None, :], w4 >> 9, w4)  # [BN, NGT, WPG, PER]
-        expo = (150 - sh) << 23  # fp32 bits of 2^(23-SH)
+        # fp32 bits of 2^(23-SH), made opaque to the compiler (a select on a runtime value that
+        # is always true): held in registers, so ptxas fuses mask-and-or into ONE lop3 (which
+        # takes a single immediate; with two literal constants it emits two)
+        expo = tl.where(opaque >= 0, (150 - sh) << 23, 0)
         f = ((src & (((1 << BITS) - 1) << sh)) | expo).to(tl.float32, bitcast=True)
         qf = f - expo.to(tl.float32, bitcast=True)
         sf = s.to(tl.float32)[:, :, None, None]
@@ -142,15 +147,14 @@ if HAVE_TRITON:
         return _round(v, DT, EXACT_ROUND)
 
     @triton.jit
-    def _load_groups(s_ptr, b_ptr, s_row, g, nmask, NG: tl.constexpr, EVEN_N: tl.constexpr,
-                     EVEN_K: tl.constexpr):
-        """scales and biases [BN, NGT] of groups g [NGT] for the rows s_row [BN, 1]."""
-        sp = s_row + g[None, :]
-        if EVEN_N and EVEN_K:
-            s = tl.load(s_ptr + sp)
-            b = tl.load(b_ptr + sp)
+    def _load_groups(s_ptr, b_ptr, sp, g, nmask, valid, NG: tl.constexpr, EVEN: tl.constexpr):
+        """scales and biases [BN, NGT] at offsets sp [BN, NGT] (groups g [NGT] of rows nmask
+        [BN]); valid: scalar, False -> nothing is read (a prefetch past the split's last tile)."""
+        if EVEN:
+            s = tl.load(s_ptr + sp, mask=valid, other=0.0)
+            b = tl.load(b_ptr + sp, mask=valid, other=0.0)
         else:
-            gmask = nmask[:, None] & (g < NG)[None, :]
+            gmask = (nmask[:, None] & (g < NG)[None, :]) & valid
             s = tl.load(s_ptr + sp, mask=gmask, other=0.0)
             b = tl.load(b_ptr + sp, mask=gmask, other=0.0)
         return s, b
@@ -191,37 +195,43 @@ if HAVE_TRITON:
         rk = tl.arange(0, BLOCK_K)
         rw = tl.arange(0, BW)
         rg = tl.arange(0, NGT)
-        x_row = x_ptr + rm[:, None] * stride_xm  # [BM, 1]
+        # rows past M read row M-1 (results never stored): no masks on the x loads
+        x_row = x_ptr + tl.minimum(rm, M - 1)[:, None] * stride_xm  # [BM, 1]
         w_row = w_ptr + rn[:, None].to(tl.int64) * KW  # [BN, 1]
-        s_row = rn[:, None].to(tl.int64) * NG  # [BN, 1]
 
         if W_AS_A:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        # scales/biases are 2-byte loads the pipeliner does not make asynchronous: prefetch the
-        # next tile's into registers while this tile is computed
-        k0 = pid_k * TPS * BLOCK_K
-        s, b = _load_groups(s_ptr, b_ptr, s_row, k0 // GROUP + rg, nmask, NG, EVEN_N, EVEN_K)
+        # scales/biases are 2-byte loads the pipeliner does not make asynchronous: the next tile's
+        # are prefetched into registers while this tile is computed. sp: int32 offsets of the
+        # current tile's groups, advanced by NGT per tile (or by one every GROUP/BLOCK_K tiles)
+        g = (pid_k * TPS * BLOCK_K) // GROUP + rg  # [NGT]
+        sp = rn[:, None] * NG + g[None, :]  # [BN, NGT]
+        s, b = _load_groups(s_ptr, b_ptr, sp, g, nmask, pid_k * TPS < NT, NG,
+                            EVEN_N and EVEN_K)
         for t in range(TPS):
             k0 = (pid_k * TPS + t) * BLOCK_K
-            kn = k0 + BLOCK_K
-            if EVEN_K:  # stay inside the matrix (the value is not used past the last tile)
-                kn = tl.minimum(kn, K - BLOCK_K)
-            s_next, b_next = _load_groups(s_ptr, b_ptr, s_row, kn // GROUP + rg, nmask, NG,
-                                          EVEN_N, EVEN_K)
+            if BLOCK_K >= GROUP:
+                step = NGT
+            else:
+                step = ((k0 + BLOCK_K) % GROUP == 0).to(tl.int32)
+            g += step
+            sp += step
+            s_next, b_next = _load_groups(s_ptr, b_ptr, sp, g, nmask, t + 1 < TPS, NG,
+                                          EVEN_N and EVEN_K)
             xp = x_row + (k0 + rk)[None, :]  # [BM, BK]
             wp = w_row + (k0 // PER + rw)[None, :]  # [BN, BW]
             if EVEN_K:
-                xt = tl.load(xp, mask=mmask[:, None], other=0.0)
+                xt = tl.load(xp)
                 if EVEN_N:
                     wd = tl.load(wp)
                 else:
                     wd = tl.load(wp, mask=nmask[:, None], other=0)
             else:  # ragged K (whole groups) or a split past the end: masked words and x
-                xt = tl.load(xp, mask=mmask[:, None] & (k0 + rk < K)[None, :], other=0.0)
+                xt = tl.load(xp, mask=(k0 + rk < K)[None, :], other=0.0)
                 wd = tl.load(wp, mask=nmask[:, None] & (k0 // PER + rw < KW)[None, :], other=0)
-            wt = _affine_tile(wd, s, b, DT, BITS, BLOCK_N, BLOCK_K, NGT, INTERPRET)  # [BN, BK]
+            wt = _affine_tile(wd, s, b, DT, BITS, BLOCK_N, BLOCK_K, NGT, INTERPRET, N)  # [BN, BK]
             if INTERPRET:  # exact bf16 values, fp32 products (the interpreter's bf16 dot)
                 if W_AS_A:
                     acc = tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)), acc,
@@ -269,7 +279,7 @@ if HAVE_TRITON:
             s = tl.load(s_ptr + rows * NG + rg[None, :], mask=gmask, other=0.0)
             b = tl.load(b_ptr + rows * NG + rg[None, :], mask=gmask, other=0.0)
         out = _affine_tile(wd, s, b, out_ptr.dtype.element_ty, BITS, BLOCK_N, BLOCK_K, NGT,
-                           EXACT_ROUND)
+                           EXACT_ROUND, N)
         op = out_ptr + rows * K + rk[None, :]
         if EVEN:
             tl.store(op, out)
