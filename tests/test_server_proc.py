@@ -5,6 +5,7 @@ with the server), and `ProcEngine` alone (greedy equal to the model, errors, eng
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -228,3 +229,35 @@ def test_proc_engine(engine):
         assert len(outs) < 12 and outs[-1].finish_reason == "length"  # interval 2: merged
     assert [t for o in again for t in o.token_ids] == [t for o in got[1] for t in o.token_ids]
     assert engine.stats()["kv_blocks_used"] == 0 and engine.ready
+
+
+def test_messages_framing():
+    """The reader splits what Connection.send wrote (a long message goes out in two writes),
+    several messages per read or one in many pieces."""
+    import multiprocessing as mp
+    import threading
+
+    from mlxr.engine.proc_engine import _messages
+
+    sent = [("a", 1), list(range(8000)), {"b": "x" * 100}]
+    r, w = mp.Pipe(duplex=False)
+    for m in sent:
+        w.send(m)
+    w.close()
+    assert [m for msgs in _messages(r.fileno()) for m in msgs] == sent
+    r, w = mp.Pipe(duplex=False)
+    data = b""
+    for m in sent:
+        a, b = mp.Pipe(duplex=False)
+        b.send(m)
+        b.close()
+        data += os.read(a.fileno(), 1 << 20)
+
+    def trickle():
+        for i in range(0, len(data), 7):
+            os.write(w.fileno(), data[i:i + 7])
+        w.close()
+    t = threading.Thread(target=trickle)
+    t.start()
+    assert [m for msgs in _messages(r.fileno()) for m in msgs] == sent
+    t.join()

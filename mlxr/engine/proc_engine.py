@@ -15,8 +15,9 @@ Protocol, two one-way pipes of pickled tuples (nothing per token):
   message)]. The stream interval and the merging of held outputs run in the child (AsyncEngine's
   `_flush`), so a step's message carries only what is due; a step with nothing due but changed
   stats (blocks freed by an abort) sends the stats alone.
-One reader thread in the server process turns each message into RequestOutputs and hands the step
-to the event loop with one `call_soon_threadsafe`, as AsyncEngine's thread does.
+One reader thread in the server process turns what arrived (a step, or several when it fell
+behind) into RequestOutputs and hands them to the event loop with one `call_soon_threadsafe`, as
+AsyncEngine's thread does per step.
 
 Logits processors are closures and cannot cross: a grammar processor (anything with a `grammar`
 string) is sent as ("grammar", text) and rebuilt in the child with the child's model; another is
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import itertools
 import multiprocessing as mp
 import os
@@ -167,6 +169,26 @@ def _portable(req: EngineRequest) -> EngineRequest:
     return req
 
 
+def _messages(fd: int):
+    """The child's messages as multiprocessing's Connection frames them (4-byte big-endian
+    length, pickle), read from the pipe in large pieces: a list of all that arrived per read.
+    (Connection.recv reads twice per message, and each read gives the GIL up: taking it back
+    from a busy event loop can cost the interpreter's switch interval, 5 ms, each time.)"""
+    buf = b""
+    while data := os.read(fd, 1 << 20):
+        buf += data
+        msgs, at = [], 0
+        while len(buf) - at >= 4:
+            n = int.from_bytes(buf[at:at + 4], "big")
+            if len(buf) - at - 4 < n:
+                break
+            msgs.append(pickle.loads(memoryview(buf)[at + 4:at + 4 + n]))
+            at += 4 + n
+        buf = buf[at:]
+        if msgs:
+            yield msgs
+
+
 class ProcEngine:
     """The engine in a child process, used as the server uses AsyncEngine: `generate`, `stats`,
     `ready`. The child loads `mlxr.load(path, **load_kw)` itself and builds
@@ -182,6 +204,9 @@ class ProcEngine:
         self.proc.start()
         rx.close()  # the child's ends: ours see EOF when it exits
         tx.close()
+        with contextlib.suppress(AttributeError, OSError):  # Linux: room for many steps, so
+            fcntl.fcntl(self._rx.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)  # a busy server
+            # process does not stall the engine
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()  # sends come from the event loop(s)
@@ -213,25 +238,23 @@ class ProcEngine:
         return dict(zip(self._keys, self._stats))
 
     def _read(self) -> None:
-        """The reader thread: one message per step -> one handoff to the event loop(s)."""
+        """The reader thread: the steps that arrived -> one handoff to the event loop(s)."""
         streams = self._streams
-        try:
-            while True:
-                outs, errs, self._stats = self._rx.recv()
+        with contextlib.suppress(OSError):
+            for msgs in _messages(self._rx.fileno()):
                 batch = []
-                for rid, ids, text, finish, p, c, cached, lps in outs:
-                    st = streams.get(rid)
-                    if st is not None and not st.closed:
-                        batch.append((st, RequestOutput(
-                            ids, text, finish, p, c, cached,
-                            lps and [TokenLogprob(*t) for t in lps])))
-                for rid, full, msg in errs:
-                    if (st := streams.get(rid)) is not None:
-                        batch.append((st, QueueFullError(msg) if full else MlxrError(msg)))
+                for outs, errs, self._stats in msgs:
+                    for rid, ids, text, finish, p, c, cached, lps in outs:
+                        st = streams.get(rid)
+                        if st is not None and not st.closed:
+                            batch.append((st, RequestOutput(
+                                ids, text, finish, p, c, cached,
+                                lps and [TokenLogprob(*t) for t in lps])))
+                    for rid, full, msg in errs:
+                        if (st := streams.get(rid)) is not None:
+                            batch.append((st, QueueFullError(msg) if full else MlxrError(msg)))
                 if batch:
                     to_loops(batch)
-        except (EOFError, OSError):
-            pass
         self.proc.join(10)
         self.error = f"the engine process exited (code {self.proc.exitcode})"
         self.ready = False
