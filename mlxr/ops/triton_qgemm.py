@@ -23,8 +23,8 @@ divisor of the group size, so a tile holds whole groups or lies in one):
   * tl.dot with fp32 accumulation, either x @ W^T (acc [BM, BN]) or, with `w_as_a`, W @ x^T
     (acc [BN, BM], stored transposed): the weight is then the register "A" operand of wgmma
     and x the shared-memory "B" one, whose N side may be as small as 8 (small M).
-  Optional split-K writes fp32 partials [S, M, N] summed by torch (small-M shapes whose
-  output tiles cannot fill the GPU).
+  Optional split-K writes fp32 partials [S, M, N], summed in a fixed order by one small
+  kernel (small-M shapes whose output tiles cannot fill the GPU).
 `dequant_affine`: the same tile math writing [N, K] (2-D word loads, wide contiguous stores),
 bit-identical to `mlxr.ops.triton_dequant.dequant_affine`.
 
@@ -38,6 +38,7 @@ Torch twin: `triton_qmm.qgemm_ref` (bf16-rounded dequantized weight, fp32 matmul
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -75,6 +76,7 @@ class QgemmConfig:
                 f"{f'_r{self.maxnreg}' if self.maxnreg else ''}")
 
 
+@lru_cache(maxsize=1024)  # per-call host cost matters for prefill (many small launches)
 def default_config(m: int, n: int, k: int, bits: int, group: int,
                    sm_count: int = 132) -> QgemmConfig:
     """Launch before measurement (benchmarks/gpu_qgemm_sweep.py measures alternatives):
@@ -251,6 +253,17 @@ if HAVE_TRITON:
         tl.store(yp, out, mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
+    def _sum_splits_kernel(p_ptr, y_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                           INTERPRET: tl.constexpr):
+        """y[i] = sum_s p[s, i] in a fixed order, rounded once to y's dtype; p fp32 [S, MN]."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < MN
+        acc = tl.load(p_ptr + i, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLIT_K):
+            acc += tl.load(p_ptr + s * MN + i, mask=mask, other=0.0)
+        tl.store(y_ptr + i, _round(acc, y_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+    @triton.jit
     def _dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K: tl.constexpr, BITS: tl.constexpr,
                         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN: tl.constexpr, EXACT_ROUND: tl.constexpr):
@@ -340,7 +353,12 @@ def qgemm(x: Tensor, w: Tensor, s: Tensor, b: Tensor, *, bits: int, group: int,
         _qgemm_kernel.warmup(*args, grid=grid, **kw)
         return None
     _qgemm_kernel[grid](*args, **kw)
-    return y.sum(0).to(odt) if split > 1 else y
+    if split == 1:
+        return y
+    out = torch.empty(m, n, device=x.device, dtype=odt)  # one launch: sum + rounding
+    _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](y, out, m * n, SPLIT_K=split, BLOCK=1024,
+                                                     INTERPRET=_interpret(), num_warps=4)
+    return out
 
 
 def dequant_affine(packed: Tensor, scales: Tensor, biases: Tensor, in_features: int, bits: int,
