@@ -261,3 +261,24 @@ def test_messages_framing():
     t.start()
     assert [m for msgs in _messages(r.fileno()) for m in msgs] == sent
     t.join()
+
+
+def test_engine_process_death_fails_streams():
+    """The engine process dies mid-stream: the stream ends in an engine failure, the engine
+    reports itself not ready (so /health says error), and new requests fail at once."""
+    eng = ProcEngine(BUNDLED, {"device": "cpu", "dtype": "float32"})
+    eng.wait_ready()
+    params = SamplingParams(max_tokens=100000, temperature=0, ignore_eos=True)
+
+    async def main():
+        n = 0
+        with pytest.raises(MlxrError, match="engine failure: the engine process exited"):
+            async for out in eng.generate(EngineRequest([1, 400, 403], params)):
+                n += len(out.token_ids)
+                if n >= 3:
+                    os.kill(eng.proc.pid, signal.SIGKILL)
+        with pytest.raises(MlxrError, match="engine failure"):
+            await anext(eng.generate(EngineRequest([1, 400], params)))
+    asyncio.run(main())
+    assert not eng.ready and "code -9" in eng.error
+    eng.close()

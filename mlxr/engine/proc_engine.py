@@ -46,6 +46,27 @@ from .engine import EngineRequest, QueueFullError, RequestOutput, TokenLogprob
 __all__ = ["ProcEngine"]
 
 
+def _messages(fd: int):
+    """Messages as multiprocessing's Connection frames them (4-byte big-endian length, pickle),
+    read from a pipe in large pieces: a list of all that arrived per read. (Connection.recv
+    reads twice per message, and each read gives the GIL up: taking it back from a busy thread
+    -- the event loop here, the engine thread in the child -- can cost the interpreter's switch
+    interval, 5 ms, each time.)"""
+    buf = b""
+    while data := os.read(fd, 1 << 20):
+        buf += data
+        msgs, at = [], 0
+        while len(buf) - at >= 4:
+            n = int.from_bytes(buf[at:at + 4], "big")
+            if len(buf) - at - 4 < n:
+                break
+            msgs.append(pickle.loads(memoryview(buf)[at + 4:at + 4 + n]))
+            at += 4 + n
+        buf = buf[at:]
+        if msgs:
+            yield msgs
+
+
 # -- the engine process --------------------------------------------------------------------------
 
 class _Remote:
@@ -113,17 +134,14 @@ class _ChildEngine(AsyncEngine):
 
     def serve(self, rx) -> None:
         """Apply the server's requests and aborts until the pipe closes."""
-        while True:
-            try:
-                msg = rx.recv()
-            except EOFError:
-                return
-            if msg[0] == "add":
-                self._add(msg[1], msg[2])
-            elif (r := self.remotes.pop(msg[1], None)) is not None:  # abort
-                r.closed = True
-                self.engine.abort(r.seq)
-                self._wake.set()
+        for msgs in _messages(rx.fileno()):  # a burst of requests: one read, one GIL wait
+            for msg in msgs:
+                if msg[0] == "add":
+                    self._add(msg[1], msg[2])
+                elif (r := self.remotes.pop(msg[1], None)) is not None:  # abort
+                    r.closed = True
+                    self.engine.abort(r.seq)
+                    self._wake.set()
 
 
 def _portable_error(e: Exception) -> Exception:
@@ -169,26 +187,6 @@ def _portable(req: EngineRequest) -> EngineRequest:
     return req
 
 
-def _messages(fd: int):
-    """The child's messages as multiprocessing's Connection frames them (4-byte big-endian
-    length, pickle), read from the pipe in large pieces: a list of all that arrived per read.
-    (Connection.recv reads twice per message, and each read gives the GIL up: taking it back
-    from a busy event loop can cost the interpreter's switch interval, 5 ms, each time.)"""
-    buf = b""
-    while data := os.read(fd, 1 << 20):
-        buf += data
-        msgs, at = [], 0
-        while len(buf) - at >= 4:
-            n = int.from_bytes(buf[at:at + 4], "big")
-            if len(buf) - at - 4 < n:
-                break
-            msgs.append(pickle.loads(memoryview(buf)[at + 4:at + 4 + n]))
-            at += 4 + n
-        buf = buf[at:]
-        if msgs:
-            yield msgs
-
-
 class ProcEngine:
     """The engine in a child process, used as the server uses AsyncEngine: `generate`, `stats`,
     `ready`. The child loads `mlxr.load(path, **load_kw)` itself and builds
@@ -204,9 +202,9 @@ class ProcEngine:
         self.proc.start()
         rx.close()  # the child's ends: ours see EOF when it exits
         tx.close()
-        with contextlib.suppress(AttributeError, OSError):  # Linux: room for many steps, so
-            fcntl.fcntl(self._rx.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)  # a busy server
-            # process does not stall the engine
+        for conn in (self._rx, self._tx):  # Linux: room for many steps (requests), so that a
+            with contextlib.suppress(AttributeError, OSError):  # busy reader on the other side
+                fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)  # stalls nobody
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()  # sends come from the event loop(s)
