@@ -190,6 +190,23 @@ def run_case(label, n, k, bits, m, dev, gen, sms, smoke, rows, best):
         torch.cuda.empty_cache()
 
 
+def print_table(best) -> None:
+    """One line per case: us (TFLOP/s) of the best fused config, the default config, both
+    dequant + cuBLAS paths and bf16 cuBLAS."""
+    def f(us, flop):
+        return f"{us:8.1f} ({flop / us / 1e6:5.0f})" if us else f"{'-':>15s}"
+
+    print(f"\n{'shape':12s} {'b':>1s} {'M':>5s} | {'best fused us (TF/s)':>20s} "
+          f"{'config':26s} | {'default':>15s} | {'dq+cublas':>15s} | {'dq2+cublas':>15s} | "
+          f"{'cublas bf16':>15s}")
+    for s in best:
+        flop = 2 * s["m"] * s["n"] * s["k"]
+        print(f"{s['shape']:12s} {s['bits']:1d} {s['m']:5d} | {f(s['best_us'], flop):>20s} "
+              f"{s['best'] or '-':26s} | {f(s['default_us'], flop)} | "
+              f"{f(s['dq_cublas_us'], flop)} | {f(s['dq2_cublas_us'], flop)} | "
+              f"{f(s['cublas_bf16_us'], flop)}")
+
+
 def graph_us(fns) -> float:
     from gpu_timing import graph_time_us
 
@@ -225,6 +242,7 @@ def main(argv=None) -> None:
             rows.append({"shape": lb, "bits": bits, "m": m, "skipped": True})
             continue
         run_case(lb, n, k, bits, m, dev, gen, sms, smoke, rows, best)
+    print_table(best)
     bad = [r for r in rows if r.get("ok") is False or r.get("error")]
     inexact = [s for s in best if not s["dq2_bit_exact"]]
     print(f"# {len(rows)} rows, {len(bad)} wrong or failed, {len(inexact)} dq2 != dq, "

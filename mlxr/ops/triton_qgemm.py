@@ -334,6 +334,8 @@ def qgemm(x: Tensor, w: Tensor, s: Tensor, b: Tensor, *, bits: int, group: int,
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"triton_qgemm.qgemm takes bf16/fp16 activations, not {x.dtype}")
     m, n = x.shape[0], w.shape[0]
+    if m == 0:
+        return torch.empty(0, n, device=x.device, dtype=out_dtype or x.dtype)
     x = x.contiguous()
     w = w.view(torch.int32) if w.dtype == torch.uint32 else w
     cfg = config or default_config(m, n, k, bits, group, _sm_count(x.device))
