@@ -157,26 +157,27 @@ def test_rejects_unsupported():
 
 
 def test_env_routes_prefill(monkeypatch):
-    """MLXR_PREFILL_GEMM=fused: mlxr.quant.cuda.linear serves prefill rows with qgemm (read at
-    each call); unset, the dequant + matmul path; both agree with the reference."""
+    """MLXR_PREFILL_GEMM (read at each call): `fused` serves prefill rows of
+    mlxr.quant.cuda.linear with qgemm, `dequant2` with this module's dequantizer + matmul;
+    unset, the old dequant + matmul path. All agree with the reference."""
     spec = QuantSpec("affine", 2, 64)
     w, s, b, _ = random_weight("affine", 2, 64, 48, 256, 6)
     qw = QuantWeight.from_tensors(w, s, b, spec, compute_dtype=torch.bfloat16)
     qw.packed = w  # the CUDA layout: the mlx words as shipped
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     want = ref(x, w, s, b, 2, 64)
-    calls = []
-    real = Q.qgemm
-    monkeypatch.setattr(Q, "qgemm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.delenv("MLXR_PREFILL_GEMM", raising=False)
-    y0 = qcuda.linear(qw, x)
-    monkeypatch.setenv("MLXR_PREFILL_GEMM", "fused")
-    y1 = qcuda.linear(qw, x)
-    assert calls == [1]
     wabs = T.dequant_f32(w, s, b, None, "affine", 2, 64).abs()
     tol = 2.0**-7 * (x.float().abs() @ wabs.t())  # bf16 output and matmul (the GEMM bound)
-    for y in (y0, y1):
-        assert y.dtype == torch.bfloat16 and ((y.float() - want).abs() <= tol).all()
+    calls = []
+    for fn in ("qgemm", "dequant_affine"):
+        real = getattr(Q, fn)
+        monkeypatch.setattr(Q, fn, lambda *a, _f=fn, _r=real, **k: calls.append(_f) or _r(*a, **k))
+    for mode, called in (("", []), ("fused", ["qgemm"]), ("dequant2", ["dequant_affine"])):
+        monkeypatch.setenv("MLXR_PREFILL_GEMM", mode)
+        calls.clear()
+        y = qcuda.linear(qw, x)
+        assert calls == called, mode
+        assert y.dtype == torch.bfloat16 and ((y.float() - want).abs() <= tol).all(), mode
 
 
 def test_gpu_sweep_smoke():
