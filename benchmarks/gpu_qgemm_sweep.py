@@ -57,12 +57,13 @@ C = Q.QgemmConfig
 # BM, BN, BK, group_m, warps, stages, w_as_a (, split, maxnreg). Large M: the dequantized tile
 # as wgmma's shared-memory B operand (x @ W^T: the MMA waits for each tile, so overlap comes from
 # a second program per SM) or as its register A operand (W @ x^T: the next tile's dequant runs
-# under the MMA), 128/256-row tiles, 4 or 8 warps; small M: W as A (the x side of the MMA can be
-# 64 wide), split-K to fill the SMs.
+# under the MMA), 128/256-row tiles, 4 or 8 warps (256x64 W @ x^T: one warpgroup, each weight
+# dequantized once per 256 rows, two programs per SM); small M: W as A (the x side of the MMA
+# can be 64 wide), split-K to fill the SMs.
 LARGE = [C(128, 128, 64, 8, 8, 3), C(128, 128, 64, 8, 8, 3, True, 1, 128),
          C(128, 128, 64, 8, 8, 3, True), C(128, 128, 64, 8, 4, 3), C(128, 128, 64, 8, 4, 3, True),
          C(256, 128, 64, 8, 8, 3), C(256, 128, 64, 8, 8, 3, True), C(128, 128, 128, 8, 8, 2),
-         C(128, 128, 128, 8, 8, 2, False, 1, 128)]
+         C(128, 128, 128, 8, 8, 2, False, 1, 128), C(256, 64, 64, 8, 4, 3, True)]
 SMALL = [C(64, 128, 64, 8, 4, 4, True), C(64, 64, 128, 8, 4, 4, True), C(64, 128, 64, 8, 4, 4),
          C(128, 128, 64, 8, 8, 3, True, 1, 128), C(128, 64, 64, 8, 4, 4, True),
          C(128, 128, 64, 8, 8, 3), C(128, 128, 64, 8, 4, 3)]
