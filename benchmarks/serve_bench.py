@@ -196,24 +196,34 @@ class Clients:
             w.join(5)
 
 
-def cpu_seconds(pid: int, children: bool) -> tuple[float, float] | None:
-    """CPU seconds (user + system) of a process and, with `children`, of its live child
-    processes together (the engine process of `--engine-process on`)."""
+def child_pids(pid: int) -> list[int]:
+    """A process's live children (the server's: its engine process, multiprocessing's idle
+    resource tracker)."""
+    from pathlib import Path
+
+    try:
+        return [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
+                for c in (t / "children").read_text().split()]
+    except OSError:
+        return []
+
+
+def cpu_seconds(pid: int, others: list[int]) -> tuple[float, float | None] | None:
+    """CPU seconds (user + system) of a process, and of `others` together (its engine process;
+    None without)."""
     from pathlib import Path
 
     def one(p):
         fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     try:
-        kids = [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
-                for c in (t / "children").read_text().split()] if children else []
-        return one(pid), sum(one(k) for k in kids)
+        return one(pid), sum(one(k) for k in others) if others else None
     except (OSError, ValueError, IndexError):
         return None
 
 
 def summarize(clients: int, res: list[dict], wall: float,
-              cpu: tuple[float, float] | None) -> dict:
+              cpu: tuple[float, float | None] | None) -> dict:
     toks = sum(r["tokens"] for r in res)
     itl = sorted(r["itl"] for r in res if r["itl"] is not None)
     out = {"clients": clients, "wall_s": round(wall, 3), "output_tok_s": round(toks / wall, 1),
@@ -223,9 +233,10 @@ def summarize(clients: int, res: list[dict], wall: float,
            "itl_p99_ms": round(itl[min(len(itl) - 1, int(len(itl) * 0.99))] * 1e3, 2)
            if itl else None}
     if cpu is not None:  # the whole server: HTTP process + engine process when it has one
-        out["server_cpu_s"] = round(sum(cpu), 3)
-        out["server_cpu_us_per_token"] = round(sum(cpu) / toks * 1e6, 1)
-        if cpu[1]:
+        total = cpu[0] + (cpu[1] or 0)
+        out["server_cpu_s"] = round(total, 3)
+        out["server_cpu_us_per_token"] = round(total / toks * 1e6, 1)
+        if cpu[1] is not None:
             out["engine_process_cpu_us_per_token"] = round(cpu[1] / toks * 1e6, 1)
     return out
 
@@ -252,12 +263,74 @@ def wait_ready(port: int, proc) -> str:
 
 # -- --null-engine: the server path alone --------------------------------------------------------
 
+class NullSeq:
+    def __init__(self, req, emit):
+        self.req, self.emit, self.n, self.aborted = req, emit, 0, False
+
+
+class NullLLMEngine:
+    """An LLMEngine stand-in whose step costs nothing but one output per running request,
+    `host_s` of Python with the GIL held (the engine's host share) and a sleep of `step_s` (the
+    GPU's time, GIL released)."""
+
+    def __init__(self, step_s: float, host_s: float):
+        import threading
+
+        self.step_s, self.host_s = step_s, host_s
+        self.lock, self.running = threading.Lock(), []
+        self.scheduler = type("Scheduler", (), {"waiting": [], "running": self.running})()
+
+    def add(self, req, emit):
+        seq = NullSeq(req, emit)
+        with self.lock:
+            self.running.append(seq)
+        return seq
+
+    def abort(self, seq):
+        seq.aborted = True
+
+    def has_work(self):
+        return bool(self.running)
+
+    def stats(self):
+        return {"running": len(self.running), "waiting": 0}
+
+    def step(self):
+        from mlxr.engine.engine import RequestOutput
+
+        with self.lock:
+            batch = list(self.running)
+        for seq in batch:
+            seq.n += 1
+            done = seq.aborted or seq.n >= seq.req.params.max_tokens
+            if done:
+                with self.lock:
+                    self.running.remove(seq)
+            if not seq.aborted:
+                seq.emit(RequestOutput([400], " word", "length" if done else None,
+                                       len(seq.req.prompt_ids), seq.n, 0, None))
+        end = time.perf_counter() + self.host_s
+        while time.perf_counter() < end:
+            pass
+        time.sleep(self.step_s)
+
+
+def _null_child(path, load_kw, engine_kw, rx, tx) -> None:
+    """ProcEngine's child serving a NullLLMEngine (load_kw: its step_s and host_s)."""
+    from mlxr.engine.proc_engine import _ChildEngine
+
+    eng = _ChildEngine(None, tx, engine=NullLLMEngine(**load_kw), **engine_kw)
+    tx.send(("ready", eng.engine.stats()))
+    eng.serve(rx)
+
+
 def null_engine_server(model_path: str, port: int, max_seqs: int, step_s: float,
-                       stream_interval: int | None = None, host_s: float = 0.0):
-    """`mlxr serve`'s app, AsyncEngine, uvicorn protocol and loop in this process, over an
-    LLMEngine stand-in whose step costs nothing but one output per running request and a sleep
-    of `step_s` (the GPU's time, GIL released): the ceiling of everything between the engine step
-    and the socket on this CPU."""
+                       stream_interval: int | None = None, host_s: float = 0.0,
+                       engine_process: bool = False):
+    """`mlxr serve`'s app, uvicorn protocol and loop in this process over a NullLLMEngine driven
+    by AsyncEngine (or, with `engine_process`, by ProcEngine from a child process): the ceiling
+    of everything between the engine step and the socket on this CPU. Returns the uvicorn server
+    and the engine process's pid (None in-process)."""
     import threading
     from pathlib import Path
 
@@ -266,68 +339,32 @@ def null_engine_server(model_path: str, port: int, max_seqs: int, step_s: float,
 
     import mlxr
     from mlxr.cli.common import BUNDLED
-    from mlxr.engine import async_engine
-    from mlxr.engine.engine import RequestOutput
+    from mlxr.engine import AsyncEngine
+    from mlxr.engine.proc_engine import ProcEngine
     from mlxr.server.app import ServerState, create_app
     from mlxr.server.security import SecurityConfig, deadline_protocol
-
-    class Seq:
-        def __init__(self, req, emit):
-            self.req, self.emit, self.n, self.aborted = req, emit, 0, False
-
-    class NullLLMEngine:
-        def __init__(self):
-            self.lock, self.running = threading.Lock(), []
-            self.scheduler = type("Scheduler", (), {"waiting": [], "running": self.running})()
-
-        def add(self, req, emit):
-            seq = Seq(req, emit)
-            with self.lock:
-                self.running.append(seq)
-            return seq
-
-        def abort(self, seq):
-            seq.aborted = True
-
-        def has_work(self):
-            return bool(self.running)
-
-        def stats(self):
-            return {"running": len(self.running), "waiting": 0}
-
-        def step(self):
-            with self.lock:
-                batch = list(self.running)
-            for seq in batch:
-                seq.n += 1
-                done = seq.aborted or seq.n >= seq.req.params.max_tokens
-                if done:
-                    with self.lock:
-                        self.running.remove(seq)
-                if not seq.aborted:
-                    seq.emit(RequestOutput([400], " word", "length" if done else None,
-                                           len(seq.req.prompt_ids), seq.n, 0, None))
-            end = time.perf_counter() + host_s  # the engine's own Python per step (GIL held)
-            while time.perf_counter() < end:
-                pass
-            time.sleep(step_s)
 
     path = Path(model_path)
     if not path.is_dir() and (BUNDLED / model_path).is_dir():
         path = BUNDLED / model_path
-    eng = object.__new__(async_engine.AsyncEngine)
-    eng.__dict__.update(engine=NullLLMEngine(), max_queued=max_seqs * 2, _wake=threading.Event(),
-                        _thread=None, _error=None, _outbox=[], ready=True,
-                        stream_interval=stream_interval, _held={})
+    null = {"step_s": step_s, "host_s": host_s}
+    kw = {"max_queued": max_seqs * 2, "stream_interval": stream_interval}
+    if engine_process:
+        class NullProcEngine(ProcEngine):
+            child_main = staticmethod(_null_child)
+        eng = NullProcEngine(path, null, **kw)
+        eng.wait_ready()
+    else:
+        eng = AsyncEngine(None, engine=NullLLMEngine(**null), **kw)
     state = ServerState(path, path.name, {}, {})
-    state.model, state.engine = mlxr.load(path, device="cpu"), eng
+    state.model, state.engine = mlxr.load(path, weights=False), eng
     state.ready.set()
     app = create_app(state, SecurityConfig(), load_in_background=False)
     srv = uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, http=deadline_protocol(10),
                                         limit_concurrency=max_seqs * 2 + 8, log_level="warning",
                                         lifespan="off", server_header=False, ws="none"))
     threading.Thread(target=srv.run, daemon=True, name="null-engine-server").start()
-    return srv
+    return srv, eng.proc.pid if engine_process else None
 
 
 def main() -> None:
@@ -342,7 +379,8 @@ def main() -> None:
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra argument for `mlxr serve` (repeatable)")
     ap.add_argument("--engine-process", choices=["auto", "on", "off"], default=None,
-                    help="`mlxr serve --engine-process` (default: the server's, auto)")
+                    help="`mlxr serve --engine-process` (default: the server's, auto); with "
+                    "--null-engine, on runs the stand-in engine in a child process")
     ap.add_argument("--null-engine", action="store_true",
                     help="serve from this process over a no-cost engine stand-in: the ceiling of "
                     "the server path (HTTP, SSE, handoff) alone; MODEL gives the tokenizer")
@@ -365,8 +403,9 @@ def main() -> None:
     if a.engine_process:
         cmd += ["--engine-process", a.engine_process]
     if a.null_engine:
-        srv = null_engine_server(a.model, port, max(levels), a.null_step_ms / 1e3,
-                                 a.null_stream_interval, a.null_host_ms / 1e3)
+        srv, engine_pid = null_engine_server(a.model, port, max(levels), a.null_step_ms / 1e3,
+                                             a.null_stream_interval, a.null_host_ms / 1e3,
+                                             a.engine_process == "on")
         proc = type("InProcess", (), {"pid": os.getpid(), "returncode": None,
                                       "poll": lambda self: None, "wait": lambda self, t: None,
                                       "terminate": lambda self: setattr(srv, "should_exit", 1)})()
@@ -376,16 +415,18 @@ def main() -> None:
     out = []
     try:
         model = wait_ready(port, proc)
+        # (with --null-engine this process's other children are the client workers)
+        engines = ([engine_pid] if engine_pid else []) if a.null_engine else child_pids(proc.pid)
         clients = Clients(max(1, a.procs), port, model)
         clients.level(1, 4, " warm")
         for c in levels:
             rounds = []
             for r in range(a.rounds):
-                cpu0 = cpu_seconds(proc.pid, not a.null_engine)  # (null: children = clients)
+                cpu0 = cpu_seconds(proc.pid, engines)
                 res, wall = clients.level(c, a.tokens, f".{r}")
-                cpu1 = cpu_seconds(proc.pid, not a.null_engine)
-                rounds.append(summarize(c, res, wall, (cpu1[0] - cpu0[0], cpu1[1] - cpu0[1])
-                                        if None not in (cpu0, cpu1) else None))
+                cpu1 = cpu_seconds(proc.pid, engines)
+                rounds.append(summarize(c, res, wall, None if None in (cpu0, cpu1) else (
+                    cpu1[0] - cpu0[0], cpu1[1] - cpu0[1] if engines else None)))
             rounds.sort(key=lambda x: x["output_tok_s"])
             out.append(rounds[len(rounds) // 2])
     finally:

@@ -282,3 +282,15 @@ def test_engine_process_death_fails_streams():
     asyncio.run(main())
     assert not eng.ready and "code -9" in eng.error
     eng.close()
+
+
+def test_serve_bench_null_engine_process():
+    """serve_bench's stand-in engine served from a child process (ProcEngine.child_main)."""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "benchmarks/serve_bench.py", "stories260K", "--clients",
+                        "4", "--tokens", "6", "--procs", "1", "--null-engine",
+                        "--engine-process", "on"], cwd=root, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (res,) = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["output_tokens"] == 24 and res["engine_process_cpu_us_per_token"] >= 0

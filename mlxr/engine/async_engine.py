@@ -114,11 +114,14 @@ async def next_output(stream: _Stream) -> RequestOutput:
 
 
 class AsyncEngine:
-    """LLMEngine on a background thread, with an async generator per request."""
+    """LLMEngine on a background thread, with an async generator per request. `engine`: an
+    LLMEngine-like object to drive instead of LLMEngine(model, ...) (serve_bench's stand-in)."""
 
     def __init__(self, model, max_num_seqs: int = 16, max_queued: int = 64,
-                 stream_interval: int | None = None, **engine_kw):
-        self.engine = LLMEngine(model, max_num_seqs=max_num_seqs, **engine_kw)
+                 stream_interval: int | None = None, engine=None, **engine_kw):
+        if engine is None:
+            engine = LLMEngine(model, max_num_seqs=max_num_seqs, **engine_kw)
+        self.engine = engine
         self.max_queued = max_queued
         if stream_interval is not None and stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")

@@ -193,11 +193,15 @@ class ProcEngine:
     `AsyncEngine(model, **engine_kw)` (max_num_seqs, max_queued, stream_interval, LLMEngine
     options). Call `wait_ready()` before serving and `close()` to stop the child."""
 
+    # what the child runs, given (path, load_kw, engine_kw, rx, tx): a module-level function
+    # (serve_bench's --null-engine replaces it with one that serves a stand-in engine)
+    child_main = staticmethod(_child_main)
+
     def __init__(self, path: str | Path, load_kw: dict | None = None, **engine_kw):
         ctx = mp.get_context("spawn")
         rx, self._tx = ctx.Pipe(duplex=False)  # requests: server -> engine
         self._rx, tx = ctx.Pipe(duplex=False)  # steps: engine -> server
-        self.proc = ctx.Process(target=_child_main, name="mlxr-engine", daemon=True,
+        self.proc = ctx.Process(target=self.child_main, name="mlxr-engine", daemon=True,
                                 args=(str(path), dict(load_kw or {}), engine_kw, rx, tx))
         self.proc.start()
         rx.close()  # the child's ends: ours see EOF when it exits
