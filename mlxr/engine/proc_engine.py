@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import fcntl
 import itertools
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -160,7 +161,8 @@ def _child_main(path: str, load_kw: dict, engine_kw: dict, rx, tx) -> None:
         model = mlxr.load(path, **load_kw)
         model.tokenizer  # noqa: B018 -- fail now, not on the first request
         eng = _ChildEngine(model, tx, **engine_kw)
-    except Exception as e:  # noqa: BLE001 -- reported as the server's load error
+    except Exception as e:  # reported as the server's load error
+        logging.getLogger("mlxr.engine").exception("the engine process failed to load %s", path)
         tx.send(("failed", _portable_error(e)))
         return
     tx.send(("ready", eng.engine.stats()))
