@@ -12,7 +12,7 @@ import json
 import torch
 from gpu_timing import graph_time_us
 
-from mlxr.ops.triton_dequant import dequant_affine
+from mlxr.ops.triton_qgemm import dequant_affine
 from mlxr.quant.cuda import tinygemm_pack
 
 SHAPES = {"0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024),
@@ -31,9 +31,9 @@ def main() -> None:
         i4, sz = tinygemm_pack(packed, scales, biases)
         for m in MS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            tg = graph_time_us([lambda: torch._weight_int4pack_mm(x, i4, g, sz)])
-            dq = graph_time_us([lambda: x @ dequant_affine(packed, scales, biases, k, 4, g,
-                                                           torch.bfloat16).t()])
+            tg = graph_time_us([lambda x=x, i4=i4, sz=sz: torch._weight_int4pack_mm(x, i4, g, sz)])
+            dq = graph_time_us([lambda x=x, w=(packed, scales, biases), k=k:
+                                x @ dequant_affine(*w, k, 4, g, torch.bfloat16).t()])
             ref = x @ dequant_affine(packed, scales, biases, k, 4, g, torch.bfloat16).t()
             err = (torch._weight_int4pack_mm(x, i4, g, sz).float() - ref.float()).abs().max()
             rows.append({"shape": name, "m": m, "tinygemm_us": round(tg, 1),

@@ -1,6 +1,6 @@
 """Prefill GEMM sweep on one CUDA GPU: the fused tensor-core kernel of mlxr.ops.triton_qgemm
-over launch configs, against dequant + cuBLAS (old and new dequantizer) and plain bf16 cuBLAS,
-at real shapes. One call, < 4 minutes on an H200 (compiles included):
+over launch configs, against dequant + cuBLAS (what serves prefill) and plain bf16 cuBLAS, at
+real shapes. One call, < 4 minutes on an H200 (compiles included):
 
     PYTHONPATH=. python benchmarks/gpu_qgemm_sweep.py [--budget-s 200] [--only SUBSTR]
     PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/gpu_qgemm_sweep.py --smoke   # CPU check
@@ -11,18 +11,19 @@ Shapes (out x in): Llama-3.1-8B qkv 6144x4096, o 4096x4096, gate_up 28672x4096, 
 8-bit g64 for the 8B gate_up. Random MLX words, bf16 scales/biases, bf16 x.
 
 Per case:
-* correctness: the new dequantizer must equal the old one bit for bit (`dq2==dq` column);
-  every fused output (bf16) is compared with the fp32 product of x and the dequantized bf16
-  weight: err = max|y - ref| / max|ref| must stay under 2^-7 (one bf16 rounding of the
-  output is up to 2^-8; a wrong group or code gives O(1)); the cuBLAS paths under 2^-6 (cuBLAS may reduce
+* correctness: the dequantizer (triton_qgemm.dequant_affine) must equal mlxr.quant.dequantize
+  (fp32, then rounded to bf16) bit for bit (`dq exact` in the summary line); every fused output
+  (bf16) is compared with the fp32 product of x and the dequantized bf16 weight:
+  err = max|y - ref| / max|ref| must stay under 2^-7 (one bf16 rounding of the output is up to
+  2^-8; a wrong group or code gives O(1)); dequant + cuBLAS under 2^-6 (cuBLAS may reduce
   split-K partials in bf16). A failure is printed and the variant still timed.
 * timing: a CUDA graph of R launches over R copies of the weights (working set >= 3x the L2, so
   the words stream from HBM as in a real prefill), median replay / R
   (benchmarks/gpu_timing.py). TFLOP/s = 2*M*N*K / time.
 * variants: `default` (triton_qgemm.default_config), candidate configs (label
   BMxBNxBK_w<warps>_s<stages>[_wa: W @ x^T][_k<split>], split-K filled by fill_split for the
-  grid), `dq+cublas` (triton_dequant, what serves prefill today), `dq2+cublas` (the new
-  dequantizer), `cublas_bf16` (x @ W^T on a pre-dequantized bf16 weight: the ceiling).
+  grid), `dq+cublas` (triton_qgemm.dequant_affine + cuBLAS, what serves prefill today),
+  `cublas_bf16` (x @ W^T on a pre-dequantized bf16 weight: the ceiling).
 Each case's fused configs are compiled before it is timed, in parallel threads where Triton's
 AsyncCompileMode exists (compile time counts against the budget, so it is printed). A config that fails to compile or run is printed and skipped.
 Per case one summary line (best fused config vs the baselines); the last line is JSON.
@@ -43,9 +44,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from mlxr.ops import triton_dequant as D
+from mlxr.config import QuantSpec
 from mlxr.ops import triton_qgemm as Q
 from mlxr.ops import triton_qmm as T
+from mlxr.quant import dequantize
 
 SHAPES = [("8B qkv", 6144, 4096), ("8B o", 4096, 4096), ("8B gate_up", 28672, 4096),
           ("8B down", 4096, 14336), ("0.6B qkv", 4096, 1024), ("0.6B gate_up", 6144, 1024),
@@ -136,8 +138,10 @@ def run_case(label, n, k, bits, m, dev, gen, sms, smoke, rows, best):
     copies = [(w, s, b)] + [(w.clone(), s.clone(), b.clone()) for _ in range(reps - 1)]
     x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
     wbf = Q.dequant_affine(w, s, b, k, bits, GROUP)
-    old = D.dequant_affine(w, s, b, k, bits, GROUP)
-    same_dq = bool(torch.equal(wbf, old)) or smoke  # (the interpreter truncates in the old one)
+    want = dequantize(w, s.float(), b.float(), QuantSpec("affine", bits, GROUP),
+                      dtype=torch.float32).to(torch.bfloat16)
+    dq_exact = bool(torch.equal(wbf, want))
+    del want
     ref = x.float() @ wbf.float().t()
     flop = 2 * m * n * k
     wbfs = [wbf] + ([] if smoke else [wbf.clone() for _ in range(copies_for(wbf.numel() * 2) - 1)])
@@ -147,8 +151,7 @@ def run_case(label, n, k, bits, m, dev, gen, sms, smoke, rows, best):
     cands = [(name, cfg.label(), (lambda c, cfg=cfg: Q.qgemm(x, *c, bits=bits, group=GROUP,
                                                             config=cfg)))
              for name, cfg in vs]
-    cands += [("dq+cublas", "-", lambda c: x @ D.dequant_affine(*c, k, bits, GROUP).t()),
-              ("dq2+cublas", "-", lambda c: x @ Q.dequant_affine(*c, k, bits, GROUP).t())]
+    cands.append(("dq+cublas", "-", lambda c: x @ Q.dequant_affine(*c, k, bits, GROUP).t()))
     case = {}
     for name, cfg_label, fn in cands:
         try:
@@ -171,20 +174,19 @@ def run_case(label, n, k, bits, m, dev, gen, sms, smoke, rows, best):
     cub = None if smoke else graph_us([lambda wb=wb: x @ wb.t() for wb in wbfs])
     fused = [r for nm, r in case.items() if "cublas" not in nm and r["ok"] and r["us"]]
     top = min(fused, key=lambda r: r["us"]) if fused else None
-    summary = {"shape": label, "n": n, "k": k, "bits": bits, "m": m, "dq2_bit_exact": same_dq,
+    summary = {"shape": label, "n": n, "k": k, "bits": bits, "m": m, "dq_bit_exact": dq_exact,
                "best": top and top["config"], "best_us": top and top["us"],
                "best_tflops": top and top["tflops"],
                "default_us": case.get("default", {}).get("us"),
                "dq_cublas_us": case.get("dq+cublas", {}).get("us"),
-               "dq2_cublas_us": case.get("dq2+cublas", {}).get("us"),
                "cublas_bf16_us": cub and round(cub, 2),
                "cublas_bf16_tflops": cub and round(flop / cub / 1e6, 1)}
     best.append(summary)
     if top and cub:
         print(f"== {label} {bits}b M={m}: best {top['config']} {top['us']:.1f} us "
               f"{top['tflops']:.0f} TFLOP/s | default {summary['default_us']} | dq+cublas "
-              f"{summary['dq_cublas_us']} | dq2+cublas {summary['dq2_cublas_us']} | bf16 cublas "
-              f"{cub:.1f} us {summary['cublas_bf16_tflops']} TFLOP/s | dq2==dq {same_dq}",
+              f"{summary['dq_cublas_us']} | bf16 cublas {cub:.1f} us "
+              f"{summary['cublas_bf16_tflops']} TFLOP/s | dq exact {dq_exact}",
               flush=True)
     del copies, wbfs
     if dev.type == "cuda":
@@ -192,20 +194,18 @@ def run_case(label, n, k, bits, m, dev, gen, sms, smoke, rows, best):
 
 
 def print_table(best) -> None:
-    """One line per case: us (TFLOP/s) of the best fused config, the default config, both
-    dequant + cuBLAS paths and bf16 cuBLAS."""
+    """One line per case: us (TFLOP/s) of the best fused config, the default config,
+    dequant + cuBLAS and bf16 cuBLAS."""
     def f(us, flop):
         return f"{us:8.1f} ({flop / us / 1e6:5.0f})" if us else f"{'-':>15s}"
 
     print(f"\n{'shape':12s} {'b':>1s} {'M':>5s} | {'best fused us (TF/s)':>20s} "
-          f"{'config':26s} | {'default':>15s} | {'dq+cublas':>15s} | {'dq2+cublas':>15s} | "
-          f"{'cublas bf16':>15s}")
+          f"{'config':26s} | {'default':>15s} | {'dq+cublas':>15s} | {'cublas bf16':>15s}")
     for s in best:
         flop = 2 * s["m"] * s["n"] * s["k"]
         print(f"{s['shape']:12s} {s['bits']:1d} {s['m']:5d} | {f(s['best_us'], flop):>20s} "
               f"{s['best'] or '-':26s} | {f(s['default_us'], flop)} | "
-              f"{f(s['dq_cublas_us'], flop)} | {f(s['dq2_cublas_us'], flop)} | "
-              f"{f(s['cublas_bf16_us'], flop)}")
+              f"{f(s['dq_cublas_us'], flop)} | {f(s['cublas_bf16_us'], flop)}")
 
 
 def graph_us(fns) -> float:
@@ -245,11 +245,11 @@ def main(argv=None) -> None:
         run_case(lb, n, k, bits, m, dev, gen, sms, smoke, rows, best)
     print_table(best)
     bad = [r for r in rows if r.get("ok") is False or r.get("error")]
-    inexact = [s for s in best if not s["dq2_bit_exact"]]
-    print(f"# {len(rows)} rows, {len(bad)} wrong or failed, {len(inexact)} dq2 != dq, "
+    inexact = [s for s in best if not s["dq_bit_exact"]]
+    print(f"# {len(rows)} rows, {len(bad)} wrong or failed, {len(inexact)} dq inexact, "
           f"{time.time() - t0:.0f}s")
     print(json.dumps(best))
-    if smoke and bad:
+    if smoke and (bad or inexact):
         sys.exit(1)
 
 

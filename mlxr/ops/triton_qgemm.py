@@ -25,8 +25,9 @@ divisor of the group size, so a tile holds whole groups or lies in one):
     and x the shared-memory "B" one, whose N side may be as small as 8 (small M).
   Optional split-K writes fp32 partials [S, M, N], summed in a fixed order by one small
   kernel (small-M shapes whose output tiles cannot fill the GPU).
-`dequant_affine`: the same tile math writing [N, K] (2-D word loads, wide contiguous stores),
-bit-identical to `mlxr.ops.triton_dequant.dequant_affine`.
+`dequant_affine`: the same tile math writing [N, K] (2-D word loads, wide contiguous stores):
+the prefill path's dequantizer (`mlxr.quant.cuda.dequantize`, then cuBLAS), bit-identical to
+`mlxr.quant.dequantize` in fp32, cast to the output dtype (round to nearest even).
 
 Under TRITON_INTERPRET (CPU tests) the interpreter's bf16 dot is broken and its fp32 -> bf16
 cast truncates: the dot runs in fp32 (`input_precision="ieee"`, exact bf16 inputs) and the
@@ -79,17 +80,36 @@ class QgemmConfig:
 @lru_cache(maxsize=1024)  # per-call host cost matters for prefill (many small launches)
 def default_config(m: int, n: int, k: int, bits: int, group: int,
                    sm_count: int = 132) -> QgemmConfig:
-    """Launch before measurement (benchmarks/gpu_qgemm_sweep.py measures alternatives):
-    large M: 128x128 tiles, 8 warps (two warpgroups), the dequantized weight as wgmma's B
-    operand; M <= 64: the weight as the A operand (x's side of the MMA can be 64 wide), 4 warps,
-    split-K until there are about as many programs as SMs."""
-    if m <= 64:
-        cfg = QgemmConfig(block_m=64 if m > 32 else 32, block_n=128, block_k=128, num_warps=4,
-                          num_stages=4, w_as_a=True)
-    elif m <= 256:
-        cfg = QgemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
-    else:
-        cfg = QgemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+    """Launch table: the H200 sweep's winners (benchmarks/gpu_qgemm_sweep.py, 4-bit g64 bf16,
+    docs/perf.md "Prefill GEMM sweep") as rules by M bucket (measured at 64, 128, 512, 2048;
+    the cut between two buckets near their geometric mean) and weight size, split-K by
+    `fill_split` (which gives the winners' splits). Roles: "big" = the 8B gate_up/down (N*K >= 32M), "deep" = K >= 2N (down).
+    BLOCK_K is 64 or 128, a multiple or a divisor of every group (32/64/128), so each row is
+    valid for 2/4/8 bits; other widths and groups were not swept."""
+    big, deep = n * k >= 1 << 25, k >= 2 * n
+    if m <= 96:  # at 64: W @ x^T everywhere (x's rows are the MMA's narrow N side)
+        bm = 32 if m <= 32 else 64
+        if big and deep:  # 8B down: wide tiles, split 8
+            cfg = QgemmConfig(bm, 256, 64, num_warps=8, num_stages=3, w_as_a=True)
+        elif k >= 4096:  # 8B o, gate_up (8B qkv measured 64x64x128_k2 ahead)
+            cfg = QgemmConfig(bm, 128, 64, num_warps=4, num_stages=4, w_as_a=True)
+        else:  # 0.6B qkv, down (0.6B gate_up measured 64x128x128 unsplit ahead)
+            cfg = QgemmConfig(bm, 64, 128, num_warps=4, num_stages=4, w_as_a=True)
+    elif m <= 256:  # at 128
+        if big:  # 8B gate_up (4 warps), down (8 warps): x @ W^T
+            cfg = QgemmConfig(128, 128, 64, num_warps=8 if deep else 4, num_stages=3)
+        elif k >= 2048:  # 8B qkv, o; 0.6B down
+            cfg = QgemmConfig(128, 64, 64, num_warps=4, num_stages=4, w_as_a=True)
+        else:  # 0.6B qkv, gate_up
+            cfg = QgemmConfig(64, 64, 128, num_warps=4, num_stages=4, w_as_a=True)
+    elif m >= 512 and (k >= 4096 or -(-m // 256) * -(-n // 128) >= sm_count):
+        # 8B at 512 (split 2 where the tiles are few) and 2048; 0.6B qkv/gate_up at 2048
+        cfg = QgemmConfig(256, 128, 64, num_warps=8, num_stages=3, w_as_a=True)
+    else:  # 0.6B at 512, 0.6B down at 2048 (and all of 256 < M < 512): 4 warps when the
+        # tiles outnumber the SMs (0.6B gate_up at 512)
+        tiles = -(-m // 128) * -(-n // 128)
+        cfg = QgemmConfig(128, 128, 64, num_warps=4 if tiles > sm_count else 8, num_stages=3,
+                          w_as_a=True)
     return fill_split(cfg, m, n, k, group, sm_count)
 
 
@@ -373,8 +393,8 @@ def qgemm(x: Tensor, w: Tensor, s: Tensor, b: Tensor, *, bits: int, group: int,
 
 def dequant_affine(packed: Tensor, scales: Tensor, biases: Tensor, in_features: int, bits: int,
                    group_size: int, dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """packed int32 [N, K*bits/32], scales/biases [N, K/G] -> [N, K] in `dtype` (same
-    signature and values as `mlxr.ops.triton_dequant.dequant_affine`)."""
+    """packed int32 [N, K*bits/32], scales/biases [N, K/G] -> [N, K] in `dtype`: s*q + b in
+    fp32, rounded to `dtype` (bit for bit `mlxr.quant.dequantize` in fp32, then cast)."""
     k = _validate(None, packed, scales, biases, bits, group_size)
     if k != in_features:
         raise ValueError(f"in_features {in_features} does not match scales {tuple(scales.shape)}")

@@ -3,11 +3,13 @@
 - decode (M <= 32), affine 4-bit: torch's tinygemm kernel (`_weight_int4pack_mm`), fed by a
   one-time load repack of the mlx codes (nibble order swapped, torch's tiled layout). It
   computes `x @ ((q - 8) * s + z)^T` per group, so mlx's `w = s*q + b` maps to `z = b + 8*s`.
-- prefill and large decode batches (M > 16; > 32 for 4-bit), affine 2/4/8-bit: one Triton pass dequantizes the packed words to a bf16
-  scratch matrix (read 0.5 B, write 2 B per weight), then cuBLAS does the GEMM on tensor cores.
-  The scratch is per call, never stored. Env `MLXR_PREFILL_GEMM` (read at every call):
-  `fused` runs the tensor-core GEMM of `mlxr.ops.triton_qgemm` on the packed words instead (no
-  scratch), `dequant2` that module's dequantizer before cuBLAS (same values, wider tiles).
+- prefill and large decode batches (M > 16; > 32 for 4-bit), affine 2/4/8-bit: one Triton
+  pass (`triton_qgemm.dequant_affine`) dequantizes the packed words to a bf16 scratch matrix
+  (read 0.5 B, write 2 B per weight), then cuBLAS does the GEMM on tensor cores. The scratch is
+  per call, never stored. Env `MLXR_PREFILL_GEMM=fused` (read at every call) runs the fused
+  tensor-core GEMM of `mlxr.ops.triton_qgemm` on the packed words instead (no scratch; faster
+  for 8B shapes at M <= 128, slower at M >= 512; other summation order than cuBLAS, so it is
+  opt-in: docs/perf.md).
 - everything else: the Triton GEMV/GEMM kernels of `mlxr.ops.triton_qmm`.
 
 Affine 2/3-bit at M = 1 (bf16/fp16) use `mlxr.ops.triton_gemv` by default (measured faster).
@@ -54,7 +56,7 @@ def dequant_supported(qw) -> bool:
 
 def dequantize(qw, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """The full weight [N, K] in `dtype`, dequantized by one Triton pass (2/4/8-bit affine)."""
-    from ..ops.triton_dequant import dequant_affine  # Triton loads only when a GPU uses it
+    from ..ops.triton_qgemm import dequant_affine  # Triton loads only when a GPU uses it
 
     sp = qw.spec
     return dequant_affine(qw.packed, qw.scales, qw.biases, qw.in_features, sp.bits,
@@ -97,16 +99,11 @@ def linear(qw, x: Tensor) -> Tensor | None:
     if m <= TINYGEMM_MAX_M and qw.i4 is not None:
         return torch._weight_int4pack_mm(x, qw.i4, qw.spec.group_size, qw.i4_sz)
     if m > DECODE_MAX_M and qw.compute_dtype != torch.float32 and dequant_supported(qw):
-        mode = os.environ.get("MLXR_PREFILL_GEMM", "").lower()
-        if mode in ("fused", "dequant2"):
+        if os.environ.get("MLXR_PREFILL_GEMM", "").lower() == "fused":
             from ..ops import triton_qgemm
 
             sp = qw.spec
-            if mode == "fused":
-                return triton_qgemm.qgemm(x, qw.packed, qw.scales, qw.biases, bits=sp.bits,
-                                          group=sp.group_size)
-            return x @ triton_qgemm.dequant_affine(qw.packed, qw.scales, qw.biases,
-                                                   qw.in_features, sp.bits, sp.group_size,
-                                                   x.dtype).t()
+            return triton_qgemm.qgemm(x, qw.packed, qw.scales, qw.biases, bits=sp.bits,
+                                      group=sp.group_size)
         return x @ dequantize(qw, x.dtype).t()
     return None
