@@ -2,19 +2,22 @@
 
     python benchmarks/serve_bench.py MODEL [--clients 1,8,64,256] [--tokens 64] [--device cpu]
                                            [--procs N] [--rounds R] [--engine-process on]
+                                           [--route chat]
 
 Starts a real server process on a loopback port, then for each concurrency level runs that many
-simultaneous streaming /v1/completions requests (distinct prompts, EOS ignored, fixed length,
+simultaneous streaming /v1/completions requests (or /v1/chat/completions with --route chat: one
+user message; the model needs a chat template) (distinct prompts, EOS ignored, fixed length,
 `stream_options.include_usage`) and reports output tokens (from each stream's final usage) per
-wall second, time to first token and inter-token latency (per request: time from its first to
-its last token / (tokens - 1); median over requests). With --rounds R each level runs R times
-and the median round is reported. The last line is JSON.
+wall second, requests per wall second, time to first token and inter-token latency (per request:
+time from its first to its last token / (tokens - 1); median over requests). With --rounds R
+each level runs R times and the median round is reported. The last line is JSON.
 
 The client must not be what limits the number: the streams of a level are spread over `--procs`
 worker processes (default min(8, cores)), started together at a barrier, each reading its
 share on one asyncio loop with a plain socket and a C HTTP parser (httptools; h11 when httptools
 is missing) -- no httpx per stream, whose per-line Python cost alone caps one process at a few
-thousand chunks/s. The server's own CPU time per output token is reported too (Linux).
+thousand chunks/s. The server's own CPU time per output token and per request is reported too
+(Linux); with few tokens per request (--tokens 2) the latter is the server's per-request cost.
 """
 
 from __future__ import annotations
@@ -99,11 +102,13 @@ async def _http(method: str, port: int, path: str, body: bytes | None = None):
     return reader, writer, time.perf_counter()
 
 
-async def one_stream(port: int, model: str, prompt: str, tokens: int) -> dict:
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
-                       "stream": True, "ignore_eos": True,
-                       "stream_options": {"include_usage": True}}).encode()
-    reader, writer, t0 = await _http("POST", port, "/v1/completions", body)
+async def one_stream(port: int, model: str, prompt: str, tokens: int, route: str) -> dict:
+    chat = route == "chat"
+    req = {"model": model, "max_tokens": tokens, "temperature": 0, "stream": True,
+           "ignore_eos": True, "stream_options": {"include_usage": True}}
+    req.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
+    reader, writer, t0 = await _http("POST", port, "/v1/chat/completions" if chat else
+                                     "/v1/completions", json.dumps(req).encode())
     resp, buf = _Response(), b""
     first = last = None
     chunks, usage, error = 0, None, None
@@ -124,7 +129,8 @@ async def one_stream(port: int, model: str, prompt: str, tokens: int) -> dict:
                 d = json.loads(ev[6:])
                 if "error" in d:
                     error = d["error"]
-                elif d.get("choices") and d["choices"][0].get("text"):
+                elif d.get("choices") and (d["choices"][0]["delta"].get("content") if chat
+                                           else d["choices"][0].get("text")):
                     first = first or now
                     last = now
                     chunks += 1
@@ -139,18 +145,18 @@ async def one_stream(port: int, model: str, prompt: str, tokens: int) -> dict:
             "itl": (last - first) / (n - 1) if first and n > 1 else None}
 
 
-async def _streams(port: int, model: str, prompts: list[str], tokens: int) -> list:
-    return await asyncio.gather(*(one_stream(port, model, p, tokens) for p in prompts),
+async def _streams(port: int, model: str, prompts: list[str], tokens: int, route: str) -> list:
+    return await asyncio.gather(*(one_stream(port, model, p, tokens, route) for p in prompts),
                                 return_exceptions=True)
 
 
-def _worker(conn, barriers, port: int, model: str) -> None:
+def _worker(conn, barriers, port: int, model: str, route: str) -> None:
     """A client process: for each (n, prompts, tokens) it is sent, wait at the n-process barrier
     with the others, run its streams concurrently, send back (per-stream results, end time)."""
     while (task := conn.recv()) is not None:
         n, prompts, tokens = task
         barriers[n].wait(600)  # a worker that never arrives breaks it: no hang
-        res = asyncio.run(_streams(port, model, prompts, tokens))
+        res = asyncio.run(_streams(port, model, prompts, tokens, route))
         end = time.perf_counter()
         conn.send(([r if isinstance(r, dict) else repr(r) for r in res], end))
 
@@ -158,7 +164,7 @@ def _worker(conn, barriers, port: int, model: str) -> None:
 class Clients:
     """`procs` worker processes kept for every level."""
 
-    def __init__(self, procs: int, port: int, model: str):
+    def __init__(self, procs: int, port: int, model: str, route: str = "completions"):
         ctx = mp.get_context("spawn")
         self.procs = procs
         self.barriers = {n: ctx.Barrier(n + 1) for n in range(1, procs + 1)}
@@ -166,7 +172,8 @@ class Clients:
         for _ in range(procs):
             a, b = ctx.Pipe()
             # one barrier per worker count: a level with fewer streams than procs uses fewer
-            w = ctx.Process(target=_worker, args=(b, self.barriers, port, model), daemon=True)
+            w = ctx.Process(target=_worker, args=(b, self.barriers, port, model, route),
+                            daemon=True)
             w.start()
             self.pipes.append(a)
             self.workers.append(w)
@@ -227,6 +234,7 @@ def summarize(clients: int, res: list[dict], wall: float,
     toks = sum(r["tokens"] for r in res)
     itl = sorted(r["itl"] for r in res if r["itl"] is not None)
     out = {"clients": clients, "wall_s": round(wall, 3), "output_tok_s": round(toks / wall, 1),
+           "requests_s": round(len(res) / wall, 1),
            "output_tokens": toks, "streamed_pieces": sum(r["chunks"] for r in res),
            "ttft_p50_s": round(statistics.median(r["ttft"] for r in res), 3),
            "itl_p50_ms": round(statistics.median(itl) * 1e3, 2) if itl else None,
@@ -236,6 +244,7 @@ def summarize(clients: int, res: list[dict], wall: float,
         total = cpu[0] + (cpu[1] or 0)
         out["server_cpu_s"] = round(total, 3)
         out["server_cpu_us_per_token"] = round(total / toks * 1e6, 1)
+        out["server_cpu_ms_per_request"] = round(total / len(res) * 1e3, 3)
         if cpu[1] is not None:
             out["engine_process_cpu_us_per_token"] = round(cpu[1] / toks * 1e6, 1)
     return out
@@ -376,6 +385,8 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=min(8, os.cpu_count() or 1),
                     help="client worker processes (default min(8, cores))")
     ap.add_argument("--rounds", type=int, default=1, help="runs per level; the median is kept")
+    ap.add_argument("--route", choices=["completions", "chat"], default="completions",
+                    help="/v1/completions (a prompt) or /v1/chat/completions (one user message)")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra argument for `mlxr serve` (repeatable)")
     ap.add_argument("--engine-process", choices=["auto", "on", "off"], default=None,
@@ -417,7 +428,7 @@ def main() -> None:
         model = wait_ready(port, proc)
         # (with --null-engine this process's other children are the client workers)
         engines = ([engine_pid] if engine_pid else []) if a.null_engine else child_pids(proc.pid)
-        clients = Clients(max(1, a.procs), port, model)
+        clients = Clients(max(1, a.procs), port, model, a.route)
         clients.level(1, 4, " warm")
         for c in levels:
             rounds = []
@@ -435,11 +446,12 @@ def main() -> None:
         proc.terminate()
         proc.wait(30)
     for r in out:
-        print(f"{r['clients']:4d} clients: {r['output_tok_s']:10.1f} output tok/s  "
-              f"(wall {r['wall_s']} s, TTFT p50 {r['ttft_p50_s']} s, ITL p50 "
+        print(f"{r['clients']:4d} clients: {r['output_tok_s']:10.1f} output tok/s, "
+              f"{r['requests_s']} requests/s  (wall {r['wall_s']} s, TTFT p50 {r['ttft_p50_s']} s, ITL p50 "
               f"{r['itl_p50_ms']} ms, {r['streamed_pieces']} chunks for "
               f"{r['output_tokens']} tokens, server CPU {r.get('server_cpu_us_per_token')} "
-              f"us/token, engine process {r.get('engine_process_cpu_us_per_token')})")
+              f"us/token, {r.get('server_cpu_ms_per_request')} ms/request, engine process "
+              f"{r.get('engine_process_cpu_us_per_token')})")
     print(json.dumps(out))
 
 
