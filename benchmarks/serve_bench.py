@@ -366,8 +366,7 @@ def null_engine_server(model_path: str, port: int, max_seqs: int, step_s: float,
     else:
         eng = AsyncEngine(None, engine=NullLLMEngine(**null), **kw)
     state = ServerState(path, path.name, {}, {})
-    state.model, state.engine = mlxr.load(path, weights=False), eng
-    state.ready.set()
+    state.set_ready(mlxr.load(path, weights=False), eng)
     app = create_app(state, SecurityConfig(), load_in_background=False)
     srv = uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, http=deadline_protocol(10),
                                         limit_concurrency=max_seqs * 2 + 8, log_level="warning",

@@ -9,6 +9,7 @@ reasoning parsing) here; `render.py` turns the engine's outputs into each API's 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import threading
@@ -93,12 +94,20 @@ class ServerState:
                 model = mlxr.load(self.model_path, **self.load_kw)
                 model.tokenizer  # noqa: B018 -- fail now, not on the first request
                 engine = AsyncEngine(model, **self.engine_kw)
-            self.engine, self.model = engine, model
-            self.ready.set()
+            self.set_ready(model, engine)
             log.info("model %s ready", self.model_id)
         except Exception as e:  # reported by /health and every request
             log.exception("loading %s failed", self.model_path)
             self.error = f"{type(e).__name__}: {e}"
+
+    def set_ready(self, model, engine) -> None:
+        """Serve requests from now on. What loading left on the heap (modules, the tokenizer,
+        the model: ~200k objects) is frozen out of the cyclic GC first: otherwise each full
+        collection walks all of it again, ~100 ms every few hundred requests at 256 streams."""
+        gc.collect()
+        gc.freeze()
+        self.engine, self.model = engine, model
+        self.ready.set()
 
     def require(self):
         if self.error:
