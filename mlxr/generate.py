@@ -131,9 +131,10 @@ def stream_generate(decoder: Decoder, prompt_ids: Sequence[int], params: Samplin
     def tokens():
         """Sampled tokens; the consumer appends each to `history` before asking for the next.
         With MLXR_TRACE set, `decoder.forward` calls are spans (mlxr.load instruments it) and
-        so is each CUDA-graph decode step here."""
+        so is each CUDA-graph prefill and decode step here."""
         if prefill is not None:
-            logits = prefill.run(history)[0]
+            with trace.span("prefill", {"tokens": len(history), "graph": prefill.bucket}):
+                logits = prefill.run(history)[0]
         else:
             logits = decoder.forward(torch.tensor(history), cache, last_only=True)[0]
         token = sampler(logits, history)
