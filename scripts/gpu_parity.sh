@@ -49,8 +49,10 @@ case "${1:-}" in
   serve)
     wheels
     python3 benchmarks/make_checkpoint.py qwen3-0.6b /tmp/q06 --tokenizer .gpu_tok >/dev/null
-    python3 benchmarks/serve_bench.py /tmp/q06 --device cuda --clients 1,8,64,256 \
-      --tokens 128 | tee "$out/serve.txt"
+    for ep in on off; do  # the engine in its own process (the CUDA default) vs in the server's
+      python3 benchmarks/serve_bench.py /tmp/q06 --device cuda --clients 1,8,64,256 \
+        --tokens 128 --engine-process "$ep" | tee "$out/serve-engine-process-$ep.txt"
+    done
     python3 benchmarks/serve_bench.py /tmp/q06 --null-engine --null-step-ms 7 --clients 256 \
       --tokens 128 | tee "$out/serve-null.txt" ;;
   *) echo "usage: $0 make|run|bench|serve" >&2; exit 2 ;;
