@@ -87,6 +87,18 @@ def test_splits_agree_with_single_pass():
     assert (one - many).abs().max() <= 1e-5 * v.nan_to_num().abs().max()
 
 
+@pytest.mark.parametrize("block_s,num_warps", [(16, 2), (32, 4), (128, 8)])
+def test_launch_overrides_match_reference(block_s, num_warps):
+    """The sweep's launch knobs (keys per tile smaller than, equal to and larger than a cache
+    block of 32; warps) change nothing but speed: windowed, softcapped, split and single."""
+    q, k, v, tables, ctx = _case(11, [150, 1, 97], 2, 2, 16, 32, torch.bfloat16)
+    ref = R.paged_attention(q.float(), k.float(), v.float(), tables, ctx, 32, 0.25, 70, 30.0)
+    for splits in (1, 3):
+        out = P.paged_attention(q, k, v, tables, ctx, 32, 0.25, 70, 30.0, splits=splits,
+                                block_s=block_s, num_warps=num_warps)
+        _assert_close(out, ref, v, torch.bfloat16)
+
+
 def test_reference_row_equals_contiguous_attention():
     """The reference is `attention` over each sequence's gathered context (the eager path)."""
     q, k, v, tables, ctx = _case(3, [40], 2, 2, 16, 16, torch.float32)

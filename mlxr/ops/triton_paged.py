@@ -165,8 +165,10 @@ def _p2(n: int) -> int:
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, ctx_lens: Tensor,
                     block_size: int, scale: float, window: int | None = None,
-                    softcap: float | None = None, splits: int | None = None) -> Tensor:
-    """See `mlxr.ops.reference.paged_attention`; `splits` overrides the split policy (tests).
+                    softcap: float | None = None, splits: int | None = None,
+                    block_s: int | None = None, num_warps: int = 4) -> Tensor:
+    """See `mlxr.ops.reference.paged_attention`; `splits`, `block_s` (keys per tile) and
+    `num_warps` override the launch policy (tests, benchmarks/gpu_paged_attn_sweep.py).
     block_tables [B, W] and ctx_lens [B] are int32 or int64 on q's device."""
     bsz, h, d = q.shape
     kh = k.shape[0]
@@ -179,7 +181,7 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, ctx_l
     if bsz == 0:
         return out
     block_d = max(16, _p2(d))
-    block_s = 64 if block_d <= 128 else 32
+    block_s = block_s or (64 if block_d <= 128 else 32)
     if splits is None:
         splits = min(MAX_SPLITS, max(1, triton.cdiv(TARGET_PROGRAMS, bsz * kh)))
     single = splits == 1
@@ -199,7 +201,7 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, ctx_l
         int(window or 0), qk_scale, inv_cap, cap2, REP=rep, H=h, D=d, BS=block_size,
         BLOCK_M=max(16, _p2(rep)), BLOCK_D=block_d, BLOCK_S=block_s, NSPLIT=splits,
         HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, SINGLE=single,
-        DOT_F32=q.dtype == torch.float32 or interpret, num_warps=4)
+        DOT_F32=q.dtype == torch.float32 or interpret, num_warps=num_warps)
     if not single:
         _paged_combine_kernel[(bsz * h,)](pacc, pml, out, REP=rep, H=h, D=d, NSPLIT=splits,
                                           BLOCK_N=_p2(splits), BLOCK_D=block_d, num_warps=4)
