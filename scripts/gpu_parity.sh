@@ -43,6 +43,7 @@ case "${1:-}" in
     python3 benchmarks/gpu_profile.py /tmp/q06 | tee "$out/profile-decode.txt"
     python3 benchmarks/gpu_profile_prefill.py /tmp/q06 | tee "$out/profile-prefill.txt"
     python3 benchmarks/engine_bench.py /tmp/q06 --device cuda | tee "$out/engine.txt"
+    python3 benchmarks/gpu_profile_paged.py /tmp/q06 256 96 | tee "$out/profile-paged.txt"
     python3 benchmarks/make_checkpoint.py llama-3.1-8b /tmp/l8 >/dev/null
     python3 -m mlxr bench /tmp/l8 -p 512 -n 64 --device cuda --repeats 2 \
       | tee "$out/bench-8b.txt" ;;
