@@ -338,8 +338,8 @@ def null_engine_server(model_path: str, port: int, max_seqs: int, step_s: float,
                        engine_process: bool = False):
     """`mlxr serve`'s app, uvicorn protocol and loop in this process over a NullLLMEngine driven
     by AsyncEngine (or, with `engine_process`, by ProcEngine from a child process): the ceiling
-    of everything between the engine step and the socket on this CPU. Returns the uvicorn server
-    and the engine process's pid (None in-process)."""
+    of everything between the engine step and the socket on this CPU. Returns the uvicorn server,
+    the thread it runs on and the engine process's pid (None in-process)."""
     import threading
     from pathlib import Path
 
@@ -371,8 +371,9 @@ def null_engine_server(model_path: str, port: int, max_seqs: int, step_s: float,
     srv = uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, http=deadline_protocol(10),
                                         limit_concurrency=max_seqs * 2 + 8, log_level="warning",
                                         lifespan="off", server_header=False, ws="none"))
-    threading.Thread(target=srv.run, daemon=True, name="null-engine-server").start()
-    return srv, eng.proc.pid if engine_process else None
+    thread = threading.Thread(target=srv.run, daemon=True, name="null-engine-server")
+    thread.start()
+    return srv, thread, eng.proc.pid if engine_process else None
 
 
 def main() -> None:
@@ -413,11 +414,14 @@ def main() -> None:
     if a.engine_process:
         cmd += ["--engine-process", a.engine_process]
     if a.null_engine:
-        srv, engine_pid = null_engine_server(a.model, port, max(levels), a.null_step_ms / 1e3,
-                                             a.null_stream_interval, a.null_host_ms / 1e3,
-                                             a.engine_process == "on")
+        srv, thread, engine_pid = null_engine_server(
+            a.model, port, max(levels), a.null_step_ms / 1e3, a.null_stream_interval,
+            a.null_host_ms / 1e3, a.engine_process == "on")
         proc = type("InProcess", (), {"pid": os.getpid(), "returncode": None,
-                                      "poll": lambda self: None, "wait": lambda self, t: None,
+                                      "poll": lambda self: None,
+                                      # uvloop must be stopped before the interpreter exits: a
+                                      # timer firing in its finalization crashes it
+                                      "wait": lambda self, t: thread.join(t),
                                       "terminate": lambda self: setattr(srv, "should_exit", 1)})()
     else:
         proc = subprocess.Popen(cmd, env=dict(os.environ))
