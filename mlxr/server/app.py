@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from fastapi import Request
@@ -315,7 +316,7 @@ def _parse(cls, body: bytes):
 def create_app(state: ServerState, security: SecurityConfig, load_in_background: bool = True):
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from . import ollama, render
@@ -384,33 +385,29 @@ def create_app(state: ServerState, security: SecurityConfig, load_in_background:
         state.check_model(name)
         return model_card()
 
-    async def serve(request: Request, cls, build, route: str, stream_fn, full_fn):
+    async def serve(cls, build, route: str, stream_fn, full_fn, request: Request):
         req = _parse(cls, await request.body())
         state.check_model(getattr(req, "model", None))
         model, engine = state.require()
         job = build(model, req)
         if req.stream:
             gen = await render.start(state, engine, job, route)
-            return StreamingResponse(stream_fn(state, model, job, gen, req),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache",
-                                              "X-Accel-Buffering": "no"})
+            return render.EventStream(stream_fn(state, model, job, gen, req),
+                                      media_type="text/event-stream",
+                                      headers={"Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no"})
         return JSONResponse(await full_fn(state, model, engine, job, req, route))
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await serve(request, ChatRequest, chat_job, "chat", render.chat_stream,
-                           render.chat_full)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await serve(request, CompletionRequest, completion_job, "completions",
-                           render.completion_stream, render.completion_full)
-
-    @app.post("/v1/responses")
-    async def responses(request: Request):
-        return await serve(request, ResponsesRequest, responses_job, "responses",
-                           render.responses_stream, render.responses_full)
+    # The generation routes are plain Starlette routes (endpoint(request) -> response): FastAPI's
+    # dependency solving and endpoint wrapping have nothing to do for them and cost ~50 us per request (in-process, 256 concurrent)
+    for path, args in (
+            ("/v1/chat/completions", (ChatRequest, chat_job, "chat", render.chat_stream,
+                                      render.chat_full)),
+            ("/v1/completions", (CompletionRequest, completion_job, "completions",
+                                 render.completion_stream, render.completion_full)),
+            ("/v1/responses", (ResponsesRequest, responses_job, "responses",
+                               render.responses_stream, render.responses_full))):
+        app.add_route(path, partial(serve, *args), methods=["POST"])
 
     ollama.register(app, state, _parse)  # /api/generate, /api/chat, /api/tags, /api/version
     app.add_middleware(SecurityMiddleware, cfg=security)

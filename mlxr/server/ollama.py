@@ -265,7 +265,7 @@ async def _full(state, model, job, gen, kind: str, t_req: float) -> dict:
 
 def register(app, state, parse) -> None:
     """Add the Ollama routes to `app`; `parse(cls, body: bytes)` is app.py's validating parser."""
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse
 
     from . import render
 
@@ -294,9 +294,9 @@ def register(app, state, parse) -> None:
             return JSONResponse({"error": e.message}, e.status, headers=e.headers)
         if req.stream is False:
             return JSONResponse(await _full(state, model, job, gen, kind, t_req))
-        return StreamingResponse(_stream(state, model, job, gen, kind, t_req),
-                                 media_type="application/x-ndjson",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return render.EventStream(_stream(state, model, job, gen, kind, t_req),
+                                  media_type="application/x-ndjson",
+                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/api/generate")
     async def generate(request: Request):
