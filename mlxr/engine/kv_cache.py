@@ -35,7 +35,7 @@ def block_hash(prev: int, tokens: Sequence[int]) -> int:
 
 
 class Block:
-    __slots__ = ("id", "ref_count", "hash", "tokens")
+    __slots__ = ("hash", "id", "ref_count", "tokens")
 
     def __init__(self, block_id: int):
         self.id, self.ref_count, self.hash, self.tokens = block_id, 0, -1, ()
@@ -44,8 +44,9 @@ class Block:
 class BlockManager:
     """Allocates blocks to sequences; reuses full blocks whose content hash matches.
 
-    A sequence is any object with `token_ids: list[int]`, `block_table: list[int]` and
-    `num_cached_tokens: int` (tokens whose KV came from the prefix cache).
+    A sequence is any object with `token_ids: list[int]`, `block_table: list[int]`,
+    `num_cached_tokens: int` (tokens whose KV came from the prefix cache) and `num_hashed: int`
+    (leading blocks of its table already in the prefix cache; the manager keeps it).
     """
 
     def __init__(self, num_blocks: int, block_size: int):
@@ -103,7 +104,9 @@ class BlockManager:
     def register(self, seq, num_computed: int) -> None:
         """Enter `seq`'s full blocks whose KV is now computed into the prefix cache."""
         bs = self.block_size
-        for i in range(num_computed // bs):
+        full = num_computed // bs
+        # From the first block not yet entered: a step costs O(new blocks), not O(context).
+        for i in range(seq.num_hashed, full):
             b = self.blocks[seq.block_table[i]]
             if b.hash != -1:
                 continue
@@ -111,6 +114,7 @@ class BlockManager:
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             b.hash, b.tokens = block_hash(prev, tokens), tokens
             self.by_hash.setdefault(b.hash, b.id)
+        seq.num_hashed = max(seq.num_hashed, full)
 
     def free_seq(self, seq) -> None:
         for block_id in reversed(seq.block_table):
@@ -119,7 +123,7 @@ class BlockManager:
             if b.ref_count == 0:
                 self.free.append(block_id)
         seq.block_table = []  # a new list: holders of the old one (decode tables) see the change
-        seq.num_cached_tokens = 0
+        seq.num_cached_tokens = seq.num_hashed = 0
 
     def append(self, seq) -> None:
         """Allocate a block when the token just appended to `seq.token_ids` starts one."""

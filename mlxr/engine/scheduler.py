@@ -27,6 +27,7 @@ class Sequence:
     id: int = field(default_factory=lambda: next(_ids))
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_hashed: int = 0  # leading blocks entered in the prefix cache (BlockManager.register)
     num_computed: int = 0  # tokens whose KV is in the cache
     arrival: float = field(default_factory=time.monotonic)
     finished: bool = False
