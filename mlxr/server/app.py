@@ -244,11 +244,11 @@ def chat_job(model, req: ChatRequest) -> Job:
         raise bad_request(f"chat template: {e}", "messages") from None
     family = detect_family(template) if tools else None
     reasoning = "<think>" in template or "reasoning_content" in template
-    tail = tok.decode(ids[-24:]).rstrip()
     job = Job(list(ids), _sampling(model, req, len(ids), req.max_completion_tokens or
                                     req.max_tokens),
               family=family, reasoning=reasoning,
-              start_in_reasoning=reasoning and tail.endswith("<think>"),
+              start_in_reasoning=reasoning and tok.decode(ids[-24:]).rstrip().endswith(
+                  "<think>"),
               include_usage=bool(req.stream_options and req.stream_options.include_usage))
     if req.logprobs:
         job.logprobs = req.top_logprobs or 0
