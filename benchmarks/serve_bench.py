@@ -450,10 +450,11 @@ def main() -> None:
         proc.wait(30)
     for r in out:
         print(f"{r['clients']:4d} clients: {r['output_tok_s']:10.1f} output tok/s, "
-              f"{r['requests_s']} requests/s  (wall {r['wall_s']} s, TTFT p50 {r['ttft_p50_s']} s, ITL p50 "
-              f"{r['itl_p50_ms']} ms, {r['streamed_pieces']} chunks for "
-              f"{r['output_tokens']} tokens, server CPU {r.get('server_cpu_us_per_token')} "
-              f"us/token, {r.get('server_cpu_ms_per_request')} ms/request, engine process "
+              f"{r['requests_s']} requests/s  (wall {r['wall_s']} s, TTFT p50 "
+              f"{r['ttft_p50_s']} s, ITL p50 {r['itl_p50_ms']} ms, {r['streamed_pieces']} "
+              f"chunks for {r['output_tokens']} tokens, server CPU "
+              f"{r.get('server_cpu_us_per_token')} us/token, "
+              f"{r.get('server_cpu_ms_per_request')} ms/request, engine process "
               f"{r.get('engine_process_cpu_us_per_token')})")
     print(json.dumps(out))
 

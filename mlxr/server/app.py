@@ -404,7 +404,8 @@ def create_app(state: ServerState, security: SecurityConfig, load_in_background:
         return JSONResponse(await full_fn(state, model, engine, job, req, route))
 
     # The generation routes are plain Starlette routes (endpoint(request) -> response): FastAPI's
-    # dependency solving and endpoint wrapping have nothing to do for them and cost ~50 us per request (in-process, 256 concurrent)
+    # dependency solving and endpoint wrapping have nothing to do for them and cost ~50 us per
+    # request (in-process, 256 concurrent)
     for path, args in (
             ("/v1/chat/completions", (ChatRequest, chat_job, "chat", render.chat_stream,
                                       render.chat_full)),
