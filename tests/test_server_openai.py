@@ -226,6 +226,30 @@ def test_async_and_concurrency(aclient, server):
     assert together[:8] == alone
 
 
+def test_non_streaming_disconnect_cancels(server):
+    """A non-streaming client that gives up is cancelled too: its blocks are freed at once and
+    the request counts as cancelled, instead of generating max_tokens for nobody."""
+    key = 'mlxr_requests_total{route="chat",outcome="cancelled"}'
+
+    def cancelled():
+        try:
+            return server.metric(key)
+        except KeyError:
+            return 0.0
+
+    before = cancelled()
+    body = {"model": "story-chat", "messages": MSGS, "max_tokens": 16000, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=0.5)
+    t = time.time()
+    while (server.metric("mlxr_kv_cache_blocks_used") > 0 or cancelled() == before) \
+            and time.time() < t + 10:
+        time.sleep(0.05)
+    assert server.metric("mlxr_kv_cache_blocks_used") == 0
+    assert cancelled() == before + 1
+    assert time.time() - t < 5  # aborted, not run to max_tokens
+
+
 def test_disconnect_frees_blocks(server):
     body = {"model": "story-chat", "messages": MSGS, "max_tokens": 16000, "stream": True,
             "ignore_eos": True}

@@ -8,6 +8,7 @@ counts) are recorded here, at the HTTP layer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -110,6 +111,31 @@ async def start(state, engine, job, route: str) -> Gen:
             raise APIError(500, str(e), "server_error") from None
         raise APIError(400, str(e), "invalid_request_error") from None
     return g
+
+
+async def unless_disconnected(receive, coro):
+    """The result of `coro` (a non-streaming generation), or None if the client disconnects
+    first: the generation is then cancelled, so its cleanup aborts the request in the engine and
+    frees its KV blocks instead of running to max_tokens for nobody. `receive` is the request's
+    ASGI receive with the body already read: it next yields http.disconnect."""
+    task = asyncio.ensure_future(coro)
+
+    async def gone():
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.cancelled():
+        return task.result()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
 
 
 class EventStream(StreamingResponse):
