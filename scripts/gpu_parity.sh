@@ -25,12 +25,13 @@ wheels() {
 case "${1:-}" in
   make) rm -rf .gpu_fixtures && python scripts/make_gpu_fixtures.py .gpu_fixtures ;;
   run)
-    # The parity suite is compile-bound (Triton JIT per shape, graph captures): four processes
-    # share the GPU and the compile cache. Shard i takes every 4th test of tests/test_gpu.py.
+    # The parity suite is compile-bound (Triton JIT per shape, graph captures; ~4 s per case
+    # on the H200 host): six processes share the GPU and the compile cache. Shard i takes every
+    # 5th test of tests/test_gpu.py; the sixth process runs the engine tests.
     export MLXR_GPU_FIXTURES=.gpu_fixtures
     python3 -m pytest -q --collect-only tests/test_gpu.py | grep '::' > /tmp/gpu_ids
-    for i in 0 1 2; do
-      awk -v i="$i" 'NR % 3 == i' /tmp/gpu_ids > "/tmp/shard$i"
+    for i in 0 1 2 3 4; do
+      awk -v i="$i" 'NR % 5 == i' /tmp/gpu_ids > "/tmp/shard$i"
       python3 -m pytest -q -rf $(cat "/tmp/shard$i") > "$out/parity-gpu$i.txt" 2>&1 &
     done
     python3 -m pytest -q -rf tests/test_triton_paged.py tests/test_gpu_engine.py \
