@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections import defaultdict
 
 import torch
+from gpu_timing import kernel_families
 
 import mlxr
 from mlxr.engine.cuda_graph import GraphDecoder
@@ -42,18 +42,12 @@ def main(path: str, prompt_len: int = 512) -> None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             dec.forward_static(tok, pos, cache.pool, graph.tables, graph.key_pos)
             torch.cuda.synchronize()
-    by = defaultdict(lambda: [0, 0.0])
-    count = 0
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            name = e.name.split("<")[0][:60]
-            by[name][0] += 1
-            by[name][1] += e.device_time_total
-            count += 1
+    by = kernel_families(prof)
+    count = sum(c for c, _ in by.values())
     total = sum(v[1] for v in by.values())
     print(f"graph replay: {replay_ms:.3f} ms/token ({1e3 / replay_ms:.0f} tok/s); "
           f"{count} kernels per eager step, {total / 1e3:.3f} ms GPU time")
-    for name, (c, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:15]:
+    for name, (c, us) in list(by.items())[:15]:
         print(f"  {us:9.1f} us  {c:5d}x  {name}")
     print(json.dumps({"replay_ms": replay_ms, "kernels": count, "gpu_ms": total / 1e3}))
 

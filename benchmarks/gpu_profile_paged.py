@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from collections import defaultdict
 from types import SimpleNamespace
 
 import torch
+from gpu_timing import kernel_families
 
 import mlxr
 from mlxr.engine.decode_graphs import PagedDecodeRunner
@@ -48,17 +48,12 @@ def main(path: str, batch: int = 256, ctx: int = 96) -> None:
         with torch.profiler.profile(activities=acts) as prof:
             runner._body(batch)
             torch.cuda.synchronize()
-    fam = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            f = fam[e.name.split("<")[0][:70]]
-            f[0] += 1
-            f[1] += e.device_time_total
+    fam = kernel_families(prof)
     total = sum(v[1] for v in fam.values())
     print(f"batch {batch} ctx {ctx}: graph replay {replay_ms:.3f} ms "
           f"({batch / replay_ms * 1e3:.0f} tok/s); eager GPU time {total / 1e3:.3f} ms in "
           f"{sum(v[0] for v in fam.values())} kernels")
-    for name, (n, us) in sorted(fam.items(), key=lambda kv: -kv[1][1])[:16]:
+    for name, (n, us) in list(fam.items())[:16]:
         print(f"  gpu {us:9.1f} us  {n:5d}x  {name}")
     print(json.dumps({"batch": batch, "ctx": ctx, "replay_ms": replay_ms,
                       "eager_gpu_ms": total / 1e3}))

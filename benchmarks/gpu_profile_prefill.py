@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections import defaultdict
 
 import torch
+from gpu_timing import kernel_families
 
 import mlxr
 from mlxr.engine.kv_cache import new_cache
@@ -37,16 +37,11 @@ def main(path: str, prompt_len: int = 512) -> None:
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
             once()
-    gpu = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            g = gpu[e.name.split("<")[0][:70]]
-            g[0] += 1
-            g[1] += e.device_time_total
+    gpu = kernel_families(prof)
     total = sum(v[1] for v in gpu.values())
     print(f"prefill {prompt_len}: wall {wall_ms:.2f} ms ({prompt_len / wall_ms * 1e3:.0f} tok/s), "
           f"GPU busy {total / 1e3:.2f} ms in {sum(v[0] for v in gpu.values())} kernels")
-    for name, (c, us) in sorted(gpu.items(), key=lambda kv: -kv[1][1])[:14]:
+    for name, (c, us) in list(gpu.items())[:14]:
         print(f"  gpu {us:9.1f} us  {c:5d}x  {name}")
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14)
     print(table)

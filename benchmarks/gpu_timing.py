@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections import defaultdict
 
 import torch
 
@@ -38,3 +39,15 @@ def graph_time_us(fns, reps: int = 15) -> float:
         times.append(a.elapsed_time(e) * 1000.0 / len(fns))
     del g
     return statistics.median(times)
+
+
+def kernel_families(prof) -> dict[str, list]:
+    """A torch profile's GPU kernels by family (the name up to its template arguments): family
+    -> [launches, total us], largest total first."""
+    fam: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            f = fam[e.name.split("<")[0][:70]]
+            f[0] += 1
+            f[1] += e.device_time_total
+    return dict(sorted(fam.items(), key=lambda kv: -kv[1][1]))
