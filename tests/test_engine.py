@@ -319,3 +319,20 @@ def test_async_engine_stream_interval(model, interval):
             assert len(ends) >= 2
         assert ends[-1] == n and outs[-1].finish_reason == "length"
     assert not eng._held
+
+
+def test_prefill_bucket(monkeypatch):
+    """A prompt's prefill graph bucket: the smallest that holds it and fits the cache (the graph
+    writes the whole bucket's K/V); none past the largest bucket, or with MLXR_PREFILL_GRAPHS=0
+    (the captured path itself is tested on CUDA: tests/test_gpu_prefill.py)."""
+    from mlxr.engine.cuda_graph import PREFILL_BUCKETS, prefill_bucket
+
+    assert [prefill_bucket(n, 4096) for n in (1, 16, 17, 257, 385, 2048)] == \
+        [16, 16, 32, 384, 512, 2048]
+    assert prefill_bucket(2049, 1 << 20) is None
+    assert prefill_bucket(300, 256) is None  # no bucket >= 300 fits a 256-slot cache
+    assert prefill_bucket(250, 256) == 256
+    big = [b for b in PREFILL_BUCKETS if b >= 256]  # past 256 the padding is at most half
+    assert all(b2 <= 1.5 * b1 for b1, b2 in itertools.pairwise(big))
+    monkeypatch.setenv("MLXR_PREFILL_GRAPHS", "0")
+    assert prefill_bucket(16, 4096) is None

@@ -27,8 +27,9 @@ from ..models.decoder import SeqSpan, Step
 
 log = logging.getLogger(__name__)
 
-# Prompt lengths with a prefill graph: steps of at most 1.5x (the padding costs at most half a
-# prompt of compute, and from ~1k tokens on the GPU time, not the host, dominates anyway).
+# Prompt lengths with a prefill graph: doubling up to 256 tokens (short prompts are host-bound,
+# padding them costs little), then steps of at most 1.5x (the padding costs at most half a
+# prompt of compute; from ~1k tokens on the GPU time, not the host, dominates anyway).
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
 
 from .kv_cache import SequenceCache
