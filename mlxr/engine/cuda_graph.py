@@ -41,6 +41,22 @@ def graphable(decoder) -> bool:
         (r.spec.scaling or {}).get("rope_type") == "dynamic" for r in decoder.ropes)
 
 
+def capture(body, pool=None, warmups: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `body()` (into the graph memory pool `pool` if given), after `warmups`
+    eager runs on a side stream: every kernel compiled / autotuned and the allocator warmed
+    outside the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.inference_mode():
+        for _ in range(warmups):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+        body()
+    return graph
+
+
 class GraphDecoder:
     """A captured decode step bound to one SequenceCache (slot = position)."""
 
@@ -56,15 +72,7 @@ class GraphDecoder:
                 self.tables[id(rope.spec)] = rope.cos_sin(0, cap)
         self.host = torch.zeros(2, dtype=torch.long, pin_memory=True)  # ring of sampled ids
         self.events = [torch.cuda.Event(), torch.cuda.Event()]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.inference_mode():
-            for _ in range(2):  # compile / autotune every kernel outside the capture
-                self._body()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.inference_mode():
-            self._body()
+        self.graph = capture(self._body, warmups=2)
 
     def _body(self) -> None:
         self.logits = self.decoder.forward_static(self.ids, self.pos, self.cache.pool,
@@ -115,14 +123,7 @@ class PrefillGraph:
         # The captured RoPE gathers read the rope tables' current storage: hold it, in case a
         # later, longer request makes a Rope grow (replace) its table.
         self.tables = [r.cos_sin(0, bucket) for r in decoder.ropes]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.inference_mode():
-            self._body()  # compile / autotune every kernel outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool), torch.inference_mode():
-            self._body()
+        self.graph = capture(self._body, pool)
 
     def _body(self) -> None:
         self.logits = self.decoder.forward_step(self.ids, self.step, self.cache.pool)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from .cuda_graph import graphable
+from .cuda_graph import capture, graphable
 
 # Batch sizes with a captured graph: small steps fine-grained, then every 32 rows.
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -75,18 +75,9 @@ class PagedDecodeRunner:
     def _capture(self) -> None:
         self._reset_padding(0, self.buckets[-1])
         self.rows.copy_(self.h_rows)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.inference_mode():
-            for b in self.buckets:  # compile / autotune every kernel outside the capture
-                self._body(b)
-        torch.cuda.current_stream().wait_stream(side)
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool), torch.inference_mode():
-                self._body(b)
-            self.graphs[b] = g
+            self.graphs[b] = capture(lambda b=b: self._body(b), pool)
 
     def _reset_padding(self, start: int, end: int) -> None:
         self.h_rows[:, start:end] = 0

@@ -21,7 +21,8 @@ what bounds batch-1 decode once the loads are wide enough (docs/perf.md):
   double buffering), so each program keeps two tiles of bytes in flight without relying on the
   compiler's software pipelining (num_stages).
 * Split-K (SPLIT_K programs per row block) writes fp32 partials [SPLIT_K, M, N] that one small
-  kernel sums in a fixed order (deterministic, CUDA-graph capturable, no zeroing launch).
+  kernel (`triton_qgemm`'s) sums in a fixed order (deterministic, CUDA-graph capturable,
+  no zeroing launch).
 
 fp modes decode each extracted code with `triton_qmm._code_value` (table-free fp16 bit tricks).
 """
@@ -39,7 +40,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_qmm import _code_value, _group_scale, _pick
+    from .triton_qgemm import _sum_splits_kernel
+    from .triton_qmm import _code_value, _group_scale, _interpret, _pick
 
 __all__ = ["MAX_M", "GemvConfig", "default_config", "qgemv", "qgemv_ref"]
 
@@ -215,16 +217,6 @@ if HAVE_TRITON:
         yp = y_ptr + pid_k * stride_ys + rm[:, None] * stride_ym + rn[None, :]
         tl.store(yp, out, mask=mmask[:, None] & (rn < N)[None, :])
 
-    @triton.jit
-    def _sum_partials_kernel(p_ptr, y_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-        """y[i] = sum_s p[s, i] in a fixed order, cast to y's dtype. p fp32 [SPLIT_K, MN]."""
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = i < MN
-        acc = tl.load(p_ptr + i, mask=mask, other=0.0)
-        for s in tl.static_range(1, SPLIT_K):
-            acc += tl.load(p_ptr + s * MN + i, mask=mask, other=0.0)
-        tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
 
 # ====================================================================== launcher
 def qgemv(x: Tensor, w: Tensor, s: Tensor, b: Tensor | None, gs: Tensor | None, *, mode: str,
@@ -257,6 +249,6 @@ def qgemv(x: Tensor, w: Tensor, s: Tensor, b: Tensor | None, gs: Tensor | None, 
         return y
     out = torch.empty(m, n, device=x.device, dtype=odt)
     block = 1024
-    _sum_partials_kernel[(triton.cdiv(m * n, block),)](y, out, m * n, SPLIT_K=split,
-                                                       BLOCK=block, num_warps=4)
+    _sum_splits_kernel[(triton.cdiv(m * n, block),)](y, out, m * n, SPLIT_K=split, BLOCK=block,
+                                                     INTERPRET=_interpret(), num_warps=4)
     return out

@@ -321,7 +321,7 @@ def _parse(cls, body: bytes):
 def create_app(state: ServerState, security: SecurityConfig, load_in_background: bool = True):
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, Response
+    from fastapi.responses import JSONResponse, PlainTextResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from . import ollama, render
@@ -401,9 +401,8 @@ def create_app(state: ServerState, security: SecurityConfig, load_in_background:
                                       media_type="text/event-stream",
                                       headers={"Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no"})
-        body = await render.unless_disconnected(
+        return await render.json_unless_disconnected(
             request.receive, full_fn(state, model, engine, job, req, route))
-        return JSONResponse(body) if body is not None else Response(status_code=499)
 
     # The generation routes are plain Starlette routes (endpoint(request) -> response): FastAPI's
     # dependency solving and endpoint wrapping have nothing to do for them and cost ~50 us per

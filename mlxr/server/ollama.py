@@ -265,7 +265,7 @@ async def _full(state, model, job, gen, kind: str, t_req: float) -> dict:
 
 def register(app, state, parse) -> None:
     """Add the Ollama routes to `app`; `parse(cls, body: bytes)` is app.py's validating parser."""
-    from fastapi.responses import JSONResponse, Response
+    from fastapi.responses import JSONResponse
 
     from . import render
 
@@ -293,9 +293,8 @@ def register(app, state, parse) -> None:
         except APIError as e:
             return JSONResponse({"error": e.message}, e.status, headers=e.headers)
         if req.stream is False:
-            body = await render.unless_disconnected(
+            return await render.json_unless_disconnected(
                 request.receive, _full(state, model, job, gen, kind, t_req))
-            return JSONResponse(body) if body is not None else Response(status_code=499)
         return render.EventStream(_stream(state, model, job, gen, kind, t_req),
                                   media_type="application/x-ndjson",
                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -14,7 +14,7 @@ import secrets
 import time
 from json.encoder import encode_basestring as json_str  # json.dumps(s, ensure_ascii=False), C
 
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import MlxrError
 from .protocol import APIError
@@ -113,18 +113,18 @@ async def start(state, engine, job, route: str) -> Gen:
     return g
 
 
-async def unless_disconnected(receive, coro):
-    """The result of `coro` (a non-streaming generation), or None if the client disconnects
-    first: the generation is then cancelled, so its cleanup aborts the request in the engine and
-    frees its KV blocks instead of running to max_tokens for nobody. `receive` is the request's
-    ASGI receive with the body already read: it next yields http.disconnect."""
+async def _client_gone(receive) -> None:
+    """Return when the client disconnects (`receive`: the request's, its body already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def json_unless_disconnected(receive, coro) -> Response:
+    """`coro`'s result (a non-streaming generation's body) as JSON, unless the client
+    disconnects first: the generation is then cancelled, so its cleanup aborts the request in
+    the engine and frees its KV blocks instead of running to max_tokens for nobody (499)."""
     task = asyncio.ensure_future(coro)
-
-    async def gone():
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(gone())
+    watcher = asyncio.ensure_future(_client_gone(receive))
     try:
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -132,10 +132,10 @@ async def unless_disconnected(receive, coro):
         if not task.done():
             task.cancel()
     if not task.cancelled():
-        return task.result()
+        return JSONResponse(task.result())
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    return None
+    return Response(status_code=499)
 
 
 class EventStream(StreamingResponse):
@@ -153,7 +153,7 @@ class EventStream(StreamingResponse):
 
         async def watch():
             nonlocal gone
-            await self.listen_for_disconnect(receive)
+            await _client_gone(receive)
             gone = True
             task.cancel()  # lands in stream_response: this task only waits inside it
 
