@@ -12,6 +12,7 @@ import torch
 from .. import ops
 from ..config import ModelConfig
 from ..layers import Embedding, Linear, Rope
+from . import fused_decode
 
 
 class Fused:
@@ -201,6 +202,8 @@ class Decoder:
             return ops.attention_masked(q, pool.k[i], pool.v[i], visible, c.attn_scale,
                                         c.attn_logit_softcap)
 
+        if fused_decode.eligible(self):
+            return fused_decode.run(self, ids, step_tables, pool, pos, attend)
         return self._run(ids, step_tables, pool, pos, attend, None)
 
     def forward_paged(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
