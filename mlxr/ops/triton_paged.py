@@ -166,7 +166,7 @@ def _p2(n: int) -> int:
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, ctx_lens: Tensor,
                     block_size: int, scale: float, window: int | None = None,
                     softcap: float | None = None, splits: int | None = None,
-                    block_s: int | None = None, num_warps: int = 4) -> Tensor:
+                    block_s: int | None = None, num_warps: int | None = None) -> Tensor:
     """See `mlxr.ops.reference.paged_attention`; `splits`, `block_s` (keys per tile) and
     `num_warps` override the launch policy (tests, benchmarks/gpu_paged_attn_sweep.py).
     block_tables [B, W] and ctx_lens [B] are int32 or int64 on q's device."""
@@ -182,6 +182,9 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, ctx_l
         return out
     block_d = max(16, _p2(d))
     block_s = block_s or (64 if block_d <= 128 else 32)
+    # H200 sweep (benchmarks/gpu_paged_attn_sweep.py, docs/perf.md): with >= 512 (sequence,
+    # kv head) programs, 2 warps per program beat 4 by 9-26% (more programs resident per SM)
+    num_warps = num_warps or (2 if bsz * kh >= 512 else 4)
     if splits is None:
         splits = min(MAX_SPLITS, max(1, triton.cdiv(TARGET_PROGRAMS, bsz * kh)))
     single = splits == 1
