@@ -201,6 +201,7 @@ def test_fused_decode_eligibility(monkeypatch):
     from mlxr import ops
     from mlxr.models import fused_decode
 
+    monkeypatch.setenv("MLXR_DECODE_FGEMV", "1")
     dec = quantized_decoder("qwen3")
     assert not fused_decode.eligible(dec)  # CPU
     monkeypatch.setattr(ops, "fast_kernels", lambda device: True)
@@ -215,9 +216,9 @@ def test_fused_decode_eligibility(monkeypatch):
             getattr(layer, name).weight.compute_dtype = torch.bfloat16
     dec.lm_head.weight.compute_dtype = torch.bfloat16
     assert fused_decode.eligible(dec)
-    monkeypatch.setenv("MLXR_DECODE_FGEMV", "0")
+    monkeypatch.delenv("MLXR_DECODE_FGEMV")  # opt-in: off by default
     assert not fused_decode.eligible(dec)
-    monkeypatch.delenv("MLXR_DECODE_FGEMV")
+    monkeypatch.setenv("MLXR_DECODE_FGEMV", "1")
     dec._fgemv_eligible = None
     dec.layers[1].o_proj.bias = torch.zeros(dec.config.hidden_size)
     assert not fused_decode.eligible(dec)

@@ -12,8 +12,12 @@ generic layer loop when every projection qualifies (`eligible`): per layer
 i.e. 7 launches instead of 10 (`mlxr.ops.triton_fgemv`: batch-1 decode of a small model is
 launch-bound, docs/perf.md). The values of every intermediate vector are those of the generic
 loop (same rounding points); only the GEMVs' fp32 summation order differs from the generic
-path's matmul kernels, so greedy tokens can differ at near-ties. `MLXR_DECODE_FGEMV=0` (read when
-a step is built or captured) turns it off.
+path's matmul kernels, so greedy tokens can differ at near-ties.
+
+Opt-in (`MLXR_DECODE_FGEMV=1`, read when a step is built or captured): on the H200 the fused
+GEMV's body is 2-4x slower than tinygemm's at every measured shape (Qwen3-0.6B qkv 8.1 vs 3.3 us;
+docs/perf.md), which costs more than the three launches it saves (0.6B decode 1,093 -> 670
+tok/s). The fusion is right; the GEMV's inner loop is what a faster kernel must replace.
 """
 
 from __future__ import annotations
@@ -40,8 +44,9 @@ def _qualifies(lin, dtype: torch.dtype) -> bool:
 def eligible(dec) -> bool:
     """Whether `run` can serve this decoder: CUDA with the Triton kernels, bf16/fp16, every
     projection (and the LM head) an affine 2/4/8-bit QuantWeight without bias, no sandwich
-    norms or fp16 residual clipping. Cached on the decoder; the env switch is read each time."""
-    if os.environ.get("MLXR_DECODE_FGEMV", "1") == "0":
+    norms or fp16 residual clipping, and the opt-in switch set. Cached on the decoder; the
+    switch is read each time."""
+    if os.environ.get("MLXR_DECODE_FGEMV", "0") != "1":
         return False
     ok = getattr(dec, "_fgemv_eligible", None)
     if ok is None:

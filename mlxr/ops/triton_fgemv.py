@@ -23,6 +23,11 @@ with `gdc` (programmatic dependent launch) before the grid-dependency wait, so t
 stream in while the previous kernel drains. The result is rounded to x's dtype (as a bf16
 matmul would return it), then stored in y's dtype.
 
+Measured on the H200 (benchmarks/gpu_fgemv_sweep.py, docs/perf.md): correct on every checked
+format and prologue, but 2-4x slower than tinygemm at every shape and launch swept (Qwen3-0.6B
+qkv 8.1 vs 3.3 us, 8B gate_up 163 vs 38 us): the shift/mask expansion to [BLOCK_N, KT/G, G]
+and the per-group reductions bound it, not the bytes. Hence opt-in (mlxr.models.fused_decode).
+
 `fgemv_ref` is the plain-torch twin with the same signature (the oracle of the tests).
 """
 
