@@ -181,12 +181,33 @@ def test_env_routes_prefill(monkeypatch):
     for fn in ("qgemm", "dequant_affine"):
         real = getattr(Q, fn)
         monkeypatch.setattr(Q, fn, lambda *a, _f=fn, _r=real, **k: calls.append(_f) or _r(*a, **k))
-    for mode, called in (("", ["dequant_affine"]), ("fused", ["qgemm"])):
+    for mode, called in (("", ["dequant_affine"]), ("fused", ["qgemm"]),
+                         ("dequant", ["dequant_affine"])):
         monkeypatch.setenv("MLXR_PREFILL_GEMM", mode)
         calls.clear()
         y = qcuda.linear(qw, x)
         assert calls == called, mode
         assert y.dtype == torch.bfloat16 and ((y.float() - want).abs() <= tol).all(), mode
+
+
+def test_auto_prefill_gemm_rule(monkeypatch):
+    """auto: the fused GEMM for 17/33..128 rows of 4-bit weights of >= 4096 x 4096 elements
+    (where the H200 sweep measured it faster), dequant + cuBLAS elsewhere."""
+    monkeypatch.delenv("MLXR_PREFILL_GEMM", raising=False)
+
+    class W:
+        def __init__(self, bits, n, k):
+            self.spec, self.out_features, self.in_features = QuantSpec("affine", bits, 64), n, k
+
+    assert qcuda.fused_gemm(W(4, 28672, 4096), 128)
+    assert qcuda.fused_gemm(W(4, 4096, 4096), 33)
+    assert not qcuda.fused_gemm(W(4, 28672, 4096), 129)  # prefill-sized: cuBLAS wins
+    assert not qcuda.fused_gemm(W(4, 4096, 1024), 64)  # small weights (0.6B): cuBLAS wins
+    assert not qcuda.fused_gemm(W(8, 28672, 4096), 64)  # 8-bit: not measured at these M
+    monkeypatch.setenv("MLXR_PREFILL_GEMM", "fused")
+    assert qcuda.fused_gemm(W(8, 4096, 1024), 512)
+    monkeypatch.setenv("MLXR_PREFILL_GEMM", "dequant")
+    assert not qcuda.fused_gemm(W(4, 28672, 4096), 64)
 
 
 def test_gpu_sweep_smoke():

@@ -6,10 +6,13 @@
 - prefill and large decode batches (M > 16; > 32 for 4-bit), affine 2/4/8-bit: one Triton
   pass (`triton_qgemm.dequant_affine`) dequantizes the packed words to a bf16 scratch matrix
   (read 0.5 B, write 2 B per weight), then cuBLAS does the GEMM on tensor cores. The scratch is
-  per call, never stored. Env `MLXR_PREFILL_GEMM=fused` (read at every call) runs the fused
-  tensor-core GEMM of `mlxr.ops.triton_qgemm` on the packed words instead (no scratch; faster
-  for 8B shapes at M <= 128, slower at M >= 512; other summation order than cuBLAS, so it is
-  opt-in: docs/perf.md).
+  per call, never stored.
+- 33-128 rows (17-128 where tinygemm does not apply) of a large 4-bit weight (>= 4096 x 4096):
+  the fused tensor-core GEMM of `mlxr.ops.triton_qgemm` on the packed words (no scratch). H200
+  sweep (docs/perf.md): 8B gate_up at M = 128 101 vs 160 us, down 70 vs 86 us; it loses at
+  M >= 512 and on small weights. Env `MLXR_PREFILL_GEMM` (read at every call): `fused` for every
+  prefill-sized call, `dequant` for none, else (auto) this rule. Its fp32 summation order
+  differs from cuBLAS's, so greedy tokens may differ at near-ties between the settings.
 - everything else: the Triton GEMV/GEMM kernels of `mlxr.ops.triton_qmm`.
 
 Affine 2/3-bit at M = 1 (bf16/fp16) use `mlxr.ops.triton_gemv` by default (measured faster).
@@ -85,6 +88,20 @@ def _gemv_v2_config(qw, m: int):
     return None
 
 
+FUSED_MAX_M = 128  # the sweep's crossover (fused GEMM vs dequant + cuBLAS, 8B shapes)
+FUSED_MIN_ELEMS = 4096 * 4096
+
+
+def fused_gemm(qw, m: int) -> bool:
+    """Whether a call of m (> DECODE_MAX_M) rows takes triton_qgemm's fused GEMM (see the
+    module docstring: env MLXR_PREFILL_GEMM = fused | dequant | auto)."""
+    mode = os.environ.get("MLXR_PREFILL_GEMM", "").lower()
+    if mode in ("fused", "dequant"):
+        return mode == "fused"
+    return (m <= FUSED_MAX_M and qw.spec.bits == 4
+            and qw.out_features * qw.in_features >= FUSED_MIN_ELEMS)
+
+
 def linear(qw, x: Tensor) -> Tensor | None:
     """x [M, K] -> [M, N] by the fastest measured path, or None to use the generic kernels."""
     m = x.shape[0]
@@ -99,7 +116,7 @@ def linear(qw, x: Tensor) -> Tensor | None:
     if m <= TINYGEMM_MAX_M and qw.i4 is not None:
         return torch._weight_int4pack_mm(x, qw.i4, qw.spec.group_size, qw.i4_sz)
     if m > DECODE_MAX_M and qw.compute_dtype != torch.float32 and dequant_supported(qw):
-        if os.environ.get("MLXR_PREFILL_GEMM", "").lower() == "fused":
+        if fused_gemm(qw, m):
             from ..ops import triton_qgemm
 
             sp = qw.spec
