@@ -104,10 +104,11 @@ def variants(n, k):
     return list(dict.fromkeys(out))
 
 
-def sweep(budget_s: float) -> list[dict]:
+def sweep(budget_s: float, prefix: str = "") -> list[dict]:
     rows = []
-    per_shape = budget_s / len(SHAPES)
-    for name, (n, k, pro) in SHAPES.items():
+    shapes = {k: v for k, v in SHAPES.items() if k.startswith(prefix)}
+    per_shape = budget_s / len(shapes)
+    for name, (n, k, pro) in shapes.items():
         t0 = time.time()
         nbytes = n * k // 2 + n * k // 64 * 4
         copies = max(1, min(32, L2_BYTES * 2 // nbytes + 1))
@@ -193,9 +194,10 @@ def parse(label: str) -> F.FgemvConfig:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget-s", type=float, default=240.0)
+    ap.add_argument("--shapes", default="", help="only shapes whose name starts with this")
     a = ap.parse_args()
     out = {"check": check()}
-    out["sweep"] = sweep(a.budget_s)
+    out["sweep"] = sweep(a.budget_s, a.shapes)
     best: dict = {}
     for r in out["sweep"]:
         if r["shape"] not in best or r["us"] < best[r["shape"]][1]:

@@ -123,13 +123,16 @@ def test_fgemv_rejects_bad_tiles():
         F.fgemv(w, s, b, bits=4, group=64, x=torch.cat([x, x]), act="silu", norm=nw)
 
 
-def test_default_config():
+def test_default_config(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the GPU's launch table
     c = F.default_config(4096, 1024)  # Qwen3-0.6B qkv
     assert c.kt == 1024 and 4096 // c.block_n >= 256
     c = F.default_config(1024, 3072)  # its down_proj: K = 3 * 1024
     assert 3072 % c.kt == 0 and c.kt == 1024
     c = F.default_config(151936, 1024)  # the tied LM head
     assert c.block_n == 8
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert F.default_config(4096, 1024).block_n == 32
 
 
 # ---------------------------------------------------------------------------- the decode step

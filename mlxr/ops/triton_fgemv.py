@@ -67,6 +67,8 @@ def default_config(n: int, k: int) -> FgemvConfig:
     block_n = max(1, 8192 // kt)
     while block_n > 1 and -(-n // block_n) < 256:
         block_n //= 2
+    if _interpret():  # the interpreter runs programs one by one: few, large ones keep CI fast
+        block_n = max(block_n, 32)
     return FgemvConfig(block_n=block_n, kt=kt)
 
 
@@ -107,12 +109,11 @@ def fgemv_ref(w: Tensor, scales: Tensor, biases: Tensor, *, bits: int, group: in
 if HAVE_TRITON:
 
     @triton.jit
-    def _x_tile(x_ptr, r_ptr, nw_ptr, h_ptr, t, rstd, offset, write_h,
-                K: tl.constexpr, KT: tl.constexpr, PRO: tl.constexpr, HAS_R: tl.constexpr,
-                HAS_OFFSET: tl.constexpr, ACT: tl.constexpr):
-        """Tile t of the prologue's output x [KT] as fp32 holding x.dtype values."""
+    def _x_at(x_ptr, r_ptr, nw_ptr, h_ptr, k, rstd, offset, write_h, K: tl.constexpr,
+              PRO: tl.constexpr, HAS_R: tl.constexpr, HAS_OFFSET: tl.constexpr,
+              ACT: tl.constexpr):
+        """The prologue's output x at indices k (any shape) as fp32 holding x.dtype values."""
         dt = x_ptr.dtype.element_ty
-        k = t * KT + tl.arange(0, KT)
         v = tl.load(x_ptr + k).to(tl.float32)
         if PRO == 1:  # rms_norm(h + r): the rounding points of reference.add_rms_norm
             if HAS_R:
@@ -135,23 +136,39 @@ if HAVE_TRITON:
         return v
 
     @triton.jit
+    def _code(w, J: tl.constexpr, BITS: tl.constexpr):
+        """fp32 value of code J of each word: the field is masked in place and OR'ed with the
+        exponent of 2^E (E = 23 - its position), so the float is exactly 2^E + q; one subtraction
+        gives q (no int->float conversion, no shift for fields that end below bit 23)."""
+        SH: tl.constexpr = J * BITS
+        MASK: tl.constexpr = (1 << BITS) - 1
+        P: tl.constexpr = SH if SH + BITS <= 23 else SH - 9
+        E: tl.constexpr = 23 - P
+        src = w if SH + BITS <= 23 else w >> 9
+        f = (src & (MASK << P)) | ((127 + E) << 23)
+        return f.to(tl.float32, bitcast=True) - (1 << E)
+
+    @triton.jit
     def _fgemv_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, eps, offset,
                       K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                       PRO: tl.constexpr, HAS_R: tl.constexpr, HAS_OFFSET: tl.constexpr,
                       ACT: tl.constexpr, BLOCK_N: tl.constexpr, KT: tl.constexpr,
                       BLOCK_E: tl.constexpr, GDC: tl.constexpr):
         pid = tl.program_id(0)
-        PER: tl.constexpr = 32 // BITS
+        PER: tl.constexpr = 32 // BITS  # codes per word
         KW: tl.constexpr = K * BITS // 32  # words per row
         WT: tl.constexpr = KT * BITS // 32  # words per row per tile
+        WPG: tl.constexpr = GROUP // PER  # words per group
         NG: tl.constexpr = K // GROUP
         GT: tl.constexpr = KT // GROUP  # groups per tile
         NT: tl.constexpr = K // KT
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = rn < N
         rn64 = rn.to(tl.int64)
-        wrow = w_ptr + rn64[:, None] * KW + tl.arange(0, WT)[None, :]  # [BLOCK_N, WT]
-        srow = rn64[:, None] * NG + tl.arange(0, GT)[None, :]  # [BLOCK_N, GT]
+        cols = tl.arange(0, WT)  # word of the tile; its codes are x[t*KT + cols*PER + j]
+        wrow = w_ptr + rn64[:, None] * KW + cols[None, :]  # [BLOCK_N, WT]
+        # each word's group scale / bias, gathered per word ([BLOCK_N, WT], L1-served repeats)
+        srow = rn64[:, None] * NG + (cols // WPG)[None, :]
         wm = nmask[:, None]
         # tile 0's weights: independent of the previous kernel, so issued first
         w = tl.load(wrow, mask=wm, other=0)
@@ -168,23 +185,24 @@ if HAVE_TRITON:
                 hv = (hv + tl.load(r_ptr + e, mask=em, other=0.0).to(tl.float32))
                 hv = hv.to(x_ptr.dtype.element_ty).to(tl.float32)
             rstd = tl.rsqrt(tl.sum(hv * hv, axis=0) / K + eps)
-        shifts = tl.arange(0, PER) * BITS
         write_h = pid == 0
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, WT], dtype=tl.float32)
         for t in tl.static_range(NT):
-            xt = _x_tile(x_ptr, r_ptr, nw_ptr, h_ptr, t, rstd, offset, write_h, K, KT, PRO,
-                         HAS_R, HAS_OFFSET, ACT)
-            q = (w[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)  # [BN, WT, PER]
-            q = tl.reshape(q, [BLOCK_N, GT, GROUP]).to(tl.float32)
-            xg = tl.reshape(xt, [GT, GROUP])
-            dot = tl.sum(q * xg[None, :, :], axis=2)  # [BLOCK_N, GT]
-            xs = tl.sum(xg, axis=1)  # [GT]
-            acc += tl.sum(dot * s + b * xs[None, :], axis=1)
+            # per word: dot(q, x) over its PER codes in the word's own layout (x de-interleaved
+            # by code position: no reshape, no layout conversion), then scale and bias once
+            dq = tl.zeros([BLOCK_N, WT], dtype=tl.float32)
+            xs = tl.zeros([WT], dtype=tl.float32)
+            for j in tl.static_range(PER):
+                xj = _x_at(x_ptr, r_ptr, nw_ptr, h_ptr, t * KT + cols * PER + j, rstd, offset,
+                           write_h, K, PRO, HAS_R, HAS_OFFSET, ACT)  # [WT]
+                dq += _code(w, j, BITS) * xj[None, :]
+                xs += xj
+            acc += s * dq + b * xs[None, :]
             if t + 1 < NT:  # the next tile's weights
                 w = tl.load(wrow + (t + 1) * WT, mask=wm, other=0)
                 s = tl.load(s_ptr + srow + (t + 1) * GT, mask=wm, other=0.0).to(tl.float32)
                 b = tl.load(b_ptr + srow + (t + 1) * GT, mask=wm, other=0.0).to(tl.float32)
-        yv = acc.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)
+        yv = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rn64, yv, mask=nmask)
 
 
