@@ -4,6 +4,7 @@ real shapes. One call, < 4 minutes on an H200 (compiles included):
 
     PYTHONPATH=. python benchmarks/gpu_qgemm_sweep.py [--budget-s 200] [--only SUBSTR]
     PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/gpu_qgemm_sweep.py --smoke   # CPU check
+    PYTHONPATH=. python benchmarks/gpu_qgemm_sweep.py --dequant-bits 4,3,5,6   # dequantizer only
 
 Shapes (out x in): Llama-3.1-8B qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down
 4096x14336; Qwen3-0.6B qkv 4096x1024, gate_up 6144x1024, down 1024x3072. M = 512, 2048, 128,
@@ -27,6 +28,10 @@ Per case:
 Each case's fused configs are compiled before it is timed, in parallel threads where Triton's
 AsyncCompileMode exists (compile time counts against the budget, so it is printed). A config that fails to compile or run is printed and skipped.
 Per case one summary line (best fused config vs the baselines); the last line is JSON.
+
+`--dequant-bits B,...` runs only the dequantizer (dequant_affine) at the 8B shapes for those
+widths (3/5/6-bit: codes straddle words): bit-exact check as above, time per call and GB/s
+(packed words, scales and biases read, bf16 written).
 """
 
 from __future__ import annotations
@@ -193,6 +198,27 @@ def run_case(label, n, k, bits, m, dev, gen, sms, smoke, rows, best):
         torch.cuda.empty_cache()
 
 
+def dequant_case(label, n, k, bits, dev, gen, smoke, rows) -> None:
+    """dequant_affine alone: bit-exact check, then (GPU) time per call over weight copies."""
+    w, s, b = make_weight(n, k, bits, dev, gen)
+    want = dequantize(w, s.float(), b.float(), QuantSpec("affine", bits, GROUP),
+                      dtype=torch.float32).to(torch.bfloat16)
+    exact = bool(torch.equal(Q.dequant_affine(w, s, b, k, bits, GROUP), want))
+    del want
+    nbytes = sum(t.numel() * t.element_size() for t in (w, s, b)) + n * k * 2
+    us = None
+    if not smoke:
+        copies = [(w, s, b)] + [(w.clone(), s.clone(), b.clone())
+                                for _ in range(copies_for(nbytes) - 1)]
+        us = graph_us([lambda c=c: Q.dequant_affine(*c, k, bits, GROUP) for c in copies])
+        del copies
+    t = f"{us:9.2f} us {nbytes / us / 1e3:7.0f} GB/s" if us else "   (not timed)"
+    print(f"{label:12s} {bits}b dequant {t} {'exact' if exact else 'INEXACT'}", flush=True)
+    rows.append({"shape": label, "n": n, "k": k, "bits": bits, "variant": "dequant",
+                 "us": us and round(us, 2), "gbps": us and round(nbytes / us / 1e3),
+                 "dq_bit_exact": exact})
+
+
 def print_table(best) -> None:
     """One line per case: us (TFLOP/s) of the best fused config, the default config,
     dequant + cuBLAS and bf16 cuBLAS."""
@@ -220,6 +246,8 @@ def main(argv=None) -> None:
                     help="tiny shapes, correctness only (CPU with TRITON_INTERPRET=1)")
     ap.add_argument("--only", default="", help="only shapes whose label contains this")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip cases after this")
+    ap.add_argument("--dequant-bits", default="",
+                    help="comma list of widths: only time and check dequant_affine (8B shapes)")
     args = ap.parse_args(argv)
     smoke = args.smoke
     if not smoke and not torch.cuda.is_available():
@@ -234,6 +262,16 @@ def main(argv=None) -> None:
     plan = [p for p in plan if args.only in p[0]]
     name = "interpreter" if smoke else torch.cuda.get_device_name()
     print(f"# {name}  torch {torch.__version__}  triton {T.triton.__version__}", flush=True)
+    if args.dequant_bits:
+        rows = []
+        shapes = [("tiny", 40, 384)] if smoke else [sh for sh in SHAPES if "8B" in sh[0]]
+        for bits in map(int, args.dequant_bits.split(",")):
+            for lb, n, k in shapes:
+                dequant_case(lb, n, k, bits, dev, gen, smoke, rows)
+        inexact = [r for r in rows if not r["dq_bit_exact"]]
+        print(f"# {len(rows)} dequant rows, {len(inexact)} dq inexact")
+        print(json.dumps(rows))
+        sys.exit(1 if inexact else 0)
     t0 = time.time()
     rows: list[dict] = []
     best: list[dict] = []

@@ -7,18 +7,18 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
-from mlxr.config import QuantSpec  # noqa: E402
-from mlxr.quant import QuantWeight  # noqa: E402
-from mlxr.quant import cuda as qcuda  # noqa: E402
-from mlxr.quant.dequant import dequantize as ref_dequantize  # noqa: E402
+from mlxr.config import QuantSpec
+from mlxr.quant import QuantWeight
+from mlxr.quant import cuda as qcuda
+from mlxr.quant.dequant import dequantize as ref_dequantize
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("n", [24, 67])
 def test_dequant_kernel_matches_reference(bits, group, n):

@@ -118,7 +118,8 @@ def test_default_config_fills_the_gpu():
 
 def test_env_switch_routes_decode(monkeypatch):
     """MLXR_GEMV=triton: the CUDA dispatcher serves M <= 16 with triton_gemv (checked here on
-    CPU tensors through the interpreter); unset, it leaves non-tinygemm weights to triton_qmm."""
+    CPU tensors through the interpreter); unset, it leaves non-tinygemm weights to triton_qmm.
+    Prefill rows (M = 17) of the 3-bit weight go to triton_qgemm's dequantizer either way."""
     spec = QuantSpec(mode="affine", bits=3, group_size=32)
     w, s, b, _ = random_weight("affine", 3, 32, 24, 128, 4)
     qw = QuantWeight.from_tensors(w, s, b, spec, compute_dtype=torch.bfloat16)
@@ -135,7 +136,11 @@ def test_env_switch_routes_decode(monkeypatch):
     ref = T.qgemv_ref(x, w, s, b, None, mode="affine", bits=3, group=32)
     assert y is not None and y.dtype == torch.bfloat16
     assert ((y.float() - ref.float()).abs() <= ref.float().abs() * 2.0**-7 + 1e-6).all()
-    assert qcuda.linear(qw, torch.randn(17, 128).to(torch.bfloat16)) is None  # prefill path
+    x17 = torch.randn(17, 128).to(torch.bfloat16)  # prefill rows: dequantizer + matmul
+    y17 = qcuda.linear(qw, x17)
+    ref17 = T.qgemm_ref(x17, w, s, b, None, mode="affine", bits=3, group=32).float()
+    tol = 2.0**-7 * (x17.float().abs() @ T.dequant_f32(w, s, b, None, "affine", 3, 32).abs().t())
+    assert y17 is not None and ((y17.float() - ref17).abs() <= tol).all()  # bf16 GEMM bound
 
 
 def test_default_route_only_where_measured():

@@ -8,7 +8,9 @@ the fp32 sums differs: |y - ref| <= 2*K*2^-24 * (|x| @ |W|^T) (`check`, fp64). A
 scales or a wrong code moves y by far more (test_check_catches_wrong_scale_group).
 
 Dequantizer: bit-exact (torch.equal) against mlxr.quant.dequantize in fp32 and that result
-rounded to bf16/fp16 (q*s is exact in fp32, so one rounding of q*s + b is the whole story).
+rounded to bf16/fp16 (q*s is exact in fp32, so one rounding of q*s + b is the whole story), for
+2/4/8-bit and for 3/5/6-bit, whose codes straddle words (the data holds such codes with bits on
+both sides of the boundary).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from mlxr.ops import triton_qgemm as Q
 from mlxr.ops import triton_qmm as T
 from mlxr.quant import QuantWeight, dequantize
 from mlxr.quant import cuda as qcuda
+from mlxr.quant.affine import unpack_codes
 
 C = Q.QgemmConfig
 # small tiles keep the interpreter fast; each covers another kernel path
@@ -151,6 +154,50 @@ def test_dequant_fp16_and_even_shapes():
     assert torch.equal(got, want.to(torch.float16))
 
 
+def straddlers(bits, k):
+    """Columns [S] whose codes straddle two words, and their bit counts in the first word."""
+    sh = torch.arange(k) * bits % 32
+    cols = torch.nonzero(sh + bits > 32).flatten()
+    return cols, 32 - sh[cols]
+
+
+@pytest.mark.parametrize("bits", (3, 5, 6))
+@pytest.mark.parametrize("group", (32, 64, 128))
+def test_dequant_straddling_bit_exact(bits, group):
+    """3/5/6-bit (codes straddle words), N = 40 (ragged against 32-row tiles), K = 384 (1.5 tiles
+    of 256): fp32, bf16 and fp16 outputs equal mlxr.quant.dequantize in fp32, then cast. The data
+    holds straddling codes with set bits on both sides of the word boundary, so a wrong low or
+    high part changes the output."""
+    w, s, b, _ = random_weight("affine", bits, group, 40, 384, 100 * bits + group)
+    q = unpack_codes(w, bits, 384).long()
+    cols, low = straddlers(bits, 384)
+    assert len(cols) == 384 // 32 * {3: 2, 5: 4, 6: 4}[bits]  # per 32 codes
+    assert ((q[:, cols] & ((1 << low) - 1)) != 0).any() and ((q[:, cols] >> low) != 0).any()
+    want = dequantize(w, s.float(), b.float(), QuantSpec("affine", bits, group),
+                      dtype=torch.float32)
+    assert torch.equal(Q.dequant_affine(w, s, b, 384, bits, group, torch.float32), want)
+    for dt in (torch.bfloat16, torch.float16):
+        got = Q.dequant_affine(w, s, b, 384, bits, group, dt)
+        assert got.dtype == dt and torch.equal(got, want.to(dt)), dt
+
+
+@pytest.mark.parametrize("bits", (3, 5, 6))
+def test_dequant_straddling_even_shapes(bits):
+    """The unmasked path (N = 64, K = 512: whole tiles), fp16 scales, a uint32 weight; flipping
+    the high part of one straddling code changes exactly that output, as in the reference."""
+    w, s, b, _ = random_weight("affine", bits, 64, 64, 512, bits, sdtype=torch.float16)
+    spec = QuantSpec("affine", bits, 64)
+    want = dequantize(w, s.float(), b.float(), spec, dtype=torch.float32)
+    got = Q.dequant_affine(w.view(torch.uint32), s, b, 512, bits, 64, torch.float16)
+    assert torch.equal(got, want.to(torch.float16))
+    col = int(straddlers(bits, 512)[0][0])
+    w2 = w.clone()
+    w2[5, col * bits // 32 + 1] ^= 1  # lowest bit of the second word of code (5, col)
+    got2 = Q.dequant_affine(w2, s, b, 512, bits, 64, torch.float32)
+    assert torch.equal(got2, dequantize(w2, s.float(), b.float(), spec, dtype=torch.float32))
+    assert torch.nonzero(got2 != want).tolist() == [[5, col]]
+
+
 def test_rejects_unsupported():
     w, s, b, _ = random_weight("affine", 3, 32, 16, 128, 1)
     x = torch.zeros(20, 128, dtype=torch.bfloat16)
@@ -163,6 +210,15 @@ def test_rejects_unsupported():
         Q.qgemm(x.float(), w, s, b, bits=4, group=32)
     with pytest.raises(ValueError, match="shape mismatch"):
         Q.qgemm(x[:, :64], w, s, b, bits=4, group=32)
+    with pytest.raises(ValueError, match="7-bit"):
+        Q.dequant_affine(w, s, b, 128, 7, 32)
+    w, s, b, _ = random_weight("affine", 5, 32, 16, 128, 1)
+    with pytest.raises(ValueError, match="not a multiple of group_size"):
+        Q.dequant_affine(w, s, b, 112, 5, 32)
+    with pytest.raises(ValueError, match="in_features 96 does not match"):
+        Q.dequant_affine(w, s, b, 96, 5, 32)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        Q.dequant_affine(w[:, :15], s, b, 128, 5, 32)
 
 
 def test_env_routes_prefill(monkeypatch):
@@ -190,6 +246,27 @@ def test_env_routes_prefill(monkeypatch):
         assert y.dtype == torch.bfloat16 and ((y.float() - want).abs() <= tol).all(), mode
 
 
+@pytest.mark.parametrize("mode", ("", "fused"))
+def test_straddling_prefill_routes_to_dequant(monkeypatch, mode):
+    """A 3-bit weight at M = 40 (> DECODE_MAX_M): mlxr.quant.cuda.linear serves it with this
+    module's dequantizer + matmul, also under MLXR_PREFILL_GEMM=fused (qgemm is 2/4/8-bit)."""
+    spec = QuantSpec("affine", 3, 32)
+    w, s, b, _ = random_weight("affine", 3, 32, 48, 256, 8)
+    qw = QuantWeight.from_tensors(w, s, b, spec, compute_dtype=torch.bfloat16)
+    qw.packed = w  # the CUDA layout: the mlx words as shipped
+    assert qcuda.dequant_supported(qw)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    want = ref(x, w, s, b, 3, 32)
+    tol = 2.0**-7 * (x.float().abs() @ T.dequant_f32(w, s, b, None, "affine", 3, 32).abs().t())
+    calls = []
+    real = Q.dequant_affine
+    monkeypatch.setattr(Q, "dequant_affine", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+    monkeypatch.setenv("MLXR_PREFILL_GEMM", mode)
+    y = qcuda.linear(qw, x)
+    assert calls == [3]
+    assert y.dtype == torch.bfloat16 and ((y.float() - want).abs() <= tol).all()
+
+
 def test_auto_prefill_gemm_rule(monkeypatch):
     """auto: the fused GEMM for 17/33..128 rows of 4-bit weights of >= 4096 x 4096 elements
     (where the H200 sweep measured it faster), dequant + cuBLAS elsewhere."""
@@ -211,7 +288,8 @@ def test_auto_prefill_gemm_rule(monkeypatch):
 
 
 def test_gpu_sweep_smoke():
-    """benchmarks/gpu_qgemm_sweep.py runs and passes its correctness checks (--smoke)."""
+    """benchmarks/gpu_qgemm_sweep.py runs and passes its correctness checks (--smoke, and
+    --smoke --dequant-bits for the straddling widths)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -223,3 +301,8 @@ def test_gpu_sweep_smoke():
                        check=False)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "0 wrong or failed, 0 dq inexact" in r.stdout and "wa_split" in r.stdout
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_qgemm_sweep.py"),
+                        "--smoke", "--dequant-bits", "3,5,6"], env=env, capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "3 dequant rows, 0 dq inexact" in r.stdout

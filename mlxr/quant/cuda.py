@@ -3,15 +3,16 @@
 - decode (M <= 32), affine 4-bit: torch's tinygemm kernel (`_weight_int4pack_mm`), fed by a
   one-time load repack of the mlx codes (nibble order swapped, torch's tiled layout). It
   computes `x @ ((q - 8) * s + z)^T` per group, so mlx's `w = s*q + b` maps to `z = b + 8*s`.
-- prefill and large decode batches (M > 16; > 32 for 4-bit), affine 2/4/8-bit: one Triton
-  pass (`triton_qgemm.dequant_affine`) dequantizes the packed words to a bf16 scratch matrix
-  (read 0.5 B, write 2 B per weight), then cuBLAS does the GEMM on tensor cores. The scratch is
-  per call, never stored.
+- prefill and large decode batches (M > 16; > 32 for 4-bit), affine 2/3/4/5/6/8-bit: one
+  Triton pass (`triton_qgemm.dequant_affine`) dequantizes the packed words to a bf16 scratch
+  matrix (4-bit: read 0.5 B, write 2 B per weight), then cuBLAS does the GEMM on tensor
+  cores. The scratch is per call, never stored.
 - 33-128 rows (17-128 where tinygemm does not apply) of a large 4-bit weight (>= 4096 x 4096):
   the fused tensor-core GEMM of `mlxr.ops.triton_qgemm` on the packed words (no scratch). H200
   sweep (docs/perf.md): 8B gate_up at M = 128 101 vs 160 us, down 70 vs 86 us; it loses at
   M >= 512 and on small weights. Env `MLXR_PREFILL_GEMM` (read at every call): `fused` for every
-  prefill-sized call, `dequant` for none, else (auto) this rule. Its fp32 summation order
+  prefill-sized call of a 2/4/8-bit weight (the fused GEMM's widths), `dequant` for none, else
+  (auto) this rule. Its fp32 summation order
   differs from cuBLAS's, so greedy tokens may differ at near-ties between the settings.
 - everything else: the Triton GEMV/GEMM kernels of `mlxr.ops.triton_qmm`.
 
@@ -54,11 +55,12 @@ def tinygemm_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tenso
 
 def dequant_supported(qw) -> bool:
     sp = qw.spec
-    return sp.mode == "affine" and sp.bits in (2, 4, 8) and qw.packed is not None
+    return sp.mode == "affine" and sp.bits in (2, 3, 4, 5, 6, 8) and qw.packed is not None
 
 
 def dequantize(qw, dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """The full weight [N, K] in `dtype`, dequantized by one Triton pass (2/4/8-bit affine)."""
+    """The full weight [N, K] in `dtype`, dequantized by one Triton pass (2/3/4/5/6/8-bit
+    affine)."""
     from ..ops.triton_qgemm import dequant_affine  # Triton loads only when a GPU uses it
 
     sp = qw.spec
@@ -89,6 +91,7 @@ def _gemv_v2_config(qw, m: int):
 
 
 FUSED_MAX_M = 128  # the sweep's crossover (fused GEMM vs dequant + cuBLAS, 8B shapes)
+FUSED_BITS = (2, 4, 8)  # triton_qgemm.qgemm's widths (codes inside one word)
 FUSED_MIN_ELEMS = 4096 * 4096
 
 
@@ -116,7 +119,7 @@ def linear(qw, x: Tensor) -> Tensor | None:
     if m <= TINYGEMM_MAX_M and qw.i4 is not None:
         return torch._weight_int4pack_mm(x, qw.i4, qw.spec.group_size, qw.i4_sz)
     if m > DECODE_MAX_M and qw.compute_dtype != torch.float32 and dequant_supported(qw):
-        if fused_gemm(qw, m):
+        if qw.spec.bits in FUSED_BITS and fused_gemm(qw, m):
             from ..ops import triton_qgemm
 
             sp = qw.spec
