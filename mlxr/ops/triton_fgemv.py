@@ -16,17 +16,21 @@ another order (fp32; within rounding of the unfused kernel).
 
 Weights are the MLX affine words as the file stores them (2/4/8-bit, no repack): int32 [N,
 K*bits/32], scales/biases [N, K/G]. Each program owns BLOCK_N whole rows and walks K in tiles
-of KT (no split-K, so no second launch): a [BLOCK_N, KT*bits/32] word tile is expanded to codes
-[BLOCK_N, KT/G, G] by shift and mask; per group y += s * dot(q, x_g) + b * sum(x_g) in fp32.
-The first tile's weights are loaded before anything that depends on the previous kernel, and
-with `gdc` (programmatic dependent launch) before the grid-dependency wait, so that they can
-stream in while the previous kernel drains. The result is rounded to x's dtype (as a bf16
+of KT (no split-K, so no second launch), with the next tile's words loaded before the current
+tile's arithmetic. For a [BLOCK_N, KT*bits/32] word tile, x is read de-interleaved by code
+position j (x[t*KT + word*PER + j], a [KT*bits/32] vector in the word tile's column layout), so
+code j of every word meets its x without a reshape: dq[n, word] += code_j * x_j, one FMA per
+code after the in-place exponent trick (`_code`); then y += s_word * dq + b_word * sum_j x_j,
+with each word's group scale and bias gathered per word. The first tile's weights are loaded
+before anything that depends on the previous kernel, and with `gdc` (programmatic dependent
+launch) before the grid-dependency wait, so that they can stream in while the previous kernel
+drains. The result is rounded to x's dtype (as a bf16
 matmul would return it), then stored in y's dtype.
 
-Measured on the H200 (benchmarks/gpu_fgemv_sweep.py, docs/perf.md): correct on every checked
-format and prologue, but 2-4x slower than tinygemm at every shape and launch swept (Qwen3-0.6B
-qkv 8.1 vs 3.3 us, 8B gate_up 163 vs 38 us): the shift/mask expansion to [BLOCK_N, KT/G, G]
-and the per-group reductions bound it, not the bytes. Hence opt-in (mlxr.models.fused_decode).
+Measured on the H200 (benchmarks/gpu_fgemv_sweep.py, docs/perf.md): the first body (codes
+expanded to [BLOCK_N, KT/G, G] and reduced per group) was correct but 2-4x slower than tinygemm
+at every shape (Qwen3-0.6B qkv 8.1 vs 3.3 us), bound by the reshape and reductions, not the
+bytes; this body replaces it. Opt-in (mlxr.models.fused_decode) until it beats tinygemm.
 
 `fgemv_ref` is the plain-torch twin with the same signature (the oracle of the tests).
 """
@@ -188,6 +192,10 @@ if HAVE_TRITON:
         write_h = pid == 0
         acc = tl.zeros([BLOCK_N, WT], dtype=tl.float32)
         for t in tl.static_range(NT):
+            if t + 1 < NT:  # the next tile's weights go out before this tile's arithmetic
+                wn = tl.load(wrow + (t + 1) * WT, mask=wm, other=0)
+                sn = tl.load(s_ptr + srow + (t + 1) * GT, mask=wm, other=0.0).to(tl.float32)
+                bn = tl.load(b_ptr + srow + (t + 1) * GT, mask=wm, other=0.0).to(tl.float32)
             # per word: dot(q, x) over its PER codes in the word's own layout (x de-interleaved
             # by code position: no reshape, no layout conversion), then scale and bias once
             dq = tl.zeros([BLOCK_N, WT], dtype=tl.float32)
@@ -198,10 +206,8 @@ if HAVE_TRITON:
                 dq += _code(w, j, BITS) * xj[None, :]
                 xs += xj
             acc += s * dq + b * xs[None, :]
-            if t + 1 < NT:  # the next tile's weights
-                w = tl.load(wrow + (t + 1) * WT, mask=wm, other=0)
-                s = tl.load(s_ptr + srow + (t + 1) * GT, mask=wm, other=0.0).to(tl.float32)
-                b = tl.load(b_ptr + srow + (t + 1) * GT, mask=wm, other=0.0).to(tl.float32)
+            if t + 1 < NT:
+                w, s, b = wn, sn, bn
         yv = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rn64, yv, mask=nmask)
 
