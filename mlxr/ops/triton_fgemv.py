@@ -140,21 +140,23 @@ if HAVE_TRITON:
         return v
 
     @triton.jit
-    def _code(w, J: tl.constexpr, BITS: tl.constexpr):
+    def _code(w, J: tl.constexpr, BITS: tl.constexpr, zero):
         """fp32 value of code J of each word: the field is masked in place and OR'ed with the
         exponent of 2^E (E = 23 - its position), so the float is exactly 2^E + q; one subtraction
-        gives q (no int->float conversion, no shift for fields that end below bit 23)."""
+        gives q (no int->float conversion, no shift for fields that end below bit 23). `zero`
+        is a run-time 0: it keeps the exponent in a register, so mask-and-or is one LOP3
+        (LOP3 takes one immediate; with both constants folded the compiler emits two)."""
         SH: tl.constexpr = J * BITS
         MASK: tl.constexpr = (1 << BITS) - 1
         P: tl.constexpr = SH if SH + BITS <= 23 else SH - 9
         E: tl.constexpr = 23 - P
         src = w if SH + BITS <= 23 else w >> 9
-        f = (src & (MASK << P)) | ((127 + E) << 23)
+        f = (src & (MASK << P)) | (((127 + E) << 23) + zero)
         return f.to(tl.float32, bitcast=True) - (1 << E)
 
     @triton.jit
     def _fgemv_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, eps, offset,
-                      K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                      zero, K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                       PRO: tl.constexpr, HAS_R: tl.constexpr, HAS_OFFSET: tl.constexpr,
                       ACT: tl.constexpr, BLOCK_N: tl.constexpr, KT: tl.constexpr,
                       BLOCK_E: tl.constexpr, GDC: tl.constexpr):
@@ -203,7 +205,7 @@ if HAVE_TRITON:
             for j in tl.static_range(PER):
                 xj = _x_at(x_ptr, r_ptr, nw_ptr, h_ptr, t * KT + cols * PER + j, rstd, offset,
                            write_h, K, PRO, HAS_R, HAS_OFFSET, ACT)  # [WT]
-                dq += _code(w, j, BITS) * xj[None, :]
+                dq += _code(w, j, BITS, zero) * xj[None, :]
                 xs += xj
             acc += s * dq + b * xs[None, :]
             if t + 1 < NT:
@@ -237,7 +239,7 @@ def fgemv(w: Tensor, scales: Tensor, biases: Tensor, *, bits: int, group: int, x
     extra = {"launch_pdl": True} if gdc else {}
     _fgemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, r if has_r else x, norm if pro == 1 else x, h_out if has_r else x, w, scales, biases,
-        y, n, float(eps), float(offset), K=k, BITS=bits, GROUP=group, PRO=pro, HAS_R=has_r,
+        y, n, float(eps), float(offset), 0, K=k, BITS=bits, GROUP=group, PRO=pro, HAS_R=has_r,
         HAS_OFFSET=bool(offset) and pro == 1, ACT=ACTS[act] if act else 0,
         BLOCK_N=cfg.block_n, KT=cfg.kt, BLOCK_E=_p2(k), GDC=gdc, num_warps=cfg.num_warps,
         **extra)
