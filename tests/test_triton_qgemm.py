@@ -268,7 +268,7 @@ def test_straddling_prefill_routes_to_dequant(monkeypatch, mode):
 
 
 def test_auto_prefill_gemm_rule(monkeypatch):
-    """auto: the fused GEMM for 17/33..128 rows of 4-bit weights of >= 4096 x 4096 elements
+    """auto: the fused GEMM for 17/33..128 rows of 4-bit weights of >= 4096 x 4096
     (where the H200 sweep measured it faster), dequant + cuBLAS elsewhere."""
     monkeypatch.delenv("MLXR_PREFILL_GEMM", raising=False)
 
@@ -280,6 +280,7 @@ def test_auto_prefill_gemm_rule(monkeypatch):
     assert qcuda.fused_gemm(W(4, 4096, 4096), 33)
     assert not qcuda.fused_gemm(W(4, 28672, 4096), 129)  # prefill-sized: cuBLAS wins
     assert not qcuda.fused_gemm(W(4, 4096, 1024), 64)  # small weights (0.6B): cuBLAS wins
+    assert not qcuda.fused_gemm(W(4, 151936, 1024), 64)  # a 0.6B LM head: K = 1024 too
     assert not qcuda.fused_gemm(W(8, 28672, 4096), 64)  # 8-bit: not measured at these M
     monkeypatch.setenv("MLXR_PREFILL_GEMM", "fused")
     assert qcuda.fused_gemm(W(8, 4096, 1024), 512)

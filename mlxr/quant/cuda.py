@@ -7,7 +7,7 @@
   Triton pass (`triton_qgemm.dequant_affine`) dequantizes the packed words to a bf16 scratch
   matrix (4-bit: read 0.5 B, write 2 B per weight), then cuBLAS does the GEMM on tensor
   cores. The scratch is per call, never stored.
-- 33-128 rows (17-128 where tinygemm does not apply) of a large 4-bit weight (>= 4096 x 4096):
+- 33-128 rows (17-128 where tinygemm does not apply) of a 4-bit weight of >= 4096 x 4096:
   the fused tensor-core GEMM of `mlxr.ops.triton_qgemm` on the packed words (no scratch). H200
   sweep (docs/perf.md): 8B gate_up at M = 128 101 vs 160 us, down 70 vs 86 us; it loses at
   M >= 512 and on small weights. Env `MLXR_PREFILL_GEMM` (read at every call): `fused` for every
@@ -92,7 +92,7 @@ def _gemv_v2_config(qw, m: int):
 
 FUSED_MAX_M = 128  # the sweep's crossover (fused GEMM vs dequant + cuBLAS, 8B shapes)
 FUSED_BITS = (2, 4, 8)  # triton_qgemm.qgemm's widths (codes inside one word)
-FUSED_MIN_ELEMS = 4096 * 4096
+FUSED_MIN_DIM = 4096  # the 8B shapes it won on; K = 1024 (0.6B, its LM head too) was slower
 
 
 def fused_gemm(qw, m: int) -> bool:
@@ -102,7 +102,7 @@ def fused_gemm(qw, m: int) -> bool:
     if mode in ("fused", "dequant"):
         return mode == "fused"
     return (m <= FUSED_MAX_M and qw.spec.bits == 4
-            and qw.out_features * qw.in_features >= FUSED_MIN_ELEMS)
+            and min(qw.out_features, qw.in_features) >= FUSED_MIN_DIM)
 
 
 def linear(qw, x: Tensor) -> Tensor | None:
