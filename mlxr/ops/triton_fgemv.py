@@ -49,6 +49,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .triton_fused import _act
+
 BITS = (2, 4, 8)
 
 
@@ -129,23 +131,17 @@ if HAVE_TRITON:
             v = ((v * rstd).to(dt).to(tl.float32) * nw.to(tl.float32)).to(dt).to(tl.float32)
         elif PRO == 2:  # act(gate) * up, gate_up = [gate | up]: reference.gated_act's roundings
             u = tl.load(x_ptr + K + k).to(tl.float32)
-            if ACT == 0:
-                a = v / (1.0 + tl.exp(-v))
-            elif ACT == 1:
-                a = 0.5 * v * (1.0 + tl.erf(v * 0.7071067811865476))
-            else:
-                z = 0.7978845608028654 * (v + 0.044715 * v * v * v)
-                a = v / (1.0 + tl.exp(-2.0 * z))
-            v = (a.to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+            v = (_act(v, ACT).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
         return v
 
     @triton.jit
     def _code(w, J: tl.constexpr, BITS: tl.constexpr, zero):
         """fp32 value of code J of each word: the field is masked in place and OR'ed with the
         exponent of 2^E (E = 23 - its position), so the float is exactly 2^E + q; one subtraction
-        gives q (no int->float conversion, no shift for fields that end below bit 23). `zero`
-        is a run-time 0: it keeps the exponent in a register, so mask-and-or is one LOP3
-        (LOP3 takes one immediate; with both constants folded the compiler emits two)."""
+        gives q (no int->float conversion, no shift for fields that end below bit 23). This is
+        `triton_gemv._value`'s affine single-word case, but `zero`, a run-time 0, keeps the
+        exponent in a register, so mask-and-or is one LOP3 (LOP3 takes one immediate; with both
+        constants folded the compiler emits two: benchmarks/sass_fgemv.py)."""
         SH: tl.constexpr = J * BITS
         MASK: tl.constexpr = (1 << BITS) - 1
         P: tl.constexpr = SH if SH + BITS <= 23 else SH - 9

@@ -110,13 +110,9 @@ if HAVE_TRITON:
             tl.store(orow + j[None, :], tl.load(xrow + j[None, :], mask=pm), mask=pm)
 
     @triton.jit
-    def _gated_act_kernel(g_ptr, u_ptr, o_ptr, sg, su, F, ACT: tl.constexpr,
-                          BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = c < F
-        g = tl.load(g_ptr + row * sg + c, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + row * su + c, mask=m, other=0.0).to(tl.float32)
+    def _act(g, ACT: tl.constexpr):
+        """act(g) in fp32 for g fp32 (ACTS: silu, gelu with exact erf, gelu_tanh); shared by
+        `_gated_act_kernel` and the fused decode GEMV's prologue (mlxr.ops.triton_fgemv)."""
         if ACT == 0:  # silu: x / (1 + exp(-x))
             a = g / (1.0 + tl.exp(-g))
         elif ACT == 1:  # gelu, exact erf
@@ -124,7 +120,17 @@ if HAVE_TRITON:
         else:  # gelu_tanh: 0.5 x (1 + tanh(z)) == x / (1 + exp(-2z))
             z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
             a = g / (1.0 + tl.exp(-2.0 * z))
-        a = a.to(g_ptr.dtype.element_ty).to(tl.float32)
+        return a
+
+    @triton.jit
+    def _gated_act_kernel(g_ptr, u_ptr, o_ptr, sg, su, F, ACT: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = c < F
+        g = tl.load(g_ptr + row * sg + c, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * su + c, mask=m, other=0.0).to(tl.float32)
+        a = _act(g, ACT).to(g_ptr.dtype.element_ty).to(tl.float32)
         tl.store(o_ptr + row * F + c, (a * u).to(o_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
