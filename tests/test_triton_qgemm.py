@@ -284,6 +284,7 @@ def test_auto_prefill_gemm_rule(monkeypatch):
     assert not qcuda.fused_gemm(W(8, 28672, 4096), 64)  # 8-bit: not measured at these M
     monkeypatch.setenv("MLXR_PREFILL_GEMM", "fused")
     assert qcuda.fused_gemm(W(8, 4096, 1024), 512)
+    assert not qcuda.fused_gemm(W(3, 4096, 4096), 64)  # a width the GEMM does not take
     monkeypatch.setenv("MLXR_PREFILL_GEMM", "dequant")
     assert not qcuda.fused_gemm(W(4, 28672, 4096), 64)
 

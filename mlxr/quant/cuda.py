@@ -97,7 +97,10 @@ FUSED_MIN_DIM = 4096  # the 8B shapes it won on; K = 1024 (0.6B, its LM head too
 
 def fused_gemm(qw, m: int) -> bool:
     """Whether a call of m (> DECODE_MAX_M) rows takes triton_qgemm's fused GEMM (see the
-    module docstring: env MLXR_PREFILL_GEMM = fused | dequant | auto)."""
+    module docstring: env MLXR_PREFILL_GEMM = fused | dequant | auto). Never for widths the
+    GEMM does not take."""
+    if qw.spec.bits not in FUSED_BITS:
+        return False
     mode = os.environ.get("MLXR_PREFILL_GEMM", "").lower()
     if mode in ("fused", "dequant"):
         return mode == "fused"
@@ -119,7 +122,7 @@ def linear(qw, x: Tensor) -> Tensor | None:
     if m <= TINYGEMM_MAX_M and qw.i4 is not None:
         return torch._weight_int4pack_mm(x, qw.i4, qw.spec.group_size, qw.i4_sz)
     if m > DECODE_MAX_M and qw.compute_dtype != torch.float32 and dequant_supported(qw):
-        if qw.spec.bits in FUSED_BITS and fused_gemm(qw, m):
+        if fused_gemm(qw, m):
             from ..ops import triton_qgemm
 
             sp = qw.spec
