@@ -12,7 +12,7 @@ import json
 import torch
 from gpu_timing import graph_time_us
 
-from mlxr.ops.triton_qgemm import dequant_affine
+from mlxr.ops.triton_dequant import dequant_affine
 from mlxr.quant.cuda import tinygemm_pack
 
 SHAPES = {"0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024),

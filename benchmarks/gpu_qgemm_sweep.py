@@ -12,7 +12,7 @@ Shapes (out x in): Llama-3.1-8B qkv 6144x4096, o 4096x4096, gate_up 28672x4096, 
 8-bit g64 for the 8B gate_up. Random MLX words, bf16 scales/biases, bf16 x.
 
 Per case:
-* correctness: the dequantizer (triton_qgemm.dequant_affine) must equal mlxr.quant.dequantize
+* correctness: the dequantizer (triton_dequant.dequant_affine) must equal mlxr.quant.dequantize
   (fp32, then rounded to bf16) bit for bit (`dq exact` in the summary line); every fused output
   (bf16) is compared with the fp32 product of x and the dequantized bf16 weight:
   err = max|y - ref| / max|ref| must stay under 2^-7 (one bf16 rounding of the output is up to
@@ -23,7 +23,7 @@ Per case:
   (benchmarks/gpu_timing.py). TFLOP/s = 2*M*N*K / time.
 * variants: `default` (triton_qgemm.default_config), candidate configs (label
   BMxBNxBK_w<warps>_s<stages>[_wa: W @ x^T][_k<split>], split-K filled by fill_split for the
-  grid), `dq+cublas` (triton_qgemm.dequant_affine + cuBLAS, what serves prefill today),
+  grid), `dq+cublas` (triton_dequant.dequant_affine + cuBLAS, what serves prefill today),
   `cublas_bf16` (x @ W^T on a pre-dequantized bf16 weight: the ceiling).
 Each case's fused configs are compiled before it is timed, in parallel threads where Triton's
 AsyncCompileMode exists (compile time counts against the budget, so it is printed). A config that fails to compile or run is printed and skipped.
@@ -50,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from mlxr.config import QuantSpec
+from mlxr.ops import triton_dequant as D
 from mlxr.ops import triton_qgemm as Q
 from mlxr.ops import triton_qmm as T
 from mlxr.quant import dequantize
@@ -142,7 +143,7 @@ def run_case(label, n, k, bits, m, dev, gen, sms, smoke, rows, best):
     reps = 1 if smoke else copies_for(nbytes)
     copies = [(w, s, b)] + [(w.clone(), s.clone(), b.clone()) for _ in range(reps - 1)]
     x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
-    wbf = Q.dequant_affine(w, s, b, k, bits, GROUP)
+    wbf = D.dequant_affine(w, s, b, k, bits, GROUP)
     want = dequantize(w, s.float(), b.float(), QuantSpec("affine", bits, GROUP),
                       dtype=torch.float32).to(torch.bfloat16)
     dq_exact = bool(torch.equal(wbf, want))
@@ -156,7 +157,7 @@ def run_case(label, n, k, bits, m, dev, gen, sms, smoke, rows, best):
     cands = [(name, cfg.label(), (lambda c, cfg=cfg: Q.qgemm(x, *c, bits=bits, group=GROUP,
                                                             config=cfg)))
              for name, cfg in vs]
-    cands.append(("dq+cublas", "-", lambda c: x @ Q.dequant_affine(*c, k, bits, GROUP).t()))
+    cands.append(("dq+cublas", "-", lambda c: x @ D.dequant_affine(*c, k, bits, GROUP).t()))
     case = {}
     for name, cfg_label, fn in cands:
         try:
@@ -203,14 +204,14 @@ def dequant_case(label, n, k, bits, dev, gen, smoke, rows) -> None:
     w, s, b = make_weight(n, k, bits, dev, gen)
     want = dequantize(w, s.float(), b.float(), QuantSpec("affine", bits, GROUP),
                       dtype=torch.float32).to(torch.bfloat16)
-    exact = bool(torch.equal(Q.dequant_affine(w, s, b, k, bits, GROUP), want))
+    exact = bool(torch.equal(D.dequant_affine(w, s, b, k, bits, GROUP), want))
     del want
     nbytes = sum(t.numel() * t.element_size() for t in (w, s, b)) + n * k * 2
     us = None
     if not smoke:
         copies = [(w, s, b)] + [(w.clone(), s.clone(), b.clone())
                                 for _ in range(copies_for(nbytes) - 1)]
-        us = graph_us([lambda c=c: Q.dequant_affine(*c, k, bits, GROUP) for c in copies])
+        us = graph_us([lambda c=c: D.dequant_affine(*c, k, bits, GROUP) for c in copies])
         del copies
     t = f"{us:9.2f} us {nbytes / us / 1e3:7.0f} GB/s" if us else "   (not timed)"
     print(f"{label:12s} {bits}b dequant {t} {'exact' if exact else 'INEXACT'}", flush=True)

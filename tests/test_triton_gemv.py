@@ -119,7 +119,7 @@ def test_default_config_fills_the_gpu():
 def test_env_switch_routes_decode(monkeypatch):
     """MLXR_GEMV=triton: the CUDA dispatcher serves M <= 16 with triton_gemv (checked here on
     CPU tensors through the interpreter); unset, it leaves non-tinygemm weights to triton_qmm.
-    Prefill rows (M = 17) of the 3-bit weight go to triton_qgemm's dequantizer either way."""
+    Prefill rows (M = 17) of the 3-bit weight go to triton_dequant's dequantizer either way."""
     spec = QuantSpec(mode="affine", bits=3, group_size=32)
     w, s, b, _ = random_weight("affine", 3, 32, 24, 128, 4)
     qw = QuantWeight.from_tensors(w, s, b, spec, compute_dtype=torch.bfloat16)

@@ -1,4 +1,5 @@
-"""The fused prefill GEMM and the dequantizer of mlxr.ops.triton_qgemm under the CPU interpreter.
+"""The fused prefill GEMM (mlxr.ops.triton_qgemm) and the dequantizer (mlxr.ops.triton_dequant)
+under the CPU interpreter.
 
 Reference (`triton_qmm.qgemm_ref`): the weight dequantized in fp32 (mlxr.quant's unpacker),
 rounded once to bf16, then an fp32 matmul. The kernel feeds tl.dot the same bf16 weights (the
@@ -28,6 +29,7 @@ pytest.importorskip("triton")
 from test_triton_qmm import random_weight
 
 from mlxr.config import QuantSpec
+from mlxr.ops import triton_dequant as D
 from mlxr.ops import triton_qgemm as Q
 from mlxr.ops import triton_qmm as T
 from mlxr.quant import QuantWeight, dequantize
@@ -139,8 +141,8 @@ def test_dequant_bit_exact(bits, group):
     w, s, b, _ = random_weight("affine", bits, group, 40, 384, bits * group)
     spec = QuantSpec("affine", bits, group)
     want = dequantize(w, s.float(), b.float(), spec, dtype=torch.float32)
-    assert torch.equal(Q.dequant_affine(w, s, b, 384, bits, group, torch.float32), want)
-    got = Q.dequant_affine(w, s, b, 384, bits, group)
+    assert torch.equal(D.dequant_affine(w, s, b, 384, bits, group, torch.float32), want)
+    got = D.dequant_affine(w, s, b, 384, bits, group)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
     assert not torch.equal(got, want.to(torch.bfloat16).view(torch.int16).add(1)
                            .view(torch.bfloat16))  # (torch.equal is not vacuous)
@@ -150,7 +152,7 @@ def test_dequant_fp16_and_even_shapes():
     """fp16 scales and output, N and K multiples of the tile (the unmasked path)."""
     w, s, b, _ = random_weight("affine", 4, 64, 64, 512, 2, sdtype=torch.float16)
     want = dequantize(w, s.float(), b.float(), QuantSpec("affine", 4, 64), dtype=torch.float32)
-    got = Q.dequant_affine(w, s, b, 512, 4, 64, torch.float16)
+    got = D.dequant_affine(w, s, b, 512, 4, 64, torch.float16)
     assert torch.equal(got, want.to(torch.float16))
 
 
@@ -175,9 +177,9 @@ def test_dequant_straddling_bit_exact(bits, group):
     assert ((q[:, cols] & ((1 << low) - 1)) != 0).any() and ((q[:, cols] >> low) != 0).any()
     want = dequantize(w, s.float(), b.float(), QuantSpec("affine", bits, group),
                       dtype=torch.float32)
-    assert torch.equal(Q.dequant_affine(w, s, b, 384, bits, group, torch.float32), want)
+    assert torch.equal(D.dequant_affine(w, s, b, 384, bits, group, torch.float32), want)
     for dt in (torch.bfloat16, torch.float16):
-        got = Q.dequant_affine(w, s, b, 384, bits, group, dt)
+        got = D.dequant_affine(w, s, b, 384, bits, group, dt)
         assert got.dtype == dt and torch.equal(got, want.to(dt)), dt
 
 
@@ -188,12 +190,12 @@ def test_dequant_straddling_even_shapes(bits):
     w, s, b, _ = random_weight("affine", bits, 64, 64, 512, bits, sdtype=torch.float16)
     spec = QuantSpec("affine", bits, 64)
     want = dequantize(w, s.float(), b.float(), spec, dtype=torch.float32)
-    got = Q.dequant_affine(w.view(torch.uint32), s, b, 512, bits, 64, torch.float16)
+    got = D.dequant_affine(w.view(torch.uint32), s, b, 512, bits, 64, torch.float16)
     assert torch.equal(got, want.to(torch.float16))
     col = int(straddlers(bits, 512)[0][0])
     w2 = w.clone()
     w2[5, col * bits // 32 + 1] ^= 1  # lowest bit of the second word of code (5, col)
-    got2 = Q.dequant_affine(w2, s, b, 512, bits, 64, torch.float32)
+    got2 = D.dequant_affine(w2, s, b, 512, bits, 64, torch.float32)
     assert torch.equal(got2, dequantize(w2, s.float(), b.float(), spec, dtype=torch.float32))
     assert torch.nonzero(got2 != want).tolist() == [[5, col]]
 
@@ -211,14 +213,14 @@ def test_rejects_unsupported():
     with pytest.raises(ValueError, match="shape mismatch"):
         Q.qgemm(x[:, :64], w, s, b, bits=4, group=32)
     with pytest.raises(ValueError, match="7-bit"):
-        Q.dequant_affine(w, s, b, 128, 7, 32)
+        D.dequant_affine(w, s, b, 128, 7, 32)
     w, s, b, _ = random_weight("affine", 5, 32, 16, 128, 1)
     with pytest.raises(ValueError, match="not a multiple of group_size"):
-        Q.dequant_affine(w, s, b, 112, 5, 32)
+        D.dequant_affine(w, s, b, 112, 5, 32)
     with pytest.raises(ValueError, match="in_features 96 does not match"):
-        Q.dequant_affine(w, s, b, 96, 5, 32)
+        D.dequant_affine(w, s, b, 96, 5, 32)
     with pytest.raises(ValueError, match="shape mismatch"):
-        Q.dequant_affine(w[:, :15], s, b, 128, 5, 32)
+        D.dequant_affine(w[:, :15], s, b, 128, 5, 32)
 
 
 def test_env_routes_prefill(monkeypatch):
@@ -234,9 +236,10 @@ def test_env_routes_prefill(monkeypatch):
     wabs = T.dequant_f32(w, s, b, None, "affine", 2, 64).abs()
     tol = 2.0**-7 * (x.float().abs() @ wabs.t())  # bf16 output and matmul (the GEMM bound)
     calls = []
-    for fn in ("qgemm", "dequant_affine"):
-        real = getattr(Q, fn)
-        monkeypatch.setattr(Q, fn, lambda *a, _f=fn, _r=real, **k: calls.append(_f) or _r(*a, **k))
+    for mod, fn in ((Q, "qgemm"), (D, "dequant_affine")):
+        real = getattr(mod, fn)
+        monkeypatch.setattr(mod, fn,
+                            lambda *a, _f=fn, _r=real, **k: calls.append(_f) or _r(*a, **k))
     for mode, called in (("", ["dequant_affine"]), ("fused", ["qgemm"]),
                          ("dequant", ["dequant_affine"])):
         monkeypatch.setenv("MLXR_PREFILL_GEMM", mode)
@@ -259,8 +262,8 @@ def test_straddling_prefill_routes_to_dequant(monkeypatch, mode):
     want = ref(x, w, s, b, 3, 32)
     tol = 2.0**-7 * (x.float().abs() @ T.dequant_f32(w, s, b, None, "affine", 3, 32).abs().t())
     calls = []
-    real = Q.dequant_affine
-    monkeypatch.setattr(Q, "dequant_affine", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+    real = D.dequant_affine
+    monkeypatch.setattr(D, "dequant_affine", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
     monkeypatch.setenv("MLXR_PREFILL_GEMM", mode)
     y = qcuda.linear(qw, x)
     assert calls == [3]

@@ -1,12 +1,11 @@
-"""Tensor-core prefill GEMM (affine 2/4/8-bit) and dequantization (2/3/4/5/6/8-bit) of MLX weights
-(Hopper-minded).
+"""Tensor-core prefill GEMM of MLX affine 2/4/8-bit weights (Hopper-minded).
 
 y[M, N] = x[M, K] @ W[N, K]^T with W as the file stores it: int32 words [N, K*bits/32] (code j of
 a word at bits [j*bits, (j+1)*bits), PER = 32/bits codes per word), scales/biases [N, K/G]
 (bf16/fp16/fp32). Every weight is w = s*q + b in fp32, rounded ONCE to x's dtype: q*s is exact in
 fp32 (<= 8 + 11 significant bits), so fma or mul+add give the same w, and `qgemm` feeds tl.dot
-exactly the bf16 matrix that `dequant_affine` writes for cuBLAS; only the GEMM's summation order
-differs between the two prefill paths.
+exactly the bf16 matrix that `triton_dequant.dequant_affine` writes for cuBLAS; only the
+GEMM's summation order differs between the two prefill paths.
 
 `qgemm` (the fused kernel, `_qgemm_kernel`): each program owns one output tile [BLOCK_M,
 BLOCK_N] (grouped launch order: GROUP_M row tiles run next to each other so a weight tile is
@@ -26,12 +25,8 @@ divisor of the group size, so a tile holds whole groups or lies in one):
     and x the shared-memory "B" one, whose N side may be as small as 8 (small M).
   Optional split-K writes fp32 partials [S, M, N], summed in a fixed order by one small
   kernel (small-M shapes whose output tiles cannot fill the GPU).
-`dequant_affine`: the same tile math writing [N, K] (2-D word loads, wide contiguous stores):
-the prefill path's dequantizer (`mlxr.quant.cuda.dequantize`, then cuBLAS), bit-identical to
-`mlxr.quant.dequantize` in fp32, cast to the output dtype (round to nearest even). 3/5/6-bit
-codes straddle words: the row is cut into units of 32 codes (3 or 5 words) or 16 6-bit codes (3
-words), a thread loads a unit's words and extracts every code with static shifts
-(`triton_qmm._unit_code`), and `tl.join` lays the codes out in order in its registers.
+`mlxr.ops.triton_dequant.dequant_affine` writes the same weights (this module's `_affine_tile`)
+to an [N, K] matrix for cuBLAS.
 
 Under TRITON_INTERPRET (CPU tests) the interpreter's bf16 dot is broken and its fp32 -> bf16
 cast truncates: the dot runs in fp32 (`input_precision="ieee"`, exact bf16 inputs) and the
@@ -54,12 +49,9 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_qmm import _code_value, _unit_code
+__all__ = ["QgemmConfig", "default_config", "qgemm", "qgemm_ref"]
 
-__all__ = ["QgemmConfig", "default_config", "dequant_affine", "qgemm", "qgemm_ref"]
-
-BITS = (2, 4, 8)  # qgemm
-DEQUANT_BITS = (2, 3, 4, 5, 6, 8)  # dequant_affine
+BITS = (2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -290,150 +282,6 @@ if HAVE_TRITON:
             acc += tl.load(p_ptr + s * MN + i, mask=mask, other=0.0)
         tl.store(y_ptr + i, _round(acc, y_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
-    @triton.jit
-    def _codes1(w0, w1, w2, w3, w4, BITS: tl.constexpr, C0: tl.constexpr, S: tl.constexpr):
-        """fp32 codes C0, C0+S of each unit as [..., 2] (the words w0..w4 of `_unit_code`)."""
-        return tl.join(_code_value(_unit_code(w0, w1, w2, w3, w4, C0, BITS), 0),
-                       _code_value(_unit_code(w0, w1, w2, w3, w4, C0 + S, BITS), 0))
-
-    # _codesL(C0, S) = codes C0 + i*S, i < 2^L, as [..., 2, ..., 2] (L dims): the even codes
-    # joined with the odd ones, so the LAST dim is the lowest bit of i and a row-major reshape
-    # of the L dims lists the codes in order. Every code has static shifts; join keeps them in
-    # the thread (no data movement).
-    @triton.jit
-    def _codes2(w0, w1, w2, w3, w4, BITS: tl.constexpr, C0: tl.constexpr, S: tl.constexpr):
-        return tl.join(_codes1(w0, w1, w2, w3, w4, BITS, C0, 2 * S),
-                       _codes1(w0, w1, w2, w3, w4, BITS, C0 + S, 2 * S))
-
-    @triton.jit
-    def _codes3(w0, w1, w2, w3, w4, BITS: tl.constexpr, C0: tl.constexpr, S: tl.constexpr):
-        return tl.join(_codes2(w0, w1, w2, w3, w4, BITS, C0, 2 * S),
-                       _codes2(w0, w1, w2, w3, w4, BITS, C0 + S, 2 * S))
-
-    @triton.jit
-    def _codes4(w0, w1, w2, w3, w4, BITS: tl.constexpr, C0: tl.constexpr, S: tl.constexpr):
-        return tl.join(_codes3(w0, w1, w2, w3, w4, BITS, C0, 2 * S),
-                       _codes3(w0, w1, w2, w3, w4, BITS, C0 + S, 2 * S))
-
-    @triton.jit
-    def _codes5(w0, w1, w2, w3, w4, BITS: tl.constexpr, C0: tl.constexpr, S: tl.constexpr):
-        return tl.join(_codes4(w0, w1, w2, w3, w4, BITS, C0, 2 * S),
-                       _codes4(w0, w1, w2, w3, w4, BITS, C0 + S, 2 * S))
-
-    @triton.jit
-    def _unit_words(wp, mask, UW: tl.constexpr, MASKED: tl.constexpr):
-        """The UW (3 or 5) consecutive words of each unit at wp (w3, w4 alias w0 when UW = 3)."""
-        if MASKED:
-            w0 = tl.load(wp, mask=mask, other=0)
-            w1 = tl.load(wp + 1, mask=mask, other=0)
-            w2 = tl.load(wp + 2, mask=mask, other=0)
-        else:
-            w0 = tl.load(wp)
-            w1 = tl.load(wp + 1)
-            w2 = tl.load(wp + 2)
-        w3 = w0
-        w4 = w0
-        if UW == 5:
-            if MASKED:
-                w3 = tl.load(wp + 3, mask=mask, other=0)
-                w4 = tl.load(wp + 4, mask=mask, other=0)
-            else:
-                w3 = tl.load(wp + 3)
-                w4 = tl.load(wp + 4)
-        return w0, w1, w2, w3, w4
-
-    @triton.jit
-    def _dequant_units(w_ptr, s_ptr, b_ptr, out_ptr, N, K: tl.constexpr, BITS: tl.constexpr,
-                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       EVEN: tl.constexpr, EXACT_ROUND: tl.constexpr):
-        """`_dequant_kernel`'s tile for 3/5/6-bit, whose codes straddle words: each row is cut
-        into units of PER codes filling UW whole words (32 codes in 3 or 5 words, 16 6-bit codes
-        in 3); the tile is [BLOCK_N, NGT groups, UPG units], each unit's codes held by one
-        thread."""
-        PER: tl.constexpr = 16 if BITS == 6 else 32
-        UW: tl.constexpr = PER * BITS // 32
-        NG: tl.constexpr = K // GROUP
-        NGT: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP
-        UPG: tl.constexpr = BLOCK_K // NGT // PER  # units per group inside the tile
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k0 = tl.program_id(1) * BLOCK_K
-        rg = k0 // GROUP + tl.arange(0, NGT)
-        rk = k0 + tl.arange(0, BLOCK_K)
-        rows = rn[:, None].to(tl.int64)
-        ru = (k0 // PER + tl.arange(0, NGT)[:, None] * UPG
-              + tl.arange(0, UPG)[None, :])  # [NGT, UPG] unit index within the row
-        wp = w_ptr + rn[:, None, None].to(tl.int64) * (K * BITS // 32) + ru[None] * UW
-        umask = (rn[:, None, None] < N) & (ru < K // PER)[None]
-        w0, w1, w2, w3, w4 = _unit_words(wp, umask, UW, not EVEN)  # [BN, NGT, UPG] each
-        if EVEN:
-            s = tl.load(s_ptr + rows * NG + rg[None, :])  # [BN, NGT]
-            b = tl.load(b_ptr + rows * NG + rg[None, :])
-        else:
-            gmask = (rn[:, None] < N) & (rg < NG)[None, :]
-            s = tl.load(s_ptr + rows * NG + rg[None, :], mask=gmask, other=0.0)
-            b = tl.load(b_ptr + rows * NG + rg[None, :], mask=gmask, other=0.0)
-        if PER == 16:
-            q = _codes4(w0, w1, w2, w3, w4, BITS, 0, 1)  # [BN, NGT, UPG, 2, 2, 2, 2]
-        else:
-            q = _codes5(w0, w1, w2, w3, w4, BITS, 0, 1)  # [BN, NGT, UPG, 2, 2, 2, 2, 2]
-        q = tl.reshape(q, [BLOCK_N, NGT, UPG * PER])
-        v = q * s.to(tl.float32)[:, :, None] + b.to(tl.float32)[:, :, None]
-        out = tl.reshape(_round(v, out_ptr.dtype.element_ty, EXACT_ROUND), [BLOCK_N, BLOCK_K])
-        op = out_ptr + rows * K + rk[None, :]
-        if EVEN:
-            tl.store(op, out)
-        else:
-            tl.store(op, out, mask=(rn[:, None] < N) & (rk < K)[None, :])
-
-    @triton.jit(do_not_specialize=["stride_w"])
-    def _dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, stride_w, K: tl.constexpr,
-                        BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EVEN: tl.constexpr, EXACT_ROUND: tl.constexpr):
-        """out[n, k] = s[n, k // G] * code(n, k) + b[n, k // G] over a [BLOCK_N, BLOCK_K] tile:
-        one 2-D word load (3/5/6-bit: `_dequant_units`), scales per group, contiguous 16-byte
-        stores."""
-        if BITS == 3 or BITS == 5 or BITS == 6:
-            _dequant_units(w_ptr, s_ptr, b_ptr, out_ptr, N, K, BITS, GROUP, BLOCK_N, BLOCK_K,
-                           EVEN, EXACT_ROUND)
-        else:
-            PER: tl.constexpr = 32 // BITS
-            KW: tl.constexpr = K // PER
-            NG: tl.constexpr = K // GROUP
-            BW: tl.constexpr = BLOCK_K // PER
-            NGT: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP
-            rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-            k0 = tl.program_id(1) * BLOCK_K
-            rw = k0 // PER + tl.arange(0, BW)
-            rg = k0 // GROUP + tl.arange(0, NGT)
-            rk = k0 + tl.arange(0, BLOCK_K)
-            rows = rn[:, None].to(tl.int64)
-            if BITS == 4:
-                # one word = 8 codes = exactly one 16-byte store of the output. With the row stride
-                # a runtime value (stride_w = KW, not specialized) the compiler cannot vectorize the
-                # word load, so each thread loads one word (a warp still reads 128 contiguous bytes)
-                # and its codes are already where the coalesced store wants them: no shared-memory
-                # round trip between unpacking and storing (sm_90: 19 -> 3 barriers per program)
-                w_rows = w_ptr + rows * stride_w
-            else:
-                w_rows = w_ptr + rows * KW
-            if EVEN:
-                wd = tl.load(w_rows + rw[None, :])
-                s = tl.load(s_ptr + rows * NG + rg[None, :])
-                b = tl.load(b_ptr + rows * NG + rg[None, :])
-            else:
-                nmask = rn[:, None] < N
-                gmask = nmask & (rg < NG)[None, :]
-                wd = tl.load(w_rows + rw[None, :], mask=nmask & (rw < KW)[None, :], other=0)
-                s = tl.load(s_ptr + rows * NG + rg[None, :], mask=gmask, other=0.0)
-                b = tl.load(b_ptr + rows * NG + rg[None, :], mask=gmask, other=0.0)
-            out = _affine_tile(wd, s, b, out_ptr.dtype.element_ty, BITS, BLOCK_N, BLOCK_K, NGT,
-                               EXACT_ROUND, N)
-            op = out_ptr + rows * K + rk[None, :]
-            if EVEN:
-                tl.store(op, out)
-            else:
-                tl.store(op, out, mask=(rn[:, None] < N) & (rk < K)[None, :])
-
 
 # ====================================================================== launchers
 def _validate(x: Tensor | None, w: Tensor, s: Tensor, b: Tensor, bits: int, group: int,
@@ -497,30 +345,3 @@ def qgemm(x: Tensor, w: Tensor, s: Tensor, b: Tensor, *, bits: int, group: int,
     _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](y, out, m * n, SPLIT_K=split, BLOCK=1024,
                                                      INTERPRET=_interpret(), num_warps=4)
     return out
-
-
-def dequant_affine(packed: Tensor, scales: Tensor, biases: Tensor, in_features: int, bits: int,
-                   group_size: int, dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """packed int32 [N, K*bits/32], scales/biases [N, K/G] -> [N, K] in `dtype`: s*q + b in
-    fp32, rounded to `dtype` (bit for bit `mlxr.quant.dequantize` in fp32, then cast).
-    Widths 2/3/4/5/6/8. K must be a multiple of the group (32/64/128), hence of 32: whole
-    words per row for 2/4/8-bit, whole 32-code (3/5-bit) or 16-code (6-bit) units otherwise."""
-    if in_features % group_size:
-        raise ValueError(f"dequant_affine: in_features {in_features} is not a multiple of "
-                         f"group_size {group_size}")
-    k = _validate(None, packed, scales, biases, bits, group_size, DEQUANT_BITS)
-    if k != in_features:
-        raise ValueError(f"in_features {in_features} does not match scales {tuple(scales.shape)}")
-    n = packed.shape[0]
-    packed = packed.view(torch.int32) if packed.dtype == torch.uint32 else packed
-    out = torch.empty(n, k, dtype=dtype, device=packed.device)
-    # [32 rows, 256 columns] per program: 4-bit reads 32 B and writes 512 B per row (16-byte
-    # vectors per thread), 16 KiB of output per program; 3/5/6-bit: 8 or 16 units per row
-    bn, bk = 32, 256
-    grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
-    _dequant_kernel[grid](packed, scales, biases, out, n, k * bits // 32, K=k, BITS=bits,
-                          GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk,
-                          EVEN=n % bn == 0 and k % bk == 0, EXACT_ROUND=_interpret(),
-                          num_warps=4)
-    return out
-

@@ -4,7 +4,7 @@
   one-time load repack of the mlx codes (nibble order swapped, torch's tiled layout). It
   computes `x @ ((q - 8) * s + z)^T` per group, so mlx's `w = s*q + b` maps to `z = b + 8*s`.
 - prefill and large decode batches (M > 16; > 32 for 4-bit), affine 2/3/4/5/6/8-bit: one
-  Triton pass (`triton_qgemm.dequant_affine`) dequantizes the packed words to a bf16 scratch
+  Triton pass (`triton_dequant.dequant_affine`) dequantizes the packed words to a bf16 scratch
   matrix (4-bit: read 0.5 B, write 2 B per weight), then cuBLAS does the GEMM on tensor
   cores. The scratch is per call, never stored.
 - 33-128 rows (17-128 where tinygemm does not apply) of a 4-bit weight of >= 4096 x 4096:
@@ -61,7 +61,7 @@ def dequant_supported(qw) -> bool:
 def dequantize(qw, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """The full weight [N, K] in `dtype`, dequantized by one Triton pass (2/3/4/5/6/8-bit
     affine)."""
-    from ..ops.triton_qgemm import dequant_affine  # Triton loads only when a GPU uses it
+    from ..ops.triton_dequant import dequant_affine  # Triton loads only when a GPU uses it
 
     sp = qw.spec
     return dequant_affine(qw.packed, qw.scales, qw.biases, qw.in_features, sp.bits,
