@@ -14,11 +14,12 @@ Usage: python benchmarks/gpu_pdl_probe.py
 from __future__ import annotations
 
 import json
-import statistics
+from functools import partial
 
 import torch
 import triton
 import triton.language as tl
+from gpu_timing import graph_time_us
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
@@ -45,29 +46,6 @@ def chain(bufs, weights, grid, block, wchunk, pdl, n):
                        GDC=pdl, launch_pdl=pdl, num_warps=4)
 
 
-def time_graph(fn, reps=20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
-
-
 def main() -> None:
     n = 256
     rows = []
@@ -83,7 +61,7 @@ def main() -> None:
             for pdl in (False, True):
                 x0 = torch.randn(grid * block, device="cuda")
                 bufs = [x0.clone(), torch.empty_like(x0)]
-                us = time_graph(lambda: chain(bufs, weights, grid, block, wchunk, pdl, n))
+                us = graph_time_us([partial(chain, bufs, weights, grid, block, wchunk, pdl, n)])
                 res[pdl] = us / n
                 bufs[0].copy_(x0)
                 chain(bufs, weights, grid, block, wchunk, pdl, n)

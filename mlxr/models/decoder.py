@@ -122,6 +122,21 @@ class Decoder:
         else:
             self._embed_scale = None
 
+    @property
+    def head(self) -> Linear:
+        """The LM head: lm_head, or the embedding as a linear when tied."""
+        return self.lm_head if self.lm_head is not None else self.embed.as_linear
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [N] -> h [N, E]: the embedding rows, times the family's embedding scale."""
+        h = self.embed(ids.to(self.device))
+        return h if self._embed_scale is None else h * self._embed_scale
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The final logit soft-cap (gemma2), if the family has one."""
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
     def _add_norm(self, h: torch.Tensor, r: torch.Tensor,
                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual add and the norm after it: (h + r, rms_norm(h + r, weight)), one fused op
@@ -231,9 +246,7 @@ class Decoder:
         attends through `attend(i, q [N, H, D]) -> [N, H, D]`. Returns logits float32."""
         c = self.config
         n = ids.shape[0]
-        h = self.embed(ids.to(self.device))  # [N, E]
-        if self._embed_scale is not None:
-            h = h * self._embed_scale
+        h = self.embed_tokens(ids)  # [N, E]
         eps, off = c.rms_norm_eps, c.norm_offset
         # layer 0's input norm; every later norm runs fused with the residual add before it
         x = ops.rms_norm(h, self.layers[0].input_norm, eps, off)
@@ -257,8 +270,4 @@ class Decoder:
                 if rows is not None:
                     h, m = h.index_select(0, rows), m.index_select(0, rows)
                 _, x = self._add_norm(h, m, self.norm)
-        logits = (self.lm_head(x) if self.lm_head is not None else self.embed.as_linear(x)).float()
-        if c.final_logit_softcap is not None:
-            cap = c.final_logit_softcap
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return self.cap_logits(self.head(x).float())

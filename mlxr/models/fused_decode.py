@@ -54,10 +54,9 @@ def eligible(dec) -> bool:
         from .. import ops
 
         c, dt = dec.config, dec.dtype
-        head = dec.lm_head if dec.lm_head is not None else dec.embed.as_linear
         ok = (dec.device.type == "cuda" and ops.fast_kernels(dec.device)
               and dt in (torch.bfloat16, torch.float16) and not c.clip_residual_fp16
-              and _qualifies(head, dt)
+              and _qualifies(dec.head, dt)
               and all(layer.post_attn_norm is None and layer.post_mlp_norm is None
                       and all(_qualifies(p, dt) for p in (layer.qkv, layer.o_proj,
                                                           layer.gate_up, layer.down_proj))
@@ -81,9 +80,7 @@ def run(dec, ids: torch.Tensor, tables: dict, pool, slots: torch.Tensor, attend)
 
     c = dec.config
     eps, off = c.rms_norm_eps, c.norm_offset
-    h = dec.embed(ids.to(dec.device)).reshape(-1)  # [E]
-    if dec._embed_scale is not None:
-        h = h * dec._embed_scale
+    h = dec.embed_tokens(ids).reshape(-1)  # [E]
     m = None  # the MLP output not yet added to h
     for i, layer in enumerate(dec.layers):
         h_next = h if m is None else torch.empty_like(h)
@@ -101,11 +98,7 @@ def run(dec, ids: torch.Tensor, tables: dict, pool, slots: torch.Tensor, attend)
                    h_out=h_next)
         h = h_next
         m = _gemv(layer.down_proj, x=gu, act=c.hidden_act)
-    head = dec.lm_head if dec.lm_head is not None else dec.embed.as_linear
-    logits = torch.empty(head.out_features, dtype=torch.float32, device=dec.device)
-    _gemv(head, x=h, r=m, norm=dec.norm, eps=eps, offset=off, h_out=torch.empty_like(h),
+    logits = torch.empty(dec.head.out_features, dtype=torch.float32, device=dec.device)
+    _gemv(dec.head, x=h, r=m, norm=dec.norm, eps=eps, offset=off, h_out=torch.empty_like(h),
           out=logits)
-    if c.final_logit_softcap is not None:
-        cap = c.final_logit_softcap
-        logits = torch.tanh(logits / cap) * cap
-    return logits[None]
+    return dec.cap_logits(logits)[None]
