@@ -52,3 +52,30 @@ def test_tinygemm_nibble_order():
     swapped = (b << 4) | (b >> 4)
     assert torch.equal((swapped >> 4).to(torch.int32), codes[:, 0::2])
     assert torch.equal((swapped & 15).to(torch.int32), codes[:, 1::2])
+
+
+def test_single_row_decode_takes_q4gemv(monkeypatch):
+    """M = 1 of a 4-bit bf16 weight runs triton_q4gemv on the load-time repack; MLXR_Q4GEMV=0
+    turns it off (then tinygemm, absent here, would serve it); other widths never take it."""
+    g = torch.Generator().manual_seed(11)
+    n, k, group = 40, 1024, 64
+    w = torch.randint(-(2**31), 2**31, (n, k // 8), generator=g, dtype=torch.int64).to(torch.int32)
+    s = (torch.randn(n, k // group, generator=g) * 0.02).to(torch.bfloat16)
+    b = (torch.randn(n, k // group, generator=g) * 0.1).to(torch.bfloat16)
+    spec = QuantSpec("affine", 4, group)
+    qw = QuantWeight.from_tensors(w, s, b, spec, compute_dtype=torch.bfloat16, device="cpu")
+    qw.packed, qw.i4, qw.i4_sz = w, None, None  # the CUDA layout, without tinygemm's copy
+    assert qcuda.q4gemv_supported(qw)
+    qw.q4 = qcuda.q4gemv_pack(w)
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16)
+    y = qcuda.linear(qw, x)
+    want = x.float() @ ref_dequantize(w, s.float(), b.float(), spec, dtype=torch.float32).t()
+    assert y.shape == (1, n) and y.dtype == torch.bfloat16
+    assert ((y.float() - want).abs() <= 2.0 ** -7 * want.abs() + 1e-3).all()
+    monkeypatch.setenv("MLXR_Q4GEMV", "0")
+    assert qcuda.linear(qw, x) is None
+    qw3 = QuantWeight.from_tensors(torch.zeros(n, k * 3 // 32, dtype=torch.int32),
+                                   torch.ones(n, k // group), torch.zeros(n, k // group),
+                                   QuantSpec("affine", 3, group), device="cpu")
+    qw3.packed = torch.zeros(n, k * 3 // 32, dtype=torch.int32)
+    assert not qcuda.q4gemv_supported(qw3)

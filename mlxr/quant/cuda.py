@@ -1,5 +1,9 @@
 """CUDA matmul paths for QuantWeight, chosen by batch size (measured on the H200, docs/perf.md).
 
+- single-request decode (M = 1), affine 4-bit, bf16/fp16: `mlxr.ops.triton_q4gemv` on a
+  load-time repack of the codes (`q4`; same bytes). H200 (benchmarks/gpu_q4gemv_sweep.py):
+  1.2-2x faster than tinygemm at every Llama-8B / Qwen3-0.6B shape (8B gate_up 28.2 vs 39.0 us,
+  LM head 98.6 vs 150.4 us). Env `MLXR_Q4GEMV=0` (read at every call) sends M = 1 to tinygemm.
 - decode (M <= 32), affine 4-bit: torch's tinygemm kernel (`_weight_int4pack_mm`), fed by a
   one-time load repack of the mlx codes (nibble order swapped, torch's tiled layout). It
   computes `x @ ((q - 8) * s + z)^T` per group, so mlx's `w = s*q + b` maps to `z = b + 8*s`.
@@ -51,6 +55,22 @@ def tinygemm_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tenso
     swapped = ((b << 4) | (b >> 4)).contiguous()  # torch wants element 2j in the high nibble
     w = torch._convert_weight_to_int4pack(swapped, INNER_K_TILES)
     return w, int4pack.scales_and_zeros(scales, biases)  # same (q - 8) * s + z form as the CPU
+
+
+def q4gemv_supported(qw) -> bool:
+    """Whether `linear` serves M = 1 with triton_q4gemv (and the load builds its repack)."""
+    from ..ops import triton_q4gemv
+
+    sp = qw.spec
+    return (sp.mode == "affine" and sp.bits == 4 and qw.packed is not None
+            and triton_q4gemv.supported(sp.group_size, qw.in_features, qw.compute_dtype)
+            and qw.out_features * qw.in_features // 8 < 2**31)
+
+
+def q4gemv_pack(packed: Tensor) -> Tensor:
+    from ..ops import triton_q4gemv
+
+    return triton_q4gemv.repack(packed)
 
 
 def dequant_supported(qw) -> bool:
@@ -119,6 +139,11 @@ def linear(qw, x: Tensor) -> Tensor | None:
         return triton_gemv.qgemv(x, qw.packed, qw.scales, qw.biases, qw.global_scale,
                                  mode=sp.mode, bits=sp.bits, group=sp.group_size,
                                  config=_gemv_v2_config(qw, m))
+    if m == 1 and qw.q4 is not None and os.environ.get("MLXR_Q4GEMV", "") != "0":
+        from ..ops import triton_q4gemv
+
+        return triton_q4gemv.q4gemv(x, qw.q4, qw.scales, qw.biases,
+                                    group=qw.spec.group_size).view(1, -1)
     if m <= TINYGEMM_MAX_M and qw.i4 is not None:
         return torch._weight_int4pack_mm(x, qw.i4, qw.spec.group_size, qw.i4_sz)
     if m > DECODE_MAX_M and qw.compute_dtype != torch.float32 and dequant_supported(qw):

@@ -6,6 +6,8 @@ Storage (chosen at load time, see `from_tensors`):
                  for 3/5/6-bit in fast mode (costs 8/bits x the packed size, saves a slow unpack
                  per call), or
   * `i4`       - torch's packed int4 CPU tensor + bf16 scales_and_zeros (fast-mode affine 4-bit).
+On CUDA `packed` is always kept; affine 4-bit adds two load-time repacks of it for decode:
+`i4`/`i4_sz` (tinygemm, 2-32 rows) and `q4` (`mlxr.ops.triton_q4gemv`, one row).
 Scales/biases stay in their file dtype, except in exact mode (compute_dtype float32) where they
 are cast to float32 once: dequant then is `q*s + b` in fp32 (two fp32 roundings), exactly what
 mlx computes with fp32 params.
@@ -13,7 +15,7 @@ mlx computes with fp32 params.
 `linear` dispatches on device: CPU -> `mlxr.quant.cpu.linear`; CUDA -> the Triton kernels of
 `mlxr.ops.triton_qmm` (GEMV for small batches, tensor-core GEMM for prefill) reading the packed
 words as shipped (on CUDA `packed` is always kept, never unpacked codes), after the measured
-fast paths of `mlxr.quant.cuda` (tinygemm 4-bit decode, `mlxr.ops.triton_gemv` for 2/3-bit
+fast paths of `mlxr.quant.cuda` (q4gemv / tinygemm 4-bit decode, `mlxr.ops.triton_gemv` for 2/3-bit
 at M = 1, dequant + cuBLAS prefill; env
 `MLXR_GEMV=triton` sends all decode to `mlxr.ops.triton_gemv`); env `MLXR_KERNELS=torch` (or no
 triton) selects the generic tiled torch path instead.
@@ -57,6 +59,7 @@ class QuantWeight:
         self.codes: Tensor | None = None
         self.i4: Tensor | None = None
         self.i4_sz: Tensor | None = None
+        self.q4: Tensor | None = None
         self.scales: Tensor | None = None
         self.biases: Tensor | None = None
         self.global_scale: Tensor | None = None
@@ -108,6 +111,8 @@ class QuantWeight:
             self.packed = packed.contiguous()  # Triton kernels read the mlx words as shipped
             if cuda.tinygemm_supported(self):  # decode path; the words stay for prefill
                 self.i4, self.i4_sz = cuda.tinygemm_pack(self.packed, self.scales, self.biases)
+            if cuda.q4gemv_supported(self):  # single-request decode (M = 1)
+                self.q4 = cuda.q4gemv_pack(self.packed)
         elif bits == 8:
             self.codes = packed.contiguous().view(torch.uint8)  # [out, in], zero-copy
         elif bits in (3, 5, 6) and not exact:
@@ -119,7 +124,7 @@ class QuantWeight:
     # ------------------------------------------------------------------ properties
     @property
     def nbytes(self) -> int:
-        ts = (self.packed, self.codes, self.i4, self.i4_sz, self.scales, self.biases,
+        ts = (self.packed, self.codes, self.i4, self.i4_sz, self.q4, self.scales, self.biases,
               self.global_scale)
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 

@@ -1,0 +1,216 @@
+"""Batch-1 decode GEMV for MLX affine 4-bit weights: y[N] = x[K] @ dequant(W)[N, K]^T.
+
+Why another GEMV: single-request decode reads every weight once, so this kernel is the decode
+speed. The earlier Triton GEMVs (`triton_gemv`, `triton_fgemv`) reach 0.5-1.2 TB/s on the H200;
+their compiled code (benchmarks/sass_q4gemv.py) shows why: Triton gives the x loads and the
+scale loads other register layouts than the weight tile, so every tile goes through shared
+memory and barriers, and the weight words load 4 bytes at a time (10 instructions per code).
+This kernel is written so that every tensor gets the weight tile's layout (no conversion in the
+loop, 16-byte weight loads, ~3 instructions per code):
+
+* **Load-time repack** (`repack`, once per weight; same bytes): within each run of 32 codes,
+  word e (0..3) holds codes k = 32c + 4j + e at nibble j. A thread owns 4 consecutive words
+  (one 16-byte load); with the repack, the x of its nibble j is 4 consecutive values (one 8-byte
+  load) whose natural layout is the word tile's own column layout.
+* **One logic op per code**: a 4-bit field at bits [P, P+4) with P + 4 <= 23 is masked in place
+  and OR'ed with the fp32 exponent of 2^(23-P); the float is exactly 2^E + q. Every field is
+  taken at P = 12 or 16 (E = 11 or 7) of the word or of the word shifted by 4 or 12 (four
+  shifts per 8 codes). The 2^E terms are not subtracted per code: the word's sum is
+  sum_j (2^E_j + q_j) x_j - sum_j 2^E_j x_j, whose second term depends only on the column, so
+  it is computed once per column for all rows; the fp32 running sum carries offsets of up to
+  2^11 |x|, i.e. ~2^-13 |x| of rounding per word (tests bound it against fp64). Rejected:
+  fields at P = 8 too (E = 15, two shifts fewer): up to 15% faster on the smallest 8B matrix
+  but 16x the rounding, 98.5% instead of 99.9% of bf16 outputs equal to the fp32 twin's.
+* Scale and bias once per 32-code chunk: s * dot(q, x) + b * sum(x).
+* A program owns BLOCK_N whole rows and walks K in tiles of WT words (4 per thread: WT = 128 x
+  num_warps), the next tile's words loaded before the current tile's arithmetic; no split-K,
+  so one launch and a fixed summation order.
+
+`q4gemv_ref` is the plain-torch twin with the same signature (the tests' oracle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .triton_fused import HAVE_TRITON, _interpret
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+GROUPS = (32, 64, 128)
+WORDS_PER_THREAD = 4  # one 16-byte load
+
+
+@dataclass(frozen=True)
+class Q4Config:
+    """Launch shape: BLOCK_N rows per program, WT words of a row per tile (num_warps =
+    WT / 128, so that each thread owns 4 words of every row of the tile)."""
+    block_n: int = 16
+    wt: int = 512
+
+    @property
+    def num_warps(self) -> int:
+        return self.wt // (32 * WORDS_PER_THREAD)
+
+    def label(self) -> str:
+        return f"bn{self.block_n}_wt{self.wt}"
+
+
+def supported(group: int, k: int, dtype: torch.dtype) -> bool:
+    """Formats and shapes the kernel takes: affine 4-bit, group 32/64/128, K a multiple of
+    1024 (one 128-word tile), bf16/fp16 activations."""
+    return group in GROUPS and k % 1024 == 0 and dtype in (torch.bfloat16, torch.float16)
+
+
+def default_config(n: int, k: int, sm_count: int = 132) -> Q4Config:
+    """The H200 sweep's winners (benchmarks/gpu_q4gemv_sweep.py, docs/perf.md): the largest
+    tile (<= 512 words) that divides a row; 8 rows per program, 4 where that leaves fewer than
+    two programs per SM, 16 for very tall, short matrices (a 0.6B-style LM head)."""
+    kw = k // 8
+    wt = next(t for t in (512, 256, 128) if kw % t == 0)
+    block_n = 16 if n >= 65536 and k <= 2048 else 8
+    if -(-n // block_n) < 2 * sm_count:
+        block_n = 4
+    if _interpret():  # the interpreter runs programs one by one: few, large ones keep CI fast
+        block_n = max(block_n, 16)
+    return Q4Config(block_n=block_n, wt=wt)
+
+
+# ====================================================================== repack (load time)
+def repack(packed: Tensor) -> Tensor:
+    """MLX 4-bit words [N, K/8] (code k at nibble k % 8 of word k // 8) -> the same codes with
+    code 32c + 4j + e at nibble j of word 4c + e. int32 [N, K/8], on packed's device."""
+    n, kw = packed.shape
+    if kw % 4:
+        raise ValueError(f"q4gemv.repack: K/8 = {kw} words per row is not a multiple of 4")
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    w = packed.view(torch.int32)
+    q = (w.unsqueeze(-1) >> shifts) & 15  # [N, K/8, 8]: code 8*word + nibble
+    q = q.reshape(n, kw // 4, 8, 4).transpose(2, 3)  # [N, chunk, e, j] from [chunk, j, e]
+    return (q << shifts).sum(-1, dtype=torch.int32).reshape(n, kw).contiguous()
+
+
+def unrepack(words: Tensor) -> Tensor:
+    """Inverse of `repack`: back to MLX order (tests, reference)."""
+    n, kw = words.shape
+    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
+    q = (words.unsqueeze(-1) >> shifts) & 15  # [N, chunk*4 + e, j]
+    q = q.reshape(n, kw // 4, 4, 8).transpose(2, 3)  # [N, chunk, j, e] = code 32c + 4j + e
+    q = q.reshape(n, kw, 8)  # k order, split into MLX words: code k at nibble k % 8 of word k // 8
+    return (q << shifts).sum(-1, dtype=torch.int32).reshape(n, kw).contiguous()
+
+
+# ====================================================================== torch twin (oracle)
+def q4gemv_ref(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: int,
+               out: Tensor | None = None, config: Q4Config | None = None) -> Tensor:
+    """y [N] = x [K] @ (scales * q + biases)^T in fp32, rounded to x.dtype; `words` are
+    `repack`'s output. `out` [N] is written and returned when given."""
+    from .triton_qmm import dequant_f32
+
+    w = dequant_f32(unrepack(words), scales, biases, None, "affine", 4, group)
+    y = (x.float() @ w.t()).to(x.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+# ====================================================================== Triton kernel
+if HAVE_TRITON:
+
+    @triton.jit
+    def _f(src, P: tl.constexpr, expo):
+        """2^E + q for the 4-bit field at bits [P, P+4) of src (expo: the exponent bits of
+        2^(23-P), a run-time value so that mask-and-or is one LOP3)."""
+        return ((src & (15 << P)) | expo).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _q4gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, zero, K: tl.constexpr,
+                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, WT: tl.constexpr,
+                       EVEN_N: tl.constexpr):
+        pid = tl.program_id(0)
+        KW: tl.constexpr = K // 8  # words per row
+        NG: tl.constexpr = K // GROUP
+        CPG: tl.constexpr = GROUP // 32  # 32-code chunks per group
+        NT: tl.constexpr = KW // WT
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        cw = tl.arange(0, WT)  # word of the tile (chunk cw // 4, word e = cw % 4 in it)
+        ch = tl.arange(0, WT // 4)  # chunk of the tile
+        wp = w_ptr + rn[:, None] * KW + cw[None, :]  # [BLOCK_N, WT], int32 offsets (launcher)
+        sp = rn[:, None] * NG + (ch // CPG)[None, :]  # [BLOCK_N, WT/4]
+        xp = x_ptr + (cw // 4) * 32 + cw % 4  # + 4j: the x of nibble j of each word
+        wm = (rn < N)[:, None]
+        e11 = ((127 + 11) << 23) + zero
+        e7 = ((127 + 7) << 23) + zero
+        if EVEN_N:
+            w = tl.load(wp)
+        else:
+            w = tl.load(wp, mask=wm, other=0)
+        acc = tl.zeros([BLOCK_N, WT // 4], dtype=tl.float32)
+        for t in range(NT):  # a run-time loop: unrolled tiles would not fit in registers
+            # the next tile's words go out before this tile's arithmetic (none past the row)
+            wn = tl.load(wp + (t + 1) * WT, mask=wm & (t + 1 < NT), other=0)
+            if EVEN_N:
+                s = tl.load(s_ptr + sp + t * (WT // 4 // CPG)).to(tl.float32)
+                b = tl.load(b_ptr + sp + t * (WT // 4 // CPG)).to(tl.float32)
+            else:
+                s = tl.load(s_ptr + sp + t * (WT // 4 // CPG), mask=wm, other=0).to(tl.float32)
+                b = tl.load(b_ptr + sp + t * (WT // 4 // CPG), mask=wm, other=0).to(tl.float32)
+            xt = xp + t * WT * 8
+            x0 = tl.load(xt).to(tl.float32)
+            x1 = tl.load(xt + 4).to(tl.float32)
+            x2 = tl.load(xt + 8).to(tl.float32)
+            x3 = tl.load(xt + 12).to(tl.float32)
+            x4 = tl.load(xt + 16).to(tl.float32)
+            x5 = tl.load(xt + 20).to(tl.float32)
+            x6 = tl.load(xt + 24).to(tl.float32)
+            x7 = tl.load(xt + 28).to(tl.float32)
+            # fields at P = 12 or 16 (E = 11, 7) of w, w << 4, w << 12, w >> 4, w >> 12;
+            # per column: -sum_j 2^E_j x_j (E per nibble: 11 7 11 11 7 7 11 7)
+            cneg = -(2048.0 * ((x0 + x2) + (x3 + x6)) + 128.0 * ((x1 + x4) + (x5 + x7)))
+            dq = _f(w << 12, 12, e11) * x0[None, :] + cneg[None, :]
+            dq += _f(w << 4, 12, e11) * x2[None, :]
+            dq += _f(w, 12, e11) * x3[None, :]
+            dq += _f(w >> 12, 12, e11) * x6[None, :]
+            dq += _f(w << 12, 16, e7) * x1[None, :]
+            dq += _f(w, 16, e7) * x4[None, :]
+            dq += _f(w >> 4, 16, e7) * x5[None, :]
+            dq += _f(w >> 12, 16, e7) * x7[None, :]
+            xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+            xs = tl.sum(tl.reshape(xs, [WT // 4, 4]), axis=1)  # per chunk
+            dqc = tl.sum(tl.reshape(dq, [BLOCK_N, WT // 4, 4]), axis=2)  # per chunk
+            acc += s * dqc + b * xs[None, :]
+            w = wn
+        y = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty)
+        if EVEN_N:
+            tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
+        else:
+            tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+def q4gemv(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: int,
+           out: Tensor | None = None, config: Q4Config | None = None) -> Tensor:
+    """See `q4gemv_ref` (same signature and results up to fp32 summation order). x [K] or
+    [1, K] contiguous; words = `repack(packed)`; returns [N] (or writes `out`)."""
+    xv = x.reshape(-1)
+    k = xv.shape[0]
+    n, kw = words.shape
+    if kw * 8 != k or not supported(group, k, x.dtype):
+        raise ValueError(f"q4gemv: K={k}, words {tuple(words.shape)}, group {group}, {x.dtype}")
+    if scales.shape != (n, k // group) or biases.shape != scales.shape:
+        raise ValueError(f"q4gemv: scales/biases {tuple(scales.shape)} != {(n, k // group)}")
+    if n * kw >= 2**31:
+        raise ValueError("q4gemv: the weight has >= 2^31 words (int32 offsets)")
+    cfg = config or default_config(n, k)
+    if kw % cfg.wt:
+        raise ValueError(f"q4gemv: tile {cfg.wt} words must divide K/8 = {kw}")
+    y = out if out is not None else torch.empty(n, dtype=x.dtype, device=x.device)
+    _q4gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        xv, words, scales, biases, y, n, 0, K=k, GROUP=group, BLOCK_N=cfg.block_n, WT=cfg.wt,
+        EVEN_N=n % cfg.block_n == 0, num_warps=cfg.num_warps, num_stages=1)
+    return y
