@@ -42,14 +42,15 @@ def weights(n, k, copies):
 
 
 def variants(n, k):
-    kw = k // 8
-    for wt in (128, 256, 512):
-        if kw % wt:
-            continue
-        for bn in (2, 4, 8, 16, 32):
-            if bn * 4 > n:
-                continue
-            yield Q.Q4Config(block_n=bn, wt=wt)
+    """(config, paired scales?) launches: rows per program x tile (the default's and 128
+    words) x paired scale/bias loads x .cg weight loads, and a register cap on the last."""
+    d = Q.default_config(n, k)
+    for wt in sorted({d.wt, 128}, reverse=True):
+        for bn in sorted({4, 8, d.block_n}):
+            for sb in (False, True):
+                for cg in (False, True):
+                    yield Q.Q4Config(block_n=bn, wt=wt, cg=cg), sb
+            yield Q.Q4Config(block_n=bn, wt=wt, cg=True, maxnreg=64), True
 
 
 def check(n, k, w, s, b, x) -> dict:
@@ -66,9 +67,10 @@ def check(n, k, w, s, b, x) -> dict:
             "identical_to_twin": float((y == ref).float().mean())}
 
 
-def sweep(shapes: list[str], budget_s: float) -> list[dict]:
+def sweep(shapes: list[str], budget_s: float, only: str | None = None) -> list[dict]:
     rows = []
-    items = [(m, name, nk) for m in shapes for name, nk in SHAPES[m].items()]
+    items = [(m, name, nk) for m in shapes for name, nk in SHAPES[m].items()
+             if only is None or name in only.split(",")]
     per = budget_s / len(items)
     for model, name, (n, k) in items:
         t0 = time.time()
@@ -85,19 +87,20 @@ def sweep(shapes: list[str], budget_s: float) -> list[dict]:
         row["tinygemm_us"] = round(tg, 2)
         row["tinygemm_gb_s"] = round(nbytes / tg / 1e3, 1)
         del packs
-        wrs = [(Q.repack(w), s, b) for w, s, b in ws]
+        wrs = [(Q.repack(w), s, b, Q.pair_scales(s, b)) for w, s, b in ws]
         res = []
-        for cfg in variants(n, k):
+        for cfg, sb in variants(n, k):
             if time.time() - t0 > per:
                 break
             outs = [torch.empty(n, device="cuda", dtype=torch.bfloat16) for _ in wrs]
-            us = graph_time_us([lambda a=a, o=o, c=cfg: Q.q4gemv(x, *a, group=GROUP, out=o,
-                                                                 config=c)
-                                for a, o in zip(wrs, outs)])
-            res.append((cfg.label(), round(us, 2), round(nbytes / us / 1e3, 1)))
+            us = graph_time_us([lambda a=a, o=o, c=cfg, p=sb: Q.q4gemv(
+                x, *a[:3], group=GROUP, out=o, config=c, sb=a[3] if p else None)
+                for a, o in zip(wrs, outs)])
+            res.append((cfg.label() + f"_sb{int(sb)}", round(us, 2),
+                        round(nbytes / us / 1e3, 1)))
         res.sort(key=lambda r: r[1])
         row["best"] = res[:6]
-        row["default"] = Q.default_config(n, k).label()
+        row["default"] = Q.default_config(n, k).label() + "_sb0"
         row["default_us"] = next((r[1] for r in res if r[0] == row["default"]), None)
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -122,12 +125,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="all")
     ap.add_argument("--budget-s", type=float, default=240.0)
+    ap.add_argument("--only", help="comma-separated shape names (qkv,o,gate_up,down,head)")
     ap.add_argument("--json")
     a = ap.parse_args()
     shapes = list(SHAPES) if a.shapes == "all" else [a.shapes]
     out = {"repack": repack_time()}
     print(json.dumps(out["repack"]), flush=True)
-    out["sweep"] = sweep(shapes, a.budget_s)
+    out["sweep"] = sweep(shapes, a.budget_s, a.only)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

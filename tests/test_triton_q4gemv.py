@@ -56,6 +56,12 @@ def test_q4gemv_matches_twin_and_fp64(group, dtype, n, k, cfg):
     packed, s, b, x = _weights(n, k, group, dtype, seed=n + k + group)
     words = Q.repack(packed)
     y = Q.q4gemv(x, words, s, b, group=group, config=cfg)
+    # the same sums with (scale, bias) pairs read as one word, and with .cg weight loads
+    assert torch.equal(Q.q4gemv(x, words, s, b, group=group, config=cfg,
+                                sb=Q.pair_scales(s, b)), y)
+    if cfg is not None:
+        cg = Q.Q4Config(cfg.block_n, cfg.wt, cg=True)
+        assert torch.equal(Q.q4gemv(x, words, s, b, group=group, config=cg), y)
     ref = Q.q4gemv_ref(x, words, s, b, group=group)
     exact = _exact(x, packed, s, b, group)
     assert y.dtype == dtype and y.shape == (n,)
@@ -109,6 +115,10 @@ def test_q4gemv_rejects_bad_shapes():
         Q.q4gemv(x[:512], words, s, b, group=64)
     with pytest.raises(ValueError, match="scales"):
         Q.q4gemv(x, words, s[:, :8], b[:, :8], group=64)
+    with pytest.raises(ValueError, match="sb"):
+        Q.q4gemv(x, words, s, b, group=64, sb=Q.pair_scales(s, b)[:4])
+    with pytest.raises(ValueError, match="16-bit"):
+        Q.pair_scales(s.float(), b.float())
     with pytest.raises(ValueError, match="tile"):
         Q.q4gemv(x, words, s, b, group=64, config=Q.Q4Config(block_n=8, wt=256))
     assert not Q.supported(64, 1000, torch.bfloat16)

@@ -52,13 +52,15 @@ class Q4Config:
     WT / 128, so that each thread owns 4 words of every row of the tile)."""
     block_n: int = 16
     wt: int = 512
+    cg: bool = False
+    maxnreg: int | None = None
 
     @property
     def num_warps(self) -> int:
         return self.wt // (32 * WORDS_PER_THREAD)
 
     def label(self) -> str:
-        return f"bn{self.block_n}_wt{self.wt}"
+        return f"bn{self.block_n}_wt{self.wt}_cg{int(self.cg)}_r{self.maxnreg or 0}"
 
 
 def supported(group: int, k: int, dtype: torch.dtype) -> bool:
@@ -105,6 +107,13 @@ def unrepack(words: Tensor) -> Tensor:
     return (q << shifts).sum(-1, dtype=torch.int32).reshape(n, kw).contiguous()
 
 
+def pair_scales(scales: Tensor, biases: Tensor) -> Tensor:
+    """(scale, bias) pairs [N, NG, 2] in the scales' 16-bit dtype: one 32-bit load per pair."""
+    if scales.dtype not in (torch.bfloat16, torch.float16) or biases.dtype != scales.dtype:
+        raise ValueError(f"q4gemv: 16-bit scales and biases, got {scales.dtype}/{biases.dtype}")
+    return torch.stack([scales, biases], -1).contiguous()
+
+
 # ====================================================================== torch twin (oracle)
 def q4gemv_ref(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: int,
                out: Tensor | None = None, config: Q4Config | None = None) -> Tensor:
@@ -132,7 +141,7 @@ if HAVE_TRITON:
     @triton.jit
     def _q4gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, zero, K: tl.constexpr,
                        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, WT: tl.constexpr,
-                       EVEN_N: tl.constexpr):
+                       EVEN_N: tl.constexpr, SB: tl.constexpr, CG: tl.constexpr):
         pid = tl.program_id(0)
         KW: tl.constexpr = K // 8  # words per row
         NG: tl.constexpr = K // GROUP
@@ -147,20 +156,31 @@ if HAVE_TRITON:
         wm = (rn < N)[:, None]
         e11 = ((127 + 11) << 23) + zero
         e7 = ((127 + 7) << 23) + zero
+        WCM: tl.constexpr = ".cg" if CG else ""  # weights: read once, L2 only
         if EVEN_N:
-            w = tl.load(wp)
+            w = tl.load(wp, cache_modifier=WCM)
         else:
-            w = tl.load(wp, mask=wm, other=0)
+            w = tl.load(wp, mask=wm, other=0, cache_modifier=WCM)
         acc = tl.zeros([BLOCK_N, WT // 4], dtype=tl.float32)
         for t in range(NT):  # a run-time loop: unrolled tiles would not fit in registers
             # the next tile's words go out before this tile's arithmetic (none past the row)
-            wn = tl.load(wp + (t + 1) * WT, mask=wm & (t + 1 < NT), other=0)
-            if EVEN_N:
-                s = tl.load(s_ptr + sp + t * (WT // 4 // CPG)).to(tl.float32)
-                b = tl.load(b_ptr + sp + t * (WT // 4 // CPG)).to(tl.float32)
+            wn = tl.load(wp + (t + 1) * WT, mask=wm & (t + 1 < NT), other=0, cache_modifier=WCM)
+            so = sp + t * (WT // 4 // CPG)
+            if SB:  # (scale, bias) pairs [N, NG, 2] read as one 32-bit word
+                sdt = s_ptr.dtype.element_ty
+                sbp = s_ptr.to(tl.pointer_type(tl.int32)) + so
+                if EVEN_N:
+                    sb = tl.load(sbp)
+                else:
+                    sb = tl.load(sbp, mask=wm, other=0)
+                s = (sb & 0xFFFF).to(tl.int16).to(sdt, bitcast=True).to(tl.float32)
+                b = (sb >> 16).to(tl.int16).to(sdt, bitcast=True).to(tl.float32)
+            elif EVEN_N:
+                s = tl.load(s_ptr + so).to(tl.float32)
+                b = tl.load(b_ptr + so).to(tl.float32)
             else:
-                s = tl.load(s_ptr + sp + t * (WT // 4 // CPG), mask=wm, other=0).to(tl.float32)
-                b = tl.load(b_ptr + sp + t * (WT // 4 // CPG), mask=wm, other=0).to(tl.float32)
+                s = tl.load(s_ptr + so, mask=wm, other=0).to(tl.float32)
+                b = tl.load(b_ptr + so, mask=wm, other=0).to(tl.float32)
             xt = xp + t * WT * 8
             x0 = tl.load(xt).to(tl.float32)
             x1 = tl.load(xt + 4).to(tl.float32)
@@ -194,9 +214,11 @@ if HAVE_TRITON:
 
 
 def q4gemv(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: int,
-           out: Tensor | None = None, config: Q4Config | None = None) -> Tensor:
+           out: Tensor | None = None, config: Q4Config | None = None,
+           sb: Tensor | None = None) -> Tensor:
     """See `q4gemv_ref` (same signature and results up to fp32 summation order). x [K] or
-    [1, K] contiguous; words = `repack(packed)`; returns [N] (or writes `out`)."""
+    [1, K] contiguous; words = `repack(packed)`; sb = `pair_scales(scales, biases)` or None
+    (then the kernel reads scales and biases apart); returns [N] (or writes `out`)."""
     xv = x.reshape(-1)
     k = xv.shape[0]
     n, kw = words.shape
@@ -204,6 +226,8 @@ def q4gemv(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: i
         raise ValueError(f"q4gemv: K={k}, words {tuple(words.shape)}, group {group}, {x.dtype}")
     if scales.shape != (n, k // group) or biases.shape != scales.shape:
         raise ValueError(f"q4gemv: scales/biases {tuple(scales.shape)} != {(n, k // group)}")
+    if sb is not None and (sb.shape != (n, k // group, 2) or not sb.is_contiguous()):
+        raise ValueError(f"q4gemv: sb {tuple(sb.shape)} != {(n, k // group, 2)}")
     if n * kw >= 2**31:
         raise ValueError("q4gemv: the weight has >= 2^31 words (int32 offsets)")
     cfg = config or default_config(n, k)
@@ -211,6 +235,8 @@ def q4gemv(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: i
         raise ValueError(f"q4gemv: tile {cfg.wt} words must divide K/8 = {kw}")
     y = out if out is not None else torch.empty(n, dtype=x.dtype, device=x.device)
     _q4gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        xv, words, scales, biases, y, n, 0, K=k, GROUP=group, BLOCK_N=cfg.block_n, WT=cfg.wt,
-        EVEN_N=n % cfg.block_n == 0, num_warps=cfg.num_warps, num_stages=1)
+        xv, words, scales if sb is None else sb, biases, y, n, 0, K=k, GROUP=group,
+        BLOCK_N=cfg.block_n, WT=cfg.wt, EVEN_N=n % cfg.block_n == 0, SB=sb is not None,
+        CG=cfg.cg, num_warps=cfg.num_warps, num_stages=1,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return y
