@@ -100,7 +100,7 @@ def sweep(shapes: list[str], budget_s: float, only: str | None = None) -> list[d
                         round(nbytes / us / 1e3, 1)))
         res.sort(key=lambda r: r[1])
         row["best"] = res[:6]
-        row["default"] = Q.default_config(n, k).label() + "_sb0"
+        row["default"] = Q.default_config(n, k).label() + "_sb1"
         row["default_us"] = next((r[1] for r in res if r[0] == row["default"]), None)
         print(json.dumps(row), flush=True)
         rows.append(row)

@@ -66,7 +66,7 @@ def test_single_row_decode_takes_q4gemv(monkeypatch):
     qw = QuantWeight.from_tensors(w, s, b, spec, compute_dtype=torch.bfloat16, device="cpu")
     qw.packed, qw.i4, qw.i4_sz = w, None, None  # the CUDA layout, without tinygemm's copy
     assert qcuda.q4gemv_supported(qw)
-    qw.q4 = qcuda.q4gemv_pack(w)
+    qw.q4, qw.q4_sb = qcuda.q4gemv_pack(w, s, b)
     x = torch.randn(1, k, generator=g).to(torch.bfloat16)
     y = qcuda.linear(qw, x)
     want = x.float() @ ref_dequantize(w, s.float(), b.float(), spec, dtype=torch.float32).t()

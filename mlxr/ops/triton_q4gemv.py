@@ -70,17 +70,18 @@ def supported(group: int, k: int, dtype: torch.dtype) -> bool:
 
 
 def default_config(n: int, k: int, sm_count: int = 132) -> Q4Config:
-    """The H200 sweep's winners (benchmarks/gpu_q4gemv_sweep.py, docs/perf.md): the largest
-    tile (<= 512 words) that divides a row; 8 rows per program, 4 where that leaves fewer than
-    two programs per SM, 16 for very tall, short matrices (a 0.6B-style LM head)."""
+    """The H200 sweeps' winners (benchmarks/gpu_q4gemv_sweep.py, docs/perf.md): the largest
+    tile (<= 512 words) that divides a row; .cg weight loads; 8 rows per program, 4 for long
+    rows (K >= 8192), small matrices (<= 8M weights) or fewer than two programs per SM, 16 for
+    very tall, short matrices (a 0.6B-style LM head)."""
     kw = k // 8
     wt = next(t for t in (512, 256, 128) if kw % t == 0)
     block_n = 16 if n >= 65536 and k <= 2048 else 8
-    if -(-n // block_n) < 2 * sm_count:
+    if k >= 8192 or n * k <= 8 << 20 or -(-n // block_n) < 2 * sm_count:
         block_n = 4
     if _interpret():  # the interpreter runs programs one by one: few, large ones keep CI fast
         block_n = max(block_n, 16)
-    return Q4Config(block_n=block_n, wt=wt)
+    return Q4Config(block_n=block_n, wt=wt, cg=True)
 
 
 # ====================================================================== repack (load time)

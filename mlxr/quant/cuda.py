@@ -1,9 +1,9 @@
 """CUDA matmul paths for QuantWeight, chosen by batch size (measured on the H200, docs/perf.md).
 
 - single-request decode (M = 1), affine 4-bit, bf16/fp16: `mlxr.ops.triton_q4gemv` on a
-  load-time repack of the codes (`q4`; same bytes). H200 (benchmarks/gpu_q4gemv_sweep.py):
-  1.2-2x faster than tinygemm at every Llama-8B / Qwen3-0.6B shape (8B gate_up 28.2 vs 39.0 us,
-  LM head 98.6 vs 150.4 us). Env `MLXR_Q4GEMV=0` (read at every call) sends M = 1 to tinygemm.
+  load-time repack of the codes (`q4`, same bytes) and of the scales and biases into pairs
+  (`q4_sb`). H200 (benchmarks/gpu_q4gemv_sweep.py): faster than tinygemm at every Llama-8B /
+  Qwen3-0.6B shape (8B gate_up 26.0 vs 38.9 us, LM head 92.4 vs 150.6 us). Env `MLXR_Q4GEMV=0` (read at every call) sends M = 1 to tinygemm.
 - decode (M <= 32), affine 4-bit: torch's tinygemm kernel (`_weight_int4pack_mm`), fed by a
   one-time load repack of the mlx codes (nibble order swapped, torch's tiled layout). It
   computes `x @ ((q - 8) * s + z)^T` per group, so mlx's `w = s*q + b` maps to `z = b + 8*s`.
@@ -64,13 +64,16 @@ def q4gemv_supported(qw) -> bool:
     sp = qw.spec
     return (sp.mode == "affine" and sp.bits == 4 and qw.packed is not None
             and triton_q4gemv.supported(sp.group_size, qw.in_features, qw.compute_dtype)
+            and qw.scales.dtype in (torch.bfloat16, torch.float16)
+            and qw.biases.dtype == qw.scales.dtype
             and qw.out_features * qw.in_features // 8 < 2**31)
 
 
-def q4gemv_pack(packed: Tensor) -> Tensor:
+def q4gemv_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tensor, Tensor]:
+    """The load-time copies triton_q4gemv reads: repacked words, (scale, bias) pairs."""
     from ..ops import triton_q4gemv
 
-    return triton_q4gemv.repack(packed)
+    return triton_q4gemv.repack(packed), triton_q4gemv.pair_scales(scales, biases)
 
 
 def dequant_supported(qw) -> bool:
@@ -142,8 +145,8 @@ def linear(qw, x: Tensor) -> Tensor | None:
     if m == 1 and qw.q4 is not None and os.environ.get("MLXR_Q4GEMV", "") != "0":
         from ..ops import triton_q4gemv
 
-        return triton_q4gemv.q4gemv(x, qw.q4, qw.scales, qw.biases,
-                                    group=qw.spec.group_size).view(1, -1)
+        return triton_q4gemv.q4gemv(x, qw.q4, qw.scales, qw.biases, group=qw.spec.group_size,
+                                    sb=qw.q4_sb).view(1, -1)
     if m <= TINYGEMM_MAX_M and qw.i4 is not None:
         return torch._weight_int4pack_mm(x, qw.i4, qw.spec.group_size, qw.i4_sz)
     if m > DECODE_MAX_M and qw.compute_dtype != torch.float32 and dequant_supported(qw):

@@ -7,7 +7,7 @@ Storage (chosen at load time, see `from_tensors`):
                  per call), or
   * `i4`       - torch's packed int4 CPU tensor + bf16 scales_and_zeros (fast-mode affine 4-bit).
 On CUDA `packed` is always kept; affine 4-bit adds two load-time repacks of it for decode:
-`i4`/`i4_sz` (tinygemm, 2-32 rows) and `q4` (`mlxr.ops.triton_q4gemv`, one row).
+`i4`/`i4_sz` (tinygemm, 2-32 rows) and `q4`/`q4_sb` (`mlxr.ops.triton_q4gemv`, one row).
 Scales/biases stay in their file dtype, except in exact mode (compute_dtype float32) where they
 are cast to float32 once: dequant then is `q*s + b` in fp32 (two fp32 roundings), exactly what
 mlx computes with fp32 params.
@@ -60,6 +60,7 @@ class QuantWeight:
         self.i4: Tensor | None = None
         self.i4_sz: Tensor | None = None
         self.q4: Tensor | None = None
+        self.q4_sb: Tensor | None = None
         self.scales: Tensor | None = None
         self.biases: Tensor | None = None
         self.global_scale: Tensor | None = None
@@ -112,7 +113,7 @@ class QuantWeight:
             if cuda.tinygemm_supported(self):  # decode path; the words stay for prefill
                 self.i4, self.i4_sz = cuda.tinygemm_pack(self.packed, self.scales, self.biases)
             if cuda.q4gemv_supported(self):  # single-request decode (M = 1)
-                self.q4 = cuda.q4gemv_pack(self.packed)
+                self.q4, self.q4_sb = cuda.q4gemv_pack(self.packed, self.scales, self.biases)
         elif bits == 8:
             self.codes = packed.contiguous().view(torch.uint8)  # [out, in], zero-copy
         elif bits in (3, 5, 6) and not exact:
@@ -124,8 +125,8 @@ class QuantWeight:
     # ------------------------------------------------------------------ properties
     @property
     def nbytes(self) -> int:
-        ts = (self.packed, self.codes, self.i4, self.i4_sz, self.q4, self.scales, self.biases,
-              self.global_scale)
+        ts = (self.packed, self.codes, self.i4, self.i4_sz, self.q4, self.q4_sb, self.scales,
+              self.biases, self.global_scale)
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     @property
