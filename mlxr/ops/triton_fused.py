@@ -28,6 +28,7 @@ The Triton interpreter (TRITON_INTERPRET=1) truncates fp32 -> bf16 casts; CUDA r
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -50,6 +51,22 @@ ATTN_MAX_BLOCK_M = 64  # query rows (rep * T) per program; more rows -> another 
 
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch for the single-request decode chain (read at every call,
+    i.e. when a CUDA graph is captured): the norm, gated-act and attention-combine kernels
+    let the next grid launch early (`griddepcontrol.launch_dependents`), and
+    `triton_q4gemv` launches with PDL, streams its first weight tile, then waits for that
+    grid (`griddepcontrol.wait`: all its writes visible) before touching anything else.
+    On Hopper and later, never in the interpreter; env MLXR_PDL=0 turns it off."""
+    return (device.type == "cuda" and not _interpret() and os.environ.get("MLXR_PDL", "") != "0"
+            and _hopper(device.index if device.index is not None else torch.cuda.current_device()))
 
 
 def _p2(n: int) -> int:
@@ -124,7 +141,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gated_act_kernel(g_ptr, u_ptr, o_ptr, sg, su, F, ACT: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
+        if TRIGGER:  # the next grid (a PDL-launched GEMV) may start streaming its weights
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = c < F
@@ -230,7 +249,10 @@ if HAVE_TRITON:
     @triton.jit
     def _attn_combine_kernel(pacc_ptr, pml_ptr, o_ptr, T: tl.constexpr, REP: tl.constexpr,
                              H: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                             TRIGGER: tl.constexpr):
+        if TRIGGER:  # the next grid (a PDL-launched GEMV) may start streaming its weights
+            tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
         RT: tl.constexpr = REP * T
         g = pid // RT
@@ -305,7 +327,7 @@ def gated_act(gate: Tensor, up: Tensor, act: str) -> Tensor:
         block = min(1024, _p2(f))
         _gated_act_kernel[(n, triton.cdiv(f, block))](
             gate, up, out, gate.stride(0), up.stride(0), f, ACT=ACTS[act], BLOCK=block,
-            num_warps=_warps(block))
+            TRIGGER=pdl(out.device), num_warps=_warps(block))
     return out.reshape(shape)
 
 
@@ -362,7 +384,7 @@ def attention_masked_split(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, sca
     if not single:
         _attn_combine_kernel[(kh * rt,)](
             pacc, pml, out, T=t, REP=rep, H=h, D=d, NSPLIT=nsplit, BLOCK_N=_p2(nsplit),
-            BLOCK_D=block_d, num_warps=_warps(_p2(nsplit) * block_d))
+            BLOCK_D=block_d, TRIGGER=pdl(out.device), num_warps=_warps(_p2(nsplit) * block_d))
     return out
 
 

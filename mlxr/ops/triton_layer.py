@@ -23,13 +23,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .triton_fused import _p2, _warps
+from .triton_fused import _p2, _warps, pdl
 
 
 @triton.jit
 def _add_rms_norm_kernel(h_ptr, r_ptr, w_ptr, s_ptr, y_ptr, n_rows, sh, sr, eps, offset,
                          E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                         HAS_OFFSET: tl.constexpr):
+                         HAS_OFFSET: tl.constexpr, TRIGGER: tl.constexpr):
+    if TRIGGER:  # the next grid (a PDL-launched GEMV) may start streaming its weights
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_E)
     cmask = cols < E
@@ -137,7 +139,7 @@ def add_rms_norm(h: Tensor, r: Tensor, weight: Tensor, eps: float,
         block_m = max(1, min(_p2(n), 4096 // block_e))
         _add_rms_norm_kernel[(triton.cdiv(n, block_m),)](
             h, r, w, s, y, n, h.stride(0), r.stride(0), float(eps), float(offset), E=e,
-            BLOCK_M=block_m, BLOCK_E=block_e, HAS_OFFSET=bool(offset),
+            BLOCK_M=block_m, BLOCK_E=block_e, HAS_OFFSET=bool(offset), TRIGGER=pdl(y.device),
             num_warps=_warps(block_m * block_e))
     return s.reshape(shape), y.reshape(shape)
 

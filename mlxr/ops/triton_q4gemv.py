@@ -25,6 +25,9 @@ loop, 16-byte weight loads, ~3 instructions per code):
 * A program owns BLOCK_N whole rows and walks K in tiles of WT words (4 per thread: WT = 128 x
   num_warps), the next tile's words loaded before the current tile's arithmetic; no split-K,
   so one launch and a fixed summation order.
+* Programmatic dependent launch (`triton_fused.pdl`; Hopper, MLXR_PDL=0 turns it off): the
+  kernel is launched before the previous grid ends, issues its first tile's weight loads (the
+  weights are never written), then waits for that grid before reading x or the scales.
 
 `q4gemv_ref` is the plain-torch twin with the same signature (the tests' oracle).
 """
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .triton_fused import HAVE_TRITON, _interpret
+from .triton_fused import HAVE_TRITON, _interpret, pdl
 
 if HAVE_TRITON:
     import triton
@@ -142,7 +145,8 @@ if HAVE_TRITON:
     @triton.jit
     def _q4gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, zero, K: tl.constexpr,
                        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, WT: tl.constexpr,
-                       EVEN_N: tl.constexpr, SB: tl.constexpr, CG: tl.constexpr):
+                       EVEN_N: tl.constexpr, SB: tl.constexpr, CG: tl.constexpr,
+                       GDC: tl.constexpr):
         pid = tl.program_id(0)
         KW: tl.constexpr = K // 8  # words per row
         NG: tl.constexpr = K // GROUP
@@ -162,6 +166,9 @@ if HAVE_TRITON:
             w = tl.load(wp, cache_modifier=WCM)
         else:
             w = tl.load(wp, mask=wm, other=0, cache_modifier=WCM)
+        if GDC:  # launched early (PDL): the weights above stream in while the previous grid
+            # finishes; x, scales and the output are touched only after it completed
+            tl.extra.cuda.gdc_wait()
         acc = tl.zeros([BLOCK_N, WT // 4], dtype=tl.float32)
         for t in range(NT):  # a run-time loop: unrolled tiles would not fit in registers
             # the next tile's words go out before this tile's arithmetic (none past the row)
@@ -235,9 +242,10 @@ def q4gemv(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: i
     if kw % cfg.wt:
         raise ValueError(f"q4gemv: tile {cfg.wt} words must divide K/8 = {kw}")
     y = out if out is not None else torch.empty(n, dtype=x.dtype, device=x.device)
+    gdc = pdl(x.device)
     _q4gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         xv, words, scales if sb is None else sb, biases, y, n, 0, K=k, GROUP=group,
         BLOCK_N=cfg.block_n, WT=cfg.wt, EVEN_N=n % cfg.block_n == 0, SB=sb is not None,
-        CG=cfg.cg, num_warps=cfg.num_warps, num_stages=1,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+        CG=cfg.cg, GDC=gdc, num_warps=cfg.num_warps, num_stages=1,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **({"launch_pdl": True} if gdc else {}))
     return y
