@@ -141,7 +141,7 @@ if HAVE_TRITON:
         gives q (no int->float conversion, no shift for fields that end below bit 23). This is
         `triton_gemv._value`'s affine single-word case, but `zero`, a run-time 0, keeps the
         exponent in a register, so mask-and-or is one LOP3 (LOP3 takes one immediate; with both
-        constants folded the compiler emits two: benchmarks/sass_fgemv.py)."""
+        constants folded the compiler emits two: benchmarks/sass_report.py)."""
         SH: tl.constexpr = J * BITS
         MASK: tl.constexpr = (1 << BITS) - 1
         P: tl.constexpr = SH if SH + BITS <= 23 else SH - 9

@@ -2,11 +2,11 @@
 
 Why another GEMV: single-request decode reads every weight once, so this kernel is the decode
 speed. The earlier Triton GEMVs (`triton_gemv`, `triton_fgemv`) reach 0.5-1.2 TB/s on the H200;
-their compiled code (benchmarks/sass_q4gemv.py) shows why: Triton gives the x loads and the
+their compiled code (benchmarks/sass_report.py) shows why: Triton gives the x loads and the
 scale loads other register layouts than the weight tile, so every tile goes through shared
-memory and barriers, and the weight words load 4 bytes at a time (10 instructions per code).
-This kernel is written so that every tensor gets the weight tile's layout (no conversion in the
-loop, 16-byte weight loads, ~3 instructions per code):
+memory (triton_gemv at an 8B shape: 22 barriers, ~10 instructions per code). This kernel is
+written so that x and the scales get the weight tile's own layout (16-byte weight loads, one
+small shared-memory exchange per tile, 3.3-3.8 instructions per code with fixed costs):
 
 * **Load-time repack** (`repack`, once per weight; same bytes): within each run of 32 codes,
   word e (0..3) holds codes k = 32c + 4j + e at nibble j. A thread owns 4 consecutive words
@@ -25,9 +25,9 @@ loop, 16-byte weight loads, ~3 instructions per code):
 * A program owns BLOCK_N whole rows and walks K in tiles of WT words (4 per thread: WT = 128 x
   num_warps), the next tile's words loaded before the current tile's arithmetic; no split-K,
   so one launch and a fixed summation order.
-* Programmatic dependent launch (`triton_fused.pdl`; Hopper, MLXR_PDL=0 turns it off): the
-  kernel is launched before the previous grid ends, issues its first tile's weight loads (the
-  weights are never written), then waits for that grid before reading x or the scales.
+* Programmatic dependent launch (`triton_fused.pdl`, opt-in MLXR_PDL=1): the kernel is
+  launched before the previous grid ends, issues its first tile's weight loads (the weights
+  are never written), then waits for that grid before reading x or the scales.
 
 `q4gemv_ref` is the plain-torch twin with the same signature (the tests' oracle).
 """

@@ -1,0 +1,108 @@
+"""Compile a decode GEMV for sm_90 without a GPU and report its resources and instruction mix: a
+workbench for sessions without device time (registers, spills, shared memory, SASS opcodes per
+code of the program's tile, load widths, barriers, and the layout conversions Triton inserted).
+
+    PYTHONPATH=. python benchmarks/sass_report.py q4gemv K GROUP BLOCK_N WT
+    PYTHONPATH=. python benchmarks/sass_report.py gemv K BITS GROUP BLOCK_N GT [num_warps]
+    PYTHONPATH=. python benchmarks/sass_report.py fgemv K BITS GROUP PRO BLOCK_N KT [num_warps]
+
+Pointer arguments are compiled as 16-byte aligned, as Triton specializes them at a real launch
+(without that, no load is vectorized and the report misleads). Uses the ptxas/cuobjdump that
+Triton ships.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def compile_sm90(fn, sig: dict, const: dict, num_warps: int):
+    sig = dict(sig)
+    sig.update(dict.fromkeys(const, "constexpr"))
+    names = list(sig)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if str(sig[n]).startswith("*")}
+    src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in const.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": 1})
+
+
+def report(ck, codes_per_thread: int) -> None:
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([f"{tools}/cuobjdump", "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([f"{tools}/cuobjdump", "--dump-sass", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    ops: collections.Counter = collections.Counter()
+    mem: collections.Counter = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)(\.[A-Z0-9_.]+)?", line)
+        if m:
+            ops[m.group(2)] += 1
+            if m.group(2) in ("LDG", "STG", "LDS", "STS", "LDSM", "STSM", "BAR", "SHFL"):
+                mem[m.group(2) + (m.group(3) or "")] += 1
+    total = sum(ops.values())
+    converts = ck.asm["ttgir"].count("ttg.convert_layout")
+    print(usage.strip().splitlines()[-1].strip())
+    print(f"{total} SASS instructions, {codes_per_thread} codes per thread per tile "
+          f"({total / codes_per_thread:.2f} per code incl. fixed costs); "
+          f"{converts} convert_layout ops in the TTGIR (equivalent layouts compile to nothing; "
+          f"the BAR and LDS/STS counts show the real ones)")
+    print(", ".join(f"{op} {n}" for op, n in ops.most_common(16)))
+    print("memory/sync:", ", ".join(f"{op} {n}" for op, n in sorted(mem.items())))
+
+
+def main(argv: list[str]) -> None:
+    kind, args = argv[0], [int(a) for a in argv[1:]]
+    if kind == "q4gemv":
+        from mlxr.ops import triton_q4gemv as Q
+
+        k, group, block_n, wt = args[:4]
+        sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16",
+               "y_ptr": "*bf16", "N": "i32", "zero": "i32"}
+        const = dict(K=k, GROUP=group, BLOCK_N=block_n, WT=wt, EVEN_N=True, SB=True, CG=True,
+                     GDC=False)
+        nw = wt // 128
+        report(compile_sm90(Q._q4gemv_kernel, sig, const, nw), block_n * wt * 8 // (32 * nw))
+    elif kind == "gemv":
+        from mlxr.ops import triton_gemv as G
+
+        k, bits, group, block_n, gt = args[:5]
+        nw = args[5] if len(args) > 5 else 4
+        sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16",
+               "gs_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "stride_xm": "i32",
+               "stride_ym": "i32", "stride_ys": "i32"}
+        const = dict(K=k, BITS=bits, GROUP=group, MODE=0, HAS_GS=False, MP=1, SPLIT_K=1,
+                     BLOCK_N=block_n, GT=gt, PREFETCH=1, EVEN_N=True)
+        report(compile_sm90(G._gemv_kernel, sig, const, nw), block_n * gt * group // (32 * nw))
+    elif kind == "fgemv":
+        from mlxr.ops import triton_fgemv as F
+
+        k, bits, group, pro, block_n, kt = args[:6]
+        nw = args[6] if len(args) > 6 else 4
+        sig = {"x_ptr": "*bf16", "r_ptr": "*bf16", "nw_ptr": "*bf16", "h_ptr": "*bf16",
+               "w_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16",
+               "N": "i32", "eps": "fp32", "offset": "fp32", "zero": "i32"}
+        const = {"K": k, "BITS": bits, "GROUP": group, "PRO": pro, "HAS_R": pro == 1,
+                 "HAS_OFFSET": False, "ACT": 0, "BLOCK_N": block_n, "KT": kt,
+                 "BLOCK_E": triton.next_power_of_2(k), "GDC": False}
+        report(compile_sm90(F._fgemv_kernel, sig, const, nw), block_n * kt // (32 * nw))
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
