@@ -43,14 +43,16 @@ def weights(n, k, copies):
 
 def variants(n, k):
     """(config, paired scales?) launches: rows per program x tile (the default's and 128
-    words) x paired scale/bias loads x .cg weight loads, and a register cap on the last."""
+    words), one-shot and grid-stride (2 or 4 programs per SM), paired scale/bias loads and
+    .cg weights (the second sweep's winners); the default launch first."""
     d = Q.default_config(n, k)
+    yield d, True
     for wt in sorted({d.wt, 128}, reverse=True):
         for bn in sorted({4, 8, d.block_n}):
-            for sb in (False, True):
-                for cg in (False, True):
-                    yield Q.Q4Config(block_n=bn, wt=wt, cg=cg), sb
-            yield Q.Q4Config(block_n=bn, wt=wt, cg=True, maxnreg=64), True
+            for per_sm in (0, 2, 4):
+                cfg = Q.Q4Config(block_n=bn, wt=wt, cg=True, per_sm=per_sm)
+                if cfg != d:
+                    yield cfg, True
 
 
 def check(n, k, w, s, b, x) -> dict:

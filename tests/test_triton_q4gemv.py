@@ -123,3 +123,19 @@ def test_q4gemv_rejects_bad_shapes():
         Q.q4gemv(x, words, s, b, group=64, config=Q.Q4Config(block_n=8, wt=256))
     assert not Q.supported(64, 1000, torch.bfloat16)
     assert not Q.supported(64, 1024, torch.float32)
+
+
+@pytest.mark.parametrize("n,k,bn,wt,g", [
+    (37, 2048, 4, 128, 3),    # 10 row blocks over 3 programs, 2 tiles each, ragged last block
+    (64, 1024, 8, 128, 2),    # one tile per row block: a store every step
+    (40, 3072, 4, 128, 7),    # 3 tiles, K not a power of two
+])
+def test_grid_stride_form_is_bit_identical(monkeypatch, n, k, bn, wt, g):
+    """The grid-stride launch sums in the same order as the one-shot launch: same bits."""
+    packed, s, b, x = _weights(n, k, 64, torch.bfloat16, seed=n * k)
+    words, sb = Q.repack(packed), Q.pair_scales(s, b)
+    one = Q.q4gemv(x, words, s, b, group=64, sb=sb, config=Q.Q4Config(bn, wt))
+    monkeypatch.setattr(Q, "_sm_count", lambda dev: 1)  # G = per_sm programs
+    gs = Q.q4gemv(x, words, s, b, group=64, sb=sb, config=Q.Q4Config(bn, wt, per_sm=g))
+    assert torch.equal(gs, one)
+    assert not torch.equal(gs, torch.zeros_like(gs))

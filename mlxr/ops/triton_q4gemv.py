@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from .triton_fused import HAVE_TRITON, _interpret, pdl
+from .triton_qmm import _sm_count
 
 if HAVE_TRITON:
     import triton
@@ -57,13 +58,15 @@ class Q4Config:
     wt: int = 512
     cg: bool = False
     maxnreg: int | None = None
+    per_sm: int = 0  # > 0: the grid-stride form with this many programs per SM
 
     @property
     def num_warps(self) -> int:
         return self.wt // (32 * WORDS_PER_THREAD)
 
     def label(self) -> str:
-        return f"bn{self.block_n}_wt{self.wt}_cg{int(self.cg)}_r{self.maxnreg or 0}"
+        return (f"bn{self.block_n}_wt{self.wt}_cg{int(self.cg)}_r{self.maxnreg or 0}"
+                f"_gs{self.per_sm}")
 
 
 def supported(group: int, k: int, dtype: torch.dtype) -> bool:
@@ -143,6 +146,53 @@ if HAVE_TRITON:
         return ((src & (15 << P)) | expo).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _tile(w, x_ptr, s_ptr, b_ptr, so, wm, e11, e7, SB: tl.constexpr, MASKED: tl.constexpr,
+              BLOCK_N: tl.constexpr, WT: tl.constexpr):
+        """One tile's contribution [BLOCK_N, WT/4] (per 32-code chunk: s * dot(q, x) + b *
+        sum(x)). w [BLOCK_N, WT] words, x_ptr the tile's x (+ (word // 4) * 32 + word % 4 per
+        word), so [BLOCK_N, WT/4] the chunks' scale offsets, wm the row mask."""
+        if SB:  # (scale, bias) pairs [N, NG, 2] read as one 32-bit word
+            sdt = s_ptr.dtype.element_ty
+            sbp = s_ptr.to(tl.pointer_type(tl.int32)) + so
+            if MASKED:
+                sb = tl.load(sbp, mask=wm, other=0)
+            else:
+                sb = tl.load(sbp)
+            s = (sb & 0xFFFF).to(tl.int16).to(sdt, bitcast=True).to(tl.float32)
+            b = (sb >> 16).to(tl.int16).to(sdt, bitcast=True).to(tl.float32)
+        elif MASKED:
+            s = tl.load(s_ptr + so, mask=wm, other=0).to(tl.float32)
+            b = tl.load(b_ptr + so, mask=wm, other=0).to(tl.float32)
+        else:
+            s = tl.load(s_ptr + so).to(tl.float32)
+            b = tl.load(b_ptr + so).to(tl.float32)
+        cw = tl.arange(0, WT)
+        xt = x_ptr + (cw // 4) * 32 + cw % 4  # + 4j: the x of nibble j of each word
+        x0 = tl.load(xt).to(tl.float32)
+        x1 = tl.load(xt + 4).to(tl.float32)
+        x2 = tl.load(xt + 8).to(tl.float32)
+        x3 = tl.load(xt + 12).to(tl.float32)
+        x4 = tl.load(xt + 16).to(tl.float32)
+        x5 = tl.load(xt + 20).to(tl.float32)
+        x6 = tl.load(xt + 24).to(tl.float32)
+        x7 = tl.load(xt + 28).to(tl.float32)
+        # fields at P = 12 or 16 (E = 11, 7) of w, w << 4, w << 12, w >> 4, w >> 12;
+        # per column: -sum_j 2^E_j x_j (E per nibble: 11 7 11 11 7 7 11 7)
+        cneg = -(2048.0 * ((x0 + x2) + (x3 + x6)) + 128.0 * ((x1 + x4) + (x5 + x7)))
+        dq = _f(w << 12, 12, e11) * x0[None, :] + cneg[None, :]
+        dq += _f(w << 4, 12, e11) * x2[None, :]
+        dq += _f(w, 12, e11) * x3[None, :]
+        dq += _f(w >> 12, 12, e11) * x6[None, :]
+        dq += _f(w << 12, 16, e7) * x1[None, :]
+        dq += _f(w, 16, e7) * x4[None, :]
+        dq += _f(w >> 4, 16, e7) * x5[None, :]
+        dq += _f(w >> 12, 16, e7) * x7[None, :]
+        xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+        xs = tl.sum(tl.reshape(xs, [WT // 4, 4]), axis=1)  # per chunk
+        dqc = tl.sum(tl.reshape(dq, [BLOCK_N, WT // 4, 4]), axis=2)  # per chunk
+        return s * dqc + b * xs[None, :]
+
+    @triton.jit
     def _q4gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, zero, K: tl.constexpr,
                        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, WT: tl.constexpr,
                        EVEN_N: tl.constexpr, SB: tl.constexpr, CG: tl.constexpr,
@@ -157,7 +207,6 @@ if HAVE_TRITON:
         ch = tl.arange(0, WT // 4)  # chunk of the tile
         wp = w_ptr + rn[:, None] * KW + cw[None, :]  # [BLOCK_N, WT], int32 offsets (launcher)
         sp = rn[:, None] * NG + (ch // CPG)[None, :]  # [BLOCK_N, WT/4]
-        xp = x_ptr + (cw // 4) * 32 + cw % 4  # + 4j: the x of nibble j of each word
         wm = (rn < N)[:, None]
         e11 = ((127 + 11) << 23) + zero
         e7 = ((127 + 7) << 23) + zero
@@ -173,52 +222,56 @@ if HAVE_TRITON:
         for t in range(NT):  # a run-time loop: unrolled tiles would not fit in registers
             # the next tile's words go out before this tile's arithmetic (none past the row)
             wn = tl.load(wp + (t + 1) * WT, mask=wm & (t + 1 < NT), other=0, cache_modifier=WCM)
-            so = sp + t * (WT // 4 // CPG)
-            if SB:  # (scale, bias) pairs [N, NG, 2] read as one 32-bit word
-                sdt = s_ptr.dtype.element_ty
-                sbp = s_ptr.to(tl.pointer_type(tl.int32)) + so
-                if EVEN_N:
-                    sb = tl.load(sbp)
-                else:
-                    sb = tl.load(sbp, mask=wm, other=0)
-                s = (sb & 0xFFFF).to(tl.int16).to(sdt, bitcast=True).to(tl.float32)
-                b = (sb >> 16).to(tl.int16).to(sdt, bitcast=True).to(tl.float32)
-            elif EVEN_N:
-                s = tl.load(s_ptr + so).to(tl.float32)
-                b = tl.load(b_ptr + so).to(tl.float32)
-            else:
-                s = tl.load(s_ptr + so, mask=wm, other=0).to(tl.float32)
-                b = tl.load(b_ptr + so, mask=wm, other=0).to(tl.float32)
-            xt = xp + t * WT * 8
-            x0 = tl.load(xt).to(tl.float32)
-            x1 = tl.load(xt + 4).to(tl.float32)
-            x2 = tl.load(xt + 8).to(tl.float32)
-            x3 = tl.load(xt + 12).to(tl.float32)
-            x4 = tl.load(xt + 16).to(tl.float32)
-            x5 = tl.load(xt + 20).to(tl.float32)
-            x6 = tl.load(xt + 24).to(tl.float32)
-            x7 = tl.load(xt + 28).to(tl.float32)
-            # fields at P = 12 or 16 (E = 11, 7) of w, w << 4, w << 12, w >> 4, w >> 12;
-            # per column: -sum_j 2^E_j x_j (E per nibble: 11 7 11 11 7 7 11 7)
-            cneg = -(2048.0 * ((x0 + x2) + (x3 + x6)) + 128.0 * ((x1 + x4) + (x5 + x7)))
-            dq = _f(w << 12, 12, e11) * x0[None, :] + cneg[None, :]
-            dq += _f(w << 4, 12, e11) * x2[None, :]
-            dq += _f(w, 12, e11) * x3[None, :]
-            dq += _f(w >> 12, 12, e11) * x6[None, :]
-            dq += _f(w << 12, 16, e7) * x1[None, :]
-            dq += _f(w, 16, e7) * x4[None, :]
-            dq += _f(w >> 4, 16, e7) * x5[None, :]
-            dq += _f(w >> 12, 16, e7) * x7[None, :]
-            xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
-            xs = tl.sum(tl.reshape(xs, [WT // 4, 4]), axis=1)  # per chunk
-            dqc = tl.sum(tl.reshape(dq, [BLOCK_N, WT // 4, 4]), axis=2)  # per chunk
-            acc += s * dqc + b * xs[None, :]
+            acc += _tile(w, x_ptr + t * WT * 8, s_ptr, b_ptr, sp + t * (WT // 4 // CPG), wm,
+                         e11, e7, SB, not EVEN_N, BLOCK_N, WT)
             w = wn
         y = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty)
         if EVEN_N:
             tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
         else:
             tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+    @triton.jit
+    def _q4gemv_gs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, zero, K: tl.constexpr,
+                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, WT: tl.constexpr,
+                          SB: tl.constexpr, CG: tl.constexpr, ITERS: tl.constexpr):
+        """Grid-stride form: a program walks the (row block, tile) steps pid, pid + G, ...
+        (G programs), the next step's words loaded before this step's arithmetic, so a
+        program always has a tile in flight and the programs of an SM drift out of step
+        (the one-shot form loads, then computes, in lockstep: docs/perf.md). Every program
+        runs ITERS = ceil(NB / G) * NT steps; steps past the last row block are masked."""
+        pid = tl.program_id(0)
+        G = tl.num_programs(0)
+        KW: tl.constexpr = K // 8
+        NG: tl.constexpr = K // GROUP
+        CPG: tl.constexpr = GROUP // 32
+        NT: tl.constexpr = KW // WT
+        r0 = tl.arange(0, BLOCK_N)
+        cw = tl.arange(0, WT)
+        ch = tl.arange(0, WT // 4)
+        e11 = ((127 + 11) << 23) + zero
+        e7 = ((127 + 7) << 23) + zero
+        WCM: tl.constexpr = ".cg" if CG else ""
+        rn = pid * BLOCK_N + r0
+        w = tl.load(w_ptr + rn[:, None] * KW + cw[None, :], mask=(rn < N)[:, None], other=0,
+                    cache_modifier=WCM)
+        acc = tl.zeros([BLOCK_N, WT // 4], dtype=tl.float32)
+        for it in range(ITERS):
+            t = it % NT
+            rn = (pid + (it // NT) * G) * BLOCK_N + r0
+            wm = (rn < N)[:, None]
+            nxt = it + 1
+            nrn = (pid + (nxt // NT) * G) * BLOCK_N + r0
+            wn = tl.load(w_ptr + nrn[:, None] * KW + (nxt % NT) * WT + cw[None, :],
+                         mask=(nrn < N)[:, None] & (nxt < ITERS), other=0, cache_modifier=WCM)
+            so = rn[:, None] * NG + t * (WT // 4 // CPG) + (ch // CPG)[None, :]
+            acc += _tile(w, x_ptr + t * WT * 8, s_ptr, b_ptr, so, wm, e11, e7, SB, True,
+                         BLOCK_N, WT)
+            if t == NT - 1:
+                y = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty)
+                tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+                acc = tl.zeros([BLOCK_N, WT // 4], dtype=tl.float32)
+            w = wn
 
 
 def q4gemv(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: int,
@@ -242,10 +295,23 @@ def q4gemv(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: i
     if kw % cfg.wt:
         raise ValueError(f"q4gemv: tile {cfg.wt} words must divide K/8 = {kw}")
     y = out if out is not None else torch.empty(n, dtype=x.dtype, device=x.device)
+    extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
+    nb = triton.cdiv(n, cfg.block_n)
+    if cfg.per_sm > 0:  # grid-stride: G <= NB programs, offsets up to (NB + G) rows
+        g = max(1, min(nb, cfg.per_sm * _sm_count(x.device)))
+        if (nb + g) * cfg.block_n * kw >= 2**31:
+            raise ValueError("q4gemv: the weight is too large for int32 offsets")
+        _q4gemv_gs_kernel[(g,)](
+            xv, words, scales if sb is None else sb, biases, y, n, 0, K=k, GROUP=group,
+            BLOCK_N=cfg.block_n, WT=cfg.wt, SB=sb is not None, CG=cfg.cg,
+            ITERS=triton.cdiv(nb, g) * (kw // cfg.wt), num_warps=cfg.num_warps, num_stages=1,
+            **extra)
+        return y
     gdc = pdl(x.device)
-    _q4gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+    if gdc:
+        extra["launch_pdl"] = True
+    _q4gemv_kernel[(nb,)](
         xv, words, scales if sb is None else sb, biases, y, n, 0, K=k, GROUP=group,
         BLOCK_N=cfg.block_n, WT=cfg.wt, EVEN_N=n % cfg.block_n == 0, SB=sb is not None,
-        CG=cfg.cg, GDC=gdc, num_warps=cfg.num_warps, num_stages=1,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **({"launch_pdl": True} if gdc else {}))
+        CG=cfg.cg, GDC=gdc, num_warps=cfg.num_warps, num_stages=1, **extra)
     return y
