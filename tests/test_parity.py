@@ -164,3 +164,12 @@ def test_static_decode_step_equals_eager(built, family):
             got = dec.forward_static(torch.tensor([seq[p]]), torch.tensor([p]), static.pool,
                                      tables, key_pos)[0]
             assert torch.allclose(got, want, rtol=0, atol=1e-4 * float(want.max() - want.min()))
+
+
+@pytest.mark.parametrize("family,untied", [("llama", True), ("qwen3", False)])
+def test_untied_embedding_is_gather_only(built, family, untied):
+    """An untied quantized embedding is only gathered: the loader marks it so that no decode
+    copies are built for it on CUDA; a tied one is also the LM head."""
+    m = built(family, "q4g64").model32
+    assert m.decoder.embed.weight.matmul is (not untied)
+    assert all(ln.weight.matmul for ln in (m.decoder.layers[0].o_proj,))

@@ -163,16 +163,17 @@ class _Builder:
         return RawQuant(self.load(path + ".weight"), self.load(path + ".scales"),
                         biases, spec, gscale)
 
-    def quant(self, raw: RawQuant) -> QuantWeight | RawQuant:
+    def quant(self, raw: RawQuant, matmul: bool = True) -> QuantWeight | RawQuant:
         if self.dry_run:
             return raw
         return QuantWeight.from_tensors(raw.weight, raw.scales, raw.biases, raw.spec,
                                         global_scale=raw.global_scale, compute_dtype=self.dtype,
-                                        device=self.device)
+                                        device=self.device, matmul=matmul)
 
-    def linear(self, parts: list[tuple[str, int, int, bool]]) -> Linear:
+    def linear(self, parts: list[tuple[str, int, int, bool]], matmul: bool = True) -> Linear:
         """One Linear for projections of the same input, stacked along the output dim (one
-        matmul instead of several) when they share a storage format."""
+        matmul instead of several) when they share a storage format. `matmul=False`: only
+        gathered (an untied embedding; see QuantWeight.from_tensors)."""
         ws = [self.weight(path, out, inp) for path, out, inp, _ in parts]
         bs: list = [None] * len(parts)
         if any(p[3] for p in parts):  # a part without a bias contributes zeros
@@ -181,7 +182,8 @@ class _Builder:
                   for path, out, _, has in parts]
         bias = None if bs[0] is None else torch.cat(bs)
         if len(ws) == 1:
-            return Linear(ws[0] if isinstance(ws[0], torch.Tensor) else self.quant(ws[0]), bias)
+            return Linear(ws[0] if isinstance(ws[0], torch.Tensor) else
+                          self.quant(ws[0], matmul), bias)
         if all(isinstance(w, torch.Tensor) for w in ws):
             return Linear(torch.cat(ws), bias)
         if all(isinstance(w, RawQuant) and w.spec == ws[0].spec and w.global_scale is None
@@ -240,7 +242,7 @@ def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
             post_attn_norm=norm(p + "post_attention_layernorm") if sandwich else None,
             post_mlp_norm=norm(p + "post_feedforward_layernorm") if sandwich else None,
         ))
-    embed = linear("model.embed_tokens")
+    embed = b.linear([("model.embed_tokens", *table["model.embed_tokens"][1:])], matmul=tied)
     lm_head = None if tied else linear("lm_head")
     final_norm = norm("model.norm")
     unexpected = sorted(names - b.used - ignored)

@@ -61,6 +61,7 @@ class QuantWeight:
         self.i4_sz: Tensor | None = None
         self.q4: Tensor | None = None
         self.q4_sb: Tensor | None = None
+        self.matmul = True
         self.scales: Tensor | None = None
         self.biases: Tensor | None = None
         self.global_scale: Tensor | None = None
@@ -71,8 +72,10 @@ class QuantWeight:
     def from_tensors(
         cls, weight: Tensor, scales: Tensor, biases: Tensor | None, spec: QuantSpec, *,
         global_scale: Tensor | None = None, compute_dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str = "cpu", name: str = "weight",
+        device: torch.device | str = "cpu", name: str = "weight", matmul: bool = True,
     ) -> QuantWeight:
+        """`matmul=False`: the weight is only gathered (an untied embedding), so no decode
+        copies are built for it on CUDA (`linear` still works, by the generic kernels)."""
         in_features = validate(weight, scales, biases, spec, global_scale, name)
         if weight.dim() != 2:
             raise ModelFormatError(
@@ -81,6 +84,7 @@ class QuantWeight:
             raise ValueError(f"compute_dtype must be one of {_COMPUTE_DTYPES}, got {compute_dtype}")
         self = cls()
         self.name = name
+        self.matmul = matmul
         self.spec = spec
         self.in_features = in_features
         self.out_features = weight.shape[0]
@@ -110,9 +114,9 @@ class QuantWeight:
                 self.packed = packed.contiguous()  # cannot decode the int4 layout: keep a copy
         elif dev.type == "cuda":
             self.packed = packed.contiguous()  # Triton kernels read the mlx words as shipped
-            if cuda.tinygemm_supported(self):  # decode path; the words stay for prefill
+            if matmul and cuda.tinygemm_supported(self):  # decode; the words stay for prefill
                 self.i4, self.i4_sz = cuda.tinygemm_pack(self.packed, self.scales, self.biases)
-            if cuda.q4gemv_supported(self):  # single-request decode (M = 1)
+            if matmul and cuda.q4gemv_supported(self):  # single-request decode (M = 1)
                 self.q4, self.q4_sb = cuda.q4gemv_pack(self.packed, self.scales, self.biases)
         elif bits == 8:
             self.codes = packed.contiguous().view(torch.uint8)  # [out, in], zero-copy
