@@ -17,8 +17,8 @@ import json
 import time
 
 import torch
-
 from gpu_timing import L2_BYTES, graph_time_us
+
 from mlxr.ops import triton_q4gemv as Q
 from mlxr.quant import cuda as qcuda
 
@@ -84,7 +84,7 @@ def sweep(shapes: list[str], budget_s: float, only: str | None = None) -> list[d
                "check": check(n, k, *ws[0], x)}
         packs = [qcuda.tinygemm_pack(w, s, b) for w, s, b in ws]
         x2 = x.view(1, -1)
-        tg = graph_time_us([lambda p=p: torch._weight_int4pack_mm(x2, p[0], GROUP, p[1])
+        tg = graph_time_us([lambda p=p, x2=x2: torch._weight_int4pack_mm(x2, p[0], GROUP, p[1])
                             for p in packs])
         row["tinygemm_us"] = round(tg, 2)
         row["tinygemm_gb_s"] = round(nbytes / tg / 1e3, 1)
@@ -95,7 +95,7 @@ def sweep(shapes: list[str], budget_s: float, only: str | None = None) -> list[d
             if time.time() - t0 > per:
                 break
             outs = [torch.empty(n, device="cuda", dtype=torch.bfloat16) for _ in wrs]
-            us = graph_time_us([lambda a=a, o=o, c=cfg, p=sb: Q.q4gemv(
+            us = graph_time_us([lambda a=a, o=o, c=cfg, p=sb, x=x: Q.q4gemv(
                 x, *a[:3], group=GROUP, out=o, config=c, sb=a[3] if p else None)
                 for a, o in zip(wrs, outs)])
             res.append((cfg.label() + f"_sb{int(sb)}", round(us, 2),

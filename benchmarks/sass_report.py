@@ -73,8 +73,8 @@ def main(argv: list[str]) -> None:
         k, group, block_n, wt = args[:4]
         sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16",
                "y_ptr": "*bf16", "N": "i32", "zero": "i32"}
-        const = dict(K=k, GROUP=group, BLOCK_N=block_n, WT=wt, EVEN_N=True, SB=True, CG=True,
-                     GDC=False)
+        const = {"K": k, "GROUP": group, "BLOCK_N": block_n, "WT": wt, "EVEN_N": True,
+                 "SB": True, "CG": True, "GDC": False}
         nw = wt // 128
         report(compile_sm90(Q._q4gemv_kernel, sig, const, nw), block_n * wt * 8 // (32 * nw))
     elif kind == "gemv":
@@ -85,8 +85,8 @@ def main(argv: list[str]) -> None:
         sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16",
                "gs_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "stride_xm": "i32",
                "stride_ym": "i32", "stride_ys": "i32"}
-        const = dict(K=k, BITS=bits, GROUP=group, MODE=0, HAS_GS=False, MP=1, SPLIT_K=1,
-                     BLOCK_N=block_n, GT=gt, PREFETCH=1, EVEN_N=True)
+        const = {"K": k, "BITS": bits, "GROUP": group, "MODE": 0, "HAS_GS": False, "MP": 1,
+                 "SPLIT_K": 1, "BLOCK_N": block_n, "GT": gt, "PREFETCH": 1, "EVEN_N": True}
         report(compile_sm90(G._gemv_kernel, sig, const, nw), block_n * gt * group // (32 * nw))
     elif kind == "fgemv":
         from mlxr.ops import triton_fgemv as F

@@ -12,8 +12,8 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from mlxr.ops import triton_q4gemv as Q  # noqa: E402
-from mlxr.ops.triton_qmm import dequant_f32  # noqa: E402
+from mlxr.ops import triton_q4gemv as Q
+from mlxr.ops.triton_qmm import dequant_f32
 
 
 def _weights(n, k, group, dtype, seed=0):

@@ -6,7 +6,7 @@ even): w = s*q + b in fp32, rounded once (`triton_qgemm._affine_tile`, the tile 
 GEMM feeds tl.dot). 2/4/8-bit: one 2-D word load per [BLOCK_N, BLOCK_K] tile, scales per group,
 contiguous 16-byte stores. 3/5/6-bit codes straddle words: the row is cut into units of 32
 codes (3 or 5 words) or 16 6-bit codes (3 words), a thread loads a unit's words and extracts
-every code with static shifts (`triton_qmm._unit_code`), and `tl.join` lays the codes out in
+every code with static shifts (`triton_qcodes._unit_code`), and `tl.join` lays the codes out in
 order in its registers.
 """
 
@@ -22,8 +22,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .triton_qcodes import _code_value, _unit_code
     from .triton_qgemm import _affine_tile, _round
-    from .triton_qmm import _code_value, _unit_code
 
 __all__ = ["DEQUANT_BITS", "dequant_affine"]
 

@@ -53,7 +53,7 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 

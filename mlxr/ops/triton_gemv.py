@@ -6,7 +6,7 @@ global scale; fp32 products and sums. What differs is the cost per weight elemen
 what bounds batch-1 decode once the loads are wide enough (docs/perf.md):
 
 * Tile = [BLOCK_N rows, GT groups, UPG units] (a unit = PER codes filling UW whole words, see
-  `triton_qmm.unit_codes`; UPG = GROUP/PER units per group). For 2/4/8-bit a row's tile words
+  `triton_qcodes.unit_codes`; UPG = GROUP/PER units per group). For 2/4/8-bit a row's tile words
   are one contiguous run, so the [BLOCK_N, GT, UPG] word load is 16-byte vectors per thread.
 * Affine codes become floats with ONE logic op: a code at bits [SH, SH+BITS) of its word, with
   SH + BITS <= 23, is masked in place and OR'ed with the fp32 exponent of 2^(23-SH); the float is
@@ -24,7 +24,7 @@ what bounds batch-1 decode once the loads are wide enough (docs/perf.md):
   kernel (`triton_qgemm`'s) sums in a fixed order (deterministic, CUDA-graph capturable,
   no zeroing launch).
 
-fp modes decode each extracted code with `triton_qmm._code_value` (table-free fp16 bit tricks).
+fp modes decode each extracted code with `triton_qcodes._code_value` (table-free fp16 bit tricks).
 """
 
 from __future__ import annotations
@@ -34,14 +34,16 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from .triton_qmm import HAVE_TRITON, MODES, _check, _next_pow2, _sm_count, qgemv_ref, unit_codes
+from .triton_qcodes import HAVE_TRITON, MODES, unit_codes
+from .triton_qmm import _check, _next_pow2, _sm_count, qgemv_ref
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .triton_qcodes import _code_value, _group_scale, _pick
     from .triton_qgemm import _sum_splits_kernel
-    from .triton_qmm import _code_value, _group_scale, _interpret, _pick
+    from .triton_qmm import _interpret
 
 __all__ = ["MAX_M", "GemvConfig", "default_config", "qgemv", "qgemv_ref"]
 
