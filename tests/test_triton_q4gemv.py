@@ -139,3 +139,27 @@ def test_grid_stride_form_is_bit_identical(monkeypatch, n, k, bn, wt, g):
     gs = Q.q4gemv(x, words, s, b, group=64, sb=sb, config=Q.Q4Config(bn, wt, per_sm=g))
     assert torch.equal(gs, one)
     assert not torch.equal(gs, torch.zeros_like(gs))
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("f,k,cfg", [(24, 1024, None), (20, 2048, Q.Q4Config(4, 128))])
+def test_gate_up_act_epilogue_is_the_unfused_pair(act, dtype, f, k, cfg):
+    """act(gate) * up from one launch over [gate | up] equals q4gemv then gated_act, bit for
+    bit (same roundings), and the twin's result to one unit in the last place."""
+    from mlxr.ops import triton_fused
+
+    packed, s, b, x = _weights(2 * f, k, 64, dtype, seed=f + k)
+    words, sb = Q.repack(packed), Q.pair_scales(s, b)
+    fused = Q.q4gemv(x, words, s, b, group=64, sb=sb, config=cfg, act=act)
+    y = Q.q4gemv(x, words, s, b, group=64, sb=sb, config=cfg)
+    unfused = triton_fused.gated_act(y[:f].view(1, f), y[f:].view(1, f), act).view(f)
+    assert fused.shape == (f,) and fused.dtype == dtype
+    assert torch.equal(fused, unfused)
+    # the twin rounds at the same three points; in the interpreter each bf16 rounding
+    # truncates (one unit each), fp16 rounds to nearest
+    ref = Q.q4gemv_ref(x, words, s, b, group=64, act=act).double()
+    units = 4 * 2.0 ** -7 if dtype == torch.bfloat16 else 2 * 2.0 ** -10
+    assert bool(((fused.double() - ref).abs() <= units * ref.abs() + 1e-3).all())
+    with pytest.raises(ValueError, match="act"):
+        Q.q4gemv(x, words[:-1], s[:-1], b[:-1], group=64, act=act)

@@ -34,17 +34,20 @@ small shared-memory exchange per tile, 3.3-3.8 instructions per code with fixed 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-from .triton_fused import HAVE_TRITON, _interpret, pdl
+from . import reference
+from .triton_fused import ACTS, HAVE_TRITON, _interpret, pdl
 from .triton_qmm import _sm_count
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from .triton_fused import _act
 
 GROUPS = (32, 64, 128)
 WORDS_PER_THREAD = 4  # one 16-byte load
@@ -123,13 +126,17 @@ def pair_scales(scales: Tensor, biases: Tensor) -> Tensor:
 
 # ====================================================================== torch twin (oracle)
 def q4gemv_ref(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: int,
-               out: Tensor | None = None, config: Q4Config | None = None) -> Tensor:
+               out: Tensor | None = None, config: Q4Config | None = None,
+               sb: Tensor | None = None, act: str | None = None) -> Tensor:
     """y [N] = x [K] @ (scales * q + biases)^T in fp32, rounded to x.dtype; `words` are
-    `repack`'s output. `out` [N] is written and returned when given."""
+    `repack`'s output (`sb` and `config` change nothing here). With `act`: y [N/2] =
+    reference.gated_act(y[:N/2], y[N/2:]). `out` is written and returned when given."""
     from .triton_qmm import dequant_f32
 
     w = dequant_f32(unrepack(words), scales, biases, None, "affine", 4, group)
-    y = (x.float() @ w.t()).to(x.dtype)
+    y = (x.reshape(-1).float() @ w.t()).to(x.dtype)
+    if act is not None:
+        y = reference.gated_act(y[: y.shape[0] // 2], y[y.shape[0] // 2:], act)
     if out is None:
         return y
     out.copy_(y)
@@ -196,7 +203,9 @@ if HAVE_TRITON:
     def _q4gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, zero, K: tl.constexpr,
                        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, WT: tl.constexpr,
                        EVEN_N: tl.constexpr, SB: tl.constexpr, CG: tl.constexpr,
-                       GDC: tl.constexpr):
+                       GDC: tl.constexpr, ACT: tl.constexpr):
+        """ACT < 0: y [N]. ACT >= 0 (triton_fused.ACTS): W is [gate | up] [2N, K] and
+        y [N] = act(gate) * up, rounded where q4gemv + gated_act round."""
         pid = tl.program_id(0)
         KW: tl.constexpr = K // 8  # words per row
         NG: tl.constexpr = K // GROUP
@@ -219,13 +228,31 @@ if HAVE_TRITON:
             # finishes; x, scales and the output are touched only after it completed
             tl.extra.cuda.gdc_wait()
         acc = tl.zeros([BLOCK_N, WT // 4], dtype=tl.float32)
+        if ACT >= 0:  # the up rows (N + rn) next to the gate rows
+            wp2 = wp + N * KW
+            sp2 = sp + N * NG
+            w2 = tl.load(wp2, mask=wm, other=0, cache_modifier=WCM)
+        else:
+            wp2, sp2, w2 = wp, sp, w
+        acc2 = tl.zeros([BLOCK_N, WT // 4], dtype=tl.float32)
         for t in range(NT):  # a run-time loop: unrolled tiles would not fit in registers
             # the next tile's words go out before this tile's arithmetic (none past the row)
             wn = tl.load(wp + (t + 1) * WT, mask=wm & (t + 1 < NT), other=0, cache_modifier=WCM)
+            if ACT >= 0:
+                wn2 = tl.load(wp2 + (t + 1) * WT, mask=wm & (t + 1 < NT), other=0,
+                              cache_modifier=WCM)
             acc += _tile(w, x_ptr + t * WT * 8, s_ptr, b_ptr, sp + t * (WT // 4 // CPG), wm,
                          e11, e7, SB, not EVEN_N, BLOCK_N, WT)
             w = wn
+            if ACT >= 0:
+                acc2 += _tile(w2, x_ptr + t * WT * 8, s_ptr, b_ptr, sp2 + t * (WT // 4 // CPG),
+                              wm, e11, e7, SB, not EVEN_N, BLOCK_N, WT)
+                w2 = wn2
         y = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty)
+        if ACT >= 0:  # reference.gated_act's roundings, as the unfused gated-act kernel
+            u = tl.sum(acc2, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
+            a = _act(y.to(tl.float32), ACT).to(x_ptr.dtype.element_ty).to(tl.float32)
+            y = (a * u).to(x_ptr.dtype.element_ty)
         if EVEN_N:
             tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
         else:
@@ -276,10 +303,12 @@ if HAVE_TRITON:
 
 def q4gemv(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: int,
            out: Tensor | None = None, config: Q4Config | None = None,
-           sb: Tensor | None = None) -> Tensor:
+           sb: Tensor | None = None, act: str | None = None) -> Tensor:
     """See `q4gemv_ref` (same signature and results up to fp32 summation order). x [K] or
     [1, K] contiguous; words = `repack(packed)`; sb = `pair_scales(scales, biases)` or None
-    (then the kernel reads scales and biases apart); returns [N] (or writes `out`)."""
+    (then the kernel reads scales and biases apart); returns [N] (or writes `out`). With
+    `act` the weight is an MLP's [gate | up] [2F, K] and the result [F] = act(gate) * up,
+    bit for bit what q4gemv followed by triton_fused.gated_act returns (one launch fewer)."""
     xv = x.reshape(-1)
     k = xv.shape[0]
     n, kw = words.shape
@@ -291,13 +320,20 @@ def q4gemv(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: i
         raise ValueError(f"q4gemv: sb {tuple(sb.shape)} != {(n, k // group, 2)}")
     if n * kw >= 2**31:
         raise ValueError("q4gemv: the weight has >= 2^31 words (int32 offsets)")
+    if act is not None:
+        if act not in ACTS or n % 2:
+            raise ValueError(f"q4gemv: act {act!r} needs a known activation and [gate | up] rows")
+        n //= 2  # output rows; the kernel reads the up half at N + row
+    if config is None and act is not None:  # a program does gate and up rows: half as many
+        d = default_config(2 * n, k)
+        config = replace(d, block_n=max(1, d.block_n // 2))
     cfg = config or default_config(n, k)
     if kw % cfg.wt:
         raise ValueError(f"q4gemv: tile {cfg.wt} words must divide K/8 = {kw}")
     y = out if out is not None else torch.empty(n, dtype=x.dtype, device=x.device)
     extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
     nb = triton.cdiv(n, cfg.block_n)
-    if cfg.per_sm > 0:  # grid-stride: G <= NB programs, offsets up to (NB + G) rows
+    if cfg.per_sm > 0 and act is None:  # grid-stride: G <= NB programs, offsets to NB + G rows
         g = max(1, min(nb, cfg.per_sm * _sm_count(x.device)))
         if (nb + g) * cfg.block_n * kw >= 2**31:
             raise ValueError("q4gemv: the weight is too large for int32 offsets")
@@ -313,5 +349,6 @@ def q4gemv(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: i
     _q4gemv_kernel[(nb,)](
         xv, words, scales if sb is None else sb, biases, y, n, 0, K=k, GROUP=group,
         BLOCK_N=cfg.block_n, WT=cfg.wt, EVEN_N=n % cfg.block_n == 0, SB=sb is not None,
-        CG=cfg.cg, GDC=gdc, num_warps=cfg.num_warps, num_stages=1, **extra)
+        CG=cfg.cg, GDC=gdc, ACT=ACTS[act] if act else -1, num_warps=cfg.num_warps,
+        num_stages=1, **extra)
     return y

@@ -1,9 +1,10 @@
-"""Programmatic dependent launch must not change a bit: greedy graph decode of a checkpoint with
-MLXR_PDL as set in the environment; writes the token ids and the last step's logits.
+"""A decode-path switch that promises the same bits (MLXR_PDL=1, MLXR_Q4_ACT=1, ...) must not
+change one: greedy graph decode of a checkpoint with the environment as set; writes the token
+ids and the last step's logits.
 
-    MLXR_PDL=1 python benchmarks/gpu_pdl_check.py MODEL_DIR on.pt
-    MLXR_PDL=0 python benchmarks/gpu_pdl_check.py MODEL_DIR off.pt
-    python benchmarks/gpu_pdl_check.py --compare on.pt off.pt   # exit 1 unless identical
+    MLXR_PDL=1 python benchmarks/gpu_ab_check.py MODEL_DIR on.pt
+    MLXR_PDL=0 python benchmarks/gpu_ab_check.py MODEL_DIR off.pt
+    python benchmarks/gpu_ab_check.py --compare on.pt off.pt   # exit 1 unless identical
 
 Each run is its own process (the graphs are captured once per process).
 """
