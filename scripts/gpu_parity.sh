@@ -5,6 +5,8 @@
 #   here (CPU, with the test extras):  scripts/gpu_parity.sh make
 #   on the GPU machine, repo root:     scripts/gpu_parity.sh run      (carry .gpu_fixtures)
 #   on the GPU machine, benchmarks:    scripts/gpu_parity.sh bench    (single request, engine)
+#   on the GPU machine, switches:      scripts/gpu_parity.sh ab       (each opt-in decode switch
+#       that promises the same bits: bit-identity check, then decode speed on and off)
 #   on the GPU machine, serving:       scripts/gpu_parity.sh serve    (needs the server's
 #       packages there: carry wheels in .whl, see the device notes; a tokenizer dir in .gpu_tok)
 #
@@ -48,6 +50,20 @@ case "${1:-}" in
     python3 benchmarks/make_checkpoint.py llama-3.1-8b /tmp/l8 >/dev/null
     python3 -m mlxr bench /tmp/l8 -p 512 -n 64 --device cuda --repeats 2 \
       | tee "$out/bench-8b.txt" ;;
+  ab)
+    python3 benchmarks/make_checkpoint.py qwen3-0.6b /tmp/q06 >/dev/null
+    python3 benchmarks/make_checkpoint.py llama-3.1-8b /tmp/l8 >/dev/null
+    for m in q06 l8; do
+      for sw in MLXR_Q4_ACT MLXR_PDL; do
+        for v in 1 0; do
+          env "$sw=$v" python3 benchmarks/gpu_ab_check.py "/tmp/$m" "/tmp/$m-$v.pt" >/dev/null
+          env "$sw=$v" python3 -m mlxr bench "/tmp/$m" -p 512 -n 128 --device cuda --repeats 2 \
+            | tail -n 1 > "$out/ab-$m-$sw-$v.json"
+        done
+        echo "$m $sw: $(python3 benchmarks/gpu_ab_check.py --compare "/tmp/$m-1.pt" \
+          "/tmp/$m-0.pt" || true)" | tee -a "$out/ab.txt"
+      done
+    done ;;
   serve)
     wheels
     python3 benchmarks/make_checkpoint.py qwen3-0.6b /tmp/q06 --tokenizer .gpu_tok >/dev/null
@@ -57,5 +73,5 @@ case "${1:-}" in
     done
     python3 benchmarks/serve_bench.py /tmp/q06 --null-engine --null-step-ms 7 --clients 256 \
       --tokens 128 | tee "$out/serve-null.txt" ;;
-  *) echo "usage: $0 make|run|bench|serve" >&2; exit 2 ;;
+  *) echo "usage: $0 make|run|bench|ab|serve" >&2; exit 2 ;;
 esac
