@@ -74,7 +74,7 @@ def main(argv: list[str]) -> None:
         sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16",
                "y_ptr": "*bf16", "N": "i32", "zero": "i32"}
         const = {"K": k, "GROUP": group, "BLOCK_N": block_n, "WT": wt, "EVEN_N": True,
-                 "SB": True, "CG": True, "GDC": False}
+                 "SB": True, "CG": True, "GDC": False, "ACT": -1}
         nw = wt // 128
         report(compile_sm90(Q._q4gemv_kernel, sig, const, nw), block_n * wt * 8 // (32 * nw))
     elif kind == "gemv":

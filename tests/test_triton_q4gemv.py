@@ -163,3 +163,8 @@ def test_gate_up_act_epilogue_is_the_unfused_pair(act, dtype, f, k, cfg):
     assert bool(((fused.double() - ref).abs() <= units * ref.abs() + 1e-3).all())
     with pytest.raises(ValueError, match="act"):
         Q.q4gemv(x, words[:-1], s[:-1], b[:-1], group=64, act=act)
+
+
+def test_repack_in_row_slices_is_the_same():
+    packed = torch.randint(-2**31, 2**31 - 1, (37, 64), dtype=torch.int32)
+    assert torch.equal(Q.repack(packed, chunk_bytes=64 * 8 * 4 * 5), Q.repack(packed))

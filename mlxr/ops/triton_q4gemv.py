@@ -22,9 +22,13 @@ small shared-memory exchange per tile, 3.3-3.8 instructions per code with fixed 
   fields at P = 8 too (E = 15, two shifts fewer): up to 15% faster on the smallest 8B matrix
   but 16x the rounding, 98.5% instead of 99.9% of bf16 outputs equal to the fp32 twin's.
 * Scale and bias once per 32-code chunk: s * dot(q, x) + b * sum(x).
+* (scale, bias) pairs repacked into one 32-bit word (`pair_scales`); weights loaded `.cg`.
 * A program owns BLOCK_N whole rows and walks K in tiles of WT words (4 per thread: WT = 128 x
   num_warps), the next tile's words loaded before the current tile's arithmetic; no split-K,
-  so one launch and a fixed summation order.
+  so one launch and a fixed summation order. `Q4Config.per_sm` selects a grid-stride form
+  (G programs walk the row blocks, the next step's words always in flight; same bits).
+* `act`: over an MLP's [gate | up] weight, the output is act(gate) * up with the roundings of
+  q4gemv followed by `triton_fused.gated_act` (one launch fewer).
 * Programmatic dependent launch (`triton_fused.pdl`, opt-in MLXR_PDL=1): the kernel is
   launched before the previous grid ends, issues its first tile's weight loads (the weights
   are never written), then waits for that grid before reading x or the scales.
@@ -94,17 +98,23 @@ def default_config(n: int, k: int, sm_count: int = 132) -> Q4Config:
 
 
 # ====================================================================== repack (load time)
-def repack(packed: Tensor) -> Tensor:
+def repack(packed: Tensor, chunk_bytes: int = 64 << 20) -> Tensor:
     """MLX 4-bit words [N, K/8] (code k at nibble k % 8 of word k // 8) -> the same codes with
-    code 32c + 4j + e at nibble j of word 4c + e. int32 [N, K/8], on packed's device."""
+    code 32c + 4j + e at nibble j of word 4c + e. int32 [N, K/8], on packed's device. Rows go
+    through in slices whose unpacked codes take ~chunk_bytes (8 int32 per word), so loading
+    an LM head does not need 8x its size of scratch."""
     n, kw = packed.shape
     if kw % 4:
         raise ValueError(f"q4gemv.repack: K/8 = {kw} words per row is not a multiple of 4")
     shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
     w = packed.view(torch.int32)
-    q = (w.unsqueeze(-1) >> shifts) & 15  # [N, K/8, 8]: code 8*word + nibble
-    q = q.reshape(n, kw // 4, 8, 4).transpose(2, 3)  # [N, chunk, e, j] from [chunk, j, e]
-    return (q << shifts).sum(-1, dtype=torch.int32).reshape(n, kw).contiguous()
+    out = torch.empty(n, kw, dtype=torch.int32, device=packed.device)
+    step = max(1, chunk_bytes // (kw * 8 * 4))
+    for r in range(0, n, step):
+        q = (w[r:r + step].unsqueeze(-1) >> shifts) & 15  # [rows, K/8, 8]: code 8*word + nibble
+        q = q.reshape(-1, kw // 4, 8, 4).transpose(2, 3)  # [rows, chunk, e, j] from [., j, e]
+        out[r:r + step] = (q << shifts).sum(-1, dtype=torch.int32).reshape(-1, kw)
+    return out
 
 
 def unrepack(words: Tensor) -> Tensor:
