@@ -216,8 +216,8 @@ def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
     table = module_table(c, tied)
     b = _Builder(ckpt, c, dtype, device, dry_run)
 
-    def linear(*paths: str) -> Linear | Fused:
-        return b.linear([(p, *table[p][1:]) for p in paths])
+    def linear(*paths: str, matmul: bool = True) -> Linear | Fused:
+        return b.linear([(p, *table[p][1:]) for p in paths], matmul)
 
     def norm(path: str) -> torch.Tensor:
         return b.float_tensor(path + ".weight", (table[path][1],))
@@ -242,7 +242,7 @@ def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
             post_attn_norm=norm(p + "post_attention_layernorm") if sandwich else None,
             post_mlp_norm=norm(p + "post_feedforward_layernorm") if sandwich else None,
         ))
-    embed = b.linear([("model.embed_tokens", *table["model.embed_tokens"][1:])], matmul=tied)
+    embed = linear("model.embed_tokens", matmul=tied)
     lm_head = None if tied else linear("lm_head")
     final_norm = norm("model.norm")
     unexpected = sorted(names - b.used - ignored)

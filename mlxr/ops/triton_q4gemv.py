@@ -64,7 +64,6 @@ class Q4Config:
     block_n: int = 16
     wt: int = 512
     cg: bool = False
-    maxnreg: int | None = None
     per_sm: int = 0  # > 0: the grid-stride form with this many programs per SM
 
     @property
@@ -72,8 +71,7 @@ class Q4Config:
         return self.wt // (32 * WORDS_PER_THREAD)
 
     def label(self) -> str:
-        return (f"bn{self.block_n}_wt{self.wt}_cg{int(self.cg)}_r{self.maxnreg or 0}"
-                f"_gs{self.per_sm}")
+        return f"bn{self.block_n}_wt{self.wt}_cg{int(self.cg)}_gs{self.per_sm}"
 
 
 def supported(group: int, k: int, dtype: torch.dtype) -> bool:
@@ -242,9 +240,7 @@ if HAVE_TRITON:
             wp2 = wp + N * KW
             sp2 = sp + N * NG
             w2 = tl.load(wp2, mask=wm, other=0, cache_modifier=WCM)
-        else:
-            wp2, sp2, w2 = wp, sp, w
-        acc2 = tl.zeros([BLOCK_N, WT // 4], dtype=tl.float32)
+            acc2 = tl.zeros([BLOCK_N, WT // 4], dtype=tl.float32)
         for t in range(NT):  # a run-time loop: unrolled tiles would not fit in registers
             # the next tile's words go out before this tile's arithmetic (none past the row)
             wn = tl.load(wp + (t + 1) * WT, mask=wm & (t + 1 < NT), other=0, cache_modifier=WCM)
@@ -341,7 +337,7 @@ def q4gemv(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: i
     if kw % cfg.wt:
         raise ValueError(f"q4gemv: tile {cfg.wt} words must divide K/8 = {kw}")
     y = out if out is not None else torch.empty(n, dtype=x.dtype, device=x.device)
-    extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
+    extra = {}
     nb = triton.cdiv(n, cfg.block_n)
     if cfg.per_sm > 0 and act is None:  # grid-stride: G <= NB programs, offsets to NB + G rows
         g = max(1, min(nb, cfg.per_sm * _sm_count(x.device)))
