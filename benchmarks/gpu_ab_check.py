@@ -1,6 +1,6 @@
-"""A decode-path switch that promises the same bits (MLXR_PDL=1, MLXR_Q4_ACT=1, ...) must not
-change one: greedy graph decode of a checkpoint with the environment as set; writes the token
-ids and the last step's logits.
+"""Does a decode-path switch (MLXR_PDL, MLXR_DECODE_FUSED, ...) change greedy tokens or logits?
+Greedy graph decode of a checkpoint with the environment as set; writes the token ids and the
+last step's logits.
 
     MLXR_PDL=1 python benchmarks/gpu_ab_check.py MODEL_DIR on.pt
     MLXR_PDL=0 python benchmarks/gpu_ab_check.py MODEL_DIR off.pt
@@ -40,7 +40,11 @@ def compare(a: str, b: str) -> None:
     x, y = torch.load(a), torch.load(b)
     same_t = x["tokens"] == y["tokens"]
     same_l = torch.equal(x["logits"], y["logits"])
-    print(f"tokens identical: {same_t}, last logits bit-identical: {same_l}")
+    lead = next((i for i, (a, b) in enumerate(zip(x["tokens"], y["tokens"])) if a != b),
+                len(x["tokens"]))
+    diff = float((x["logits"] - y["logits"]).abs().max())
+    print(f"tokens identical: {same_t} (first {lead} of {len(x['tokens'])} equal), last logits "
+          f"bit-identical: {same_l} (max |diff| {diff:.3g})")
     sys.exit(0 if same_t and same_l else 1)
 
 

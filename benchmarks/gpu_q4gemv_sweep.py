@@ -7,7 +7,8 @@ For each real decode shape (M = 1, 4-bit g64, bf16): checks the kernel against i
 (max error over sum |x||w|, share of bf16 outputs identical), then times tinygemm and every
 launch shape (rows per program x words per tile) in CUDA graphs
 over enough weight copies to exceed the L2, and reports us and GB/s (packed words + scales +
-biases). Also times the one-time repack of the largest weight.
+biases); then the default launch with the decode step's prologue against the unfused pair.
+Also times the one-time repack of the largest weight.
 """
 
 from __future__ import annotations
@@ -42,17 +43,49 @@ def weights(n, k, copies):
 
 
 def variants(n, k):
-    """(config, paired scales?) launches: rows per program x tile (the default's and 128
-    words), one-shot and grid-stride (2 or 4 programs per SM), paired scale/bias loads and
-    .cg weights (the second sweep's winners); the default launch first."""
+    """(config, paired scales?) launches: rows per program (4, 8, the default's) x tile (the
+    default's, 128 and 512 words where they divide a row), paired scale/bias loads and .cg
+    weights (the second sweep's winners); the default launch first."""
     d = Q.default_config(n, k)
     yield d, True
-    for wt in sorted({d.wt, 128}, reverse=True):
+    for wt in sorted({d.wt, 128, 512} & {t for t in (128, 256, 512) if (k // 8) % t == 0},
+                     reverse=True):
         for bn in sorted({4, 8, d.block_n}):
-            for per_sm in (0, 2, 4):
-                cfg = Q.Q4Config(block_n=bn, wt=wt, cg=True, per_sm=per_sm)
-                if cfg != d:
-                    yield cfg, True
+            cfg = Q.Q4Config(block_n=bn, wt=wt, cg=True)
+            if cfg != d:
+                yield cfg, True
+
+
+def prologue(name, n, k, wrs) -> dict:
+    """The default launch with its decode-step prologue (rms_norm(h + r) before qkv, gate_up
+    and the head; act(gate) * up before down) against the unfused pair (the add+norm or
+    gated-act kernel, then the plain GEMV), and the plain GEMV alone; us per call."""
+    from mlxr.ops import triton_fused, triton_layer
+
+    if name == "o":
+        return {}
+    dt = torch.bfloat16
+    x2 = torch.randn(2 * k, device="cuda").to(dt)
+    h, r, nw = x2[:k].clone(), x2[k:].clone(), torch.ones(k, device="cuda", dtype=dt)
+    ho = torch.empty(k, device="cuda", dtype=dt)
+    outs = [torch.empty(n, device="cuda", dtype=dt) for _ in wrs]
+
+    def gemv(a, o, x, **kw):
+        return Q.q4gemv(x, *a[:3], group=GROUP, out=o, sb=a[3], **kw)
+
+    if name == "down":
+        fused = [lambda a=a, o=o: gemv(a, o, x2, act="silu") for a, o in zip(wrs, outs)]
+        unfused = [lambda a=a, o=o: gemv(a, o, triton_fused.gated_act(
+            x2[:k].view(1, k), x2[k:].view(1, k), "silu").view(k)) for a, o in zip(wrs, outs)]
+    else:
+        fused = [lambda a=a, o=o: gemv(a, o, h, r=r, norm=nw, eps=1e-6, h_out=ho)
+                 for a, o in zip(wrs, outs)]
+        unfused = [lambda a=a, o=o: gemv(a, o, triton_layer.add_rms_norm(
+            h.view(1, k), r.view(1, k), nw, 1e-6)[1].view(k)) for a, o in zip(wrs, outs)]
+    plain = [lambda a=a, o=o: gemv(a, o, h) for a, o in zip(wrs, outs)]
+    return {"fused_us": round(graph_time_us(fused), 2),
+            "unfused_us": round(graph_time_us(unfused), 2),
+            "plain_us": round(graph_time_us(plain), 2)}
 
 
 def check(n, k, w, s, b, x) -> dict:
@@ -104,6 +137,7 @@ def sweep(shapes: list[str], budget_s: float, only: str | None = None) -> list[d
         row["best"] = res[:6]
         row["default"] = Q.default_config(n, k).label() + "_sb1"
         row["default_us"] = next((r[1] for r in res if r[0] == row["default"]), None)
+        row["prologue"] = prologue(name, n, k, wrs)
         print(json.dumps(row), flush=True)
         rows.append(row)
         del ws, wrs

@@ -2,9 +2,10 @@
 workbench for sessions without device time (registers, spills, shared memory, SASS opcodes per
 code of the program's tile, load widths, barriers, and the layout conversions Triton inserted).
 
-    PYTHONPATH=. python benchmarks/sass_report.py q4gemv K GROUP BLOCK_N WT
+    PYTHONPATH=. python benchmarks/sass_report.py q4gemv K GROUP BLOCK_N WT [PRO]
     PYTHONPATH=. python benchmarks/sass_report.py gemv K BITS GROUP BLOCK_N GT [num_warps]
-    PYTHONPATH=. python benchmarks/sass_report.py fgemv K BITS GROUP PRO BLOCK_N KT [num_warps]
+
+(PRO: q4gemv's prologue, 0 none, 1 rms_norm(h + r), 2 silu(gate) * up.)
 
 Pointer arguments are compiled as 16-byte aligned, as Triton specializes them at a real launch
 (without that, no load is vectorized and the report misleads). Uses the ptxas/cuobjdump that
@@ -71,10 +72,13 @@ def main(argv: list[str]) -> None:
         from mlxr.ops import triton_q4gemv as Q
 
         k, group, block_n, wt = args[:4]
-        sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16",
-               "y_ptr": "*bf16", "N": "i32", "zero": "i32"}
+        pro = args[4] if len(args) > 4 else 0
+        sig = {"x_ptr": "*bf16", "r_ptr": "*bf16", "nw_ptr": "*bf16", "h_ptr": "*bf16",
+               "w_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16",
+               "N": "i32", "eps": "fp32", "offset": "fp32", "zero": "i32"}
         const = {"K": k, "GROUP": group, "BLOCK_N": block_n, "WT": wt, "EVEN_N": True,
-                 "SB": True, "CG": True, "GDC": False, "ACT": -1}
+                 "SB": True, "CG": True, "GDC": False, "PRO": pro, "HAS_R": pro == 1,
+                 "HAS_OFFSET": False, "ACT": 0}
         nw = wt // 128
         report(compile_sm90(Q._q4gemv_kernel, sig, const, nw), block_n * wt * 8 // (32 * nw))
     elif kind == "gemv":
@@ -88,18 +92,6 @@ def main(argv: list[str]) -> None:
         const = {"K": k, "BITS": bits, "GROUP": group, "MODE": 0, "HAS_GS": False, "MP": 1,
                  "SPLIT_K": 1, "BLOCK_N": block_n, "GT": gt, "PREFETCH": 1, "EVEN_N": True}
         report(compile_sm90(G._gemv_kernel, sig, const, nw), block_n * gt * group // (32 * nw))
-    elif kind == "fgemv":
-        from mlxr.ops import triton_fgemv as F
-
-        k, bits, group, pro, block_n, kt = args[:6]
-        nw = args[6] if len(args) > 6 else 4
-        sig = {"x_ptr": "*bf16", "r_ptr": "*bf16", "nw_ptr": "*bf16", "h_ptr": "*bf16",
-               "w_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16",
-               "N": "i32", "eps": "fp32", "offset": "fp32", "zero": "i32"}
-        const = {"K": k, "BITS": bits, "GROUP": group, "PRO": pro, "HAS_R": pro == 1,
-                 "HAS_OFFSET": False, "ACT": 0, "BLOCK_N": block_n, "KT": kt,
-                 "BLOCK_E": triton.next_power_of_2(k), "GDC": False}
-        report(compile_sm90(F._fgemv_kernel, sig, const, nw), block_n * kt // (32 * nw))
     else:
         raise SystemExit(__doc__)
 

@@ -5,8 +5,9 @@
 #   here (CPU, with the test extras):  scripts/gpu_parity.sh make
 #   on the GPU machine, repo root:     scripts/gpu_parity.sh run      (carry .gpu_fixtures)
 #   on the GPU machine, benchmarks:    scripts/gpu_parity.sh bench    (single request, engine)
-#   on the GPU machine, switches:      scripts/gpu_parity.sh ab       (each opt-in decode switch
-#       that promises the same bits: bit-identity check, then decode speed on and off)
+#   on the GPU machine, switches:      scripts/gpu_parity.sh ab       (each decode switch: are
+#       greedy tokens and logits bit-identical on and off, then decode speed on and off;
+#       AB="..." names the switches, MODELS="q06 l8" the checkpoints)
 #   on the GPU machine, serving:       scripts/gpu_parity.sh serve    (needs the server's
 #       packages there: carry wheels in .whl, see the device notes; a tokenizer dir in .gpu_tok)
 #
@@ -53,8 +54,8 @@ case "${1:-}" in
   ab)
     python3 benchmarks/make_checkpoint.py qwen3-0.6b /tmp/q06 >/dev/null
     python3 benchmarks/make_checkpoint.py llama-3.1-8b /tmp/l8 >/dev/null
-    for m in q06 l8; do
-      for sw in MLXR_Q4_ACT MLXR_PDL; do
+    for m in ${MODELS:-q06 l8}; do
+      for sw in ${AB:-MLXR_DECODE_FUSED MLXR_PDL}; do
         for v in 1 0; do
           env "$sw=$v" python3 benchmarks/gpu_ab_check.py "/tmp/$m" "/tmp/$m-$v.pt" >/dev/null
           env "$sw=$v" python3 -m mlxr bench "/tmp/$m" -p 512 -n 128 --device cuda --repeats 2 \

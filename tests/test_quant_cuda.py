@@ -79,28 +79,3 @@ def test_single_row_decode_takes_q4gemv(monkeypatch):
                                    QuantSpec("affine", 3, group), device="cpu")
     qw3.packed = torch.zeros(n, k * 3 // 32, dtype=torch.int32)
     assert not qcuda.q4gemv_supported(qw3)
-
-
-def test_gate_up_act_takes_one_launch_when_opted_in(monkeypatch):
-    """MLXR_Q4_ACT=1: a single row through an MLP's [gate | up] 4-bit weight returns
-    act(gate) * up from q4gemv's epilogue, the same bits as linear then gated_act; without
-    the switch (or for M > 1) linear_act declines."""
-    from mlxr.ops import triton_fused
-
-    g = torch.Generator().manual_seed(5)
-    f, k, group = 32, 1024, 64
-    w = torch.randint(-(2**31), 2**31, (2 * f, k // 8), generator=g,
-                      dtype=torch.int64).to(torch.int32)
-    s = (torch.randn(2 * f, k // group, generator=g) * 0.02).to(torch.bfloat16)
-    b = (torch.randn(2 * f, k // group, generator=g) * 0.1).to(torch.bfloat16)
-    qw = QuantWeight.from_tensors(w, s, b, QuantSpec("affine", 4, group), device="cpu")
-    qw.packed, qw.i4, qw.i4_sz = w, None, None
-    qw.q4, qw.q4_sb = qcuda.q4gemv_pack(w, s, b)
-    x = torch.randn(1, k, generator=g).to(torch.bfloat16)
-    assert qcuda.linear_act(qw, x, "silu") is None  # opt-in
-    monkeypatch.setenv("MLXR_Q4_ACT", "1")
-    a = qcuda.linear_act(qw, x, "silu")
-    y = qcuda.linear(qw, x)
-    assert a.shape == (1, f)
-    assert torch.equal(a, triton_fused.gated_act(y[:, :f], y[:, f:], "silu"))
-    assert qcuda.linear_act(qw, x.repeat(2, 1), "silu") is None

@@ -137,19 +137,6 @@ class Decoder:
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def _gate_up_act(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
-        """act(gate) * up [N, F] of the MLP: one kernel where the weight's device path fuses
-        the activation into the projection (QuantWeight.linear_act), else the projection and
-        then ops.gated_act (the same bits either way)."""
-        c = self.config
-        gu = layer.gate_up
-        if isinstance(gu, Linear) and gu.bias is None and hasattr(gu.weight, "linear_act"):
-            a = gu.weight.linear_act(x, c.hidden_act)
-            if a is not None:
-                return a
-        gate, up = gu(x).split(c.intermediate_size, dim=-1)
-        return ops.gated_act(gate, up, c.hidden_act)
-
     def _add_norm(self, h: torch.Tensor, r: torch.Tensor,
                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual add and the norm after it: (h + r, rms_norm(h + r, weight)), one fused op
@@ -273,7 +260,8 @@ class Decoder:
             if layer.post_attn_norm is not None:
                 o = ops.rms_norm(o, layer.post_attn_norm, eps, off)
             h, x = self._add_norm(h, o, layer.mlp_norm)
-            m = layer.down_proj(self._gate_up_act(layer, x))
+            gate, up = layer.gate_up(x).split(c.intermediate_size, dim=-1)
+            m = layer.down_proj(ops.gated_act(gate, up, c.hidden_act))
             if layer.post_mlp_norm is not None:
                 m = ops.rms_norm(m, layer.post_mlp_norm, eps, off)
             if i + 1 < len(self.layers):

@@ -1,4 +1,4 @@
-"""The single-token decode step with each projection's preceding op fused into its GEMV.
+"""The single-token decode step with the op before each projection fused into its GEMV.
 
 `Decoder.forward_static` (the single request's CUDA-graph decode step) runs this instead of the
 generic layer loop when every projection qualifies (`eligible`): per layer
@@ -9,16 +9,12 @@ generic layer loop when every projection qualifies (`eligible`): per layer
     gu   = W_gu   @ rms_norm(h + o)           (writes h += o)
     m    = W_down @ act(gate) * up
 
-i.e. 7 launches instead of 10 (`mlxr.ops.triton_fgemv`: batch-1 decode of a small model is
-launch-bound, docs/perf.md). The values of every intermediate vector are those of the generic
-loop (same rounding points); only the GEMVs' fp32 summation order differs from the generic
-path's matmul kernels, so greedy tokens can differ at near-ties.
-
-Opt-in (`MLXR_DECODE_FGEMV=1`, read when a step is built or captured): on the H200 the fused
-GEMV is faster than tinygemm on o_proj but still slower on qkv, gate_up, down and the LM head
-(0.6B: 4.2-6.3 vs 3.5-4.5 us; docs/perf.md), so the step as a whole is not yet faster (0.6B
-decode 1,054 vs 1,093 tok/s). The GPU parity test of graph decode against prefill passed with
-it on, on every fixture it serves.
+i.e. three launches fewer per layer than the generic loop's (two add+norm kernels and the
+gated activation go into the GEMVs' prologues: `mlxr.ops.triton_q4gemv`). Batch-1 decode of a
+small model is launch-bound (docs/perf.md). Every intermediate vector is rounded where the
+generic loop rounds it; the norm's sum of squares is reduced in another order than the
+add+norm kernel's, so a near-tie can pick another greedy token than the generic loop
+(`MLXR_DECODE_FUSED=0`, read when a step is built or captured, turns this path off).
 """
 
 from __future__ import annotations
@@ -32,24 +28,22 @@ from ..quant import QuantWeight
 
 
 def _qualifies(lin, dtype: torch.dtype) -> bool:
-    from ..ops import triton_fgemv
-
+    """A bias-free 4-bit projection with q4gemv's decode copy (built at load on CUDA)."""
     if not isinstance(lin, Linear) or lin.bias is not None:
         return False
     qw = lin.weight
-    return (isinstance(qw, QuantWeight) and qw.spec.mode == "affine" and qw.packed is not None
-            and qw.global_scale is None and qw.compute_dtype == dtype
-            and triton_fgemv.supported(qw.spec.bits, qw.spec.group_size, qw.in_features, dtype))
+    return (isinstance(qw, QuantWeight) and qw.q4 is not None
+            and qw.compute_dtype == dtype)
 
 
 def eligible(dec) -> bool:
     """Whether `run` can serve this decoder: CUDA with the Triton kernels, bf16/fp16, every
-    projection (and the LM head) an affine 2/4/8-bit QuantWeight without bias, no sandwich
-    norms or fp16 residual clipping, and the opt-in switch set. Cached on the decoder; the
-    switch is read each time."""
-    if os.environ.get("MLXR_DECODE_FGEMV", "0") != "1":
+    projection (and the LM head) a 4-bit QuantWeight with a q4gemv copy and no bias, no
+    sandwich norms or fp16 residual clipping, and neither MLXR_DECODE_FUSED=0 nor
+    MLXR_Q4GEMV=0. Cached on the decoder; the switches are read each time."""
+    if "0" in (os.environ.get("MLXR_DECODE_FUSED"), os.environ.get("MLXR_Q4GEMV")):
         return False
-    ok = getattr(dec, "_fgemv_eligible", None)
+    ok = getattr(dec, "_fused_eligible", None)
     if ok is None:
         from .. import ops
 
@@ -61,16 +55,16 @@ def eligible(dec) -> bool:
                       and all(_qualifies(p, dt) for p in (layer.qkv, layer.o_proj,
                                                           layer.gate_up, layer.down_proj))
                       for layer in dec.layers))
-        dec._fgemv_eligible = ok
+        dec._fused_eligible = ok
     return ok
 
 
-def _gemv(lin: Linear, **kw) -> torch.Tensor:
-    from ..ops import triton_fgemv
+def _gemv(lin: Linear, x: torch.Tensor, **kw) -> torch.Tensor:
+    from ..ops import triton_q4gemv
 
     qw = lin.weight
-    return triton_fgemv.fgemv(qw.packed, qw.scales, qw.biases, bits=qw.spec.bits,
-                              group=qw.spec.group_size, **kw)
+    return triton_q4gemv.q4gemv(x, qw.q4, qw.scales, qw.biases, group=qw.spec.group_size,
+                                sb=qw.q4_sb, **kw)
 
 
 def run(dec, ids: torch.Tensor, tables: dict, pool, slots: torch.Tensor, attend) -> torch.Tensor:
@@ -83,22 +77,22 @@ def run(dec, ids: torch.Tensor, tables: dict, pool, slots: torch.Tensor, attend)
     h = dec.embed_tokens(ids).reshape(-1)  # [E]
     m = None  # the MLP output not yet added to h
     for i, layer in enumerate(dec.layers):
-        h_next = h if m is None else torch.empty_like(h)
-        qkv = _gemv(layer.qkv, x=h, r=m, norm=layer.input_norm, eps=eps, offset=off,
+        h_next = None if m is None else torch.empty_like(h)
+        qkv = _gemv(layer.qkv, h, r=m, norm=layer.input_norm, eps=eps, offset=off,
                     h_out=h_next)
-        h = h_next
+        h = h if h_next is None else h_next
         rope = dec.ropes[i]
         cos, sin = tables[id(rope.spec)]
         q = ops.qkv_rope_write(qkv[None], c.num_heads, c.num_kv_heads, c.head_dim,
                                layer.q_norm, layer.k_norm, eps, off, rope.scale, cos, sin,
                                rope.spec.traditional, pool.k[i], pool.v[i], slots)
-        o = _gemv(layer.o_proj, x=attend(i, q).reshape(-1).contiguous())
+        o = _gemv(layer.o_proj, attend(i, q).reshape(-1))
         h_next = torch.empty_like(h)
-        gu = _gemv(layer.gate_up, x=h, r=o, norm=layer.mlp_norm, eps=eps, offset=off,
+        gu = _gemv(layer.gate_up, h, r=o, norm=layer.mlp_norm, eps=eps, offset=off,
                    h_out=h_next)
         h = h_next
-        m = _gemv(layer.down_proj, x=gu, act=c.hidden_act)
+        m = _gemv(layer.down_proj, gu, act=c.hidden_act)
     logits = torch.empty(dec.head.out_features, dtype=torch.float32, device=dec.device)
-    _gemv(dec.head, x=h, r=m, norm=dec.norm, eps=eps, offset=off, h_out=torch.empty_like(h),
+    _gemv(dec.head, h, r=m, norm=dec.norm, eps=eps, offset=off, h_out=torch.empty_like(h),
           out=logits)
     return dec.cap_logits(logits)[None]

@@ -1,8 +1,8 @@
 """Batch-1 decode GEMV for MLX affine 4-bit weights: y[N] = x[K] @ dequant(W)[N, K]^T.
 
 Why another GEMV: single-request decode reads every weight once, so this kernel is the decode
-speed. The earlier Triton GEMVs (`triton_gemv`, `triton_fgemv`) reach 0.5-1.2 TB/s on the H200;
-their compiled code (benchmarks/sass_report.py) shows why: Triton gives the x loads and the
+speed. The earlier Triton GEMVs (`triton_gemv`, a fused-prologue GEMV) reach 0.5-1.2 TB/s on
+the H200; their compiled code (benchmarks/sass_report.py) shows why: Triton gives the x loads and the
 scale loads other register layouts than the weight tile, so every tile goes through shared
 memory (triton_gemv at an 8B shape: 22 barriers, ~10 instructions per code). This kernel is
 written so that x and the scales get the weight tile's own layout (16-byte weight loads, one
@@ -25,10 +25,16 @@ small shared-memory exchange per tile, 3.3-3.8 instructions per code with fixed 
 * (scale, bias) pairs repacked into one 32-bit word (`pair_scales`); weights loaded `.cg`.
 * A program owns BLOCK_N whole rows and walks K in tiles of WT words (4 per thread: WT = 128 x
   num_warps), the next tile's words loaded before the current tile's arithmetic; no split-K,
-  so one launch and a fixed summation order. `Q4Config.per_sm` selects a grid-stride form
-  (G programs walk the row blocks, the next step's words always in flight; same bits).
-* `act`: over an MLP's [gate | up] weight, the output is act(gate) * up with the roundings of
-  q4gemv followed by `triton_fused.gated_act` (one launch fewer).
+  so one launch and a fixed summation order. Rejected on the H200 (docs/perf.md): a
+  grid-stride form (programs walk row blocks with the next step in flight; slower at every 8B
+  shape but one, +0.8% there) and a gated-act epilogue over [gate | up] (no gain on the 8B,
+  -2% on the 0.6B).
+* Prologues (the op before the projection, one launch fewer each; `mlxr.models.fused_decode`):
+  `norm`: x = rms_norm(h + r) (program 0 writes h + r to `h_out`, the new residual stream),
+  `act`: x = act(gate) * up from an MLP's [gate | up] output. Each program recomputes its x
+  tiles in the weight tile's layout (and the norm's statistic over the whole row: K values);
+  x is rounded where the unfused ops round (`reference.add_rms_norm`, `gated_act`), except
+  that the norm's sum of squares is reduced in another order.
 * Programmatic dependent launch (`triton_fused.pdl`, opt-in MLXR_PDL=1): the kernel is
   launched before the previous grid ends, issues its first tile's weight loads (the weights
   are never written), then waits for that grid before reading x or the scales.
@@ -38,14 +44,13 @@ small shared-memory exchange per tile, 3.3-3.8 instructions per code with fixed 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from . import reference
 from .triton_fused import ACTS, HAVE_TRITON, _interpret, pdl
-from .triton_qmm import _sm_count
 
 if HAVE_TRITON:
     import triton
@@ -64,14 +69,13 @@ class Q4Config:
     block_n: int = 16
     wt: int = 512
     cg: bool = False
-    per_sm: int = 0  # > 0: the grid-stride form with this many programs per SM
 
     @property
     def num_warps(self) -> int:
         return self.wt // (32 * WORDS_PER_THREAD)
 
     def label(self) -> str:
-        return f"bn{self.block_n}_wt{self.wt}_cg{int(self.cg)}_gs{self.per_sm}"
+        return f"bn{self.block_n}_wt{self.wt}_cg{int(self.cg)}"
 
 
 def supported(group: int, k: int, dtype: torch.dtype) -> bool:
@@ -82,16 +86,16 @@ def supported(group: int, k: int, dtype: torch.dtype) -> bool:
 
 def default_config(n: int, k: int, sm_count: int = 132) -> Q4Config:
     """The H200 sweeps' winners (benchmarks/gpu_q4gemv_sweep.py, docs/perf.md): the largest
-    tile (<= 512 words) that divides a row; .cg weight loads; 8 rows per program, 4 for long
-    rows (K >= 8192), small matrices (<= 8M weights) or fewer than two programs per SM, 16 for
-    very tall, short matrices (a 0.6B-style LM head)."""
+    tile (<= 512 words) that divides a row, 128 for LM heads (N >= 65536); .cg weight loads;
+    8 rows per program, 4 for small matrices (<= 8M weights) or fewer than two programs per
+    SM, 16 for very tall, short matrices (a 0.6B-style LM head)."""
     kw = k // 8
-    wt = next(t for t in (512, 256, 128) if kw % t == 0)
+    wt = 128 if n >= 65536 else next(t for t in (512, 256, 128) if kw % t == 0)
     block_n = 16 if n >= 65536 and k <= 2048 else 8
-    if k >= 8192 or n * k <= 8 << 20 or -(-n // block_n) < 2 * sm_count:
+    if n * k <= 8 << 20 or -(-n // block_n) < 2 * sm_count:
         block_n = 4
     if _interpret():  # the interpreter runs programs one by one: few, large ones keep CI fast
-        block_n = max(block_n, 16)
+        block_n = max(block_n, 64)
     return Q4Config(block_n=block_n, wt=wt, cg=True)
 
 
@@ -135,16 +139,27 @@ def pair_scales(scales: Tensor, biases: Tensor) -> Tensor:
 # ====================================================================== torch twin (oracle)
 def q4gemv_ref(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: int,
                out: Tensor | None = None, config: Q4Config | None = None,
-               sb: Tensor | None = None, act: str | None = None) -> Tensor:
-    """y [N] = x [K] @ (scales * q + biases)^T in fp32, rounded to x.dtype; `words` are
-    `repack`'s output (`sb` and `config` change nothing here). With `act`: y [N/2] =
-    reference.gated_act(y[:N/2], y[N/2:]). `out` is written and returned when given."""
+               sb: Tensor | None = None, r: Tensor | None = None, norm: Tensor | None = None,
+               eps: float = 0.0, offset: float = 0.0, h_out: Tensor | None = None,
+               act: str | None = None) -> Tensor:
+    """y [N] = f(x) @ (scales * q + biases)^T in fp32, rounded to x.dtype; `words` are
+    `repack`'s output (`sb` and `config` change nothing here). f: with `norm` [K] (an RMSNorm
+    weight), rms_norm(x + r) (r [K] or None; h_out [K] receives x + r); with `act`,
+    act(x[:K]) * x[K:] for x = an MLP's [gate | up] output [2K]; else x. `out` is written and
+    returned when given."""
     from .triton_qmm import dequant_f32
 
-    w = dequant_f32(unrepack(words), scales, biases, None, "affine", 4, group)
-    y = (x.reshape(-1).float() @ w.t()).to(x.dtype)
+    k = words.shape[1] * 8
+    xv = x.reshape(-1)
     if act is not None:
-        y = reference.gated_act(y[: y.shape[0] // 2], y[y.shape[0] // 2:], act)
+        xv = reference.gated_act(xv[:k], xv[k:], act)
+    elif norm is not None:
+        s = xv if r is None else (xv + r).to(xv.dtype)
+        if h_out is not None:
+            h_out.copy_(s)
+        xv = reference.rms_norm(s, norm, eps, offset)
+    w = dequant_f32(unrepack(words), scales, biases, None, "affine", 4, group)
+    y = (xv.float() @ w.t()).to(x.dtype)
     if out is None:
         return y
     out.copy_(y)
@@ -161,11 +176,33 @@ if HAVE_TRITON:
         return ((src & (15 << P)) | expo).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _tile(w, x_ptr, s_ptr, b_ptr, so, wm, e11, e7, SB: tl.constexpr, MASKED: tl.constexpr,
-              BLOCK_N: tl.constexpr, WT: tl.constexpr):
+    def _x_at(x_ptr, r_ptr, nw_ptr, h_ptr, k, rstd, offset, write_h, K: tl.constexpr,
+              PRO: tl.constexpr, HAS_R: tl.constexpr, HAS_OFFSET: tl.constexpr,
+              ACT: tl.constexpr):
+        """The prologue's x at indices k (any shape), fp32 holding x.dtype values."""
+        dt = x_ptr.dtype.element_ty
+        v = tl.load(x_ptr + k).to(tl.float32)
+        if PRO == 1:  # rms_norm(h + r): the rounding points of reference.add_rms_norm
+            if HAS_R:
+                v = (v + tl.load(r_ptr + k).to(tl.float32)).to(dt).to(tl.float32)
+                tl.store(h_ptr + k, v.to(dt), mask=write_h)
+            nw = tl.load(nw_ptr + k)
+            if HAS_OFFSET:  # gemma's (1 + w), formed in the weight's dtype
+                nw = (nw.to(tl.float32) + offset).to(nw_ptr.dtype.element_ty)
+            v = ((v * rstd).to(dt).to(tl.float32) * nw.to(tl.float32)).to(dt).to(tl.float32)
+        elif PRO == 2:  # act(gate) * up over [gate | up]: reference.gated_act's roundings
+            u = tl.load(x_ptr + K + k).to(tl.float32)
+            v = (_act(v, ACT).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+        return v
+
+    @triton.jit
+    def _tile(w, x_ptr, r_ptr, nw_ptr, h_ptr, k0, rstd, offset, write_h, s_ptr, b_ptr, so,
+              wm, e11, e7, K: tl.constexpr, PRO: tl.constexpr, HAS_R: tl.constexpr,
+              HAS_OFFSET: tl.constexpr, ACT: tl.constexpr, SB: tl.constexpr,
+              MASKED: tl.constexpr, BLOCK_N: tl.constexpr, WT: tl.constexpr):
         """One tile's contribution [BLOCK_N, WT/4] (per 32-code chunk: s * dot(q, x) + b *
-        sum(x)). w [BLOCK_N, WT] words, x_ptr the tile's x (+ (word // 4) * 32 + word % 4 per
-        word), so [BLOCK_N, WT/4] the chunks' scale offsets, wm the row mask."""
+        sum(x)). w [BLOCK_N, WT] words of codes k0 ..; so [BLOCK_N, WT/4] the chunks' scale
+        offsets, wm the row mask."""
         if SB:  # (scale, bias) pairs [N, NG, 2] read as one 32-bit word
             sdt = s_ptr.dtype.element_ty
             sbp = s_ptr.to(tl.pointer_type(tl.int32)) + so
@@ -182,15 +219,23 @@ if HAVE_TRITON:
             s = tl.load(s_ptr + so).to(tl.float32)
             b = tl.load(b_ptr + so).to(tl.float32)
         cw = tl.arange(0, WT)
-        xt = x_ptr + (cw // 4) * 32 + cw % 4  # + 4j: the x of nibble j of each word
-        x0 = tl.load(xt).to(tl.float32)
-        x1 = tl.load(xt + 4).to(tl.float32)
-        x2 = tl.load(xt + 8).to(tl.float32)
-        x3 = tl.load(xt + 12).to(tl.float32)
-        x4 = tl.load(xt + 16).to(tl.float32)
-        x5 = tl.load(xt + 20).to(tl.float32)
-        x6 = tl.load(xt + 24).to(tl.float32)
-        x7 = tl.load(xt + 28).to(tl.float32)
+        kx = k0 + (cw // 4) * 32 + cw % 4  # + 4j: the x of nibble j of each word
+        x0 = _x_at(x_ptr, r_ptr, nw_ptr, h_ptr, kx, rstd, offset, write_h, K, PRO, HAS_R,
+                   HAS_OFFSET, ACT)
+        x1 = _x_at(x_ptr, r_ptr, nw_ptr, h_ptr, kx + 4, rstd, offset, write_h, K, PRO, HAS_R,
+                   HAS_OFFSET, ACT)
+        x2 = _x_at(x_ptr, r_ptr, nw_ptr, h_ptr, kx + 8, rstd, offset, write_h, K, PRO, HAS_R,
+                   HAS_OFFSET, ACT)
+        x3 = _x_at(x_ptr, r_ptr, nw_ptr, h_ptr, kx + 12, rstd, offset, write_h, K, PRO, HAS_R,
+                   HAS_OFFSET, ACT)
+        x4 = _x_at(x_ptr, r_ptr, nw_ptr, h_ptr, kx + 16, rstd, offset, write_h, K, PRO, HAS_R,
+                   HAS_OFFSET, ACT)
+        x5 = _x_at(x_ptr, r_ptr, nw_ptr, h_ptr, kx + 20, rstd, offset, write_h, K, PRO, HAS_R,
+                   HAS_OFFSET, ACT)
+        x6 = _x_at(x_ptr, r_ptr, nw_ptr, h_ptr, kx + 24, rstd, offset, write_h, K, PRO, HAS_R,
+                   HAS_OFFSET, ACT)
+        x7 = _x_at(x_ptr, r_ptr, nw_ptr, h_ptr, kx + 28, rstd, offset, write_h, K, PRO, HAS_R,
+                   HAS_OFFSET, ACT)
         # fields at P = 12 or 16 (E = 11, 7) of w, w << 4, w << 12, w >> 4, w >> 12;
         # per column: -sum_j 2^E_j x_j (E per nibble: 11 7 11 11 7 7 11 7)
         cneg = -(2048.0 * ((x0 + x2) + (x3 + x6)) + 128.0 * ((x1 + x4) + (x5 + x7)))
@@ -208,12 +253,13 @@ if HAVE_TRITON:
         return s * dqc + b * xs[None, :]
 
     @triton.jit
-    def _q4gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, zero, K: tl.constexpr,
-                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, WT: tl.constexpr,
-                       EVEN_N: tl.constexpr, SB: tl.constexpr, CG: tl.constexpr,
-                       GDC: tl.constexpr, ACT: tl.constexpr):
-        """ACT < 0: y [N]. ACT >= 0 (triton_fused.ACTS): W is [gate | up] [2N, K] and
-        y [N] = act(gate) * up, rounded where q4gemv + gated_act round."""
+    def _q4gemv_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, eps,
+                       offset, zero, K: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_N: tl.constexpr, WT: tl.constexpr, EVEN_N: tl.constexpr,
+                       SB: tl.constexpr, CG: tl.constexpr, GDC: tl.constexpr,
+                       PRO: tl.constexpr, HAS_R: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                       ACT: tl.constexpr):
+        """PRO: 0 x as given, 1 rms_norm(x + r), 2 act(gate) * up (see `_x_at`)."""
         pid = tl.program_id(0)
         KW: tl.constexpr = K // 8  # words per row
         NG: tl.constexpr = K // GROUP
@@ -235,126 +281,73 @@ if HAVE_TRITON:
         if GDC:  # launched early (PDL): the weights above stream in while the previous grid
             # finishes; x, scales and the output are touched only after it completed
             tl.extra.cuda.gdc_wait()
+        rstd = 0.0
+        if PRO == 1:  # the norm's statistic over the whole row of h + r, in tiles of 8 * WT
+            sq = tl.zeros([8 * WT], dtype=tl.float32)
+            for e0 in tl.static_range(0, K, 8 * WT):
+                e = e0 + tl.arange(0, 8 * WT)
+                hv = tl.load(x_ptr + e).to(tl.float32)
+                if HAS_R:
+                    hv = (hv + tl.load(r_ptr + e).to(tl.float32))
+                    hv = hv.to(x_ptr.dtype.element_ty).to(tl.float32)
+                sq += hv * hv
+            rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        write_h = pid == 0
         acc = tl.zeros([BLOCK_N, WT // 4], dtype=tl.float32)
-        if ACT >= 0:  # the up rows (N + rn) next to the gate rows
-            wp2 = wp + N * KW
-            sp2 = sp + N * NG
-            w2 = tl.load(wp2, mask=wm, other=0, cache_modifier=WCM)
-            acc2 = tl.zeros([BLOCK_N, WT // 4], dtype=tl.float32)
         for t in range(NT):  # a run-time loop: unrolled tiles would not fit in registers
             # the next tile's words go out before this tile's arithmetic (none past the row)
             wn = tl.load(wp + (t + 1) * WT, mask=wm & (t + 1 < NT), other=0, cache_modifier=WCM)
-            if ACT >= 0:
-                wn2 = tl.load(wp2 + (t + 1) * WT, mask=wm & (t + 1 < NT), other=0,
-                              cache_modifier=WCM)
-            acc += _tile(w, x_ptr + t * WT * 8, s_ptr, b_ptr, sp + t * (WT // 4 // CPG), wm,
-                         e11, e7, SB, not EVEN_N, BLOCK_N, WT)
+            acc += _tile(w, x_ptr, r_ptr, nw_ptr, h_ptr, t * WT * 8, rstd, offset, write_h,
+                         s_ptr, b_ptr, sp + t * (WT // 4 // CPG), wm, e11, e7, K, PRO, HAS_R,
+                         HAS_OFFSET, ACT, SB, not EVEN_N, BLOCK_N, WT)
             w = wn
-            if ACT >= 0:
-                acc2 += _tile(w2, x_ptr + t * WT * 8, s_ptr, b_ptr, sp2 + t * (WT // 4 // CPG),
-                              wm, e11, e7, SB, not EVEN_N, BLOCK_N, WT)
-                w2 = wn2
         y = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty)
-        if ACT >= 0:  # reference.gated_act's roundings, as the unfused gated-act kernel
-            u = tl.sum(acc2, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
-            a = _act(y.to(tl.float32), ACT).to(x_ptr.dtype.element_ty).to(tl.float32)
-            y = (a * u).to(x_ptr.dtype.element_ty)
         if EVEN_N:
             tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
         else:
             tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
-    @triton.jit
-    def _q4gemv_gs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, zero, K: tl.constexpr,
-                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, WT: tl.constexpr,
-                          SB: tl.constexpr, CG: tl.constexpr, ITERS: tl.constexpr):
-        """Grid-stride form: a program walks the (row block, tile) steps pid, pid + G, ...
-        (G programs), the next step's words loaded before this step's arithmetic, so a
-        program always has a tile in flight and the programs of an SM drift out of step
-        (the one-shot form loads, then computes, in lockstep: docs/perf.md). Every program
-        runs ITERS = ceil(NB / G) * NT steps; steps past the last row block are masked."""
-        pid = tl.program_id(0)
-        G = tl.num_programs(0)
-        KW: tl.constexpr = K // 8
-        NG: tl.constexpr = K // GROUP
-        CPG: tl.constexpr = GROUP // 32
-        NT: tl.constexpr = KW // WT
-        r0 = tl.arange(0, BLOCK_N)
-        cw = tl.arange(0, WT)
-        ch = tl.arange(0, WT // 4)
-        e11 = ((127 + 11) << 23) + zero
-        e7 = ((127 + 7) << 23) + zero
-        WCM: tl.constexpr = ".cg" if CG else ""
-        rn = pid * BLOCK_N + r0
-        w = tl.load(w_ptr + rn[:, None] * KW + cw[None, :], mask=(rn < N)[:, None], other=0,
-                    cache_modifier=WCM)
-        acc = tl.zeros([BLOCK_N, WT // 4], dtype=tl.float32)
-        for it in range(ITERS):
-            t = it % NT
-            rn = (pid + (it // NT) * G) * BLOCK_N + r0
-            wm = (rn < N)[:, None]
-            nxt = it + 1
-            nrn = (pid + (nxt // NT) * G) * BLOCK_N + r0
-            wn = tl.load(w_ptr + nrn[:, None] * KW + (nxt % NT) * WT + cw[None, :],
-                         mask=(nrn < N)[:, None] & (nxt < ITERS), other=0, cache_modifier=WCM)
-            so = rn[:, None] * NG + t * (WT // 4 // CPG) + (ch // CPG)[None, :]
-            acc += _tile(w, x_ptr + t * WT * 8, s_ptr, b_ptr, so, wm, e11, e7, SB, True,
-                         BLOCK_N, WT)
-            if t == NT - 1:
-                y = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty)
-                tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
-                acc = tl.zeros([BLOCK_N, WT // 4], dtype=tl.float32)
-            w = wn
-
 
 def q4gemv(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: int,
            out: Tensor | None = None, config: Q4Config | None = None,
-           sb: Tensor | None = None, act: str | None = None) -> Tensor:
-    """See `q4gemv_ref` (same signature and results up to fp32 summation order). x [K] or
-    [1, K] contiguous; words = `repack(packed)`; sb = `pair_scales(scales, biases)` or None
-    (then the kernel reads scales and biases apart); returns [N] (or writes `out`). With
-    `act` the weight is an MLP's [gate | up] [2F, K] and the result [F] = act(gate) * up,
-    bit for bit what q4gemv followed by triton_fused.gated_act returns (one launch fewer)."""
+           sb: Tensor | None = None, r: Tensor | None = None, norm: Tensor | None = None,
+           eps: float = 0.0, offset: float = 0.0, h_out: Tensor | None = None,
+           act: str | None = None) -> Tensor:
+    """See `q4gemv_ref` (same signature and results up to fp32 summation order). x [K] (or
+    [1, K]; [2K] with `act`) contiguous; words = `repack(packed)`; sb = `pair_scales(scales,
+    biases)` or None (then the kernel reads scales and biases apart); returns [N] (or writes
+    `out`, any float dtype: the sums are rounded to x.dtype first). With `norm` and `r`,
+    `h_out` [K] must be given and must not alias x or r."""
     xv = x.reshape(-1)
-    k = xv.shape[0]
     n, kw = words.shape
-    if kw * 8 != k or not supported(group, k, x.dtype):
-        raise ValueError(f"q4gemv: K={k}, words {tuple(words.shape)}, group {group}, {x.dtype}")
+    k = kw * 8
+    if xv.shape[0] != (2 * k if act is not None else k) or not supported(group, k, x.dtype):
+        raise ValueError(f"q4gemv: x {tuple(x.shape)}, words {tuple(words.shape)}, group "
+                         f"{group}, {x.dtype} (K={k})")
     if scales.shape != (n, k // group) or biases.shape != scales.shape:
         raise ValueError(f"q4gemv: scales/biases {tuple(scales.shape)} != {(n, k // group)}")
     if sb is not None and (sb.shape != (n, k // group, 2) or not sb.is_contiguous()):
         raise ValueError(f"q4gemv: sb {tuple(sb.shape)} != {(n, k // group, 2)}")
     if n * kw >= 2**31:
         raise ValueError("q4gemv: the weight has >= 2^31 words (int32 offsets)")
-    if act is not None:
-        if act not in ACTS or n % 2:
-            raise ValueError(f"q4gemv: act {act!r} needs a known activation and [gate | up] rows")
-        n //= 2  # output rows; the kernel reads the up half at N + row
-    if config is None and act is not None:  # a program does gate and up rows: half as many
-        d = default_config(2 * n, k)
-        config = replace(d, block_n=max(1, d.block_n // 2))
+    if act is not None and (act not in ACTS or norm is not None):
+        raise ValueError(f"q4gemv: act {act!r}: a known activation, and one prologue at a time")
+    has_r = norm is not None and r is not None
+    if norm is not None and (norm.shape != (k,) or (has_r and (
+            r.shape != (k,) or h_out is None or h_out.shape != (k,)
+            or h_out.data_ptr() in (xv.data_ptr(), r.data_ptr())))):
+        raise ValueError("q4gemv: norm [K], r [K] and a separate h_out [K] for the residual")
     cfg = config or default_config(n, k)
     if kw % cfg.wt:
         raise ValueError(f"q4gemv: tile {cfg.wt} words must divide K/8 = {kw}")
     y = out if out is not None else torch.empty(n, dtype=x.dtype, device=x.device)
-    extra = {}
-    nb = triton.cdiv(n, cfg.block_n)
-    if cfg.per_sm > 0 and act is None:  # grid-stride: G <= NB programs, offsets to NB + G rows
-        g = max(1, min(nb, cfg.per_sm * _sm_count(x.device)))
-        if (nb + g) * cfg.block_n * kw >= 2**31:
-            raise ValueError("q4gemv: the weight is too large for int32 offsets")
-        _q4gemv_gs_kernel[(g,)](
-            xv, words, scales if sb is None else sb, biases, y, n, 0, K=k, GROUP=group,
-            BLOCK_N=cfg.block_n, WT=cfg.wt, SB=sb is not None, CG=cfg.cg,
-            ITERS=triton.cdiv(nb, g) * (kw // cfg.wt), num_warps=cfg.num_warps, num_stages=1,
-            **extra)
-        return y
     gdc = pdl(x.device)
-    if gdc:
-        extra["launch_pdl"] = True
-    _q4gemv_kernel[(nb,)](
-        xv, words, scales if sb is None else sb, biases, y, n, 0, K=k, GROUP=group,
-        BLOCK_N=cfg.block_n, WT=cfg.wt, EVEN_N=n % cfg.block_n == 0, SB=sb is not None,
-        CG=cfg.cg, GDC=gdc, ACT=ACTS[act] if act else -1, num_warps=cfg.num_warps,
-        num_stages=1, **extra)
+    pro = 2 if act is not None else (1 if norm is not None else 0)
+    _q4gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        xv, r if has_r else xv, norm if pro == 1 else xv, h_out if has_r else xv, words,
+        scales if sb is None else sb, biases, y, n, float(eps), float(offset), 0, K=k,
+        GROUP=group, BLOCK_N=cfg.block_n, WT=cfg.wt, EVEN_N=n % cfg.block_n == 0,
+        SB=sb is not None, CG=cfg.cg, GDC=gdc, PRO=pro, HAS_R=has_r,
+        HAS_OFFSET=pro == 1 and bool(offset), ACT=ACTS[act] if act else 0,
+        num_warps=cfg.num_warps, num_stages=1, **({"launch_pdl": True} if gdc else {}))
     return y

@@ -132,19 +132,6 @@ def fused_gemm(qw, m: int) -> bool:
             and min(qw.out_features, qw.in_features) >= FUSED_MIN_DIM)
 
 
-def linear_act(qw, x: Tensor, act: str) -> Tensor | None:
-    """act(gate) * up [1, F] of an MLP's [gate | up] weight from one q4gemv launch (its
-    gated-act epilogue: the same bits as q4gemv then gated_act), or None where that does not
-    apply. Opt-in (env MLXR_Q4_ACT=1, read at every call) until measured on the GPU."""
-    if (x.shape[0] != 1 or qw.q4 is None or qw.out_features % 2
-            or os.environ.get("MLXR_Q4_ACT", "") != "1" or os.environ.get("MLXR_Q4GEMV") == "0"):
-        return None
-    from ..ops import triton_q4gemv
-
-    return triton_q4gemv.q4gemv(x, qw.q4, qw.scales, qw.biases, group=qw.spec.group_size,
-                                sb=qw.q4_sb, act=act).view(1, -1)
-
-
 def linear(qw, x: Tensor) -> Tensor | None:
     """x [M, K] -> [M, N] by the fastest measured path, or None to use the generic kernels."""
     m = x.shape[0]

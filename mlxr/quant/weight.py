@@ -207,18 +207,6 @@ class QuantWeight:
             y = cpu.tiled_linear(self, x2)
         return y.reshape(*lead, self.out_features)
 
-    def linear_act(self, x: Tensor, act: str) -> Tensor | None:
-        """act(gate) * up [..., out/2] for a [gate | up] weight in one fused kernel where the
-        device path has one (`mlxr.quant.cuda.linear_act`), else None (the caller runs
-        `linear` and the activation)."""
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"{self.name}: input last dim {x.shape[-1]} != {self.in_features}")
-        if self.q4 is None or not (x.is_cuda and _use_triton(self)):  # cheap: every MLP calls
-            return None
-        x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)
-        y = cuda.linear_act(self, x2, act)
-        return None if y is None else y.reshape(*x.shape[:-1], self.out_features // 2)
-
     def embed(self, ids: Tensor) -> Tensor:
         """ids long [...] -> dequantized rows [..., in] in compute dtype."""
         # Range-check host ids only: on the device the check would sync (and break CUDA-graph
