@@ -1,5 +1,6 @@
 """The fused single-token decode step (mlxr.models.fused_decode: the op before each projection
-in q4gemv's prologue) against the generic layer loop, in the CPU interpreter.
+in q4gemv's prologue) against the generic layer loop: in the CPU interpreter, and on the GPU
+where there is one (scripts/gpu_parity.sh run).
 
 q4gemv takes K in multiples of 1024, so the decoder here has E = H*D = F = 1024 (2 layers)."""
 
@@ -7,10 +8,12 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
-
 import pytest
 import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
 
 pytest.importorskip("triton")
 
@@ -25,9 +28,11 @@ from mlxr.quant import QuantWeight
 from mlxr.quant import cuda as qcuda
 
 
-def quantized_decoder(kind: str, dtype=torch.float16, group: int = 64) -> Decoder:
-    """Random 4-bit weights, each with q4gemv's decode copy (built at load on CUDA). llama:
-    plain GQA; qwen3: q/k norms and a tied head; gemma3: what the fused step declines."""
+def quantized_decoder(kind: str, dtype=torch.float16, group: int = 64,
+                      device: str = DEVICE) -> Decoder:
+    """Random 4-bit weights, each with q4gemv's decode copy (built at load on CUDA, here by
+    hand on the CPU). llama: plain GQA; qwen3: q/k norms and a tied head; gemma3: what the
+    fused step declines."""
     g = torch.Generator().manual_seed(len(kind))
     e, h, kh, d, f, v, n_layers = 1024, 16, 4, 64, 1024, 96, 2
     gemma = kind == "gemma3"
@@ -46,12 +51,14 @@ def quantized_decoder(kind: str, dtype=torch.float16, group: int = 64) -> Decode
         w, s, b, _ = random_weight("affine", 4, group, n, k, next(seed))
         s, b = (s.float() * 4).to(dtype), b.to(dtype)  # ~unit-gain rows: logits of O(1)
         qw = QuantWeight.from_tensors(w, s, b, QuantSpec("affine", 4, group),
-                                      compute_dtype=dtype, device="cpu")
-        qw.q4, qw.q4_sb = qcuda.q4gemv_pack(w, s, b)
+                                      compute_dtype=dtype, device=device)
+        if device == "cpu":
+            qw.q4, qw.q4_sb = qcuda.q4gemv_pack(w, s, b)
+        assert qw.q4 is not None
         return qw
 
     def norm(size):
-        return (torch.randn(size, generator=g) * 0.2 + (0.0 if gemma else 1.0)).to(dtype)
+        return (torch.randn(size, generator=g) * 0.2 + (0.0 if gemma else 1.0)).to(device, dtype)
 
     layers = [Layer(norm(e), Linear(quant((h + 2 * kh) * d, e)), Linear(quant(e, h * d)),
                     norm(e), Linear(quant(2 * f, e)), Linear(quant(e, f)),
@@ -60,7 +67,7 @@ def quantized_decoder(kind: str, dtype=torch.float16, group: int = 64) -> Decode
               for _ in range(n_layers)]
     embed = Embedding(quant(v, e))
     head = None if c.tie_word_embeddings else Linear(quant(v, e))
-    return Decoder(c, embed, layers, norm(e), head, dtype, torch.device("cpu"))
+    return Decoder(c, embed, layers, norm(e), head, dtype, torch.device(device))
 
 
 @pytest.mark.parametrize("kind,dtype", [("llama", torch.float16), ("qwen3", torch.bfloat16)])
@@ -69,17 +76,17 @@ def test_fused_decode_step_matches_generic(kind, dtype, monkeypatch):
     a few units of the dtype over the logit range (the norm statistics and GEMV sums run in
     other orders), the K/V written the same; a different token's logits are far outside."""
     dec = quantized_decoder(kind, dtype)
-    ids = torch.tensor([3, 17, 42, 5, 9])
+    ids = torch.tensor([3, 17, 42, 5, 9], device=DEVICE)
     cap, p0 = 16, 3
     cache = new_cache(dec, cap)
     tables = {id(rope.spec): rope.cos_sin(0, cap) for rope in dec.ropes}
-    key_pos = torch.arange(cap)
+    key_pos = torch.arange(cap, device=DEVICE)
     monkeypatch.setenv("MLXR_DECODE_FUSED", "0")
     unit = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
     with torch.inference_mode():
         dec.forward(ids[:p0], cache)
         for p in range(p0, len(ids)):
-            pos = torch.tensor([p])
+            pos = torch.tensor([p], device=DEVICE)
             want = dec.forward_static(ids[p:p + 1], pos, cache.pool, tables, key_pos)
             k_want = [k[:, p].clone() for k in cache.pool.k]
             causal = key_pos <= pos
@@ -103,6 +110,7 @@ def test_fused_decode_step_matches_generic(kind, dtype, monkeypatch):
                 assert err <= 16 * unit * float(k_want[i].abs().max())
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="eligibility is decided for a CPU decoder here")
 def test_fused_decode_eligibility(monkeypatch):
     from mlxr import ops
 
