@@ -37,7 +37,8 @@ case "${1:-}" in
       awk -v i="$i" 'NR % 5 == i' /tmp/gpu_ids > "/tmp/shard$i"
       python3 -m pytest -q -rf $(cat "/tmp/shard$i") > "$out/parity-gpu$i.txt" 2>&1 &
     done
-    python3 -m pytest -q -rf tests/test_triton_paged.py tests/test_gpu_engine.py tests/test_fused_decode.py \
+    python3 -m pytest -q -rf tests/test_triton_paged.py tests/test_gpu_engine.py \
+      tests/test_fused_decode.py \
       tests/test_gpu_prefill.py > "$out/parity-engine.txt" 2>&1 &
     wait
     tail -n 3 "$out"/parity-*.txt ;;
