@@ -119,11 +119,12 @@ def test_fused_decode_eligibility(monkeypatch):
     monkeypatch.setattr(dec, "device", torch.device("cuda"))
     monkeypatch.setattr(ops, "fast_kernels", lambda device: True)
     dec._fused_eligible = None
+    assert not fused_decode.eligible(dec)  # opt-in
+    monkeypatch.setenv("MLXR_DECODE_FUSED", "1")
     assert fused_decode.eligible(dec)
-    for off in ("MLXR_DECODE_FUSED", "MLXR_Q4GEMV"):
-        monkeypatch.setenv(off, "0")
-        assert not fused_decode.eligible(dec)
-        monkeypatch.delenv(off)
+    monkeypatch.setenv("MLXR_Q4GEMV", "0")
+    assert not fused_decode.eligible(dec)
+    monkeypatch.delenv("MLXR_Q4GEMV")
     assert fused_decode.eligible(dec)
     dec.layers[1].down_proj.weight.q4 = None  # one projection without the decode copy
     dec._fused_eligible = None

@@ -10,11 +10,13 @@ generic layer loop when every projection qualifies (`eligible`): per layer
     m    = W_down @ act(gate) * up
 
 i.e. three launches fewer per layer than the generic loop's (two add+norm kernels and the
-gated activation go into the GEMVs' prologues: `mlxr.ops.triton_q4gemv`). Batch-1 decode of a
-small model is launch-bound (docs/perf.md). Every intermediate vector is rounded where the
-generic loop rounds it; the norm's sum of squares is reduced in another order than the
-add+norm kernel's, so a near-tie can pick another greedy token than the generic loop
-(`MLXR_DECODE_FUSED=0`, read when a step is built or captured, turns this path off).
+gated activation go into the GEMVs' prologues: `mlxr.ops.triton_q4gemv`). Every intermediate
+vector is rounded where the generic loop rounds it; the norm's sum of squares is reduced in
+another order than the add+norm kernel's, so a near-tie can pick another greedy token.
+
+Opt-in (`MLXR_DECODE_FUSED=1`, read when a step is built or captured): on the H200 each program
+recomputing its x tiles (and the norm's statistic) costs more than the launch it saves, except
+on the smallest shapes: 0.6B decode 1,114 -> 1,121 tok/s, 8B 417 -> 311 (docs/perf.md).
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ def _qualifies(lin, dtype: torch.dtype) -> bool:
 def eligible(dec) -> bool:
     """Whether `run` can serve this decoder: CUDA with the Triton kernels, bf16/fp16, every
     projection (and the LM head) a 4-bit QuantWeight with a q4gemv copy and no bias, no
-    sandwich norms or fp16 residual clipping, and neither MLXR_DECODE_FUSED=0 nor
-    MLXR_Q4GEMV=0. Cached on the decoder; the switches are read each time."""
-    if "0" in (os.environ.get("MLXR_DECODE_FUSED"), os.environ.get("MLXR_Q4GEMV")):
+    sandwich norms or fp16 residual clipping, MLXR_DECODE_FUSED=1 and not MLXR_Q4GEMV=0.
+    Cached on the decoder; the switches are read each time."""
+    if os.environ.get("MLXR_DECODE_FUSED") != "1" or os.environ.get("MLXR_Q4GEMV") == "0":
         return False
     ok = getattr(dec, "_fused_eligible", None)
     if ok is None:
