@@ -131,7 +131,7 @@ if HAVE_TRITON:
     @triton.jit
     def _act(g, ACT: tl.constexpr):
         """act(g) in fp32 for g fp32 (ACTS: silu, gelu with exact erf, gelu_tanh); shared by
-        `_gated_act_kernel` and the fused decode GEMV's prologue (mlxr.ops.triton_fgemv)."""
+        `_gated_act_kernel` and q4gemv's act prologue (mlxr.ops.triton_q4gemv)."""
         if ACT == 0:  # silu: x / (1 + exp(-x))
             a = g / (1.0 + tl.exp(-g))
         elif ACT == 1:  # gelu, exact erf
