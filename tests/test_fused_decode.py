@@ -17,8 +17,6 @@ if DEVICE == "cpu":
 
 pytest.importorskip("triton")
 
-from test_triton_qmm import random_weight
-
 from mlxr.config import ModelConfig, QuantSpec, RopeSpec
 from mlxr.engine.kv_cache import new_cache
 from mlxr.layers import Embedding, Linear
@@ -48,8 +46,11 @@ def quantized_decoder(kind: str, dtype=torch.float16, group: int = 64,
     seed = iter(range(1000))
 
     def quant(n, k):
-        w, s, b, _ = random_weight("affine", 4, group, n, k, next(seed))
-        s, b = (s.float() * 4).to(dtype), b.to(dtype)  # ~unit-gain rows: logits of O(1)
+        # MLX 4-bit words drawn directly (any int32 is a valid word), scales of ~unit-gain rows
+        gw = torch.Generator().manual_seed(next(seed))
+        w = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=gw)
+        s = (torch.rand(n, k // group, generator=gw) * 0.05).to(dtype)
+        b = (-7.5 * s.float() + torch.randn(n, k // group, generator=gw) * 0.01).to(dtype)
         qw = QuantWeight.from_tensors(w, s, b, QuantSpec("affine", 4, group),
                                       compute_dtype=dtype, device=device)
         if device == "cpu":
