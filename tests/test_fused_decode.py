@@ -56,6 +56,7 @@ def quantized_decoder(kind: str, dtype=torch.float16, group: int = 64,
         if device == "cpu":
             qw.q4, qw.q4_sb = qcuda.q4gemv_pack(w, s, b)
         assert qw.q4 is not None
+        assert device == "cpu" or qw.i4 is None  # CUDA: tinygemm's copy only on demand
         return qw
 
     def norm(size):

@@ -79,3 +79,65 @@ def test_single_row_decode_takes_q4gemv(monkeypatch):
                                    QuantSpec("affine", 3, group), device="cpu")
     qw3.packed = torch.zeros(n, k * 3 // 32, dtype=torch.int32)
     assert not qcuda.q4gemv_supported(qw3)
+
+
+def test_batch_copy_is_built_on_demand(monkeypatch):
+    """tinygemm's copy (2-32 rows) is not built with q4gemv's at load; add_batch_copy builds it
+    once, for matmul weights on CUDA only, and reports its bytes."""
+    g = torch.Generator().manual_seed(8)
+    n, k, group = 16, 1024, 64
+    w = torch.randint(-(2**31), 2**31, (n, k // 8), generator=g, dtype=torch.int64).to(torch.int32)
+    s = (torch.randn(n, k // group, generator=g) * 0.02).to(torch.bfloat16)
+    b = (torch.randn(n, k // group, generator=g) * 0.1).to(torch.bfloat16)
+    qw = QuantWeight.from_tensors(w, s, b, QuantSpec("affine", 4, group), device="cpu")
+    qw.packed, qw.i4, qw.i4_sz = w, None, None  # the CUDA layout after load
+    calls = []
+
+    def fake_pack(packed, scales, biases):
+        calls.append(packed.shape)
+        return torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(k // group, n, 2)
+
+    monkeypatch.setattr(qcuda, "tinygemm_supported", lambda qw: True)
+    monkeypatch.setattr(qcuda, "tinygemm_pack", fake_pack)
+    assert qw.add_batch_copy() == 0 and qw.i4 is None  # not a CUDA weight
+    monkeypatch.setattr(qw, "device", torch.device("cuda"))
+    assert qw.add_batch_copy() == n * k // 2 + (k // group) * n * 2 * 4
+    assert qw.i4 is not None and calls == [(n, k // 8)]
+    assert qw.add_batch_copy() == 0 and len(calls) == 1  # once
+    qw.i4, qw.matmul = None, False  # a gather-only embedding never gets one
+    assert qw.add_batch_copy() == 0
+
+
+def test_batching_engine_asks_for_batch_copies(monkeypatch):
+    """LLMEngine builds every weight's batch copy before it sizes the KV pool; a single request
+    (mlxr.load + generate) never does."""
+    import mlxr
+    from mlxr.cli.common import BUNDLED
+    from mlxr.engine import LLMEngine, engine as engine_mod
+
+    model = mlxr.load(BUNDLED / "stories260K", device="cpu", dtype="float32")
+    order = []
+
+    class Fake:
+        def add_batch_copy(self):
+            order.append("copy")
+            return 0
+
+    real_kv = engine_mod._kv_blocks
+    monkeypatch.setattr(model.decoder, "quant_weights", lambda: [Fake(), Fake()])
+    monkeypatch.setattr(engine_mod, "_kv_blocks",
+                        lambda *a, **kw: order.append("kv") or real_kv(*a, **kw))
+    list(model.generate([1, 2, 3], max_tokens=2))
+    assert order == []
+    LLMEngine(model, max_num_seqs=2)
+    assert order == ["copy", "copy", "kv"]
+
+
+def test_quant_weights_lists_each_weight_once():
+    from test_fused_decode import quantized_decoder
+
+    for kind in ("llama", "qwen3"):  # qwen3's head is the (tied) embedding's weight
+        dec = quantized_decoder(kind, torch.bfloat16)
+        qws = dec.quant_weights()
+        assert len(qws) == len({id(q) for q in qws}) == 4 * len(dec.layers) + 1
+        assert dec.head.weight in qws and dec.layers[0].gate_up.weight in qws

@@ -107,6 +107,10 @@ class LLMEngine:
                  memory_fraction: float | None = None, paged_decode: bool | None = None):
         self.model, self.decoder = model, model.decoder
         self.block_size = block_size
+        # batched decode's 4-bit kernel needs its own weight copy (QuantWeight.add_batch_copy):
+        # built before the KV pool is sized from the free memory
+        for qw in self.decoder.quant_weights():
+            qw.add_batch_copy()
         n = num_blocks or _kv_blocks(model, block_size, max_num_seqs, memory_fraction)
         c = model.config
         capture = supported(self.decoder)

@@ -12,6 +12,7 @@ import torch
 from .. import ops
 from ..config import ModelConfig
 from ..layers import Embedding, Linear, Rope
+from ..quant import QuantWeight
 from . import fused_decode
 
 
@@ -126,6 +127,18 @@ class Decoder:
     def head(self) -> Linear:
         """The LM head: lm_head, or the embedding as a linear when tied."""
         return self.lm_head if self.lm_head is not None else self.embed.as_linear
+
+    def quant_weights(self) -> list[QuantWeight]:
+        """Every quantized weight the forward multiplies by (projections, LM head), once each."""
+        out: dict[int, QuantWeight] = {}
+        lins = [self.head]
+        for layer in self.layers:
+            for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj):
+                lins.extend(p.parts if isinstance(p, Fused) else [p])
+        for lin in lins:
+            if isinstance(lin.weight, QuantWeight):
+                out.setdefault(id(lin.weight), lin.weight)
+        return list(out.values())
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [N] -> h [N, E]: the embedding rows, times the family's embedding scale."""

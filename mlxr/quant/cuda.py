@@ -6,8 +6,10 @@
   Qwen3-0.6B shape (8B gate_up 26.0 vs 38.9 us, LM head 92.4 vs 150.6 us). Env
   `MLXR_Q4GEMV=0` (read at every call) sends M = 1 to tinygemm.
 - decode (M <= 32), affine 4-bit: torch's tinygemm kernel (`_weight_int4pack_mm`), fed by a
-  one-time load repack of the mlx codes (nibble order swapped, torch's tiled layout). It
-  computes `x @ ((q - 8) * s + z)^T` per group, so mlx's `w = s*q + b` maps to `z = b + 8*s`.
+  one-time repack of the mlx codes (nibble order swapped, torch's tiled layout). It computes
+  `x @ ((q - 8) * s + z)^T` per group, so mlx's `w = s*q + b` maps to `z = b + 8*s`. The copy
+  is built at load only where q4gemv does not serve M = 1, else by the batching engine
+  (`QuantWeight.add_batch_copy`); without it 2-32 rows take the paths below.
 - prefill and large decode batches (M > 16; > 32 for 4-bit), affine 2/3/4/5/6/8-bit: one
   Triton pass (`triton_dequant.dequant_affine`) dequantizes the packed words to a bf16 scratch
   matrix (4-bit: read 0.5 B, write 2 B per weight), then cuBLAS does the GEMM on tensor
@@ -24,7 +26,7 @@
 Affine 2/3-bit at M = 1 (bf16/fp16) use `mlxr.ops.triton_gemv` by default (measured faster).
 Env `MLXR_GEMV=triton` (read at every call, so A/B runs need no reload) routes decode (M <= 16)
 of every format, affine 4-bit included, to the GEMV of `mlxr.ops.triton_gemv` instead of tinygemm
-/ `triton_qmm` (benchmarks/gpu_gemv_sweep.py measures both). The tinygemm copy is still built.
+/ `triton_qmm` (benchmarks/gpu_gemv_sweep.py measures both).
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ Storage (chosen at load time, see `from_tensors`):
                  for 3/5/6-bit in fast mode (costs 8/bits x the packed size, saves a slow unpack
                  per call), or
   * `i4`       - torch's packed int4 CPU tensor + bf16 scales_and_zeros (fast-mode affine 4-bit).
-On CUDA `packed` is always kept; affine 4-bit adds two load-time repacks of it for decode:
-`i4`/`i4_sz` (tinygemm, 2-32 rows) and `q4`/`q4_sb` (`mlxr.ops.triton_q4gemv`, one row).
+On CUDA `packed` is always kept; affine 4-bit adds repacks of it for decode: `q4`/`q4_sb`
+(`mlxr.ops.triton_q4gemv`, one row) at load, and `i4`/`i4_sz` (tinygemm, 2-32 rows) at load
+only where q4gemv does not apply, else when the batching engine asks (`add_batch_copy`).
 Scales/biases stay in their file dtype, except in exact mode (compute_dtype float32) where they
 are cast to float32 once: dequant then is `q*s + b` in fp32 (two fp32 roundings), exactly what
 mlx computes with fp32 params.
@@ -114,10 +115,10 @@ class QuantWeight:
                 self.packed = packed.contiguous()  # cannot decode the int4 layout: keep a copy
         elif dev.type == "cuda":
             self.packed = packed.contiguous()  # Triton kernels read the mlx words as shipped
-            if matmul and cuda.tinygemm_supported(self):  # decode; the words stay for prefill
-                self.i4, self.i4_sz = cuda.tinygemm_pack(self.packed, self.scales, self.biases)
             if matmul and cuda.q4gemv_supported(self):  # single-request decode (M = 1)
                 self.q4, self.q4_sb = cuda.q4gemv_pack(self.packed, self.scales, self.biases)
+            if matmul and self.q4 is None:  # tinygemm serves M = 1 too; else on demand
+                self.add_batch_copy()
         elif bits == 8:
             self.codes = packed.contiguous().view(torch.uint8)  # [out, in], zero-copy
         elif bits in (3, 5, 6) and not exact:
@@ -125,6 +126,19 @@ class QuantWeight:
         else:
             self.packed = packed.contiguous()
         return self
+
+    def add_batch_copy(self) -> int:
+        """Build tinygemm's copy (decode of 2-32 rows, `mlxr.quant.cuda`) if this weight takes
+        it and has none; returns the bytes added. At load it is built only where q4gemv cannot
+        serve single-row decode: a single request needs it only for prompts of 2-32 tokens
+        (which otherwise take the Triton GEMV or dequant + cuBLAS), so it is left out there
+        (about the size of the packed words: ~4.5 GB on a Llama-8B 4-bit). The batching
+        engine (`LLMEngine`) asks for it before it sizes the KV pool and captures its graphs."""
+        if (self.i4 is not None or not self.matmul or self.packed is None
+                or self.device.type != "cuda" or not cuda.tinygemm_supported(self)):
+            return 0
+        self.i4, self.i4_sz = cuda.tinygemm_pack(self.packed, self.scales, self.biases)
+        return sum(t.numel() * t.element_size() for t in (self.i4, self.i4_sz))
 
     # ------------------------------------------------------------------ properties
     @property
