@@ -8,6 +8,8 @@
 #   on the GPU machine, switches:      scripts/gpu_parity.sh ab       (each decode switch: are
 #       greedy tokens and logits bit-identical on and off, then decode speed on and off;
 #       AB="..." names the switches, MODELS="q06 l8" the checkpoints)
+#   on the GPU machine, persistent:    scripts/gpu_parity.sh persist  (grid barrier vs launch:
+#       benchmarks/gpu_persist_probe.py; a barrier that never opens is cut off by timeout)
 #   on the GPU machine, serving:       scripts/gpu_parity.sh serve    (needs the server's
 #       packages there: carry wheels in .whl, see the device notes; a tokenizer dir in .gpu_tok)
 #
@@ -66,6 +68,10 @@ case "${1:-}" in
           "/tmp/$m-0.pt" || true)" | tee -a "$out/ab.txt"
       done
     done ;;
+  persist)
+    timeout 300 python3 benchmarks/gpu_persist_probe.py --json "$out/persist.json" \
+      | tee "$out/persist.txt"
+    timeout 120 python3 -m pytest -q tests/test_triton_persist.py | tee "$out/persist-test.txt" ;;
   serve)
     wheels
     python3 benchmarks/make_checkpoint.py qwen3-0.6b /tmp/q06 --tokenizer .gpu_tok >/dev/null
@@ -75,5 +81,5 @@ case "${1:-}" in
     done
     python3 benchmarks/serve_bench.py /tmp/q06 --null-engine --null-step-ms 7 --clients 256 \
       --tokens 128 | tee "$out/serve-null.txt" ;;
-  *) echo "usage: $0 make|run|bench|ab|serve" >&2; exit 2 ;;
+  *) echo "usage: $0 make|run|bench|ab|persist|serve" >&2; exit 2 ;;
 esac

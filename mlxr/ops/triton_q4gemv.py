@@ -2,11 +2,12 @@
 
 Why another GEMV: single-request decode reads every weight once, so this kernel is the decode
 speed. The earlier Triton GEMVs (`triton_gemv`, a fused-prologue GEMV) reach 0.5-1.2 TB/s on
-the H200; their compiled code (benchmarks/sass_report.py) shows why: Triton gives the x loads and the
-scale loads other register layouts than the weight tile, so every tile goes through shared
-memory (triton_gemv at an 8B shape: 22 barriers, ~10 instructions per code). This kernel is
-written so that x and the scales get the weight tile's own layout (16-byte weight loads, one
-small shared-memory exchange per tile, 3.3-3.8 instructions per code with fixed costs):
+the H200; their compiled code (benchmarks/sass_report.py) shows why: Triton gives the x loads
+and the scale loads other register layouts than the weight tile, so every tile goes through
+shared memory (triton_gemv at an 8B shape: 22 barriers, ~10 instructions per code). This
+kernel is written so that x and the scales get the weight tile's own layout (16-byte weight
+loads, one small shared-memory exchange per tile, 3.3-3.8 instructions per code with fixed
+costs):
 
 * **Load-time repack** (`repack`, once per weight; same bytes): within each run of 32 codes,
   word e (0..3) holds codes k = 32c + 4j + e at nibble j. A thread owns 4 consecutive words
@@ -253,19 +254,20 @@ if HAVE_TRITON:
         return s * dqc + b * xs[None, :]
 
     @triton.jit
-    def _q4gemv_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, eps,
-                       offset, zero, K: tl.constexpr, GROUP: tl.constexpr,
-                       BLOCK_N: tl.constexpr, WT: tl.constexpr, EVEN_N: tl.constexpr,
-                       SB: tl.constexpr, CG: tl.constexpr, GDC: tl.constexpr,
-                       PRO: tl.constexpr, HAS_R: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                       ACT: tl.constexpr):
-        """PRO: 0 x as given, 1 rms_norm(x + r), 2 act(gate) * up (see `_x_at`)."""
-        pid = tl.program_id(0)
+    def _q4_rows(rb, x_ptr, r_ptr, nw_ptr, h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, eps, offset,
+                 zero, write_h, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                 WT: tl.constexpr, EVEN_N: tl.constexpr, SB: tl.constexpr, CG: tl.constexpr,
+                 GDC: tl.constexpr, PRO: tl.constexpr, HAS_R: tl.constexpr,
+                 HAS_OFFSET: tl.constexpr, ACT: tl.constexpr):
+        """Row block rb: y[rb * BLOCK_N + i] for i < BLOCK_N (the whole of one program of
+        `_q4gemv_kernel`; a persistent kernel calls it for several row blocks). PRO: 0 x as
+        given, 1 rms_norm(x + r), 2 act(gate) * up (see `_x_at`); write_h: this call also
+        stores the residual x + r."""
         KW: tl.constexpr = K // 8  # words per row
         NG: tl.constexpr = K // GROUP
         CPG: tl.constexpr = GROUP // 32  # 32-code chunks per group
         NT: tl.constexpr = KW // WT
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = rb * BLOCK_N + tl.arange(0, BLOCK_N)
         cw = tl.arange(0, WT)  # word of the tile (chunk cw // 4, word e = cw % 4 in it)
         ch = tl.arange(0, WT // 4)  # chunk of the tile
         wp = w_ptr + rn[:, None] * KW + cw[None, :]  # [BLOCK_N, WT], int32 offsets (launcher)
@@ -292,7 +294,6 @@ if HAVE_TRITON:
                     hv = hv.to(x_ptr.dtype.element_ty).to(tl.float32)
                 sq += hv * hv
             rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-        write_h = pid == 0
         acc = tl.zeros([BLOCK_N, WT // 4], dtype=tl.float32)
         for t in range(NT):  # a run-time loop: unrolled tiles would not fit in registers
             # the next tile's words go out before this tile's arithmetic (none past the row)
@@ -306,6 +307,18 @@ if HAVE_TRITON:
             tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
         else:
             tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+    @triton.jit
+    def _q4gemv_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, eps,
+                       offset, zero, K: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_N: tl.constexpr, WT: tl.constexpr, EVEN_N: tl.constexpr,
+                       SB: tl.constexpr, CG: tl.constexpr, GDC: tl.constexpr,
+                       PRO: tl.constexpr, HAS_R: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                       ACT: tl.constexpr):
+        pid = tl.program_id(0)
+        _q4_rows(pid, x_ptr, r_ptr, nw_ptr, h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, eps, offset,
+                 zero, pid == 0, K, GROUP, BLOCK_N, WT, EVEN_N, SB, CG, GDC, PRO, HAS_R,
+                 HAS_OFFSET, ACT)
 
 
 def q4gemv(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: int,
