@@ -73,3 +73,53 @@ def test_chain4_rejects_bad_chains():
     with pytest.raises(ValueError, match="num_warps"):  # one launch, one warp count
         P.chain4(x, chain, group=64, counter=P.new_counter(DEV),
                  configs=[Q.Q4Config(8, 128)] * 3 + [Q.Q4Config(8, 256)])
+
+
+@pytest.mark.parametrize("kind,dtype", [("llama", torch.float16), ("qwen3", torch.bfloat16)])
+def test_persistent_decode_step_matches_the_fused_step(kind, dtype):
+    """persist_decode.run (one launch per layer) against fused_decode.run (the same phase
+    bodies as separate launches), token by token on the same cache; a different token's
+    logits are far outside the tolerance."""
+    from test_fused_decode import quantized_decoder
+
+    from mlxr import ops
+    from mlxr.engine.kv_cache import new_cache
+    from mlxr.models import fused_decode, persist_decode
+
+    dec = quantized_decoder(kind, dtype)
+    ids = torch.tensor([3, 17, 42, 5], device=DEV)
+    cap, p0 = 80, 2  # 80 keys: two 64-key tiles, so attention runs split and merged
+    cache = new_cache(dec, cap)
+    tables = {id(rope.spec): rope.cos_sin(0, cap) for rope in dec.ropes}
+    key_pos = torch.arange(cap, device=DEV)
+    unit = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    with torch.inference_mode():
+        dec.forward(ids[:p0], cache)
+        for p in range(p0, len(ids)):
+            pos = torch.tensor([p], device=DEV)
+            causal = key_pos <= pos
+            step = {k: (c[pos], s[pos]) for k, (c, s) in tables.items()}
+
+            def attend(i, q, causal=causal):
+                return ops.attention_masked(q, cache.pool.k[i], cache.pool.v[i], causal,
+                                            dec.config.attn_scale, None)
+
+            other = persist_decode.run(dec, ids[p - 1:p], step, cache.pool, pos, causal)
+            want = fused_decode.run(dec, ids[p:p + 1], step, cache.pool, pos, attend)
+            k_want = [k[:, p].clone() for k in cache.pool.k]
+            got = persist_decode.run(dec, ids[p:p + 1], step, cache.pool, pos, causal)
+            assert got.shape == want.shape and got.dtype == torch.float32
+            assert torch.isfinite(got).all()
+            if DEV == "cuda":  # the same kernel bodies in the same order: the same bits
+                assert torch.equal(got, want)
+                for i, k in enumerate(cache.pool.k):
+                    assert torch.equal(k[:, p], k_want[i])
+                continue
+            # on the CPU fused_decode's attention and RoPE are the torch references (which
+            # round q * scale and q . k to the dtype), so a few units of the dtype apart
+            tol = 16 * unit * float(want.abs().max())
+            assert float((got - want).abs().max()) <= tol
+            assert float((other - want).abs().max()) > 4 * tol
+            for i, k in enumerate(cache.pool.k):
+                err = float((k[:, p].float() - k_want[i].float()).abs().max())
+                assert err <= 16 * unit * float(k_want[i].abs().max())

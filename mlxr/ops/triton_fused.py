@@ -206,10 +206,22 @@ if HAVE_TRITON:
                            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                            TILES: tl.constexpr, NSPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
                            SINGLE: tl.constexpr, DOT_F32: tl.constexpr):
-        g = tl.program_id(0)
-        sp = tl.program_id(1)
+        _attn_split(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, v_ptr,
+                    vis_ptr, o_ptr, pacc_ptr, pml_ptr, S, sq0, sq1, sk0, sk1, sv0, sv1, svis,
+                    qk_scale, inv_cap, cap2, T, REP, H, D, BLOCK_M, BLOCK_D, BLOCK_S, TILES,
+                    NSPLIT, SOFTCAP, SINGLE, DOT_F32)
+
+    @triton.jit
+    def _attn_split(g, sp, mb, q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, pacc_ptr, pml_ptr, S, sq0,
+                    sq1, sk0, sk1, sv0, sv1, svis, qk_scale, inv_cap, cap2, T: tl.constexpr,
+                    REP: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                    TILES: tl.constexpr, NSPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
+                    SINGLE: tl.constexpr, DOT_F32: tl.constexpr):
+        """Kv head g, split sp, query-row block mb of `_attn_split_kernel` (a persistent
+        kernel walks these items itself: mlxr.ops.triton_persist)."""
         RT: tl.constexpr = REP * T
-        rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows ordered (rep, T)
+        rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # rows ordered (rep, T)
         rmask = rows < RT
         t = rows % T
         head = g * REP + rows // T
@@ -255,7 +267,14 @@ if HAVE_TRITON:
                              TRIGGER: tl.constexpr):
         if TRIGGER:  # the next grid (a PDL-launched GEMV) may start streaming its weights
             tl.extra.cuda.gdc_launch_dependents()
-        pid = tl.program_id(0)
+        _attn_combine(tl.program_id(0), pacc_ptr, pml_ptr, o_ptr, T, REP, H, D, NSPLIT, BLOCK_N,
+                      BLOCK_D)
+
+    @triton.jit
+    def _attn_combine(pid, pacc_ptr, pml_ptr, o_ptr, T: tl.constexpr, REP: tl.constexpr,
+                      H: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Row pid (of kv heads x REP x T) of `_attn_combine_kernel`."""
         RT: tl.constexpr = REP * T
         g = pid // RT
         row = pid % RT

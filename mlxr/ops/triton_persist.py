@@ -162,3 +162,165 @@ def sync_probe(counter: Tensor, barriers: int, grid: int | None = None) -> Tenso
     out = torch.zeros(barriers + 1, dtype=torch.int64, device=counter.device)
     _sync_kernel[(grid,)](counter, out, BARRIERS=barriers, num_warps=4)
     return out
+
+
+# ====================================================================== a whole decode layer
+if HAVE_TRITON:
+    from .triton_fused import _attn_combine, _attn_split
+    from .triton_layer import _qkv_rope_write
+
+    @triton.jit
+    def _layer_kernel(
+            h_ptr, m_ptr, h0_ptr, h1_ptr, in_norm, mlp_norm, wqkv, sqkv, qkv_ptr, qn_ptr, kn_ptr,
+            c_ptr, s_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, vis_ptr, pacc_ptr, pml_ptr,
+            attn_ptr, wo, so, o_ptr, wgu, sgu, gu_ptr, wd, sd, m_out_ptr, cnt_ptr,
+            S, skc0, skc1, svc0, svc1, eps, offset, rope_scale, qk_scale, inv_cap, cap2, zero,
+            E: tl.constexpr, F: tl.constexpr, H: tl.constexpr, KV: tl.constexpr,
+            D: tl.constexpr, R: tl.constexpr, GROUP: tl.constexpr, WT: tl.constexpr,
+            BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr,
+            HAS_M: tl.constexpr, HAS_OFFSET: tl.constexpr, TRAD: tl.constexpr,
+            HAS_QKNORM: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr,
+            BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_S: tl.constexpr, TILES: tl.constexpr, NSPLIT: tl.constexpr,
+            BLOCK_NS: tl.constexpr, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr,
+            ACT: tl.constexpr, BARRIERS: tl.constexpr, IT_QKV: tl.constexpr,
+            IT_ROPE: tl.constexpr, IT_ATT: tl.constexpr, IT_CMB: tl.constexpr,
+            IT_O: tl.constexpr, IT_GU: tl.constexpr, IT_D: tl.constexpr):
+        """One decode token through one layer (mlxr.models.persist_decode), phase by phase
+        with a grid barrier between phases; items of a phase go to programs pid, pid + G, ..."""
+        pid = tl.program_id(0)
+        g = tl.num_programs(0)
+        base = grid_base(cnt_ptr, BARRIERS)
+        REP: tl.constexpr = H // KV
+        HD: tl.constexpr = H * D
+        NQKV: tl.constexpr = HD + 2 * KV * D
+        b = 0
+        # 1. qkv = W_qkv @ rms_norm(h + m); h0 = h + m (row block 0 writes it)
+        for it in range(IT_QKV):
+            rb = pid + it * g
+            if rb * BN_QKV < NQKV:
+                _q4_rows(rb, h_ptr, m_ptr, in_norm, h0_ptr, wqkv, sqkv, sqkv, qkv_ptr, NQKV, eps,
+                         offset, zero, rb == 0, E, GROUP, BN_QKV, WT, NQKV % BN_QKV == 0, True,
+                         True, False, 1, HAS_M, HAS_OFFSET, 0)
+        b += 1
+        grid_sync(cnt_ptr, base + g * b)
+        # 2. q/k norm + RoPE; k and v into the cache at the token's slot
+        for it in range(IT_ROPE):
+            j = pid + it * g
+            if j < H + KV:
+                _qkv_rope_write(0, j, qkv_ptr, qn_ptr, kn_ptr, c_ptr, s_ptr, slot_ptr, q_ptr,
+                                kc_ptr, vc_ptr, 0, 0, skc0, skc1, svc0, svc1, eps, offset,
+                                rope_scale, H, KV, D, R, TRAD, HAS_QKNORM,
+                                HAS_QKNORM and HAS_OFFSET, HAS_SCALE, BLOCK_R, BLOCK_P, BLOCK_D)
+        b += 1
+        grid_sync(cnt_ptr, base + g * b)
+        # 3. attention: (kv head, split) items; 4. the splits merged per query head
+        for it in range(IT_ATT):
+            j = pid + it * g
+            if j < KV * NSPLIT:
+                _attn_split(j // NSPLIT, j % NSPLIT, 0, q_ptr, kc_ptr, vc_ptr, vis_ptr,
+                            attn_ptr, pacc_ptr, pml_ptr, S, HD, D, skc0, skc1, svc0, svc1, 0,
+                            qk_scale, inv_cap, cap2, 1, REP, H, D, BLOCK_M, BLOCK_D, BLOCK_S,
+                            TILES, NSPLIT, SOFTCAP, NSPLIT == 1, DOT_F32)
+        b += 1
+        grid_sync(cnt_ptr, base + g * b)
+        if NSPLIT > 1:
+            for it in range(IT_CMB):
+                j = pid + it * g
+                if j < H:
+                    _attn_combine(j, pacc_ptr, pml_ptr, attn_ptr, 1, REP, H, D, NSPLIT,
+                                  BLOCK_NS, BLOCK_D)
+            b += 1
+            grid_sync(cnt_ptr, base + g * b)
+        # 5. o = W_o @ attn
+        for it in range(IT_O):
+            rb = pid + it * g
+            if rb * BN_O < E:
+                _q4_rows(rb, attn_ptr, attn_ptr, attn_ptr, attn_ptr, wo, so, so, o_ptr, E, eps,
+                         offset, zero, False, HD, GROUP, BN_O, WT, E % BN_O == 0, True, True,
+                         False, 0, False, False, 0)
+        b += 1
+        grid_sync(cnt_ptr, base + g * b)
+        # 6. gu = W_gu @ rms_norm(h0 + o); h1 = h0 + o
+        for it in range(IT_GU):
+            rb = pid + it * g
+            if rb * BN_GU < 2 * F:
+                _q4_rows(rb, h0_ptr, o_ptr, mlp_norm, h1_ptr, wgu, sgu, sgu, gu_ptr, 2 * F, eps,
+                         offset, zero, rb == 0, E, GROUP, BN_GU, WT, (2 * F) % BN_GU == 0, True,
+                         True, False, 1, True, HAS_OFFSET, 0)
+        b += 1
+        grid_sync(cnt_ptr, base + g * b)
+        # 7. m = W_down @ act(gate) * up
+        for it in range(IT_D):
+            rb = pid + it * g
+            if rb * BN_D < E:
+                _q4_rows(rb, gu_ptr, gu_ptr, gu_ptr, gu_ptr, wd, sd, sd, m_out_ptr, E, eps,
+                         offset, zero, False, F, GROUP, BN_D, WT, E % BN_D == 0, True, True,
+                         False, 2, False, False, ACT)
+
+
+def decode_layer(h: Tensor, m: Tensor | None, layer, qw: dict, cos: Tensor, sin: Tensor,
+                 rope_traditional: bool, rope_scale: float, k_cache: Tensor, v_cache: Tensor,
+                 slot: Tensor, visible: Tensor, cfg, group: int, counter: Tensor,
+                 grid: int | None = None) -> tuple[Tensor, Tensor]:
+    """One token (h [E] the residual stream, m [E] the previous MLP output or None) through one
+    decoder layer in one launch; returns (h + m + o, m_out), what the generic loop computes
+    (mlxr.models.decoder). qw: name -> (q4 words, (scale, bias) pairs) for qkv, o, gate_up,
+    down; cos/sin [1, R] float32; k/v_cache [KV, S, D]; slot [1] long; visible [S] bool;
+    cfg the ModelConfig; group the weights' group size; `counter` from `new_counter`; `grid`
+    programs, all resident (4 warps, ~240 registers each at Qwen3-0.6B shapes, sm_90: at most
+    two per SM; `programs` gives one)."""
+    from .triton_fused import ACTS, ATTN_TARGET_PROGRAMS, LOG2E, _interpret, _p2
+
+    dev, dt = h.device, h.dtype
+    e, f, hq, kv, d = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
+                       cfg.num_kv_heads, cfg.head_dim)
+    r, s_len, rep = cos.shape[-1], k_cache.shape[1], hq // kv
+    grid = grid or programs(dev)
+    wt = 128  # 128-word tiles: every K here is a multiple of 1024
+    bns = {name: default_config(w.shape[0], w.shape[1] * 8).block_n for name, (w, _) in qw.items()}
+    h0 = torch.empty_like(h) if m is not None else h
+    h1, m_out = torch.empty_like(h), torch.empty_like(h)
+    qkv = torch.empty((hq + 2 * kv) * d, dtype=dt, device=dev)
+    q = torch.empty(hq * d, dtype=dt, device=dev)
+    attn, o = torch.empty(hq * d, dtype=dt, device=dev), torch.empty_like(h)
+    gu = torch.empty(2 * f, dtype=dt, device=dev)
+    block_d = max(16, _p2(d))
+    block_s = 64 if block_d <= 128 else 32
+    tiles = max(1, triton.cdiv(s_len, block_s))
+    splits = max(1, triton.cdiv(ATTN_TARGET_PROGRAMS, kv))
+    per = triton.cdiv(tiles, min(tiles, splits))
+    nsplit = triton.cdiv(tiles, per)
+    pacc = torch.empty((kv * nsplit * rep, d), dtype=torch.float32, device=dev)
+    pml = torch.empty((kv * nsplit * rep, 2), dtype=torch.float32, device=dev)
+    softcap = cfg.attn_logit_softcap
+    if softcap is not None:
+        inv_cap, cap2, qk_scale = 2.0 * cfg.attn_scale / softcap * LOG2E, softcap * LOG2E, 0.0
+    else:
+        inv_cap, cap2, qk_scale = 0.0, 0.0, cfg.attn_scale * LOG2E
+    qn, kn = layer.q_norm, layer.k_norm
+    vis = visible.view(torch.uint8) if visible.dtype == torch.bool else visible
+
+    def its(n_items):
+        return triton.cdiv(n_items, grid)
+
+    _layer_kernel[(grid,)](
+        h, m if m is not None else h, h0, h1, layer.input_norm, layer.mlp_norm, *qw["qkv"],
+        qkv, qn if qn is not None else h, kn if kn is not None else h,
+        cos.float().contiguous(), sin.float().contiguous(), slot, q, k_cache, v_cache, vis,
+        pacc, pml, attn, *qw["o_proj"], o, *qw["gate_up"], gu, *qw["down_proj"], m_out,
+        counter, s_len, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), float(cfg.rms_norm_eps), float(cfg.norm_offset), float(rope_scale),
+        qk_scale, inv_cap, cap2, 0, E=e, F=f, H=hq, KV=kv, D=d, R=r, GROUP=group, WT=wt,
+        BN_QKV=bns["qkv"], BN_O=bns["o_proj"], BN_GU=bns["gate_up"], BN_D=bns["down_proj"],
+        HAS_M=m is not None, HAS_OFFSET=bool(cfg.norm_offset), TRAD=bool(rope_traditional),
+        HAS_QKNORM=qn is not None, HAS_SCALE=rope_scale != 1.0, BLOCK_R=_p2(r),
+        BLOCK_P=_p2(max(1, d - 2 * r)), BLOCK_D=block_d, BLOCK_M=max(16, _p2(rep)),
+        BLOCK_S=block_s, TILES=per, NSPLIT=nsplit, BLOCK_NS=_p2(nsplit),
+        SOFTCAP=softcap is not None, DOT_F32=dt == torch.float32 or _interpret(),
+        ACT=ACTS[cfg.hidden_act], BARRIERS=6 if nsplit > 1 else 5,
+        IT_QKV=its(triton.cdiv(qkv.shape[0], bns["qkv"])), IT_ROPE=its(hq + kv),
+        IT_ATT=its(kv * nsplit), IT_CMB=its(hq), IT_O=its(triton.cdiv(e, bns["o_proj"])),
+        IT_GU=its(triton.cdiv(2 * f, bns["gate_up"])),
+        IT_D=its(triton.cdiv(e, bns["down_proj"])), num_warps=4, num_stages=1)
+    return h1, m_out
