@@ -58,19 +58,21 @@ if HAVE_TRITON:
         tl.debug_barrier()
 
     @triton.jit
-    def _gemv_phase(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, zero, K: tl.constexpr,
-                    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, WT: tl.constexpr,
-                    EVEN_N: tl.constexpr, ITERS: tl.constexpr):
-        """Row blocks pid, pid + G, ... of y = x @ W^T (q4gemv's body, paired scales, .cg);
-        ITERS = ceil(row blocks / G)."""
+    def _gemv_phase(x_ptr, r_ptr, nw_ptr, h_ptr, w_ptr, sb_ptr, y_ptr, N, eps, offset, zero,
+                    K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                    WT: tl.constexpr, EVEN_N: tl.constexpr, ITERS: tl.constexpr,
+                    PRO: tl.constexpr, HAS_R: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                    ACT: tl.constexpr):
+        """Row blocks pid, pid + G, ... of y = f(x) @ W^T (q4gemv's body with its prologue
+        PRO, paired scales, .cg; row block 0 writes the residual); ITERS = ceil(blocks / G)."""
         pid = tl.program_id(0)
         g = tl.num_programs(0)
         for it in range(ITERS):
             rb = pid + it * g
             if rb * BLOCK_N < N:
-                _q4_rows(rb, x_ptr, x_ptr, x_ptr, x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, 0.0,
-                         0.0, zero, False, K, GROUP, BLOCK_N, WT, EVEN_N, True, True, False, 0,
-                         False, False, 0)
+                _q4_rows(rb, x_ptr, r_ptr, nw_ptr, h_ptr, w_ptr, sb_ptr, sb_ptr, y_ptr, N, eps,
+                         offset, zero, rb == 0, K, GROUP, BLOCK_N, WT, EVEN_N, True, True, False,
+                         PRO, HAS_R, HAS_OFFSET, ACT)
 
     @triton.jit
     def _chain4_kernel(x_ptr, w0, s0, y0, w1, s1, y1, w2, s2, y2, w3, s3, y3, cnt_ptr,
@@ -86,13 +88,17 @@ if HAVE_TRITON:
         """y0 = W0 x, y1 = W1 y0[:K1], y2 = W2 y1[:K2], y3 = W3 y2[:K3]: three barriers."""
         g = tl.num_programs(0).to(tl.int64)
         base = grid_base(cnt_ptr, 3)
-        _gemv_phase(x_ptr, w0, s0, s0, y0, N0, zero, K0, GROUP, BN0, WT0, EV0, IT0)
+        _gemv_phase(x_ptr, x_ptr, x_ptr, x_ptr, w0, s0, y0, N0, 0.0, 0.0, zero, K0, GROUP,
+                    BN0, WT0, EV0, IT0, 0, False, False, 0)
         grid_sync(cnt_ptr, base + g)
-        _gemv_phase(y0, w1, s1, s1, y1, N1, zero, K1, GROUP, BN1, WT1, EV1, IT1)
+        _gemv_phase(y0, y0, y0, y0, w1, s1, y1, N1, 0.0, 0.0, zero, K1, GROUP,
+                    BN1, WT1, EV1, IT1, 0, False, False, 0)
         grid_sync(cnt_ptr, base + 2 * g)
-        _gemv_phase(y1, w2, s2, s2, y2, N2, zero, K2, GROUP, BN2, WT2, EV2, IT2)
+        _gemv_phase(y1, y1, y1, y1, w2, s2, y2, N2, 0.0, 0.0, zero, K2, GROUP,
+                    BN2, WT2, EV2, IT2, 0, False, False, 0)
         grid_sync(cnt_ptr, base + 3 * g)
-        _gemv_phase(y2, w3, s3, s3, y3, N3, zero, K3, GROUP, BN3, WT3, EV3, IT3)
+        _gemv_phase(y2, y2, y2, y2, w3, s3, y3, N3, 0.0, 0.0, zero, K3, GROUP,
+                    BN3, WT3, EV3, IT3, 0, False, False, 0)
 
     @triton.jit
     def _sync_kernel(cnt_ptr, out_ptr, BARRIERS: tl.constexpr):
@@ -196,12 +202,9 @@ if HAVE_TRITON:
         NQKV: tl.constexpr = HD + 2 * KV * D
         b = 0
         # 1. qkv = W_qkv @ rms_norm(h + m); h0 = h + m (row block 0 writes it)
-        for it in range(IT_QKV):
-            rb = pid + it * g
-            if rb * BN_QKV < NQKV:
-                _q4_rows(rb, h_ptr, m_ptr, in_norm, h0_ptr, wqkv, sqkv, sqkv, qkv_ptr, NQKV, eps,
-                         offset, zero, rb == 0, E, GROUP, BN_QKV, WT, NQKV % BN_QKV == 0, True,
-                         True, False, 1, HAS_M, HAS_OFFSET, 0)
+        _gemv_phase(h_ptr, m_ptr, in_norm, h0_ptr, wqkv, sqkv, qkv_ptr, NQKV, eps, offset, zero,
+                    E, GROUP, BN_QKV, WT, NQKV % BN_QKV == 0, IT_QKV, 1, HAS_M, HAS_OFFSET,
+                    0)
         b += 1
         grid_sync(cnt_ptr, base + g * b)
         # 2. q/k norm + RoPE; k and v into the cache at the token's slot
@@ -233,30 +236,18 @@ if HAVE_TRITON:
             b += 1
             grid_sync(cnt_ptr, base + g * b)
         # 5. o = W_o @ attn
-        for it in range(IT_O):
-            rb = pid + it * g
-            if rb * BN_O < E:
-                _q4_rows(rb, attn_ptr, attn_ptr, attn_ptr, attn_ptr, wo, so, so, o_ptr, E, eps,
-                         offset, zero, False, HD, GROUP, BN_O, WT, E % BN_O == 0, True, True,
-                         False, 0, False, False, 0)
+        _gemv_phase(attn_ptr, attn_ptr, attn_ptr, attn_ptr, wo, so, o_ptr, E, eps, offset, zero,
+                    HD, GROUP, BN_O, WT, E % BN_O == 0, IT_O, 0, False, False, 0)
         b += 1
         grid_sync(cnt_ptr, base + g * b)
         # 6. gu = W_gu @ rms_norm(h0 + o); h1 = h0 + o
-        for it in range(IT_GU):
-            rb = pid + it * g
-            if rb * BN_GU < 2 * F:
-                _q4_rows(rb, h0_ptr, o_ptr, mlp_norm, h1_ptr, wgu, sgu, sgu, gu_ptr, 2 * F, eps,
-                         offset, zero, rb == 0, E, GROUP, BN_GU, WT, (2 * F) % BN_GU == 0, True,
-                         True, False, 1, True, HAS_OFFSET, 0)
+        _gemv_phase(h0_ptr, o_ptr, mlp_norm, h1_ptr, wgu, sgu, gu_ptr, 2 * F, eps, offset, zero,
+                    E, GROUP, BN_GU, WT, (2 * F) % BN_GU == 0, IT_GU, 1, True, HAS_OFFSET, 0)
         b += 1
         grid_sync(cnt_ptr, base + g * b)
         # 7. m = W_down @ act(gate) * up
-        for it in range(IT_D):
-            rb = pid + it * g
-            if rb * BN_D < E:
-                _q4_rows(rb, gu_ptr, gu_ptr, gu_ptr, gu_ptr, wd, sd, sd, m_out_ptr, E, eps,
-                         offset, zero, False, F, GROUP, BN_D, WT, E % BN_D == 0, True, True,
-                         False, 2, False, False, ACT)
+        _gemv_phase(gu_ptr, gu_ptr, gu_ptr, gu_ptr, wd, sd, m_out_ptr, E, eps, offset, zero, F,
+                    GROUP, BN_D, WT, E % BN_D == 0, IT_D, 2, False, False, ACT)
 
 
 def decode_layer(h: Tensor, m: Tensor | None, layer, qw: dict, cos: Tensor, sin: Tensor,
