@@ -4,7 +4,8 @@
   load-time repack of the codes (`q4`, same bytes) and of the scales and biases into pairs
   (`q4_sb`). H200 (benchmarks/gpu_q4gemv_sweep.py): faster than tinygemm at every Llama-8B /
   Qwen3-0.6B shape (8B gate_up 26.0 vs 38.9 us, LM head 92.4 vs 150.6 us). Env
-  `MLXR_Q4GEMV=0` (read at every call) sends M = 1 to tinygemm.
+  `MLXR_Q4GEMV=0` (read at every call) sends M = 1 to tinygemm (set at load, it also makes the
+  load build tinygemm's copy).
 - decode (M <= 32), affine 4-bit: torch's tinygemm kernel (`_weight_int4pack_mm`), fed by a
   one-time repack of the mlx codes (nibble order swapped, torch's tiled layout). It computes
   `x @ ((q - 8) * s + z)^T` per group, so mlx's `w = s*q + b` maps to `z = b + 8*s`. The copy

@@ -117,7 +117,9 @@ class QuantWeight:
             self.packed = packed.contiguous()  # Triton kernels read the mlx words as shipped
             if matmul and cuda.q4gemv_supported(self):  # single-request decode (M = 1)
                 self.q4, self.q4_sb = cuda.q4gemv_pack(self.packed, self.scales, self.biases)
-            if matmul and self.q4 is None:  # tinygemm serves M = 1 too; else on demand
+            # tinygemm serves M = 1 where q4gemv does not (or is switched off for an A/B
+            # run: MLXR_Q4GEMV=0 at load); else its copy is built on demand
+            if matmul and (self.q4 is None or os.environ.get("MLXR_Q4GEMV") == "0"):
                 self.add_batch_copy()
         elif bits == 8:
             self.codes = packed.contiguous().view(torch.uint8)  # [out, in], zero-copy
