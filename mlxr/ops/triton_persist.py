@@ -1,11 +1,12 @@
-"""Persistent-kernel building blocks for the single-request decode step: a grid-wide barrier and
-a probe that runs a layer's four 4-bit GEMVs in one launch.
+"""Persistent kernels for the single-request decode step: a grid-wide barrier, a probe that
+runs a layer's four 4-bit GEMVs in one launch (`chain4`), and a whole decoder layer in one
+launch (`decode_layer`, used by `mlxr.models.persist_decode`, opt-in).
 
 Why: batch-1 decode of a small model is launch-bound (Qwen3-0.6B: ~10 launches per layer,
 ~33 us per layer for ~9 MB of weights, i.e. ~3 us of bytes; docs/perf.md). A kernel whose
 programs stay resident and walk a layer's phases, with a grid-wide barrier between phases,
 pays one launch per layer instead; whether a barrier is cheaper than a launch on the H200 is
-what `benchmarks/gpu_persist_probe.py` measures with `chain4` (not used by the engine).
+what `benchmarks/gpu_persist_probe.py` measures first (`sync_probe`, `chain4`).
 
 `grid_sync`: every program of the launch must be resident at once (launch at most as many
 programs as fit on the GPU at one time: `programs`), or the barrier never opens. The counter
