@@ -98,8 +98,8 @@ def main(argv: list[str]) -> None:
         from mlxr.ops import triton_persist as P
 
         nw = args[0] if args else 4
-        const = dict(E=1024, F=3072, H=16, KV=8, D=128, R=64, GROUP=64, WT=128, BN_QKV=4,
-                     BN_O=4, BN_GU=4, BN_D=4, HAS_M=True, HAS_OFFSET=False, TRAD=False,
+        const = dict(E=1024, F=3072, H=16, KV=8, D=128, R=64, GROUP=64, WT=128, BN_QKV=16,
+                     BN_O=8, BN_GU=16, BN_D=8, HAS_M=True, HAS_OFFSET=False, TRAD=False,
                      HAS_QKNORM=True, HAS_SCALE=False, BLOCK_R=64, BLOCK_P=1, BLOCK_D=128,
                      BLOCK_M=16, BLOCK_S=64, TILES=2, NSPLIT=32, BLOCK_NS=32, SOFTCAP=False,
                      DOT_F32=False, ACT=0, BARRIERS=6, IT_QKV=4, IT_ROPE=1, IT_ATT=2,

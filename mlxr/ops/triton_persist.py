@@ -270,7 +270,16 @@ def decode_layer(h: Tensor, m: Tensor | None, layer, qw: dict, cos: Tensor, sin:
     r, s_len, rep = cos.shape[-1], k_cache.shape[1], hq // kv
     grid = grid or programs(dev)
     wt = 128  # 128-word tiles: every K here is a multiple of 1024
-    bns = {name: default_config(w.shape[0], w.shape[1] * 8).block_n for name, (w, _) in qw.items()}
+    # Rows per program: with one resident program per SM, a program should own about one row
+    # block of each matrix (ceil(N / G) rows), or it walks several one DRAM round trip after
+    # another with ~2 KB in flight each (Little's law wants MBs in flight across the GPU). The
+    # caps keep the whole kernel within 255 registers without spills (sm_90 compiles,
+    # benchmarks/sass_report.py layer): 16 rows for the norm phases at E <= 2048, else 8.
+    caps = {"qkv": 16 if e <= 2048 else 8, "gate_up": 16 if e <= 2048 else 8, "o_proj": 8,
+            "down_proj": 8}
+    bns = {name: (64 if _interpret() else
+                  min(caps[name], max(4, _p2(triton.cdiv(w.shape[0], grid)))))
+           for name, (w, _) in qw.items()}
     h0 = torch.empty_like(h) if m is not None else h
     h1, m_out = torch.empty_like(h), torch.empty_like(h)
     qkv = torch.empty((hq + 2 * kv) * d, dtype=dt, device=dev)
