@@ -357,6 +357,29 @@ def attention_masked(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: fl
     return attention_masked_split(q, k, v, visible, scale, softcap)
 
 
+def split_plan(s: int, d: int, programs: int, block_s: int | None = None,
+               splits: int | None = None) -> tuple[int, int, int, int]:
+    """The decode attention's launch policy over S keys of head dim d, for `programs` (kv head
+    x query-row block) programs before splitting: (BLOCK_D, BLOCK_S, tiles per split, splits).
+    Shared with the persistent decode layer (mlxr.ops.triton_persist)."""
+    block_d = max(16, _p2(d))
+    if block_s is None:
+        block_s = 64 if block_d <= 128 else 32
+    tiles = max(1, triton.cdiv(s, block_s))
+    if splits is None:
+        splits = max(1, triton.cdiv(ATTN_TARGET_PROGRAMS, programs))
+    per = triton.cdiv(tiles, min(tiles, splits))
+    return block_d, block_s, per, triton.cdiv(tiles, per)
+
+
+def score_consts(scale: float, softcap: float | None) -> tuple[float, float, float]:
+    """`_scores`' (qk_scale, inv_cap, cap2): log2-domain scale, or the soft-cap's constants."""
+    if softcap is not None:
+        inv_cap = 2.0 * scale / softcap
+        return 0.0, inv_cap * LOG2E, softcap * LOG2E
+    return scale * LOG2E, 0.0, 0.0
+
+
 def attention_masked_split(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float,
                            softcap: float | None = None, block_s: int | None = None,
                            splits: int | None = None) -> Tensor:
@@ -377,25 +400,14 @@ def attention_masked_split(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, sca
     rt = rep * t
     block_m = min(ATTN_MAX_BLOCK_M, max(16, _p2(rt)))
     mblocks = triton.cdiv(rt, block_m)
-    block_d = max(16, _p2(d))
-    if block_s is None:
-        block_s = 64 if block_d <= 128 else 32
-    tiles = max(1, triton.cdiv(s, block_s))
-    if splits is None:
-        splits = max(1, triton.cdiv(ATTN_TARGET_PROGRAMS, kh * mblocks))
-    per = triton.cdiv(tiles, min(tiles, splits))
-    nsplit = triton.cdiv(tiles, per)
+    block_d, block_s, per, nsplit = split_plan(s, d, kh * mblocks, block_s, splits)
     single = nsplit == 1
     if single:
         pacc = pml = out  # unused
     else:
         pacc = torch.empty((kh * nsplit * rt, d), dtype=torch.float32, device=q.device)
         pml = torch.empty((kh * nsplit * rt, 2), dtype=torch.float32, device=q.device)
-    if softcap is not None:
-        inv_cap, cap2, qk_scale = 2.0 * scale / softcap, softcap * LOG2E, 0.0
-        inv_cap *= LOG2E
-    else:
-        inv_cap, cap2, qk_scale = 0.0, 0.0, scale * LOG2E
+    qk_scale, inv_cap, cap2 = score_consts(scale, softcap)
     dot_f32 = q.dtype == torch.float32 or _interpret()
     _attn_split_kernel[(kh, nsplit, mblocks)](
         q, k, v, vis, out, pacc, pml, s, q.stride(0), q.stride(1), k.stride(0), k.stride(1),

@@ -24,9 +24,8 @@ import triton.language as tl
 from torch import Tensor
 
 from .reference import prefill_tile
-from .triton_fused import _merge_splits, _online_softmax, _scores
+from .triton_fused import _merge_splits, _online_softmax, _scores, score_consts
 
-LOG2E = 1.4426950408889634
 TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
 MAX_SPLITS = 32
 
@@ -193,10 +192,7 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, ctx_l
     else:
         pacc = torch.empty((bsz * kh * splits * rep, d), dtype=torch.float32, device=q.device)
         pml = torch.empty((bsz * kh * splits * rep, 2), dtype=torch.float32, device=q.device)
-    if softcap is not None:
-        inv_cap, cap2, qk_scale = 2.0 * scale / softcap * LOG2E, softcap * LOG2E, 0.0
-    else:
-        inv_cap, cap2, qk_scale = 0.0, 0.0, scale * LOG2E
+    qk_scale, inv_cap, cap2 = score_consts(scale, softcap)
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     _paged_attn_kernel[(bsz, kh, splits)](
         q, k, v, block_tables, ctx_lens, out, pacc, pml, q.stride(0), q.stride(1),
@@ -230,10 +226,7 @@ def paged_prefill_attention(q: Tensor, k: Tensor, v: Tensor, block_tables: Tenso
         q = q.contiguous()
     tq = prefill_tile(h, kh)  # items hold at most this many rows
     block_d = max(16, _p2(d))
-    if softcap is not None:
-        inv_cap, cap2, qk_scale = 2.0 * scale / softcap * LOG2E, softcap * LOG2E, 0.0
-    else:
-        inv_cap, cap2, qk_scale = 0.0, 0.0, scale * LOG2E
+    qk_scale, inv_cap, cap2 = score_consts(scale, softcap)
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     _paged_prefill_kernel[(items.shape[0], kh)](
         q, k, v, block_tables, items, out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),

@@ -262,7 +262,7 @@ def decode_layer(h: Tensor, m: Tensor | None, layer, qw: dict, cos: Tensor, sin:
     cfg the ModelConfig; group the weights' group size; `counter` from `new_counter`; `grid`
     programs, all resident (4 warps, ~240 registers each at Qwen3-0.6B shapes, sm_90: at most
     two per SM; `programs` gives one)."""
-    from .triton_fused import ACTS, ATTN_TARGET_PROGRAMS, LOG2E, _interpret, _p2
+    from .triton_fused import ACTS, _interpret, _p2, score_consts, split_plan
 
     dev, dt = h.device, h.dtype
     e, f, hq, kv, d = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
@@ -286,19 +286,11 @@ def decode_layer(h: Tensor, m: Tensor | None, layer, qw: dict, cos: Tensor, sin:
     q = torch.empty(hq * d, dtype=dt, device=dev)
     attn, o = torch.empty(hq * d, dtype=dt, device=dev), torch.empty_like(h)
     gu = torch.empty(2 * f, dtype=dt, device=dev)
-    block_d = max(16, _p2(d))
-    block_s = 64 if block_d <= 128 else 32
-    tiles = max(1, triton.cdiv(s_len, block_s))
-    splits = max(1, triton.cdiv(ATTN_TARGET_PROGRAMS, kv))
-    per = triton.cdiv(tiles, min(tiles, splits))
-    nsplit = triton.cdiv(tiles, per)
+    block_d, block_s, per, nsplit = split_plan(s_len, d, kv)  # as attention_masked launches
     pacc = torch.empty((kv * nsplit * rep, d), dtype=torch.float32, device=dev)
     pml = torch.empty((kv * nsplit * rep, 2), dtype=torch.float32, device=dev)
     softcap = cfg.attn_logit_softcap
-    if softcap is not None:
-        inv_cap, cap2, qk_scale = 2.0 * cfg.attn_scale / softcap * LOG2E, softcap * LOG2E, 0.0
-    else:
-        inv_cap, cap2, qk_scale = 0.0, 0.0, cfg.attn_scale * LOG2E
+    qk_scale, inv_cap, cap2 = score_consts(cfg.attn_scale, softcap)
     qn, kn = layer.q_norm, layer.k_norm
     vis = visible.view(torch.uint8) if visible.dtype == torch.bool else visible
 
