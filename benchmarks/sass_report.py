@@ -4,8 +4,6 @@ code of the program's tile, load widths, barriers, and the layout conversions Tr
 
     PYTHONPATH=. python benchmarks/sass_report.py q4gemv K GROUP BLOCK_N WT [PRO]
     PYTHONPATH=. python benchmarks/sass_report.py gemv K BITS GROUP BLOCK_N GT [num_warps]
-    PYTHONPATH=. python benchmarks/sass_report.py layer [num_warps]   (triton_persist's
-        one-launch decode layer at Qwen3-0.6B shapes: registers and spills)
 
 (PRO: q4gemv's prologue, 0 none, 1 rms_norm(h + r), 2 silu(gate) * up.)
 
@@ -94,24 +92,6 @@ def main(argv: list[str]) -> None:
         const = {"K": k, "BITS": bits, "GROUP": group, "MODE": 0, "HAS_GS": False, "MP": 1,
                  "SPLIT_K": 1, "BLOCK_N": block_n, "GT": gt, "PREFETCH": 1, "EVEN_N": True}
         report(compile_sm90(G._gemv_kernel, sig, const, nw), block_n * gt * group // (32 * nw))
-    elif kind == "layer":
-        from mlxr.ops import triton_persist as P
-
-        nw = args[0] if args else 4
-        const = dict(E=1024, F=3072, H=16, KV=8, D=128, R=64, GROUP=64, WT=128, BN_QKV=16,
-                     BN_O=8, BN_GU=16, BN_D=8, HAS_M=True, HAS_OFFSET=False, TRAD=False,
-                     HAS_QKNORM=True, HAS_SCALE=False, BLOCK_R=64, BLOCK_P=1, BLOCK_D=128,
-                     BLOCK_M=16, BLOCK_S=64, TILES=2, NSPLIT=32, BLOCK_NS=32, SOFTCAP=False,
-                     DOT_F32=False, ACT=0, BARRIERS=6, IT_QKV=4, IT_ROPE=1, IT_ATT=2,
-                     IT_CMB=1, IT_O=2, IT_GU=12, IT_D=2)
-        ptrs = {"wqkv": "*i32", "wo": "*i32", "wgu": "*i32", "wd": "*i32", "slot_ptr": "*i64",
-                "vis_ptr": "*u8", "pacc_ptr": "*fp32", "pml_ptr": "*fp32", "c_ptr": "*fp32",
-                "s_ptr": "*fp32", "cnt_ptr": "*i64"}
-        ints = {"S", "skc0", "skc1", "svc0", "svc1", "zero"}
-        floats = {"eps", "offset", "rope_scale", "qk_scale", "inv_cap", "cap2"}
-        sig = {n: ptrs.get(n, "i32" if n in ints else "fp32" if n in floats else "*bf16")
-               for n in P._layer_kernel.arg_names if n not in const}
-        report(compile_sm90(P._layer_kernel, sig, const, nw), 1)
     else:
         raise SystemExit(__doc__)
 

@@ -8,9 +8,6 @@
 #   on the GPU machine, switches:      scripts/gpu_parity.sh ab       (each decode switch: are
 #       greedy tokens and logits bit-identical on and off, then decode speed on and off;
 #       AB="..." names the switches, MODELS="q06 l8" the checkpoints)
-#   on the GPU machine, persistent:    scripts/gpu_parity.sh persist  (grid barrier vs launch:
-#       benchmarks/gpu_persist_probe.py, the persistent kernels' tests, then the one-launch-
-#       per-layer decode step on and off; a barrier that never opens is cut off by timeout)
 #   on the GPU machine, serving:       scripts/gpu_parity.sh serve    (needs the server's
 #       packages there: carry wheels in .whl, see the device notes; a tokenizer dir in .gpu_tok)
 #
@@ -69,20 +66,6 @@ case "${1:-}" in
           "/tmp/$m-0.pt" || true)" | tee -a "$out/ab.txt"
       done
     done ;;
-  persist)
-    timeout 300 python3 benchmarks/gpu_persist_probe.py --json "$out/persist.json" \
-      | tee "$out/persist.txt" || true
-    timeout 180 python3 -m pytest -q -rf tests/test_triton_persist.py \
-      | tee "$out/persist-test.txt" || true
-    python3 benchmarks/make_checkpoint.py qwen3-0.6b /tmp/q06 >/dev/null
-    for v in 1 0; do  # the one-launch-per-layer decode step (MLXR_DECODE_PERSIST) on and off
-      MLXR_DECODE_PERSIST=$v timeout 120 python3 benchmarks/gpu_ab_check.py /tmp/q06 \
-        "/tmp/q06-p$v.pt" >/dev/null || echo "persist=$v: no result" | tee -a "$out/persist-ab.txt"
-      MLXR_DECODE_PERSIST=$v timeout 150 python3 -m mlxr bench /tmp/q06 -p 512 -n 128 \
-        --device cuda --repeats 2 | tail -n 1 | tee "$out/persist-bench-$v.json" || true
-    done
-    python3 benchmarks/gpu_ab_check.py --compare /tmp/q06-p1.pt /tmp/q06-p0.pt \
-      | tee -a "$out/persist-ab.txt" || true ;;
   serve)
     wheels
     python3 benchmarks/make_checkpoint.py qwen3-0.6b /tmp/q06 --tokenizer .gpu_tok >/dev/null
@@ -92,5 +75,5 @@ case "${1:-}" in
     done
     python3 benchmarks/serve_bench.py /tmp/q06 --null-engine --null-step-ms 7 --clients 256 \
       --tokens 128 | tee "$out/serve-null.txt" ;;
-  *) echo "usage: $0 make|run|bench|ab|persist|serve" >&2; exit 2 ;;
+  *) echo "usage: $0 make|run|bench|ab|serve" >&2; exit 2 ;;
 esac

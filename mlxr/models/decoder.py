@@ -13,7 +13,7 @@ from .. import ops
 from ..config import ModelConfig
 from ..layers import Embedding, Linear, Rope
 from ..quant import QuantWeight
-from . import fused_decode, persist_decode
+from . import fused_decode
 
 
 class Fused:
@@ -230,8 +230,6 @@ class Decoder:
             return ops.attention_masked(q, pool.k[i], pool.v[i], visible, c.attn_scale,
                                         c.attn_logit_softcap)
 
-        if persist_decode.eligible(self):
-            return persist_decode.run(self, ids, step_tables, pool, pos, causal)
         if fused_decode.eligible(self):
             return fused_decode.run(self, ids, step_tables, pool, pos, attend)
         return self._run(ids, step_tables, pool, pos, attend, None)

@@ -218,8 +218,7 @@ if HAVE_TRITON:
                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                     TILES: tl.constexpr, NSPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
                     SINGLE: tl.constexpr, DOT_F32: tl.constexpr):
-        """Kv head g, split sp, query-row block mb of `_attn_split_kernel` (a persistent
-        kernel walks these items itself: mlxr.ops.triton_persist)."""
+        """Kv head g, split sp, query-row block mb of `_attn_split_kernel`."""
         RT: tl.constexpr = REP * T
         rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # rows ordered (rep, T)
         rmask = rows < RT
@@ -361,7 +360,7 @@ def split_plan(s: int, d: int, programs: int, block_s: int | None = None,
                splits: int | None = None) -> tuple[int, int, int, int]:
     """The decode attention's launch policy over S keys of head dim d, for `programs` (kv head
     x query-row block) programs before splitting: (BLOCK_D, BLOCK_S, tiles per split, splits).
-    Shared with the persistent decode layer (mlxr.ops.triton_persist)."""
+    Shared by the standalone and the paged kernels."""
     block_d = max(16, _p2(d))
     if block_s is None:
         block_s = 64 if block_d <= 128 else 32

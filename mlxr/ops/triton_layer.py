@@ -98,8 +98,7 @@ def _qkv_rope_write(t, j, qkv_ptr, qw_ptr, kw_ptr, c_ptr, s_ptr, slot_ptr, q_ptr
                     K: tl.constexpr, D: tl.constexpr, R: tl.constexpr, TRAD: tl.constexpr,
                     HAS_NORM: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_SCALE: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Token t (int64), head j (q head j < H, else kv head j - H) of `_qkv_rope_write_kernel`
-    (a persistent kernel walks these items itself: mlxr.ops.triton_persist)."""
+    """Token t (int64), head j (q head j < H, else kv head j - H) of `_qkv_rope_write_kernel`."""
     i = tl.arange(0, BLOCK_R)
     im = i < R
     if TRAD:

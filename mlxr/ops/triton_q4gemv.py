@@ -260,7 +260,7 @@ if HAVE_TRITON:
                  GDC: tl.constexpr, PRO: tl.constexpr, HAS_R: tl.constexpr,
                  HAS_OFFSET: tl.constexpr, ACT: tl.constexpr):
         """Row block rb: y[rb * BLOCK_N + i] for i < BLOCK_N (the whole of one program of
-        `_q4gemv_kernel`; a persistent kernel calls it for several row blocks). PRO: 0 x as
+        `_q4gemv_kernel`). PRO: 0 x as
         given, 1 rms_norm(x + r), 2 act(gate) * up (see `_x_at`); write_h: this call also
         stores the residual x + r."""
         KW: tl.constexpr = K // 8  # words per row
