@@ -91,9 +91,9 @@ if HAVE_TRITON:
         m = (rows < n_rows)[:, None] & cmask[None, :]
         base = (rows // n1).to(tl.int64) * s0 + (rows % n1).to(tl.int64) * s1
         x = tl.load(x_ptr + base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0)  # before the reduction's barriers
         r = tl.rsqrt(tl.sum(x * x, axis=1) / E + eps)
         y = (x * r[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=cmask, other=0.0)
         if HAS_OFFSET:
             w = (w.to(tl.float32) + offset).to(w_ptr.dtype.element_ty)
         out = (y * w.to(tl.float32)[None, :]).to(o_ptr.dtype.element_ty)

@@ -39,12 +39,14 @@ def _add_rms_norm_kernel(h_ptr, r_ptr, w_ptr, s_ptr, y_ptr, n_rows, sh, sr, eps,
     r64 = rows.to(tl.int64)[:, None]
     h = tl.load(h_ptr + r64 * sh + cols[None, :], mask=m, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + r64 * sr + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    # the weight goes out with h and r: a load after the reduction's barriers would cost a
+    # second memory round trip
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0)
     s = (h + r).to(s_ptr.dtype.element_ty)
     tl.store(s_ptr + r64 * E + cols[None, :], s, mask=m)
     x = s.to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=1) / E + eps)
     y = (x * inv[:, None]).to(s_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0)
     if HAS_OFFSET:
         w = (w.to(tl.float32) + offset).to(w_ptr.dtype.element_ty)
     out = (y * w.to(tl.float32)[None, :]).to(y_ptr.dtype.element_ty)
