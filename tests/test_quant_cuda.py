@@ -74,6 +74,22 @@ def test_single_row_decode_takes_q4gemv(monkeypatch):
     assert ((y.float() - want).abs() <= 2.0 ** -7 * want.abs() + 1e-3).all()
     monkeypatch.setenv("MLXR_Q4GEMV", "0")
     assert qcuda.linear(qw, x) is None
+    monkeypatch.delenv("MLXR_Q4GEMV")
+    # 2-16 rows without tinygemm's copy: the prefill path (one read of the packed words), not
+    # the generic per-row-block kernels (None); without the q4 repack they stay generic
+    from mlxr.ops import triton_dequant
+
+    calls = []
+    real = triton_dequant.dequant_affine
+    monkeypatch.setattr(triton_dequant, "dequant_affine",
+                        lambda *a, **kw: calls.append(a[4]) or real(*a, **kw))
+    x8 = torch.randn(8, k, generator=g).to(torch.bfloat16)
+    y8 = qcuda.linear(qw, x8)
+    want8 = x8.float() @ ref_dequantize(w, s.float(), b.float(), spec, dtype=torch.float32).t()
+    assert calls == [4] and y8.shape == (8, n)
+    assert ((y8.float() - want8).abs() <= 2.0 ** -7 * want8.abs() + 2e-2).all()
+    qw.q4 = qw.q4_sb = None
+    assert qcuda.linear(qw, x8) is None
     qw3 = QuantWeight.from_tensors(torch.zeros(n, k * 3 // 32, dtype=torch.int32),
                                    torch.ones(n, k // group), torch.zeros(n, k // group),
                                    QuantSpec("affine", 3, group), device="cpu")

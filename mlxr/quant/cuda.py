@@ -10,12 +10,12 @@
   one-time repack of the mlx codes (nibble order swapped, torch's tiled layout). It computes
   `x @ ((q - 8) * s + z)^T` per group, so mlx's `w = s*q + b` maps to `z = b + 8*s`. The copy
   is built at load only where q4gemv does not serve M = 1, else by the batching engine
-  (`QuantWeight.add_batch_copy`); without it 2-32 rows take the paths below.
+  (`QuantWeight.add_batch_copy`); without it 2-32 rows take the prefill paths below.
 - prefill and large decode batches (M > 16; > 32 for 4-bit), affine 2/3/4/5/6/8-bit: one
   Triton pass (`triton_dequant.dequant_affine`) dequantizes the packed words to a bf16 scratch
   matrix (4-bit: read 0.5 B, write 2 B per weight), then cuBLAS does the GEMM on tensor
   cores. The scratch is per call, never stored.
-- 33-128 rows (17-128 where tinygemm does not apply) of a 4-bit weight of >= 4096 x 4096:
+- 33-128 rows (2-128 where tinygemm's copy is absent) of a 4-bit weight of >= 4096 x 4096:
   the fused tensor-core GEMM of `mlxr.ops.triton_qgemm` on the packed words (no scratch). H200
   sweep (docs/perf.md): 8B gate_up at M = 128 101 vs 160 us, down 70 vs 86 us; it loses at
   M >= 512 and on small weights. Env `MLXR_PREFILL_GEMM` (read at every call): `fused` for every
@@ -153,7 +153,12 @@ def linear(qw, x: Tensor) -> Tensor | None:
                                     sb=qw.q4_sb).view(1, -1)
     if m <= TINYGEMM_MAX_M and qw.i4 is not None:
         return torch._weight_int4pack_mm(x, qw.i4, qw.spec.group_size, qw.i4_sz)
-    if m > DECODE_MAX_M and qw.compute_dtype != torch.float32 and dequant_supported(qw):
+    # 2-16 rows of a weight whose tinygemm copy was left out (a single request: q4gemv serves
+    # its decode) take the prefill paths, which read the packed words once; the generic
+    # kernels below re-read them per few rows (H200, Llama-8B, a 16-token prompt: 292 tok/s
+    # that way, 1,709 with tinygemm)
+    if ((m > DECODE_MAX_M or (m > 1 and qw.q4 is not None)) and qw.compute_dtype != torch.float32
+            and dequant_supported(qw)):
         if fused_gemm(qw, m):
             from ..ops import triton_qgemm
 
