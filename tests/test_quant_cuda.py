@@ -3,9 +3,6 @@ the bit-exact reference dequantizer. The kernel computes q*s+b in fp32 and round
 within one bf16 ulp (2^-7 relative) of the fp32 reference (the interpreter truncates where the
 GPU rounds to nearest, so equality is not expected here)."""
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
@@ -16,6 +13,8 @@ from mlxr.config import QuantSpec
 from mlxr.quant import QuantWeight
 from mlxr.quant import cuda as qcuda
 from mlxr.quant.dequant import dequantize as ref_dequantize
+
+INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])

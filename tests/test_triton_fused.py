@@ -21,20 +21,20 @@ Tolerances (elementwise, derived):
 
 from __future__ import annotations
 
-import os
 import zlib
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 
 from mlxr import ops
 from mlxr.ops import reference as R
 from mlxr.ops import triton_fused as F
+
+INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU
 
 DTYPES = (torch.float32, torch.bfloat16)
 

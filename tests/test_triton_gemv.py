@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
-
 import pytest
 import torch
 
@@ -26,6 +24,8 @@ from mlxr.ops import triton_gemv as G
 from mlxr.ops import triton_qmm as T
 from mlxr.quant import QuantWeight
 from mlxr.quant import cuda as qcuda
+
+INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU
 
 AFFINE = [(b, g) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)]
 FP = [("mxfp4", 4, 32, False), ("nvfp4", 4, 16, False), ("nvfp4", 4, 16, True),

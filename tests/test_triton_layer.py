@@ -19,9 +19,6 @@ Tolerances (elementwise; see tests/test_triton_fused.py for the derivations):
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
 import pytest
 import torch
@@ -38,6 +35,8 @@ from mlxr.models.decoder import Decoder, Layer
 from mlxr.ops import reference as R
 from mlxr.ops import triton_fused
 from mlxr.ops import triton_layer as L
+
+INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU
 
 DTYPES = (torch.float32, torch.bfloat16)
 

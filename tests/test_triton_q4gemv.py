@@ -4,16 +4,17 @@ benchmarks/gpu_q4gemv_sweep.py)."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+
 triton = pytest.importorskip("triton")
 
 from mlxr.ops import triton_q4gemv as Q
 from mlxr.ops.triton_qmm import dequant_f32
+
+INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU
 
 
 def _weights(n, k, group, dtype, seed=0):

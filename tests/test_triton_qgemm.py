@@ -19,8 +19,6 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
-
 import pytest
 import torch
 
@@ -35,6 +33,8 @@ from mlxr.ops import triton_qmm as T
 from mlxr.quant import QuantWeight, dequantize
 from mlxr.quant import cuda as qcuda
 from mlxr.quant.affine import unpack_codes
+
+INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU
 
 C = Q.QgemmConfig
 # small tiles keep the interpreter fast; each covers another kernel path

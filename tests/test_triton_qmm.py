@@ -13,9 +13,6 @@ Tolerances (outputs compared in fp32):
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
 import numpy as np
 import pytest
@@ -27,6 +24,8 @@ from mlxr.config import QuantSpec
 from mlxr.ops import triton_qmm as T
 from mlxr.quant import QuantWeight, dequantize, unpack_codes
 from mlxr.quant.fp import code_table, fp_scales
+
+INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU
 
 AFFINE = [(b, g) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)]
 FP = [("mxfp4", 4, 32, False), ("nvfp4", 4, 16, False), ("nvfp4", 4, 16, True),
