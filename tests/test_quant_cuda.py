@@ -156,3 +156,37 @@ def test_quant_weights_lists_each_weight_once():
         qws = dec.quant_weights()
         assert len(qws) == len({id(q) for q in qws}) == 4 * len(dec.layers) + 1
         assert dec.head.weight in qws and dec.layers[0].gate_up.weight in qws
+
+
+def test_batch_rows_route_between_tinygemm_and_the_fused_gemm(monkeypatch):
+    """With tinygemm's copy (the batching engine), a weight under the fused GEMM's rule keeps
+    2-7 rows on tinygemm and sends 8-32 to the fused GEMM; without the copy (a single
+    request) 2+ rows go to the fused GEMM. The kernels are stand-ins: only the route is
+    checked here (the kernels have their own tests)."""
+    from mlxr.ops import triton_qgemm
+
+    g = torch.Generator().manual_seed(5)
+    n, k, group = 32, 1024, 64
+    w = torch.randint(-(2**31), 2**31, (n, k // 8), generator=g, dtype=torch.int64).to(torch.int32)
+    s = (torch.randn(n, k // group, generator=g) * 0.02).to(torch.bfloat16)
+    b = (torch.randn(n, k // group, generator=g) * 0.1).to(torch.bfloat16)
+    qw = QuantWeight.from_tensors(w, s, b, QuantSpec("affine", 4, group),
+                                  compute_dtype=torch.bfloat16, device="cpu")
+    qw.packed, qw.q4, qw.q4_sb = w, None, None
+    qw.i4, qw.i4_sz = torch.zeros(1), torch.zeros(1)  # a tinygemm copy (never read here)
+    calls = []
+    monkeypatch.setattr(torch, "_weight_int4pack_mm",
+                        lambda x, *a: calls.append("tinygemm") or torch.zeros(x.shape[0], n))
+    monkeypatch.setattr(triton_qgemm, "qgemm",
+                        lambda x, *a, **kw: calls.append("fused") or torch.zeros(x.shape[0], n))
+    monkeypatch.setattr(qcuda, "FUSED_MIN_DIM", 32)  # this small weight counts as large
+    monkeypatch.delenv("MLXR_PREFILL_GEMM", raising=False)
+    for m, want in ((2, "tinygemm"), (7, "tinygemm"), (8, "fused"), (32, "fused")):
+        calls.clear()
+        qcuda.linear(qw, torch.zeros(m, k, dtype=torch.bfloat16))
+        assert calls == [want], m
+    qw.i4 = qw.i4_sz = None
+    qw.q4 = torch.zeros(1)  # q4gemv's repack: a single request
+    calls.clear()
+    qcuda.linear(qw, torch.zeros(2, k, dtype=torch.bfloat16))
+    assert calls == ["fused"]

@@ -271,8 +271,9 @@ def test_straddling_prefill_routes_to_dequant(monkeypatch, mode):
 
 
 def test_auto_prefill_gemm_rule(monkeypatch):
-    """auto: the fused GEMM for 17/33..128 rows of 4-bit weights of >= 4096 x 4096
-    (where the H200 sweep measured it faster), dequant + cuBLAS elsewhere."""
+    """auto: the fused GEMM for 2..128 rows of 4-bit weights of >= 4096 x 4096 (8..128 where
+    tinygemm's copy exists) and 2..32 (8..32) rows of LM heads (where the H200 sweeps
+    measured it faster), tinygemm or dequant + cuBLAS elsewhere."""
     monkeypatch.delenv("MLXR_PREFILL_GEMM", raising=False)
 
     class W:
@@ -281,6 +282,13 @@ def test_auto_prefill_gemm_rule(monkeypatch):
 
     assert qcuda.fused_gemm(W(4, 28672, 4096), 128)
     assert qcuda.fused_gemm(W(4, 4096, 4096), 33)
+    assert qcuda.fused_gemm(W(4, 4096, 4096), 2)  # no tinygemm copy: from 2 rows
+    batch = W(4, 4096, 4096)
+    batch.i4 = object()  # the batching engine's tinygemm copy: it keeps 2-7 rows
+    assert not qcuda.fused_gemm(batch, 7) and qcuda.fused_gemm(batch, 8)
+    assert qcuda.fused_gemm(W(4, 151936, 1024), 16)  # a 0.6B LM head up to 32 rows
+    assert not qcuda.fused_gemm(W(4, 151936, 1024), 33)
+    assert not qcuda.fused_gemm(W(4, 4096, 1024), 16)  # small weights: measured equal
     assert not qcuda.fused_gemm(W(4, 28672, 4096), 129)  # prefill-sized: cuBLAS wins
     assert not qcuda.fused_gemm(W(4, 4096, 1024), 64)  # small weights (0.6B): cuBLAS wins
     assert not qcuda.fused_gemm(W(4, 151936, 1024), 64)  # a 0.6B LM head: K = 1024 too

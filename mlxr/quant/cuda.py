@@ -6,22 +6,25 @@
   Qwen3-0.6B shape (8B gate_up 26.0 vs 38.9 us, LM head 92.4 vs 150.6 us). Env
   `MLXR_Q4GEMV=0` (read at every call) sends M = 1 to tinygemm (set at load, it also makes the
   load build tinygemm's copy).
-- decode (M <= 32), affine 4-bit: torch's tinygemm kernel (`_weight_int4pack_mm`), fed by a
-  one-time repack of the mlx codes (nibble order swapped, torch's tiled layout). It computes
-  `x @ ((q - 8) * s + z)^T` per group, so mlx's `w = s*q + b` maps to `z = b + 8*s`. The copy
+- decode of 2-32 rows (2-7 on the weights the fused GEMM below takes from 8 rows), affine
+  4-bit: torch's tinygemm kernel (`_weight_int4pack_mm`), fed by a one-time repack of the
+  mlx codes (nibble order swapped, torch's tiled layout). It computes `x @ ((q - 8) * s +
+  z)^T` per group, so mlx's `w = s*q + b` maps to `z = b + 8*s`. The copy
   is built at load only where q4gemv does not serve M = 1, else by the batching engine
   (`QuantWeight.add_batch_copy`); without it 2-32 rows take the prefill paths below.
 - prefill and large decode batches (M > 16; > 32 for 4-bit), affine 2/3/4/5/6/8-bit: one
   Triton pass (`triton_dequant.dequant_affine`) dequantizes the packed words to a bf16 scratch
   matrix (4-bit: read 0.5 B, write 2 B per weight), then cuBLAS does the GEMM on tensor
   cores. The scratch is per call, never stored.
-- 33-128 rows (2-128 where tinygemm's copy is absent) of a 4-bit weight of >= 4096 x 4096:
-  the fused tensor-core GEMM of `mlxr.ops.triton_qgemm` on the packed words (no scratch). H200
-  sweep (docs/perf.md): 8B gate_up at M = 128 101 vs 160 us, down 70 vs 86 us; it loses at
-  M >= 512 and on small weights. Env `MLXR_PREFILL_GEMM` (read at every call): `fused` for every
-  prefill-sized call of a 2/4/8-bit weight (the fused GEMM's widths), `dequant` for none, else
-  (auto) this rule. Its fp32 summation order
-  differs from cuBLAS's, so greedy tokens may differ at near-ties between the settings.
+- 8-128 rows (2-128 where tinygemm's copy is absent) of a 4-bit weight of >= 4096 x 4096,
+  and 8-32 rows (2-32) of an LM head of >= 65536 rows: the fused tensor-core GEMM of
+  `mlxr.ops.triton_qgemm` on the packed words (no scratch). H200 sweeps (docs/perf.md): 8B
+  gate_up at M = 128 101 vs 160 us (dequant + cuBLAS), at M = 32 82 vs 275 us (tinygemm);
+  it loses at M >= 512, to tinygemm at 2-4 rows, and on small weights at 33+ rows. Env
+  `MLXR_PREFILL_GEMM` (read at every call): `fused` for every call of 2+ rows of a 2/4/8-bit
+  weight (the fused GEMM's widths), `dequant` for none, else (auto) this rule. Its fp32
+  summation order differs from cuBLAS's and tinygemm's, so greedy tokens may differ at
+  near-ties between the settings.
 - everything else: the Triton GEMV/GEMM kernels of `mlxr.ops.triton_qmm`.
 
 Affine 2/3-bit at M = 1 (bf16/fp16) use `mlxr.ops.triton_gemv` by default (measured faster).
@@ -120,19 +123,31 @@ def _gemv_v2_config(qw, m: int):
 FUSED_MAX_M = 128  # the sweep's crossover (fused GEMM vs dequant + cuBLAS, 8B shapes)
 FUSED_BITS = (2, 4, 8)  # triton_qgemm.qgemm's widths (codes inside one word)
 FUSED_MIN_DIM = 4096  # the 8B shapes it won on; K = 1024 (0.6B, its LM head too) was slower
+# ... at 33-128 rows. At 2-32 rows (benchmarks/gpu_mid_m.py, H200, 4-bit g64, us per call):
+# tinygemm wins at 2-4 rows, ties at 8 (8B layer 173 vs 171 us), and loses from 16 (8B layer
+# 279 vs 171; at 32: 525 vs 170, dequant + cuBLAS 289); a 0.6B-style LM head (N >= 65536,
+# K = 1024) is the fused GEMM's from 8 rows too (at 16: 84 vs tinygemm 187, dequant 207)
+FUSED_MIN_M = 8  # below this, tinygemm's copy (where built) serves
+FUSED_MIN_HEAD = 65536
 
 
 def fused_gemm(qw, m: int) -> bool:
-    """Whether a call of m (> DECODE_MAX_M) rows takes triton_qgemm's fused GEMM (see the
-    module docstring: env MLXR_PREFILL_GEMM = fused | dequant | auto). Never for widths the
-    GEMM does not take."""
+    """Whether a call of m (>= 2) rows takes triton_qgemm's fused GEMM instead of tinygemm
+    (where its copy exists) or dequant + cuBLAS (see the module docstring and the table
+    above: env MLXR_PREFILL_GEMM = fused | dequant | auto). Never for widths the GEMM does
+    not take."""
     if qw.spec.bits not in FUSED_BITS:
         return False
     mode = os.environ.get("MLXR_PREFILL_GEMM", "").lower()
     if mode in ("fused", "dequant"):
         return mode == "fused"
-    return (m <= FUSED_MAX_M and qw.spec.bits == 4
-            and min(qw.out_features, qw.in_features) >= FUSED_MIN_DIM)
+    if qw.spec.bits != 4 or m > FUSED_MAX_M:
+        return False
+    if m < FUSED_MIN_M and getattr(qw, "i4", None) is not None:
+        return False
+    if min(qw.out_features, qw.in_features) >= FUSED_MIN_DIM:
+        return True
+    return qw.out_features >= FUSED_MIN_HEAD and m <= TINYGEMM_MAX_M
 
 
 def linear(qw, x: Tensor) -> Tensor | None:
@@ -151,13 +166,14 @@ def linear(qw, x: Tensor) -> Tensor | None:
 
         return triton_q4gemv.q4gemv(x, qw.q4, qw.scales, qw.biases, group=qw.spec.group_size,
                                     sb=qw.q4_sb).view(1, -1)
-    if m <= TINYGEMM_MAX_M and qw.i4 is not None:
+    if m <= TINYGEMM_MAX_M and qw.i4 is not None and not fused_gemm(qw, m):
         return torch._weight_int4pack_mm(x, qw.i4, qw.spec.group_size, qw.i4_sz)
-    # 2-16 rows of a weight whose tinygemm copy was left out (a single request: q4gemv serves
-    # its decode) take the prefill paths, which read the packed words once; the generic
+    # 2-16 rows of a 4-bit weight with a decode copy (q4gemv's or tinygemm's) that tinygemm
+    # does not serve take the prefill paths, which read the packed words once; the generic
     # kernels below re-read them per few rows (H200, Llama-8B, a 16-token prompt: 292 tok/s
-    # that way, 1,709 with tinygemm)
-    if ((m > DECODE_MAX_M or (m > 1 and qw.q4 is not None)) and qw.compute_dtype != torch.float32
+    # that way, 1,709 with tinygemm, 2,711 with the fused GEMM)
+    decode_copy = qw.q4 is not None or qw.i4 is not None
+    if ((m > DECODE_MAX_M or (m > 1 and decode_copy)) and qw.compute_dtype != torch.float32
             and dequant_supported(qw)):
         if fused_gemm(qw, m):
             from ..ops import triton_qgemm
