@@ -125,7 +125,7 @@ FUSED_BITS = (2, 4, 8)  # triton_qgemm.qgemm's widths (codes inside one word)
 FUSED_MIN_DIM = 4096  # the 8B shapes it won on; K = 1024 (0.6B, its LM head too) was slower
 # ... at 33-128 rows. At 2-32 rows (benchmarks/gpu_mid_m.py, H200, 4-bit g64, us per call):
 # tinygemm wins at 2-4 rows, ties at 8 (8B layer 173 vs 171 us), and loses from 16 (8B layer
-# 279 vs 171; at 32: 525 vs 170, dequant + cuBLAS 289); a 0.6B-style LM head (N >= 65536,
+# 280 vs 171; at 32: 526 vs 170, dequant + cuBLAS 308); a 0.6B-style LM head (N >= 65536,
 # K = 1024) is the fused GEMM's from 8 rows too (at 16: 84 vs tinygemm 187, dequant 207)
 FUSED_MIN_M = 8  # below this, tinygemm's copy (where built) serves
 FUSED_MIN_HEAD = 65536
