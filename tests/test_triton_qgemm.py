@@ -279,6 +279,7 @@ def test_auto_prefill_gemm_rule(monkeypatch):
     class W:
         def __init__(self, bits, n, k):
             self.spec, self.out_features, self.in_features = QuantSpec("affine", bits, 64), n, k
+            self.i4 = None  # no tinygemm copy (a single request)
 
     assert qcuda.fused_gemm(W(4, 28672, 4096), 128)
     assert qcuda.fused_gemm(W(4, 4096, 4096), 33)

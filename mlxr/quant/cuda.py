@@ -143,7 +143,7 @@ def fused_gemm(qw, m: int) -> bool:
         return mode == "fused"
     if qw.spec.bits != 4 or m > FUSED_MAX_M:
         return False
-    if m < FUSED_MIN_M and getattr(qw, "i4", None) is not None:
+    if m < FUSED_MIN_M and qw.i4 is not None:
         return False
     if min(qw.out_features, qw.in_features) >= FUSED_MIN_DIM:
         return True
