@@ -10,9 +10,12 @@ operand (B[k, j] = x[k] if k is in the tile's group j, else 0; up to 16 groups p
 y += s * (D - 128 xs) + b * xs per (row, group).
 
     PYTHONPATH=. python benchmarks/q4mma_probe.py [K GROUP BLOCK_N NUM_WARPS BK]
+    PYTHONPATH=. python benchmarks/q4mma_probe.py --gpu      (on the H200)
 
 prints the registers and the instruction mix of one K-loop iteration (Triton's ptxas and
-cuobjdump; sass_report.compile_sm90).
+cuobjdump; sass_report.compile_sm90). `--gpu` checks the kernel against the fp32 reference and
+times it at the Llama-8B decode shapes against q4gemv's default launch (CUDA graphs over weight
+copies larger than the L2, as benchmarks/gpu_q4gemv_sweep.py).
 """
 
 from __future__ import annotations
@@ -91,7 +94,51 @@ def loop_mix(cubin: bytes) -> tuple[str, int, collections.Counter]:
     return usage.strip().splitlines()[-1].strip(), sum(ops.values()), ops
 
 
+def gpu(launches=((128, 4, 256), (256, 8, 256), (64, 4, 256))) -> None:
+    """Max error over sum |x||w| against the fp32 reference, and us per call against q4gemv."""
+    import torch
+    from gpu_timing import L2_BYTES, graph_time_us
+
+    from mlxr.ops import triton_q4gemv as Q
+    from mlxr.ops.triton_qmm import dequant_f32
+
+    g = 64
+    for name, (n, k) in {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                         "down": (4096, 14336)}.items():
+        nbytes = n * k // 2 + 4 * n * (k // g)
+        ws = []
+        for _ in range(max(1, min(16, -(-2 * L2_BYTES // nbytes)))):
+            w = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
+            sc = (torch.randn(n, k // g, device="cuda") * 0.02).bfloat16()
+            b = (torch.randn(n, k // g, device="cuda") * 0.1).bfloat16()
+            ws.append((w, sc, b, Q.pair_scales(sc, b), Q.repack(w)))
+        x = torch.randn(k, device="cuda").bfloat16()
+        y = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+        w, sc, b = ws[0][:3]
+        deq = dequant_f32(w, sc, b, None, "affine", 4, g)
+        exact = x.double() @ deq.double().t()
+        scale = x.double().abs() @ deq.double().abs().t()
+        base = graph_time_us([lambda a=a: Q.q4gemv(x, a[4], a[1], a[2], group=g, sb=a[3], out=y)
+                              for a in ws])
+        print(f"{name}: q4gemv {base:.2f} us ({nbytes / base / 1e3:.0f} GB/s)")
+        for bn, nw, bk in launches:
+            if n % bn or k % bk or bk // g > 16:
+                continue
+
+            def run(a, bn=bn, nw=nw, bk=bk):
+                _q4mma_kernel[(n // bn,)](x, a[0], a[3], y, 0, K=k, GROUP=g, BLOCK_N=bn, BK=bk,
+                                          num_warps=nw, num_stages=1)
+
+            run(ws[0])
+            err = float(((y.double() - exact).abs() / scale).max())
+            us = graph_time_us([lambda a=a: run(a) for a in ws])
+            print(f"  mma {bn} rows, {nw} warps, {bk} codes: {us:.2f} us "
+                  f"({nbytes / us / 1e3:.0f} GB/s), max err / sum|x||w| {err:.1e}")
+
+
 def main(argv: list[str]) -> None:
+    if argv == ["--gpu"]:
+        return gpu()
     k, group, block_n, nw, bk = (int(a) for a in argv) if argv else (4096, 64, 128, 4, 256)
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*bf16", "y_ptr": "*bf16",
            "zero": "i32"}
