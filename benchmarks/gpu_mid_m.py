@@ -50,7 +50,8 @@ def main(argv: list[str]) -> None:
                          "dequant_cublas_us": round(dq, 1), "fused_us": round(fu, 1),
                          "max_diff": float(err), "fused_max_diff": float(ferr)})
             print(f"{name:14s} M={m:4d} tinygemm {tg:8.1f} us  dequant+cuBLAS {dq:8.1f} us  "
-                  f"fused {fu:8.1f} us")
+                  f"fused {fu:8.1f} us  max |diff| vs dequant: tinygemm {float(err):.3g}, "
+                  f"fused {float(ferr):.3g} (|ref| <= {float(ref.abs().max()):.3g})")
     print(json.dumps(rows))
 
 
