@@ -38,10 +38,13 @@ def _qualifies(lin, dtype: torch.dtype) -> bool:
             and qw.compute_dtype == dtype)
 
 
-def structure_ok(dec) -> bool:
-    """CUDA with the Triton kernels, bf16/fp16, every projection (and the LM head) a 4-bit
-    QuantWeight with a q4gemv copy and no bias, no sandwich norms or fp16 residual clipping.
-    Cached on the decoder."""
+def eligible(dec) -> bool:
+    """Whether `run` serves this decoder: MLXR_DECODE_FUSED=1 and not MLXR_Q4GEMV=0 (read each
+    time), CUDA with the Triton kernels, bf16/fp16, every projection (and the LM head) a 4-bit
+    QuantWeight with a q4gemv copy and no bias, no sandwich norms or fp16 residual clipping
+    (cached on the decoder)."""
+    if os.environ.get("MLXR_DECODE_FUSED") != "1" or os.environ.get("MLXR_Q4GEMV") == "0":
+        return False
     ok = getattr(dec, "_fused_eligible", None)
     if ok is None:
         from .. import ops
@@ -56,14 +59,6 @@ def structure_ok(dec) -> bool:
                       for layer in dec.layers))
         dec._fused_eligible = ok
     return ok
-
-
-def eligible(dec) -> bool:
-    """Whether `run` serves this decoder: `structure_ok`, MLXR_DECODE_FUSED=1 and not
-    MLXR_Q4GEMV=0 (the switches are read each time)."""
-    if os.environ.get("MLXR_DECODE_FUSED") != "1" or os.environ.get("MLXR_Q4GEMV") == "0":
-        return False
-    return structure_ok(dec)
 
 
 def _gemv(lin: Linear, x: torch.Tensor, **kw) -> torch.Tensor:

@@ -206,21 +206,10 @@ if HAVE_TRITON:
                            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                            TILES: tl.constexpr, NSPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
                            SINGLE: tl.constexpr, DOT_F32: tl.constexpr):
-        _attn_split(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, v_ptr,
-                    vis_ptr, o_ptr, pacc_ptr, pml_ptr, S, sq0, sq1, sk0, sk1, sv0, sv1, svis,
-                    qk_scale, inv_cap, cap2, T, REP, H, D, BLOCK_M, BLOCK_D, BLOCK_S, TILES,
-                    NSPLIT, SOFTCAP, SINGLE, DOT_F32)
-
-    @triton.jit
-    def _attn_split(g, sp, mb, q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, pacc_ptr, pml_ptr, S, sq0,
-                    sq1, sk0, sk1, sv0, sv1, svis, qk_scale, inv_cap, cap2, T: tl.constexpr,
-                    REP: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                    TILES: tl.constexpr, NSPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
-                    SINGLE: tl.constexpr, DOT_F32: tl.constexpr):
-        """Kv head g, split sp, query-row block mb of `_attn_split_kernel`."""
+        g = tl.program_id(0)
+        sp = tl.program_id(1)
         RT: tl.constexpr = REP * T
-        rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # rows ordered (rep, T)
+        rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows ordered (rep, T)
         rmask = rows < RT
         t = rows % T
         head = g * REP + rows // T
@@ -266,14 +255,7 @@ if HAVE_TRITON:
                              TRIGGER: tl.constexpr):
         if TRIGGER:  # the next grid (a PDL-launched GEMV) may start streaming its weights
             tl.extra.cuda.gdc_launch_dependents()
-        _attn_combine(tl.program_id(0), pacc_ptr, pml_ptr, o_ptr, T, REP, H, D, NSPLIT, BLOCK_N,
-                      BLOCK_D)
-
-    @triton.jit
-    def _attn_combine(pid, pacc_ptr, pml_ptr, o_ptr, T: tl.constexpr, REP: tl.constexpr,
-                      H: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Row pid (of kv heads x REP x T) of `_attn_combine_kernel`."""
+        pid = tl.program_id(0)
         RT: tl.constexpr = REP * T
         g = pid // RT
         row = pid % RT
@@ -356,21 +338,6 @@ def attention_masked(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: fl
     return attention_masked_split(q, k, v, visible, scale, softcap)
 
 
-def split_plan(s: int, d: int, programs: int, block_s: int | None = None,
-               splits: int | None = None) -> tuple[int, int, int, int]:
-    """The decode attention's launch policy over S keys of head dim d, for `programs` (kv head
-    x query-row block) programs before splitting: (BLOCK_D, BLOCK_S, tiles per split, splits).
-    Shared by the standalone and the paged kernels."""
-    block_d = max(16, _p2(d))
-    if block_s is None:
-        block_s = 64 if block_d <= 128 else 32
-    tiles = max(1, triton.cdiv(s, block_s))
-    if splits is None:
-        splits = max(1, triton.cdiv(ATTN_TARGET_PROGRAMS, programs))
-    per = triton.cdiv(tiles, min(tiles, splits))
-    return block_d, block_s, per, triton.cdiv(tiles, per)
-
-
 def score_consts(scale: float, softcap: float | None) -> tuple[float, float, float]:
     """`_scores`' (qk_scale, inv_cap, cap2): log2-domain scale, or the soft-cap's constants."""
     if softcap is not None:
@@ -399,7 +366,14 @@ def attention_masked_split(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, sca
     rt = rep * t
     block_m = min(ATTN_MAX_BLOCK_M, max(16, _p2(rt)))
     mblocks = triton.cdiv(rt, block_m)
-    block_d, block_s, per, nsplit = split_plan(s, d, kh * mblocks, block_s, splits)
+    block_d = max(16, _p2(d))
+    if block_s is None:
+        block_s = 64 if block_d <= 128 else 32
+    tiles = max(1, triton.cdiv(s, block_s))
+    if splits is None:
+        splits = max(1, triton.cdiv(ATTN_TARGET_PROGRAMS, kh * mblocks))
+    per = triton.cdiv(tiles, min(tiles, splits))
+    nsplit = triton.cdiv(tiles, per)
     single = nsplit == 1
     if single:
         pacc = pml = out  # unused

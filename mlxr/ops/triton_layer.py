@@ -88,19 +88,8 @@ def _qkv_rope_write_kernel(qkv_ptr, qw_ptr, kw_ptr, c_ptr, s_ptr, slot_ptr, q_pt
                            TRAD: tl.constexpr, HAS_NORM: tl.constexpr, HAS_OFFSET: tl.constexpr,
                            HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-    _qkv_rope_write(tl.program_id(0).to(tl.int64), tl.program_id(1), qkv_ptr, qw_ptr, kw_ptr,
-                    c_ptr, s_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, sx0, sc0, skc0, skc1, svc0,
-                    svc1, eps, offset, scale, H, K, D, R, TRAD, HAS_NORM, HAS_OFFSET, HAS_SCALE,
-                    BLOCK_R, BLOCK_P, BLOCK_D)
-
-
-@triton.jit
-def _qkv_rope_write(t, j, qkv_ptr, qw_ptr, kw_ptr, c_ptr, s_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr,
-                    sx0, sc0, skc0, skc1, svc0, svc1, eps, offset, scale, H: tl.constexpr,
-                    K: tl.constexpr, D: tl.constexpr, R: tl.constexpr, TRAD: tl.constexpr,
-                    HAS_NORM: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_SCALE: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Token t (int64), head j (q head j < H, else kv head j - H) of `_qkv_rope_write_kernel`."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)  # q head j < H, else kv head j - H
     i = tl.arange(0, BLOCK_R)
     im = i < R
     if TRAD:

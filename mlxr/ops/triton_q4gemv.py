@@ -254,20 +254,21 @@ if HAVE_TRITON:
         return s * dqc + b * xs[None, :]
 
     @triton.jit
-    def _q4_rows(rb, x_ptr, r_ptr, nw_ptr, h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, eps, offset,
-                 zero, write_h, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                 WT: tl.constexpr, EVEN_N: tl.constexpr, SB: tl.constexpr, CG: tl.constexpr,
-                 GDC: tl.constexpr, PRO: tl.constexpr, HAS_R: tl.constexpr,
-                 HAS_OFFSET: tl.constexpr, ACT: tl.constexpr):
-        """Row block rb: y[rb * BLOCK_N + i] for i < BLOCK_N (the whole of one program of
-        `_q4gemv_kernel`). PRO: 0 x as
-        given, 1 rms_norm(x + r), 2 act(gate) * up (see `_x_at`); write_h: this call also
-        stores the residual x + r."""
+    def _q4gemv_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, eps,
+                       offset, zero, K: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_N: tl.constexpr, WT: tl.constexpr, EVEN_N: tl.constexpr,
+                       SB: tl.constexpr, CG: tl.constexpr, GDC: tl.constexpr,
+                       PRO: tl.constexpr, HAS_R: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                       ACT: tl.constexpr):
+        """y[pid * BLOCK_N + i] for i < BLOCK_N. PRO: 0 x as given, 1 rms_norm(x + r), 2
+        act(gate) * up (see `_x_at`); program 0 also stores the residual x + r."""
+        pid = tl.program_id(0)
+        write_h = pid == 0
         KW: tl.constexpr = K // 8  # words per row
         NG: tl.constexpr = K // GROUP
         CPG: tl.constexpr = GROUP // 32  # 32-code chunks per group
         NT: tl.constexpr = KW // WT
-        rn = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         cw = tl.arange(0, WT)  # word of the tile (chunk cw // 4, word e = cw % 4 in it)
         ch = tl.arange(0, WT // 4)  # chunk of the tile
         wp = w_ptr + rn[:, None] * KW + cw[None, :]  # [BLOCK_N, WT], int32 offsets (launcher)
@@ -307,19 +308,6 @@ if HAVE_TRITON:
             tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
         else:
             tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
-
-    @triton.jit
-    def _q4gemv_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, eps,
-                       offset, zero, K: tl.constexpr, GROUP: tl.constexpr,
-                       BLOCK_N: tl.constexpr, WT: tl.constexpr, EVEN_N: tl.constexpr,
-                       SB: tl.constexpr, CG: tl.constexpr, GDC: tl.constexpr,
-                       PRO: tl.constexpr, HAS_R: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                       ACT: tl.constexpr):
-        pid = tl.program_id(0)
-        _q4_rows(pid, x_ptr, r_ptr, nw_ptr, h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, eps, offset,
-                 zero, pid == 0, K, GROUP, BLOCK_N, WT, EVEN_N, SB, CG, GDC, PRO, HAS_R,
-                 HAS_OFFSET, ACT)
-
 
 def q4gemv(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: int,
            out: Tensor | None = None, config: Q4Config | None = None,
