@@ -2,12 +2,14 @@
 length, stepped to completion by LLMEngine; the same batches the server would run.
 
     python benchmarks/engine_bench.py MODEL [--batches 1,8,64,256] [--prompt 32] [--tokens 128]
-        [--device cuda] [--eager]
+        [--device cuda] [--eager] [--tokens-out FILE]
 
 Per batch size: a warm-up round, then a measured one. Reports output tok/s over the whole round
 (prefill steps included), the median decode-step time, and how much of it the host spends
 outside the decode runner (scheduling, sampling bookkeeping, detokenization). `--eager` turns
-the captured decode graphs off (the eager forward_step path) for an A/B. The last line is JSON.
+the captured decode graphs off (the eager forward_step path) for an A/B. `--tokens-out` writes
+the measured rounds' greedy tokens (per batch size, per request) as JSON, to compare two runs
+(e.g. two `MLXR_PREFILL_GEMM` routings). The last line is JSON.
 """
 
 from __future__ import annotations
@@ -30,14 +32,21 @@ def sync(dev) -> None:
 
 
 def round_(engine: LLMEngine, batch: int, prompt: int, tokens: int, vocab: int,
-           seed: int) -> dict:
+           seed: int, got: list | None = None) -> dict:
+    """One round of `batch` requests; `got` (if given) receives each request's tokens."""
     g = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     done = [0]
-    for _ in range(batch):
+    for i in range(batch):
         ids = torch.randint(100, vocab - 100, (prompt,), generator=g).tolist()
-        engine.add(EngineRequest(ids, params), lambda o: done.__setitem__(0, done[0] + len(
-            o.token_ids)))
+        if got is not None:
+            got.append([])
+
+        def emit(o, i=i):
+            done[0] += len(o.token_ids)
+            if got is not None:
+                got[i] += o.token_ids
+        engine.add(EngineRequest(ids, params), emit)
     runner = engine.paged
     inside = [0.0]
     if runner is not None:
@@ -79,6 +88,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--device", default=None)
     ap.add_argument("--eager", action="store_true", help="no decode graphs (forward_step)")
+    ap.add_argument("--tokens-out", help="write the measured rounds' tokens here (JSON)")
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     model = mlxr.load(a.model, device=a.device)
@@ -87,13 +97,17 @@ def main() -> None:
     setup = time.perf_counter() - t
     print(f"engine ready in {setup:.1f} s (decode graphs: "
           f"{sorted(engine.paged.graphs) if engine.paged else 'off'})")
-    out = []
+    out, tokens = [], {}
     for b in batches:
         round_(engine, b, a.prompt, min(16, a.tokens), model.config.vocab_size, 0)  # warm-up
-        r = round_(engine, b, a.prompt, a.tokens, model.config.vocab_size, 1)
+        r = round_(engine, b, a.prompt, a.tokens, model.config.vocab_size, 1,
+                   tokens.setdefault(b, []))
         out.append(r)
         print(f"batch {b:4d}: {r['output_tok_s']:10.1f} output tok/s  step {r['step_ms']} ms "
               f"(runner {r['runner_ms']} ms, host other {r['host_other_ms']} ms)")
+    if a.tokens_out:
+        with open(a.tokens_out, "w") as f:
+            json.dump(tokens, f)
     print(json.dumps({"setup_s": round(setup, 1), "eager": a.eager, "rounds": out}))
 
 

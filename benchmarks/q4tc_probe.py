@@ -1,0 +1,113 @@
+"""Workbench for the tensor-core decode GEMV (`mlxr.ops.triton_q4tc`).
+
+    PYTHONPATH=. python benchmarks/q4tc_probe.py [K GROUP RT U WARPS]   # offline, sm_90
+    cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --gpu [8b|0.6b]
+
+Offline (no GPU): compiles the kernel for sm_90 with Triton's ptxas, prints the word tile's
+layout from the TTGIR (the inline PTX assumes 4 consecutive words per thread, 32 lanes along K),
+the layout conversions, registers, and the K loop's instructions per code.
+--gpu: max error against fp64 (over sum |x||w|, and in bf16 units against the fp32 reference),
+then us per call in CUDA graphs over weight copies larger than the L2, against q4gemv's default
+launch, for a sweep of launch shapes. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+from q4mma_probe import loop_mix
+from sass_report import compile_sm90
+
+from mlxr.ops import triton_q4tc as T
+
+SHAPES = {"8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (28672, 4096),
+          "8b down": (4096, 14336), "8b head": (128256, 4096), "0.6b qkv": (4096, 1024),
+          "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024), "0.6b down": (1024, 3072),
+          "0.6b head": (151936, 1024)}
+LAUNCHES = ((2, 2, 4), (1, 2, 4), (1, 4, 4), (2, 1, 4), (4, 1, 4), (4, 2, 4), (2, 4, 4),
+            (1, 2, 8), (2, 2, 8), (1, 1, 8))
+
+
+def offline(k: int, group: int, rt: int, u: int, nw: int) -> None:
+    sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*bf16", "y_ptr": "*bf16",
+           "xaddr": "i64", "sbaddr": "i64", "NRT": "i32"}
+    cfg = T.TcConfig(rt=rt, u=u, num_warps=nw)
+    ck = compile_sm90(T._q4tc_kernel, sig, dict(K=k, GROUP=group, RT=rt, WT=cfg.wt, F16=False,
+                                                INTERP=False), nw)
+    ttgir = ck.asm["ttgir"]
+    for m in re.finditer(r"#(\w+) = #ttg\.blocked<\{([^}]*)\}>", ttgir):
+        print(f"layout #{m.group(1)}: {m.group(2)}")
+    print(f"convert_layout ops: {ttgir.count('ttg.convert_layout')}")
+    usage, n, ops = loop_mix(ck.asm["cubin"])
+    codes = rt * cfg.wt * 8 // (32 * nw)
+    print(usage)
+    print(f"loop body: {n} instructions for {codes} codes per thread, {n / codes:.2f} per code")
+    print(", ".join(f"{op} {c}" for op, c in ops.most_common(16)))
+
+
+def gpu(only: str = "") -> None:
+    import torch
+    from gpu_timing import L2_BYTES, graph_time_us
+
+    from mlxr.ops import triton_q4gemv as Q
+    from mlxr.ops.triton_qmm import dequant_f32
+
+    g = 64
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        if not name.startswith(only):
+            continue
+        nbytes = n * k // 2 + 4 * n * (k // g)
+        ws = []
+        for _ in range(max(1, min(16, -(-2 * L2_BYTES // nbytes)))):
+            w = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
+            sc = (torch.randn(n, k // g, device="cuda") * 0.02).bfloat16()
+            b = (torch.randn(n, k // g, device="cuda") * 0.1).bfloat16()
+            ws.append((Q.repack(w), sc, b, Q.pair_scales(sc, b), T.repack(w)))
+        x = torch.randn(k, device="cuda").bfloat16()
+        y = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+        w, sc, b = Q.unrepack(ws[0][0]), ws[0][1], ws[0][2]
+        deq = dequant_f32(w, sc, b, None, "affine", 4, g)
+        exact = x.double() @ deq.double().t()
+        scale = x.double().abs() @ deq.double().abs().t()
+        ref32 = (x.float() @ deq.t()).bfloat16()
+        base = graph_time_us([lambda a=a: Q.q4gemv(x, a[0], a[1], a[2], group=g, sb=a[3], out=y)
+                              for a in ws])
+        Q.q4gemv(x, ws[0][0], sc, b, group=g, sb=ws[0][3], out=y)
+        qerr = float(((y.double() - exact).abs() / scale).max())
+        print(f"{name} {n}x{k}: q4gemv {base:.2f} us ({nbytes / base / 1e3:.0f} GB/s), "
+              f"err {qerr:.1e}, bf16 != fp32 ref: {(y != ref32).float().mean().item():.4f}",
+              flush=True)
+        row = {"shape": name, "q4gemv_us": round(base, 2)}
+        for rt, u, nw in LAUNCHES:
+            cfg = T.TcConfig(rt=rt, u=u, num_warps=nw)
+            if (k // 64) % (cfg.wt // 128):
+                continue
+            try:
+                T.q4tc(x, ws[0][4], ws[0][3], group=g, out=y, config=cfg)
+            except Exception as e:  # a launch shape that does not compile is reported, not fatal
+                print(f"  {cfg.label()}: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            err = float(((y.double() - exact).abs() / scale).max())
+            neq = (y != ref32).float().mean().item()
+            us = graph_time_us([lambda a=a, cfg=cfg: T.q4tc(x, a[4], a[3], group=g, out=y,
+                                                            config=cfg) for a in ws])
+            print(f"  tc {cfg.label()}: {us:.2f} us ({nbytes / us / 1e3:.0f} GB/s), "
+                  f"err {err:.1e}, bf16 != fp32 ref: {neq:.4f}", flush=True)
+            row[cfg.label()] = round(us, 2)
+            row[cfg.label() + "_err"] = err
+        rows.append(row)
+    print(json.dumps(rows))
+
+
+def main(argv: list[str]) -> None:
+    if argv and argv[0] == "--gpu":
+        return gpu(argv[1] if len(argv) > 1 else "")
+    k, group, rt, u, nw = (int(a) for a in argv) if argv else (4096, 64, 2, 2, 4)
+    offline(k, group, rt, u, nw)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,363 @@
+"""Batch-1 decode GEMV for MLX affine 4-bit weights on the tensor cores: y[N] = x[K] @ W^T.
+
+Why: `triton_q4gemv` (one LOP3 + one FFMA per code) is issue-bound on the H200 at 8B shapes:
+3.8 instructions per code at 0.57 issued per scheduler-cycle, ~2.25 TB/s (docs/perf.md).
+Here the multiply-adds go to `mma.sync.m16n8k16` (bf16/fp16 in, fp32 accumulate) and the
+dequantization to 3 shifts + 4 LOP3 per 8 codes, while the grid keeps q4gemv's shape (many
+small programs, each with its whole tile of words in flight):
+
+* **Load-time repack** (`repack`, same bytes): rows in tiles of 16, K in blocks of 64. For row
+  tile R and block b, 128 words in lane order: word 4t + s is lane t's A fragment of mma step
+  s (t = 4g + tig). Its nibble i + 4hi (i = h + 2m) holds the code of row 16R + 8h + g at
+  k = 64b + 32(s // 2) + 8tig + 4(s % 2) + 2m + hi, so `(w >> 4i) & 0x000F000F | MAGIC` is
+  the fragment register a_i: two codes as 16-bit floats MAGIC + q (128 + q in bf16, 1024 + q
+  in fp16, both exact). A lane's x for steps (0, 1) and (2, 3) is then 8 consecutive values
+  each (two 16-byte loads), and every mma step stays inside one 32-code half of the block.
+* **Groups in columns**: only the B column of the current group slot carries x (lanes
+  4c..4c+3 load it, the others hold zeros), so one fp32 accumulator tile keeps up to 8 group
+  sums per row apart: D[row, c]. Every 8 slots (`_flush`) each lane scales its four
+  accumulators once: s * (D - MAGIC * xs) + b * xs, with xs (the x sums per slot) from the
+  same mma on an all-ones A. The multiply is fp32 over exact bf16/fp16 products, as mlx-lm's
+  qmv computes s * dot(q, x) + b * sum(x).
+* The mma and the lane loads are PTX (`tl.inline_asm_elementwise`, pack 4: a lane's four
+  words of a block are one mma chain). This depends on Triton giving the word tile its
+  natural layout (4 consecutive words per thread, lanes along K): the GPU tests check the
+  results, and `benchmarks/q4tc_probe.py` shows the layout and the SASS offline. Under
+  TRITON_INTERPRET (no PTX) `_mma4` and the loads are emulated with the same lane semantics.
+
+`q4tc_ref` is the plain-torch twin with the same signature (the tests' oracle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .triton_fused import HAVE_TRITON, _interpret
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+GROUPS = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class TcConfig:
+    """Launch shape: RT row tiles of 16 per program; each of num_warps warps takes U blocks of
+    64 codes per iteration (WT = 128 * num_warps * U words of a row tile per iteration)."""
+    rt: int = 2
+    u: int = 2
+    num_warps: int = 4
+
+    @property
+    def wt(self) -> int:
+        return 128 * self.num_warps * self.u
+
+    def label(self) -> str:
+        return f"rt{self.rt}_u{self.u}_w{self.num_warps}"
+
+
+def supported(group: int, n: int, k: int, dtype: torch.dtype) -> bool:
+    """Affine 4-bit, group 32/64/128, N a multiple of 16, K a multiple of 512, bf16/fp16."""
+    return (group in GROUPS and n % 16 == 0 and k % 512 == 0
+            and dtype in (torch.bfloat16, torch.float16))
+
+
+def default_config(n: int, k: int) -> TcConfig:
+    """Blocks per iteration (num_warps * u) must divide K / 64."""
+    nb = k // 64
+    u = 2 if nb % 8 == 0 else 1
+    rt = 2
+    if _interpret():  # the interpreter runs programs one by one: few, large ones keep CI fast
+        rt = 1 << max(0, min(8, n // 16).bit_length() - 1)
+    return TcConfig(rt=rt, u=u, num_warps=4)
+
+
+# ====================================================================== repack (load time)
+def _codes(packed: Tensor) -> Tensor:
+    """MLX words [N, K/8] -> codes [N, K] int32 (code k at nibble k % 8 of word k // 8)."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    return ((packed.view(torch.int32).unsqueeze(-1) >> shifts) & 15).reshape(packed.shape[0], -1)
+
+
+def repack(packed: Tensor, chunk_rows: int = 4096) -> Tensor:
+    """MLX 4-bit words [N, K/8] -> the lane-ordered words [N/16, 2K] int32 (module docstring).
+    Rows go through in slices so an LM head does not need 8x its size of scratch."""
+    n, kw = packed.shape
+    k = kw * 8
+    if n % 16 or k % 64:
+        raise ValueError(f"q4tc.repack: N = {n} must be a multiple of 16, K = {k} of 64")
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    out = torch.empty(n // 16, 2 * k, dtype=torch.int32, device=packed.device)
+    for r in range(0, n, chunk_rows):
+        q = _codes(packed[r:r + chunk_rows])
+        rt = q.shape[0] // 16
+        # [R, h, g, blk, sh, tig, sl, m, hi] -> [R, blk, g, tig, sh, sl | hi, m, h]
+        q = q.reshape(rt, 2, 8, k // 64, 2, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 6, 8, 7, 1)
+        q = q.reshape(rt, 2 * k, 8)
+        out[r // 16:r // 16 + rt] = (q << shifts).sum(-1, dtype=torch.int32)
+    return out
+
+
+def unrepack(words: Tensor) -> Tensor:
+    """Inverse of `repack`: back to MLX words [N, K/8] (tests, reference)."""
+    rt, k2 = words.shape
+    k = k2 // 2
+    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
+    q = (words.unsqueeze(-1) >> shifts) & 15  # [R, 2K, nibble (hi, m, h)]
+    q = q.reshape(rt, k // 64, 8, 4, 2, 2, 2, 2, 2).permute(0, 8, 2, 1, 4, 3, 5, 7, 6)
+    q = q.reshape(rt * 16, k // 8, 8)  # [N, K/8, 8]: code k at nibble k % 8 of word k // 8
+    return (q << shifts).sum(-1, dtype=torch.int32)
+
+
+# ====================================================================== torch twin (oracle)
+def q4tc_ref(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None = None,
+             config: TcConfig | None = None) -> Tensor:
+    """y [N] = x @ (s * q + b)^T in fp32, rounded to x.dtype; `words` are `repack`'s output,
+    sb = `triton_q4gemv.pair_scales(scales, biases)` [N, K/group, 2]."""
+    from .triton_qmm import dequant_f32
+
+    w = dequant_f32(unrepack(words), sb[..., 0], sb[..., 1], None, "affine", 4, group)
+    y = (x.reshape(-1).float() @ w.t()).to(x.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+# ====================================================================== Triton kernel
+# One lane's mma chain over a block's 4 steps: $0-3 out (the D fragment: rows g, g + 8 x
+# columns 2tig, 2tig + 1), $4-7 the words, $8-11 the masked x (b0 | b1 << 32), $12-15 C.
+_STEP = """
+shr.u32 t0, {w}, 4;
+shr.u32 t1, {w}, 8;
+shr.u32 t2, {w}, 12;
+lop3.b32 a0, {w}, 0x000F000F, {magic}, 0xEA;
+lop3.b32 a1, t0, 0x000F000F, {magic}, 0xEA;
+lop3.b32 a2, t1, 0x000F000F, {magic}, 0xEA;
+lop3.b32 a3, t2, 0x000F000F, {magic}, 0xEA;
+mov.b64 {{b0, b1}}, {x};
+mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32
+  {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{b0, b1}}, {{$0, $1, $2, $3}};
+"""
+_ONES = """
+mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32
+  {{$0, $1, $2, $3}}, {{a0, a0, a0, a0}}, {{b0, b1}}, {{$0, $1, $2, $3}};
+"""
+
+
+def _asm_mma4(ty: str) -> str:
+    magic = "0x43004300" if ty == "bf16" else "0x64006400"
+    body = "".join(_STEP.format(w=f"${4 + s}", x=f"${8 + s}", magic=magic, ty=ty)
+                   for s in range(4))
+    return ("{\n.reg .b32 t0, t1, t2, a0, a1, a2, a3, b0, b1;\n"
+            "mov.f32 $0, $12;\nmov.f32 $1, $13;\nmov.f32 $2, $14;\nmov.f32 $3, $15;\n"
+            + body + "}")
+
+
+def _asm_ones4(ty: str) -> str:
+    one = "0x3F803F80" if ty == "bf16" else "0x3C003C00"
+    body = "".join("mov.b64 {b0, b1}, $%d;" % (4 + s) + _ONES.format(ty=ty) for s in range(4))
+    return ("{\n.reg .b32 a0, b0, b1;\nmov.b32 a0, %s;\n" % one
+            + "mov.f32 $0, $8;\nmov.f32 $1, $9;\nmov.f32 $2, $10;\nmov.f32 $3, $11;\n"
+            + body + "}")
+
+
+# 16 bytes of x at $4 (elements 0, 1) and at $6 (elements 2, 3), each only where its mask
+# ($8, $10) is set; zeros elsewhere.
+_LDX = """{
+.reg .pred p, q;
+setp.ne.b32 p, $8, 0;
+setp.ne.b32 q, $10, 0;
+mov.b64 $0, 0;
+mov.b64 $1, 0;
+mov.b64 $2, 0;
+mov.b64 $3, 0;
+@p ld.global.nc.v2.b64 {$0, $1}, [$4];
+@q ld.global.nc.v2.b64 {$2, $3}, [$6];
+}"""
+# one 32-bit (scale, bias) pair at $1 where $2 is set, else 0
+_LD32 = """{
+.reg .pred p;
+setp.ne.b32 p, $2, 0;
+mov.b32 $0, 0;
+@p ld.global.nc.b32 $0, [$1];
+}"""
+
+if HAVE_TRITON:
+    # the PTX as constexpr globals (a jit function reads no other globals)
+    MMA4_BF16 = tl.constexpr(_asm_mma4("bf16"))
+    MMA4_F16 = tl.constexpr(_asm_mma4("f16"))
+    ONES4_BF16 = tl.constexpr(_asm_ones4("bf16"))
+    ONES4_F16 = tl.constexpr(_asm_ones4("f16"))
+    LDX = tl.constexpr(_LDX)
+    LD32 = tl.constexpr(_LD32)
+
+    @triton.jit
+    def _half(v, sh: tl.constexpr, F16: tl.constexpr):
+        """The 16-bit float at bits [sh, sh + 16) of int64 v, as fp32 (interpreter only)."""
+        bits = ((v >> sh) & 0xFFFF).to(tl.int32)
+        if F16:
+            return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return (bits << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _mma4(w, xm, c, RT: tl.constexpr, WT: tl.constexpr, F16: tl.constexpr,
+              INTERP: tl.constexpr):
+        """c + the D fragments of each lane's 4-step mma chain (w [RT, WT], xm [WT])."""
+        if INTERP:
+            NS: tl.constexpr = WT // 128
+            OFF: tl.constexpr = 1024.0 if F16 else 128.0
+            sh = tl.arange(0, 8) * 4
+            q = ((w[:, :, None] >> sh[None, None, :]) & 15).to(tl.float32) + OFF
+            # [RT, NS, g, tig, sh, sl, hi, m, h] -> [RT, NS, g, h, (tig, sh, sl, m, hi)]
+            q = tl.reshape(q, [RT, NS, 8, 4, 2, 2, 2, 2, 2])
+            q = tl.permute(q, [0, 1, 2, 8, 3, 4, 5, 7, 6])
+            a = tl.reshape(q, [RT, NS, 8, 2, 1, 64])
+            b = _emu_bx(xm, NS, F16)  # [NS, 8 (col), 64]
+            d = tl.sum(a * b[None, :, None, None, :, :], axis=5)  # [RT, NS, g, h, col]
+            d = tl.reshape(d, [RT, NS, 8, 2, 4, 2])  # col = 2tig + e2
+            d = tl.permute(d, [0, 1, 2, 4, 3, 5])  # [RT, NS, g, tig, h, e2]
+            return c + tl.reshape(d, [RT, WT])
+        else:
+            return tl.inline_asm_elementwise(
+                MMA4_F16 if F16 else MMA4_BF16, "=f,=f,=f,=f,r,r,r,r,l,l,l,l,f,f,f,f",
+                [w, xm, c], dtype=tl.float32, is_pure=True, pack=4)
+
+    @triton.jit
+    def _emu_bx(xm, NS: tl.constexpr, F16: tl.constexpr):
+        """Masked x [WT] int64 (lane t = 4 col + tig, step (sh, sl); b0 | b1 << 32, each two
+        16-bit values) -> B [NS, 8 (col), 64] in the k order (tig, sh, sl, m, hi)."""
+        v = tl.reshape(xm, [NS, 8, 4, 2, 2])
+        m0 = tl.join(_half(v, 0, F16), _half(v, 16, F16))  # [.., hi]
+        m1 = tl.join(_half(v, 32, F16), _half(v, 48, F16))
+        b = tl.permute(tl.join(m0, m1), [0, 1, 2, 3, 4, 6, 5])  # [.., m, hi]
+        return tl.reshape(b, [NS, 8, 64])
+
+    @triton.jit
+    def _ones4(xm, c, WT: tl.constexpr, F16: tl.constexpr, INTERP: tl.constexpr):
+        """c + each lane's column sums of the masked x over the block (as `_mma4` with A = 1)."""
+        if INTERP:
+            NS: tl.constexpr = WT // 128
+            b = _emu_bx(xm, NS, F16)
+            xs = tl.sum(b, axis=2)  # [NS, col]
+            xs = tl.reshape(xs, [NS, 1, 4, 1, 2])  # col = 2tig + e2, any g, h
+            z = tl.zeros([NS, 8, 4, 2, 2], dtype=tl.float32)
+            return c + tl.reshape(z + xs, [WT])
+        else:
+            return tl.inline_asm_elementwise(
+                ONES4_F16 if F16 else ONES4_BF16, "=f,=f,=f,=f,l,l,l,l,f,f,f,f", [xm, c],
+                dtype=tl.float32, is_pure=True, pack=4)
+
+    @triton.jit
+    def _ldx(x_ptr, xaddr, idx, on, INTERP: tl.constexpr):
+        """The masked x of every element: 4 x values (int64) at x + 4 idx where `on`, else 0.
+        On the GPU one 16-byte load per element pair (idx even, addresses aligned)."""
+        if INTERP:
+            xi = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+            return tl.load(xi + idx, mask=on, other=0)
+        else:
+            return tl.inline_asm_elementwise(
+                LDX, "=l,=l,=l,=l,l,l,l,l,r,r,r,r", [xaddr + idx * 8, on.to(tl.int32)],
+                dtype=tl.int64, is_pure=True, pack=4)
+
+    @triton.jit
+    def _ld32(p_ptr, paddr, idx, on, INTERP: tl.constexpr):
+        """int32 at p + idx where `on`, else 0 (a lane's own addresses, no layout change)."""
+        if INTERP:
+            return tl.load(p_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + idx, mask=on,
+                           other=0)
+        else:
+            return tl.inline_asm_elementwise(LD32, "=r,l,r", [paddr + idx * 4, on.to(tl.int32)],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _q4tc_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, xaddr, sbaddr, NRT,
+                     K: tl.constexpr, GROUP: tl.constexpr, RT: tl.constexpr, WT: tl.constexpr,
+                     F16: tl.constexpr, INTERP: tl.constexpr):
+        """y for row tiles pid * RT .. + RT (16 rows each)."""
+        pid = tl.program_id(0)
+        NS: tl.constexpr = WT // 128  # blocks (of 64 codes) per iteration
+        NT: tl.constexpr = K // 64 // NS  # iterations
+        CPB: tl.constexpr = 2 if GROUP == 32 else 1  # mma chains (columns) per block
+        W: tl.constexpr = 8 // CPB  # iterations per window of 8 columns
+        NG: tl.constexpr = K // GROUP
+        OFF: tl.constexpr = 1024.0 if F16 else 128.0
+        rt = pid * RT + tl.arange(0, RT)  # row tiles
+        c = tl.arange(0, WT)  # element: slot c // 128, lane t = c // 4 % 32, step / D index c % 4
+        slot = c // 128
+        lg = (c // 16) % 8  # lane's g: its B column, and its rows g, g + 8
+        tig = (c // 4) % 4
+        e = c % 4
+        rm = (rt < NRT)[:, None]
+        wp = w_ptr + rt[:, None] * (2 * K) + c[None, :]
+        # x of element (slot, lane, step): k = 64 blk + 32 (e // 2) + 8 tig + 4 (e % 2)
+        xo = slot * 16 + (e // 2) * 8 + tig * 2 + e % 2  # in int64 units, + blk0 * 16
+        xcol = (e // 2) * (CPB - 1)  # column offset of the element's step (g32: 2 per block)
+        # D element (row, column): row = 16 rt + g + 8 (e // 2), column = 2 tig + e % 2
+        row = rt[:, None] * 16 + (lg + 8 * (e // 2))[None, :]
+        col = 2 * tig + e % 2
+        yacc = tl.zeros([RT, WT], dtype=tl.float32)
+        w = tl.load(wp, mask=rm, other=0, cache_modifier=".cg")
+        acc = tl.zeros([RT, WT], dtype=tl.float32)
+        xacc = tl.zeros([WT], dtype=tl.float32)
+        for it in range(NT):
+            j = it % W  # column (pair, for g32) of this iteration in the window
+            wn = tl.load(wp + (it + 1) * WT, mask=rm & (it + 1 < NT), other=0,
+                         cache_modifier=".cg")
+            xm = _ldx(x_ptr, xaddr, xo + it * (NS * 16), lg == j * CPB + xcol, INTERP)
+            acc = _mma4(w, xm, acc, RT, WT, F16, INTERP)
+            xacc = _ones4(xm, xacc, WT, F16, INTERP)
+            w = wn
+            if (j == W - 1) | (it == NT - 1):  # flush the window's columns
+                # column col: iteration it - j + col // CPB, half col % CPB of its block
+                itc = it - j + col // CPB
+                grp = ((itc * NS + slot) * 64 + (col % CPB) * 32) // GROUP
+                on = rm & (itc <= it)[None, :]
+                sbv = _ld32(sb_ptr, sbaddr, row * NG + grp[None, :], on, INTERP)
+                if F16:
+                    s = (sbv & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+                    b = (sbv >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+                    s = s.to(tl.float32)
+                    b = b.to(tl.float32)
+                else:
+                    s = (sbv << 16).to(tl.float32, bitcast=True)
+                    b = (sbv & -65536).to(tl.float32, bitcast=True)
+                xs = xacc[None, :]
+                yacc += s * (acc - OFF * xs) + b * xs
+                acc = tl.zeros([RT, WT], dtype=tl.float32)
+                xacc = tl.zeros([WT], dtype=tl.float32)
+        # element (r, slot, g, tig, h, e2) -> row 16 r + 8 h + g
+        y = tl.sum(tl.reshape(yacc, [RT, NS, 8, 4, 2, 2]), axis=5)
+        y = tl.sum(tl.sum(y, axis=3), axis=1)  # [RT, 8 (g), 2 (h)]
+        y = tl.reshape(tl.permute(y, [0, 2, 1]), [RT * 16])
+        rows = pid * RT * 16 + tl.arange(0, RT * 16)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < NRT * 16)
+
+
+def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None = None,
+         config: TcConfig | None = None) -> Tensor:
+    """See `q4tc_ref` (same results up to fp32 summation order). x [K] or [1, K] contiguous and
+    16-byte aligned; words = `repack(packed)`; sb = `pair_scales(scales, biases)`."""
+    xv = x.reshape(-1)
+    nrt, k2 = words.shape
+    n, k = nrt * 16, k2 // 2
+    if xv.shape[0] != k or not supported(group, n, k, x.dtype) or xv.data_ptr() % 16:
+        raise ValueError(f"q4tc: x {tuple(x.shape)} ({x.dtype}), words {tuple(words.shape)}, "
+                         f"group {group}: x must be [K], 16-byte aligned")
+    if sb.shape != (n, k // group, 2) or not sb.is_contiguous() or sb.dtype != x.dtype:
+        raise ValueError(f"q4tc: sb {tuple(sb.shape)} {sb.dtype} != {(n, k // group, 2)}")
+    if nrt * k2 >= 2**31:
+        raise ValueError("q4tc: the weight has >= 2^31 words (int32 offsets)")
+    cfg = config or default_config(n, k)
+    if (k // 64) % (cfg.wt // 128):
+        raise ValueError(f"q4tc: {cfg.wt // 128} blocks per iteration must divide K/64")
+    y = out if out is not None else torch.empty(n, dtype=x.dtype, device=x.device)
+    _q4tc_kernel[(triton.cdiv(nrt, cfg.rt),)](
+        xv, words, sb, y, xv.data_ptr(), sb.data_ptr(), nrt, K=k, GROUP=group, RT=cfg.rt,
+        WT=cfg.wt, F16=x.dtype == torch.float16, INTERP=_interpret(),
+        num_warps=cfg.num_warps, num_stages=1)
+    return y

@@ -1,0 +1,111 @@
+"""mlxr.ops.triton_q4tc (the tensor-core 4-bit decode GEMV) against fp64 and its torch twin.
+
+With a GPU this runs the kernel's PTX (mma.sync, lane loads); without one, under
+TRITON_INTERPRET=1, the kernel runs with the PTX emulated at the same lane semantics, which
+checks the repack, the column masks, the window flushes and the final row reduction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from mlxr.ops import triton_q4tc as T
+from mlxr.ops.triton_q4gemv import pair_scales
+from mlxr.ops.triton_qmm import dequant_f32
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _weights(n, k, group, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=g)
+    s = (torch.randn(n, k // group, generator=g) * 0.02).to(dtype)
+    b = (torch.randn(n, k // group, generator=g) * 0.1).to(dtype)
+    x = torch.randn(k, generator=g).to(dtype)
+    return packed, s, b, x
+
+
+def _exact(x, packed, s, b, group):
+    """fp64 x @ dequant(W)^T and sum |x| |W| over the MLX words."""
+    w = dequant_f32(packed, s, b, None, "affine", 4, group).double()
+    return x.double() @ w.t(), x.double().abs() @ w.abs().t()
+
+
+def _run(x, packed, s, b, group, cfg=None):
+    words = T.repack(packed.to(DEV))
+    return T.q4tc(x.to(DEV), words, pair_scales(s, b).to(DEV), group=group, config=cfg).cpu()
+
+
+def test_repack_round_trip_and_layout():
+    packed = torch.randint(-2**31, 2**31 - 1, (32, 128), dtype=torch.int32)
+    r = T.repack(packed)
+    assert r.shape == (2, 2048) and r.dtype == torch.int32
+    assert torch.equal(T.unrepack(r), packed)
+    codes = ((packed.unsqueeze(-1) >> torch.arange(0, 32, 4)) & 15).reshape(32, -1)
+    # row 16R + 8h + g, k = 64 blk + 32 (s // 2) + 8 tig + 4 (s % 2) + 2m + hi sits in word
+    # blk * 128 + 4 (4g + tig) + s of row tile R, at nibble h + 2m + 4hi
+    for rt, h, g, blk, s, tig, m, hi in [(0, 0, 0, 0, 0, 0, 0, 0), (1, 1, 7, 15, 3, 3, 1, 1),
+                                         (0, 1, 2, 5, 2, 1, 0, 1), (1, 0, 5, 9, 1, 2, 1, 0)]:
+        row = 16 * rt + 8 * h + g
+        k = 64 * blk + 32 * (s // 2) + 8 * tig + 4 * (s % 2) + 2 * m + hi
+        word = int(r[rt, blk * 128 + 4 * (4 * g + tig) + s])
+        assert (word >> (4 * (h + 2 * m + 4 * hi))) & 15 == int(codes[row, k])
+    assert torch.equal(T.repack(packed, chunk_rows=16), r)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        T.repack(packed[:24])
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,cfg", [
+    (32, 512, None),
+    (48, 1024, T.TcConfig(rt=1, u=1, num_warps=4)),  # 3 programs, 4 iterations (half a window)
+    (64, 1536, T.TcConfig(rt=2, u=1, num_warps=2)),  # 12 iterations: a full and a part window
+    (16, 4096, T.TcConfig(rt=1, u=2, num_warps=4)),  # 8 iterations, prefetch across windows
+    (32, 2048, T.TcConfig(rt=4, u=1, num_warps=4)),  # a program's row tiles past N
+])
+def test_q4tc_matches_fp64_and_twin(group, dtype, n, k, cfg):
+    packed, s, b, x = _weights(n, k, group, dtype, seed=n + k + group)
+    y = _run(x, packed, s, b, group, cfg)
+    exact, scale = _exact(x, packed, s, b, group)
+    # the fp32 sums are within ~1e-6 of sum |x||w|; rounding to the 16-bit output (the
+    # interpreter truncates) adds up to 2^-7 |y|
+    err = (y.double() - exact).abs()
+    assert bool((err <= 2**-7 * exact.abs() + 1e-5 * scale).all()), float((err / scale).max())
+    twin = T.q4tc_ref(x, T.repack(packed), pair_scales(s, b), group=group)
+    assert (y.float() - twin.float()).abs().max() <= 2**-6 * twin.float().abs().max()
+
+
+def test_q4tc_sees_every_code_position():
+    """With x one-hot at k, y[row] = s * q[row, k] exactly, for every row: each of a block's
+    64 positions (all lanes, steps and nibbles) and positions in later blocks and windows. A
+    repack or lane-mapping mistake would drop or misplace codes."""
+    n, k, group = 32, 1024, 64
+    packed, s, b, _ = _weights(n, k, group, torch.bfloat16, seed=3)
+    s = torch.full_like(s, 0.5)
+    b = torch.zeros_like(b)
+    codes = ((packed.unsqueeze(-1) >> torch.arange(0, 32, 4)) & 15).reshape(n, k)
+    for kk in list(range(64)) + [64, 200, 511, 512, 777, 1023]:
+        x = torch.zeros(k, dtype=torch.bfloat16)
+        x[kk] = 1
+        y = _run(x, packed, s, b, group).float()
+        assert torch.equal(y, 0.5 * codes[:, kk].float()), kk
+
+
+def test_q4tc_rejects_bad_input():
+    packed, s, b, x = _weights(32, 512, 64, torch.bfloat16)
+    words = T.repack(packed)
+    sb = pair_scales(s, b)
+    with pytest.raises(ValueError, match="x must be"):
+        T.q4tc(x[:256], words, sb, group=64)
+    with pytest.raises(ValueError, match="sb"):
+        T.q4tc(x, words, sb[:16], group=64)
+    with pytest.raises(ValueError, match="x must be"):  # 16-byte alignment
+        T.q4tc(torch.zeros(513, dtype=torch.bfloat16)[1:], words, sb, group=64)
+    with pytest.raises(ValueError, match="divide"):
+        T.q4tc(x, words, sb, group=64, config=T.TcConfig(rt=1, u=4, num_warps=4))
+    assert not T.supported(64, 24, 512, torch.bfloat16)
+    assert not T.supported(64, 32, 768, torch.bfloat16)
+    assert not T.supported(64, 32, 512, torch.float32)
