@@ -1,6 +1,6 @@
 """Workbench for the tensor-core decode GEMV (`mlxr.ops.triton_q4tc`).
 
-    PYTHONPATH=. python benchmarks/q4tc_probe.py [K GROUP RT U WARPS]   # offline, sm_90
+    PYTHONPATH=. python benchmarks/q4tc_probe.py [K GROUP RT U WARPS PF]   # offline, sm_90
     cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --gpu [8b|0.6b]
 
 Offline (no GPU): compiles the kernel for sm_90 with Triton's ptxas, prints the word tile's
@@ -26,16 +26,17 @@ SHAPES = {"8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (28672, 40
           "8b down": (4096, 14336), "8b head": (128256, 4096), "0.6b qkv": (4096, 1024),
           "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024), "0.6b down": (1024, 3072),
           "0.6b head": (151936, 1024)}
-LAUNCHES = ((2, 2, 4), (1, 2, 4), (1, 4, 4), (2, 1, 4), (4, 1, 4), (4, 2, 4), (2, 4, 4),
-            (1, 2, 8), (2, 2, 8), (1, 1, 8))
+PF1 = ((4, 1, 4), (2, 1, 4), (2, 2, 4), (8, 1, 4), (1, 1, 8), (1, 2, 8), (2, 1, 8), (4, 1, 8))
+PF2 = ((4, 1, 4), (2, 1, 4), (2, 2, 4), (1, 2, 4), (1, 1, 8), (2, 1, 8), (4, 1, 8))
+LAUNCHES = tuple(c + (1,) for c in PF1) + tuple(c + (2,) for c in PF2)
 
 
-def offline(k: int, group: int, rt: int, u: int, nw: int) -> None:
+def offline(k: int, group: int, rt: int, u: int, nw: int, pf: int) -> None:
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*bf16", "y_ptr": "*bf16",
            "xaddr": "i64", "sbaddr": "i64", "NRT": "i32"}
-    cfg = T.TcConfig(rt=rt, u=u, num_warps=nw)
-    ck = compile_sm90(T._q4tc_kernel, sig, dict(K=k, GROUP=group, RT=rt, WT=cfg.wt, F16=False,
-                                                INTERP=False), nw)
+    cfg = T.TcConfig(rt=rt, u=u, num_warps=nw, pf=pf)
+    ck = compile_sm90(T._q4tc_kernel, sig, dict(K=k, GROUP=group, RT=rt, WT=cfg.wt, PF=pf,
+                                                F16=False, INTERP=False), nw)
     ttgir = ck.asm["ttgir"]
     for m in re.finditer(r"#(\w+) = #ttg\.blocked<\{([^}]*)\}>", ttgir):
         print(f"layout #{m.group(1)}: {m.group(2)}")
@@ -81,8 +82,8 @@ def gpu(only: str = "") -> None:
               f"err {qerr:.1e}, bf16 != fp32 ref: {(y != ref32).float().mean().item():.4f}",
               flush=True)
         row = {"shape": name, "q4gemv_us": round(base, 2)}
-        for rt, u, nw in LAUNCHES:
-            cfg = T.TcConfig(rt=rt, u=u, num_warps=nw)
+        for rt, u, nw, pf in LAUNCHES:
+            cfg = T.TcConfig(rt=rt, u=u, num_warps=nw, pf=pf)
             if (k // 64) % (cfg.wt // 128):
                 continue
             try:
@@ -105,8 +106,8 @@ def gpu(only: str = "") -> None:
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "--gpu":
         return gpu(argv[1] if len(argv) > 1 else "")
-    k, group, rt, u, nw = (int(a) for a in argv) if argv else (4096, 64, 2, 2, 4)
-    offline(k, group, rt, u, nw)
+    k, group, rt, u, nw, pf = (int(a) for a in argv) if argv else (4096, 64, 2, 2, 4, 1)
+    offline(k, group, rt, u, nw, pf)
 
 
 if __name__ == "__main__":

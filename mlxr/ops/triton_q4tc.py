@@ -47,17 +47,19 @@ GROUPS = (32, 64, 128)
 @dataclass(frozen=True)
 class TcConfig:
     """Launch shape: RT row tiles of 16 per program; each of num_warps warps takes U blocks of
-    64 codes per iteration (WT = 128 * num_warps * U words of a row tile per iteration)."""
+    64 codes per iteration (WT = 128 * num_warps * U words of a row tile per iteration); the
+    words of pf iterations ahead are in flight."""
     rt: int = 2
     u: int = 2
     num_warps: int = 4
+    pf: int = 1  # word tiles in flight ahead of the one computed (1 or 2)
 
     @property
     def wt(self) -> int:
         return 128 * self.num_warps * self.u
 
     def label(self) -> str:
-        return f"rt{self.rt}_u{self.u}_w{self.num_warps}"
+        return f"rt{self.rt}_u{self.u}_w{self.num_warps}_pf{self.pf}"
 
 
 def supported(group: int, n: int, k: int, dtype: torch.dtype) -> bool:
@@ -277,7 +279,7 @@ if HAVE_TRITON:
     @triton.jit
     def _q4tc_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, xaddr, sbaddr, NRT,
                      K: tl.constexpr, GROUP: tl.constexpr, RT: tl.constexpr, WT: tl.constexpr,
-                     F16: tl.constexpr, INTERP: tl.constexpr):
+                     PF: tl.constexpr, F16: tl.constexpr, INTERP: tl.constexpr):
         """y for row tiles pid * RT .. + RT (16 rows each)."""
         pid = tl.program_id(0)
         NS: tl.constexpr = WT // 128  # blocks (of 64 codes) per iteration
@@ -301,23 +303,33 @@ if HAVE_TRITON:
         row = rt[:, None] * 16 + (lg + 8 * (e // 2))[None, :]
         col = 2 * tig + e % 2
         yacc = tl.zeros([RT, WT], dtype=tl.float32)
+        # loads run ahead of their use: words PF iterations, x one iteration, the (scale,
+        # bias) pairs one window (8 columns)
         w = tl.load(wp, mask=rm, other=0, cache_modifier=".cg")
+        if PF == 2:
+            w1 = tl.load(wp + WT, mask=rm & (1 < NT), other=0, cache_modifier=".cg")
+        xm = _ldx(x_ptr, xaddr, xo, lg == xcol, INTERP)
+        sbv = _ld32(sb_ptr, sbaddr, row * NG + (((col // CPB) * NS + slot) * 64
+                                                + (col % CPB) * 32)[None, :] // GROUP,
+                    rm & (col // CPB < NT)[None, :], INTERP)
         acc = tl.zeros([RT, WT], dtype=tl.float32)
         xacc = tl.zeros([WT], dtype=tl.float32)
         for it in range(NT):
             j = it % W  # column (pair, for g32) of this iteration in the window
-            wn = tl.load(wp + (it + 1) * WT, mask=rm & (it + 1 < NT), other=0,
+            wn = tl.load(wp + (it + PF) * WT, mask=rm & (it + PF < NT), other=0,
                          cache_modifier=".cg")
-            xm = _ldx(x_ptr, xaddr, xo + it * (NS * 16), lg == j * CPB + xcol, INTERP)
+            jn = (it + 1) % W
+            xn = _ldx(x_ptr, xaddr, xo + (it + 1) * (NS * 16),
+                      (lg == jn * CPB + xcol) & (it + 1 < NT), INTERP)
             acc = _mma4(w, xm, acc, RT, WT, F16, INTERP)
             xacc = _ones4(xm, xacc, WT, F16, INTERP)
-            w = wn
+            if PF == 2:
+                w = w1
+                w1 = wn
+            else:
+                w = wn
+            xm = xn
             if (j == W - 1) | (it == NT - 1):  # flush the window's columns
-                # column col: iteration it - j + col // CPB, half col % CPB of its block
-                itc = it - j + col // CPB
-                grp = ((itc * NS + slot) * 64 + (col % CPB) * 32) // GROUP
-                on = rm & (itc <= it)[None, :]
-                sbv = _ld32(sb_ptr, sbaddr, row * NG + grp[None, :], on, INTERP)
                 if F16:
                     s = (sbv & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
                     b = (sbv >> 16).to(tl.int16).to(tl.float16, bitcast=True)
@@ -330,6 +342,12 @@ if HAVE_TRITON:
                 yacc += s * (acc - OFF * xs) + b * xs
                 acc = tl.zeros([RT, WT], dtype=tl.float32)
                 xacc = tl.zeros([WT], dtype=tl.float32)
+                # the next window's pairs: column col is iteration it + 1 + col // CPB, half
+                # col % CPB of its block (none past K)
+                itc = it + 1 + col // CPB
+                grp = ((itc * NS + slot) * 64 + (col % CPB) * 32) // GROUP
+                sbv = _ld32(sb_ptr, sbaddr, row * NG + grp[None, :], rm & (itc < NT)[None, :],
+                            INTERP)
         # element (r, slot, g, tig, h, e2) -> row 16 r + 8 h + g
         y = tl.sum(tl.reshape(yacc, [RT, NS, 8, 4, 2, 2]), axis=5)
         y = tl.sum(tl.sum(y, axis=3), axis=1)  # [RT, 8 (g), 2 (h)]
@@ -358,6 +376,6 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
     y = out if out is not None else torch.empty(n, dtype=x.dtype, device=x.device)
     _q4tc_kernel[(triton.cdiv(nrt, cfg.rt),)](
         xv, words, sb, y, xv.data_ptr(), sb.data_ptr(), nrt, K=k, GROUP=group, RT=cfg.rt,
-        WT=cfg.wt, F16=x.dtype == torch.float16, INTERP=_interpret(),
+        WT=cfg.wt, PF=cfg.pf, F16=x.dtype == torch.float16, INTERP=_interpret(),
         num_warps=cfg.num_warps, num_stages=1)
     return y
