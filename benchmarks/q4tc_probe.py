@@ -3,9 +3,10 @@
     PYTHONPATH=. python benchmarks/q4tc_probe.py [K GROUP RT U WARPS PF]   # offline, sm_90
     cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --gpu [8b|0.6b]
 
-Offline (no GPU): compiles the kernel for sm_90 with Triton's ptxas, prints the word tile's
-layout from the TTGIR (the inline PTX assumes 4 consecutive words per thread, 32 lanes along K),
-the layout conversions, registers, and the K loop's instructions per code.
+Offline (no GPU): compiles the kernel for sm_90 with Triton's ptxas, prints the layouts from
+the TTGIR and those of the inline PTX's results (per-lane tensors: one element per thread, lanes
+along the last dimension), the layout conversions, registers, and the K loop's instructions per
+code.
 --gpu: max error against fp64 (over sum |x||w|, and in bf16 units against the fp32 reference),
 then us per call in CUDA graphs over weight copies larger than the L2, against q4gemv's default
 launch, for a sweep of launch shapes. The last line is JSON.
@@ -13,6 +14,7 @@ launch, for a sweep of launch shapes. The last line is JSON.
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import sys
@@ -41,6 +43,10 @@ def offline(k: int, group: int, rt: int, u: int, nw: int, pf: int) -> None:
     for m in re.finditer(r"#(\w+) = #ttg\.blocked<\{([^}]*)\}>", ttgir):
         print(f"layout #{m.group(1)}: {m.group(2)}")
     print(f"convert_layout ops: {ttgir.count('ttg.convert_layout')}")
+    # the PTX's lane semantics need per-lane tensors: one element per thread along the lanes
+    for lay, n in collections.Counter(re.findall(r"elementwise_inline_asm.*-> (.*) loc",
+                                                 ttgir)).items():
+        print(f"inline asm x{n} -> {lay[:160]}")
     usage, n, ops = loop_mix(ck.asm["cubin"])
     codes = rt * cfg.wt * 8 // (32 * nw)
     print(usage)

@@ -131,8 +131,15 @@ def q4tc_ref(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | 
 
 
 # ====================================================================== Triton kernel
-# One lane's mma chain over a block's 4 steps: $0-3 out (the D fragment: rows g, g + 8 x
-# columns 2tig, 2tig + 1), $4-7 the words, $8-11 the masked x (b0 | b1 << 32), $12-15 C.
+# The PTX works on per-lane tensors (pack 1): element u of a [RT, WT/4] or [WT/4] tensor is
+# lane u % 32 of warp u // 32 % num_warps, which is how Triton lays such tensors out (the word
+# tile is loaded 16 bytes per thread as [RT, WT] and split into its 4 steps in registers).
+# A pack of 4 elements would depend on which elements Triton puts in one thread, and Triton
+# may lay a pure op out twice (seen: the x loads, in [1, 4] and [1, 1] layouts).
+#
+# _MMA4: one lane's mma chain over a block's 4 steps: $0-3 out (the D fragment: rows g, g + 8
+# x columns 2tig, 2tig + 1), $4-7 the words of steps 0-3, $8-11 the masked x (b0 | b1 << 32),
+# $12-15 C.
 _STEP = """
 shr.u32 t0, {w}, 4;
 shr.u32 t1, {w}, 8;
@@ -145,9 +152,12 @@ mov.b64 {{b0, b1}}, {x};
 mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32
   {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{b0, b1}}, {{$0, $1, $2, $3}};
 """
+# _ONES4: the column sums of the masked x over the 4 steps (A = 1): $0-1 out (columns 2tig,
+# 2tig + 1), $2-5 x, $6-7 C.
 _ONES = """
+mov.b64 {{b0, b1}}, ${x};
 mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32
-  {{$0, $1, $2, $3}}, {{a0, a0, a0, a0}}, {{b0, b1}}, {{$0, $1, $2, $3}};
+  {{$0, $1, z2, z3}}, {{a0, a0, a0, a0}}, {{b0, b1}}, {{$0, $1, z2, z3}};
 """
 
 
@@ -162,24 +172,24 @@ def _asm_mma4(ty: str) -> str:
 
 def _asm_ones4(ty: str) -> str:
     one = "0x3F803F80" if ty == "bf16" else "0x3C003C00"
-    body = "".join("mov.b64 {b0, b1}, $%d;" % (4 + s) + _ONES.format(ty=ty) for s in range(4))
-    return ("{\n.reg .b32 a0, b0, b1;\nmov.b32 a0, %s;\n" % one
-            + "mov.f32 $0, $8;\nmov.f32 $1, $9;\nmov.f32 $2, $10;\nmov.f32 $3, $11;\n"
+    body = "".join(_ONES.format(x=2 + s, ty=ty) for s in range(4))
+    return ("{\n.reg .b32 a0, b0, b1;\n.reg .f32 z2, z3;\nmov.b32 a0, %s;\n" % one
+            + "mov.f32 $0, $6;\nmov.f32 $1, $7;\nmov.f32 z2, 0f00000000;\nmov.f32 z3, 0f00000000;\n"
             + body + "}")
 
 
-# 16 bytes of x at $4 (elements 0, 1) and at $6 (elements 2, 3), each only where its mask
-# ($8, $10) is set; zeros elsewhere.
+# a lane's x: 16 bytes at $4 (steps 0, 1) where $6 is set and 16 bytes at $5 (steps 2, 3)
+# where $7 is set; zeros elsewhere
 _LDX = """{
 .reg .pred p, q;
-setp.ne.b32 p, $8, 0;
-setp.ne.b32 q, $10, 0;
+setp.ne.b32 p, $6, 0;
+setp.ne.b32 q, $7, 0;
 mov.b64 $0, 0;
 mov.b64 $1, 0;
 mov.b64 $2, 0;
 mov.b64 $3, 0;
 @p ld.global.nc.v2.b64 {$0, $1}, [$4];
-@q ld.global.nc.v2.b64 {$2, $3}, [$6];
+@q ld.global.nc.v2.b64 {$2, $3}, [$5];
 }"""
 # one 32-bit (scale, bias) pair at $1 where $2 is set, else 0
 _LD32 = """{
@@ -199,35 +209,26 @@ if HAVE_TRITON:
     LD32 = tl.constexpr(_LD32)
 
     @triton.jit
+    def _join4(a0, a1, a2, a3):
+        """[..., n] x 4 -> [..., n, 4] (interpreter only)."""
+        return tl.join(tl.join(a0, a2), tl.join(a1, a3)).reshape(a0.shape + [4])
+
+    @triton.jit
+    def _split4(t, NU: tl.constexpr):
+        """[..., 4 NU] -> its elements 4u + s for s = 0..3, each [..., NU] (in registers: a
+        thread holds 4 consecutive elements)."""
+        a, b = tl.split(tl.reshape(t, t.shape[:-1] + [NU, 2, 2]))
+        a0, a2 = tl.split(a)
+        a1, a3 = tl.split(b)
+        return a0, a1, a2, a3
+
+    @triton.jit
     def _half(v, sh: tl.constexpr, F16: tl.constexpr):
         """The 16-bit float at bits [sh, sh + 16) of int64 v, as fp32 (interpreter only)."""
         bits = ((v >> sh) & 0xFFFF).to(tl.int32)
         if F16:
             return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         return (bits << 16).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _mma4(w, xm, c, RT: tl.constexpr, WT: tl.constexpr, F16: tl.constexpr,
-              INTERP: tl.constexpr):
-        """c + the D fragments of each lane's 4-step mma chain (w [RT, WT], xm [WT])."""
-        if INTERP:
-            NS: tl.constexpr = WT // 128
-            OFF: tl.constexpr = 1024.0 if F16 else 128.0
-            sh = tl.arange(0, 8) * 4
-            q = ((w[:, :, None] >> sh[None, None, :]) & 15).to(tl.float32) + OFF
-            # [RT, NS, g, tig, sh, sl, hi, m, h] -> [RT, NS, g, h, (tig, sh, sl, m, hi)]
-            q = tl.reshape(q, [RT, NS, 8, 4, 2, 2, 2, 2, 2])
-            q = tl.permute(q, [0, 1, 2, 8, 3, 4, 5, 7, 6])
-            a = tl.reshape(q, [RT, NS, 8, 2, 1, 64])
-            b = _emu_bx(xm, NS, F16)  # [NS, 8 (col), 64]
-            d = tl.sum(a * b[None, :, None, None, :, :], axis=5)  # [RT, NS, g, h, col]
-            d = tl.reshape(d, [RT, NS, 8, 2, 4, 2])  # col = 2tig + e2
-            d = tl.permute(d, [0, 1, 2, 4, 3, 5])  # [RT, NS, g, tig, h, e2]
-            return c + tl.reshape(d, [RT, WT])
-        else:
-            return tl.inline_asm_elementwise(
-                MMA4_F16 if F16 else MMA4_BF16, "=f,=f,=f,=f,r,r,r,r,l,l,l,l,f,f,f,f",
-                [w, xm, c], dtype=tl.float32, is_pure=True, pack=4)
 
     @triton.jit
     def _emu_bx(xm, NS: tl.constexpr, F16: tl.constexpr):
@@ -240,41 +241,97 @@ if HAVE_TRITON:
         return tl.reshape(b, [NS, 8, 64])
 
     @triton.jit
-    def _ones4(xm, c, WT: tl.constexpr, F16: tl.constexpr, INTERP: tl.constexpr):
-        """c + each lane's column sums of the masked x over the block (as `_mma4` with A = 1)."""
+    def _mma4(w0, w1, w2, w3, x0, x1, x2, x3, c0, c1, c2, c3, RT: tl.constexpr,
+              NU: tl.constexpr, F16: tl.constexpr, INTERP: tl.constexpr):
+        """c + the D fragments of each lane's 4-step mma chain: words w [RT, NU] and masked x
+        [NU] per step; returns the 4 fragment values [RT, NU]."""
         if INTERP:
-            NS: tl.constexpr = WT // 128
-            b = _emu_bx(xm, NS, F16)
-            xs = tl.sum(b, axis=2)  # [NS, col]
-            xs = tl.reshape(xs, [NS, 1, 4, 1, 2])  # col = 2tig + e2, any g, h
-            z = tl.zeros([NS, 8, 4, 2, 2], dtype=tl.float32)
-            return c + tl.reshape(z + xs, [WT])
+            NS: tl.constexpr = NU // 32
+            OFF: tl.constexpr = 1024.0 if F16 else 128.0
+            w = tl.reshape(_join4(w0, w1, w2, w3), [RT, 4 * NU])
+            sh = tl.arange(0, 8) * 4
+            q = ((w[:, :, None] >> sh[None, None, :]) & 15).to(tl.float32) + OFF
+            # [RT, NS, g, tig, sh, sl, hi, m, h] -> [RT, NS, g, h, (tig, sh, sl, m, hi)]
+            q = tl.reshape(q, [RT, NS, 8, 4, 2, 2, 2, 2, 2])
+            q = tl.permute(q, [0, 1, 2, 8, 3, 4, 5, 7, 6])
+            a = tl.reshape(q, [RT, NS, 8, 2, 1, 64])
+            b = _emu_bx(tl.reshape(_join4(x0, x1, x2, x3), [4 * NU]), NS, F16)
+            d = tl.sum(a * b[None, :, None, None, :, :], axis=5)  # [RT, NS, g, h, col]
+            d = tl.reshape(d, [RT, NS, 8, 2, 4, 2])  # col = 2tig + e2
+            d = tl.permute(d, [0, 1, 2, 4, 3, 5])  # [RT, NS, g, tig, h, e2]
+            d0, d1, d2, d3 = _split4(tl.reshape(d, [RT, 4 * NU]), NU)
+            return c0 + d0, c1 + d1, c2 + d2, c3 + d3
         else:
             return tl.inline_asm_elementwise(
-                ONES4_F16 if F16 else ONES4_BF16, "=f,=f,=f,=f,l,l,l,l,f,f,f,f", [xm, c],
-                dtype=tl.float32, is_pure=True, pack=4)
+                MMA4_F16 if F16 else MMA4_BF16, "=f,=f,=f,=f,r,r,r,r,l,l,l,l,f,f,f,f",
+                [w0, w1, w2, w3, x0, x1, x2, x3, c0, c1, c2, c3],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
 
     @triton.jit
-    def _ldx(x_ptr, xaddr, idx, on, INTERP: tl.constexpr):
-        """The masked x of every element: 4 x values (int64) at x + 4 idx where `on`, else 0.
-        On the GPU one 16-byte load per element pair (idx even, addresses aligned)."""
+    def _ones4(x0, x1, x2, x3, c0, c1, NU: tl.constexpr, F16: tl.constexpr,
+               INTERP: tl.constexpr):
+        """c + each lane's sums of the masked x [NU] over the 4 steps, for its columns 2tig
+        and 2tig + 1."""
         if INTERP:
-            xi = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
-            return tl.load(xi + idx, mask=on, other=0)
+            NS: tl.constexpr = NU // 32
+            b = _emu_bx(tl.reshape(_join4(x0, x1, x2, x3), [4 * NU]), NS, F16)
+            xs = tl.reshape(tl.sum(b, axis=2), [NS, 1, 4, 2])  # col = 2tig + e2, any g
+            z = tl.zeros([NS, 8, 4, 2], dtype=tl.float32)
+            s0, s1 = tl.split(tl.reshape(z + xs, [NU, 2]))
+            return c0 + s0, c1 + s1
         else:
             return tl.inline_asm_elementwise(
-                LDX, "=l,=l,=l,=l,l,l,l,l,r,r,r,r", [xaddr + idx * 8, on.to(tl.int32)],
-                dtype=tl.int64, is_pure=True, pack=4)
+                ONES4_F16 if F16 else ONES4_BF16, "=f,=f,l,l,l,l,f,f",
+                [x0, x1, x2, x3, c0, c1], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+
+    @triton.jit
+    def _ldx(x_ptr, xaddr, xo, on0, on1, INTERP: tl.constexpr):
+        """A lane's masked x (int64: 4 values) for steps 0-3 at int64 offsets xo, xo + 1 (where
+        on0) and xo + 8, xo + 9 (where on1): one 16-byte load per pair on the GPU."""
+        if INTERP:
+            xi = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + xo
+            return (tl.load(xi, mask=on0, other=0), tl.load(xi + 1, mask=on0, other=0),
+                    tl.load(xi + 8, mask=on1, other=0), tl.load(xi + 9, mask=on1, other=0))
+        else:
+            a = xaddr + xo.to(tl.int64) * 8
+            return tl.inline_asm_elementwise(
+                LDX, "=l,=l,=l,=l,l,l,r,r", [a, a + 64, on0.to(tl.int32), on1.to(tl.int32)],
+                dtype=(tl.int64, tl.int64, tl.int64, tl.int64), is_pure=True, pack=1)
 
     @triton.jit
     def _ld32(p_ptr, paddr, idx, on, INTERP: tl.constexpr):
-        """int32 at p + idx where `on`, else 0 (a lane's own addresses, no layout change)."""
+        """int32 at p + idx where `on`, else 0."""
         if INTERP:
             return tl.load(p_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + idx, mask=on,
                            other=0)
         else:
-            return tl.inline_asm_elementwise(LD32, "=r,l,r", [paddr + idx * 4, on.to(tl.int32)],
-                                             dtype=tl.int32, is_pure=True, pack=1)
+            return tl.inline_asm_elementwise(
+                LD32, "=r,l,r", [paddr + idx.to(tl.int64) * 4, on.to(tl.int32)],
+                dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it0, E: tl.constexpr, NT: tl.constexpr,
+            NS: tl.constexpr, CPB: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+            INTERP: tl.constexpr):
+        """The (scale, bias) pair of fragment value E of every lane for the window starting at
+        iteration it0: row 16 rt + g + 8 (E // 2), column 2tig + E % 2, i.e. iteration
+        it0 + column // CPB, half column % CPB of its block (0 past K)."""
+        col = 2 * tig + E % 2
+        itc = it0 + col // CPB
+        grp = ((itc * NS + slot) * 64 + (col % CPB) * 32) // GROUP
+        row = rt[:, None] * 16 + (lg + 8 * (E // 2))[None, :]
+        return _ld32(sb_ptr, sbaddr, row * NG + grp[None, :], rm & (itc < NT)[None, :], INTERP)
+
+    @triton.jit
+    def _scaled(sbv, acc, xs, OFF: tl.constexpr, F16: tl.constexpr):
+        """s * (acc - OFF * xs) + b * xs for the packed (scale, bias) pairs sbv."""
+        if F16:
+            s = (sbv & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            b = (sbv >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            s = (sbv << 16).to(tl.float32, bitcast=True)
+            b = (sbv & -65536).to(tl.float32, bitcast=True)
+        return s * (acc - OFF * xs[None, :]) + b * xs[None, :]
 
     @triton.jit
     def _q4tc_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, xaddr, sbaddr, NRT,
@@ -283,75 +340,79 @@ if HAVE_TRITON:
         """y for row tiles pid * RT .. + RT (16 rows each)."""
         pid = tl.program_id(0)
         NS: tl.constexpr = WT // 128  # blocks (of 64 codes) per iteration
+        NU: tl.constexpr = WT // 4  # lanes x slots
         NT: tl.constexpr = K // 64 // NS  # iterations
         CPB: tl.constexpr = 2 if GROUP == 32 else 1  # mma chains (columns) per block
         W: tl.constexpr = 8 // CPB  # iterations per window of 8 columns
         NG: tl.constexpr = K // GROUP
         OFF: tl.constexpr = 1024.0 if F16 else 128.0
         rt = pid * RT + tl.arange(0, RT)  # row tiles
-        c = tl.arange(0, WT)  # element: slot c // 128, lane t = c // 4 % 32, step / D index c % 4
-        slot = c // 128
-        lg = (c // 16) % 8  # lane's g: its B column, and its rows g, g + 8
-        tig = (c // 4) % 4
-        e = c % 4
+        u = tl.arange(0, NU)  # lane u % 32 of slot u // 32
+        slot = u // 32
+        lg = (u // 4) % 8  # lane's g: its B column, and its rows g, g + 8
+        tig = u % 4
         rm = (rt < NRT)[:, None]
-        wp = w_ptr + rt[:, None] * (2 * K) + c[None, :]
-        # x of element (slot, lane, step): k = 64 blk + 32 (e // 2) + 8 tig + 4 (e % 2)
-        xo = slot * 16 + (e // 2) * 8 + tig * 2 + e % 2  # in int64 units, + blk0 * 16
-        xcol = (e // 2) * (CPB - 1)  # column offset of the element's step (g32: 2 per block)
-        # D element (row, column): row = 16 rt + g + 8 (e // 2), column = 2 tig + e % 2
-        row = rt[:, None] * 16 + (lg + 8 * (e // 2))[None, :]
-        col = 2 * tig + e % 2
-        yacc = tl.zeros([RT, WT], dtype=tl.float32)
+        wp = w_ptr + rt[:, None] * (2 * K) + tl.arange(0, WT)[None, :]
+        # x of (slot, lane, step s): k = 64 blk + 32 (s // 2) + 8 tig + 4 (s % 2), in int64
+        # units: xo + (s // 2) * 8 + s % 2 for block 0
+        xo = slot * 16 + tig * 2
         # loads run ahead of their use: words PF iterations, x one iteration, the (scale,
         # bias) pairs one window (8 columns)
         w = tl.load(wp, mask=rm, other=0, cache_modifier=".cg")
         if PF == 2:
             w1 = tl.load(wp + WT, mask=rm & (1 < NT), other=0, cache_modifier=".cg")
-        xm = _ldx(x_ptr, xaddr, xo, lg == xcol, INTERP)
-        sbv = _ld32(sb_ptr, sbaddr, row * NG + (((col // CPB) * NS + slot) * 64
-                                                + (col % CPB) * 32)[None, :] // GROUP,
-                    rm & (col // CPB < NT)[None, :], INTERP)
-        acc = tl.zeros([RT, WT], dtype=tl.float32)
-        xacc = tl.zeros([WT], dtype=tl.float32)
+        x0, x1, x2, x3 = _ldx(x_ptr, xaddr, xo, lg == 0, lg == CPB - 1, INTERP)
+        sb0 = _sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, 0, 0, NT, NS, CPB, GROUP, NG, INTERP)
+        sb1 = _sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, 0, 1, NT, NS, CPB, GROUP, NG, INTERP)
+        sb2 = _sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, 0, 2, NT, NS, CPB, GROUP, NG, INTERP)
+        sb3 = _sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, 0, 3, NT, NS, CPB, GROUP, NG, INTERP)
+        a0 = tl.zeros([RT, NU], dtype=tl.float32)
+        a1 = tl.zeros([RT, NU], dtype=tl.float32)
+        a2 = tl.zeros([RT, NU], dtype=tl.float32)
+        a3 = tl.zeros([RT, NU], dtype=tl.float32)
+        s0 = tl.zeros([NU], dtype=tl.float32)
+        s1 = tl.zeros([NU], dtype=tl.float32)
+        y0 = tl.zeros([RT, NU], dtype=tl.float32)
+        y1 = tl.zeros([RT, NU], dtype=tl.float32)
         for it in range(NT):
             j = it % W  # column (pair, for g32) of this iteration in the window
             wn = tl.load(wp + (it + PF) * WT, mask=rm & (it + PF < NT), other=0,
                          cache_modifier=".cg")
-            jn = (it + 1) % W
-            xn = _ldx(x_ptr, xaddr, xo + (it + 1) * (NS * 16),
-                      (lg == jn * CPB + xcol) & (it + 1 < NT), INTERP)
-            acc = _mma4(w, xm, acc, RT, WT, F16, INTERP)
-            xacc = _ones4(xm, xacc, WT, F16, INTERP)
+            jn = ((it + 1) % W) * CPB
+            ok = it + 1 < NT
+            n0, n1, n2, n3 = _ldx(x_ptr, xaddr, xo + (it + 1) * (NS * 16), (lg == jn) & ok,
+                                  (lg == jn + CPB - 1) & ok, INTERP)
+            q0, q1, q2, q3 = _split4(w, NU)
+            a0, a1, a2, a3 = _mma4(q0, q1, q2, q3, x0, x1, x2, x3, a0, a1, a2, a3, RT, NU,
+                                   F16, INTERP)
+            s0, s1 = _ones4(x0, x1, x2, x3, s0, s1, NU, F16, INTERP)
             if PF == 2:
                 w = w1
                 w1 = wn
             else:
                 w = wn
-            xm = xn
+            x0, x1, x2, x3 = n0, n1, n2, n3
             if (j == W - 1) | (it == NT - 1):  # flush the window's columns
-                if F16:
-                    s = (sbv & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
-                    b = (sbv >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-                    s = s.to(tl.float32)
-                    b = b.to(tl.float32)
-                else:
-                    s = (sbv << 16).to(tl.float32, bitcast=True)
-                    b = (sbv & -65536).to(tl.float32, bitcast=True)
-                xs = xacc[None, :]
-                yacc += s * (acc - OFF * xs) + b * xs
-                acc = tl.zeros([RT, WT], dtype=tl.float32)
-                xacc = tl.zeros([WT], dtype=tl.float32)
-                # the next window's pairs: column col is iteration it + 1 + col // CPB, half
-                # col % CPB of its block (none past K)
-                itc = it + 1 + col // CPB
-                grp = ((itc * NS + slot) * 64 + (col % CPB) * 32) // GROUP
-                sbv = _ld32(sb_ptr, sbaddr, row * NG + grp[None, :], rm & (itc < NT)[None, :],
-                            INTERP)
-        # element (r, slot, g, tig, h, e2) -> row 16 r + 8 h + g
-        y = tl.sum(tl.reshape(yacc, [RT, NS, 8, 4, 2, 2]), axis=5)
-        y = tl.sum(tl.sum(y, axis=3), axis=1)  # [RT, 8 (g), 2 (h)]
-        y = tl.reshape(tl.permute(y, [0, 2, 1]), [RT * 16])
+                y0 += _scaled(sb0, a0, s0, OFF, F16) + _scaled(sb1, a1, s1, OFF, F16)  # row g
+                y1 += _scaled(sb2, a2, s0, OFF, F16) + _scaled(sb3, a3, s1, OFF, F16)  # g + 8
+                a0 = tl.zeros([RT, NU], dtype=tl.float32)
+                a1 = tl.zeros([RT, NU], dtype=tl.float32)
+                a2 = tl.zeros([RT, NU], dtype=tl.float32)
+                a3 = tl.zeros([RT, NU], dtype=tl.float32)
+                s0 = tl.zeros([NU], dtype=tl.float32)
+                s1 = tl.zeros([NU], dtype=tl.float32)
+                sb0 = _sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it + 1, 0, NT, NS, CPB, GROUP,
+                          NG, INTERP)
+                sb1 = _sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it + 1, 1, NT, NS, CPB, GROUP,
+                          NG, INTERP)
+                sb2 = _sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it + 1, 2, NT, NS, CPB, GROUP,
+                          NG, INTERP)
+                sb3 = _sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it + 1, 3, NT, NS, CPB, GROUP,
+                          NG, INTERP)
+        # lane (slot, g, tig): rows 16 rt + g (y0) and + 8 (y1)
+        y0 = tl.sum(tl.sum(tl.reshape(y0, [RT, NS, 8, 4]), axis=3), axis=1)  # [RT, 8]
+        y1 = tl.sum(tl.sum(tl.reshape(y1, [RT, NS, 8, 4]), axis=3), axis=1)
+        y = tl.reshape(tl.permute(tl.join(y0, y1), [0, 2, 1]), [RT * 16])
         rows = pid * RT * 16 + tl.arange(0, RT * 16)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < NRT * 16)
 
