@@ -96,6 +96,38 @@ def test_single_row_decode_takes_q4gemv(monkeypatch):
     assert not qcuda.q4gemv_supported(qw3)
 
 
+def test_single_row_decode_takes_q4tc_where_preferred(monkeypatch):
+    """M = 1 of a tall 4-bit weight (N >= 4K) runs triton_q4tc on its load-time repack;
+    MLXR_Q4TC=0 (read at load) or the fused decode step keep q4gemv; a square one keeps
+    q4gemv."""
+    from mlxr.ops import triton_q4tc
+
+    g = torch.Generator().manual_seed(12)
+    n, k, group = 2048, 512, 64
+    w = torch.randint(-(2**31), 2**31, (n, k // 8), generator=g, dtype=torch.int64).to(torch.int32)
+    s = (torch.randn(n, k // group, generator=g) * 0.02).to(torch.bfloat16)
+    b = (torch.randn(n, k // group, generator=g) * 0.1).to(torch.bfloat16)
+    spec = QuantSpec("affine", 4, group)
+    qw = QuantWeight.from_tensors(w, s, b, spec, compute_dtype=torch.bfloat16, device="cpu")
+    qw.packed, qw.i4, qw.i4_sz = w, None, None  # the CUDA layout, without tinygemm's copy
+    assert qcuda.q4tc_preferred(qw)
+    qw.tc, qw.q4_sb = qcuda.q4tc_pack(w, s, b)
+    calls = []
+    real = triton_q4tc.q4tc
+    monkeypatch.setattr(triton_q4tc, "q4tc", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16)
+    y = qcuda.linear(qw, x)
+    want = x.float() @ ref_dequantize(w, s.float(), b.float(), spec, dtype=torch.float32).t()
+    assert calls == [1] and y.shape == (1, n) and y.dtype == torch.bfloat16
+    assert ((y.float() - want).abs() <= 2.0 ** -7 * want.abs() + 1e-3).all()
+    for var in ("MLXR_Q4TC", "MLXR_DECODE_FUSED"):
+        monkeypatch.setenv(var, "0" if var == "MLXR_Q4TC" else "1")
+        assert not qcuda.q4tc_preferred(qw)
+        monkeypatch.delenv(var)
+    square = QuantWeight.from_tensors(w[:512], s[:512], b[:512], spec, device="cpu")
+    assert not qcuda.q4tc_preferred(square)
+
+
 def test_batch_copy_is_built_on_demand(monkeypatch):
     """tinygemm's copy (2-32 rows) is not built with q4gemv's at load; add_batch_copy builds it
     once, for matmul weights on CUDA only, and reports its bytes."""

@@ -69,13 +69,20 @@ def supported(group: int, n: int, k: int, dtype: torch.dtype) -> bool:
 
 
 def default_config(n: int, k: int) -> TcConfig:
-    """Blocks per iteration (num_warps * u) must divide K / 64."""
-    nb = k // 64
-    u = 2 if nb % 8 == 0 else 1
-    rt = 2
+    """The H200 sweep's winners (benchmarks/q4tc_probe.py, docs/perf.md, 8B / 0.6B shapes):
+    LM heads 4 (K >= 4096) or 2 row tiles per program, 4 warps, two word tiles in flight;
+    other tall matrices (gate_up) 2 row tiles, 4 warps; long rows (K >= 3N: down) 1 row tile,
+    8 warps of 2 blocks; the rest 1 row tile, 8 warps, two tiles in flight. Blocks per
+    iteration (num_warps * u) divide K / 64 (K is a multiple of 512)."""
     if _interpret():  # the interpreter runs programs one by one: few, large ones keep CI fast
-        rt = 1 << max(0, min(8, n // 16).bit_length() - 1)
-    return TcConfig(rt=rt, u=u, num_warps=4)
+        return TcConfig(rt=1 << max(0, min(8, n // 16).bit_length() - 1), u=1, num_warps=4)
+    if n >= 65536:
+        return TcConfig(rt=4 if k >= 4096 else 2, u=1, num_warps=4, pf=2)
+    if n >= 16384:
+        return TcConfig(rt=2, u=1, num_warps=4, pf=1)
+    if k >= 3 * n and (k // 64) % 16 == 0:
+        return TcConfig(rt=1, u=2, num_warps=8, pf=1)
+    return TcConfig(rt=1, u=1, num_warps=8, pf=2)
 
 
 # ====================================================================== repack (load time)

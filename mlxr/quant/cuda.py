@@ -1,9 +1,12 @@
 """CUDA matmul paths for QuantWeight, chosen by batch size (measured on the H200, docs/perf.md).
 
-- single-request decode (M = 1), affine 4-bit, bf16/fp16: `mlxr.ops.triton_q4gemv` on a
-  load-time repack of the codes (`q4`, same bytes) and of the scales and biases into pairs
-  (`q4_sb`). H200 (benchmarks/gpu_q4gemv_sweep.py): faster than tinygemm at every Llama-8B /
-  Qwen3-0.6B shape (8B gate_up 26.0 vs 38.9 us, LM head 92.4 vs 150.6 us). Env
+- single-request decode (M = 1), affine 4-bit, bf16/fp16: `mlxr.ops.triton_q4tc` (the
+  tensor-core GEMV, on its own load-time repack `tc`) where `q4tc_preferred` says it was
+  measured faster, else `mlxr.ops.triton_q4gemv` (on `q4`); both read the scales and biases
+  repacked into pairs (`q4_sb`). H200 (benchmarks/gpu_q4gemv_sweep.py, q4tc_probe.py): q4gemv
+  beats tinygemm at every Llama-8B / Qwen3-0.6B shape (8B gate_up 26.0 vs 38.9 us, LM head
+  92.4 vs 150.6 us), q4tc beats q4gemv on the tall and the long matrices (8B gate_up 22.1 vs
+  26.0 us, LM head 81.6 vs 96.6). Env `MLXR_Q4TC=0` at load builds q4gemv's copy everywhere;
   `MLXR_Q4GEMV=0` (read at every call) sends M = 1 to tinygemm (set at load, it also makes the
   load build tinygemm's copy).
 - decode of 2-32 rows (2-7 on the weights the fused GEMM below takes from 8 rows), affine
@@ -74,6 +77,29 @@ def q4gemv_supported(qw) -> bool:
             and qw.scales.dtype in (torch.bfloat16, torch.float16)
             and qw.biases.dtype == qw.scales.dtype
             and qw.out_features * qw.in_features // 8 < 2**31)
+
+
+def q4tc_preferred(qw) -> bool:
+    """Whether single-row decode of this weight takes triton_q4tc rather than triton_q4gemv:
+    where the H200 sweep measured it faster (benchmarks/q4tc_probe.py, docs/perf.md): more
+    than 4096 rows (8B qkv 8.3 vs 8.7 us, gate_up 22.1 vs 26.0, the LM heads), or K >= 3N or
+    N >= 4K (8B down 18.7 vs 19.3, 0.6B down 4.1 vs 4.4, 0.6B qkv 2.9 vs 3.2). q4gemv keeps
+    the squarer ones of <= 4096 rows (its 8-row programs fill the GPU better there: the o
+    projections, 8B 6.3 vs 7.4 us). `MLXR_Q4TC=0` (at load) turns it off, and so does the
+    opt-in fused decode step (`MLXR_DECODE_FUSED=1` at load: it needs q4gemv's copy)."""
+    from ..ops import triton_q4tc
+
+    n, k = qw.out_features, qw.in_features
+    return (os.environ.get("MLXR_Q4TC", "") != "0" and os.environ.get("MLXR_DECODE_FUSED") != "1"
+            and triton_q4tc.supported(qw.spec.group_size, n, k, qw.compute_dtype)
+            and (n > 4096 or k >= 3 * n or n >= 4 * k))
+
+
+def q4tc_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tensor, Tensor]:
+    """The load-time copies triton_q4tc reads: lane-ordered words, (scale, bias) pairs."""
+    from ..ops import triton_q4gemv, triton_q4tc
+
+    return triton_q4tc.repack(packed), triton_q4gemv.pair_scales(scales, biases)
 
 
 def q4gemv_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tensor, Tensor]:
@@ -161,6 +187,12 @@ def linear(qw, x: Tensor) -> Tensor | None:
         return triton_gemv.qgemv(x, qw.packed, qw.scales, qw.biases, qw.global_scale,
                                  mode=sp.mode, bits=sp.bits, group=sp.group_size,
                                  config=_gemv_v2_config(qw, m))
+    if m == 1 and qw.tc is not None and os.environ.get("MLXR_Q4GEMV", "") != "0":
+        from ..ops import triton_q4tc
+
+        if x.data_ptr() % 16:  # the kernel's 16-byte x loads (a fresh copy is aligned)
+            x = x.clone()
+        return triton_q4tc.q4tc(x, qw.tc, qw.q4_sb, group=qw.spec.group_size).view(1, -1)
     if m == 1 and qw.q4 is not None and os.environ.get("MLXR_Q4GEMV", "") != "0":
         from ..ops import triton_q4gemv
 
@@ -172,7 +204,7 @@ def linear(qw, x: Tensor) -> Tensor | None:
     # does not serve take the prefill paths, which read the packed words once; the generic
     # kernels below re-read them per few rows (H200, Llama-8B, a 16-token prompt: 292 tok/s
     # that way, 1,709 with tinygemm, 2,711 with the fused GEMM)
-    decode_copy = qw.q4 is not None or qw.i4 is not None
+    decode_copy = qw.q4 is not None or qw.tc is not None or qw.i4 is not None
     if ((m > DECODE_MAX_M or (m > 1 and decode_copy)) and qw.compute_dtype != torch.float32
             and dequant_supported(qw)):
         if fused_gemm(qw, m):

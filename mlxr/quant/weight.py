@@ -6,9 +6,11 @@ Storage (chosen at load time, see `from_tensors`):
                  for 3/5/6-bit in fast mode (costs 8/bits x the packed size, saves a slow unpack
                  per call), or
   * `i4`       - torch's packed int4 CPU tensor + bf16 scales_and_zeros (fast-mode affine 4-bit).
-On CUDA `packed` is always kept; affine 4-bit adds repacks of it for decode: `q4`/`q4_sb`
-(`mlxr.ops.triton_q4gemv`, one row) at load, and `i4`/`i4_sz` (tinygemm, 2-32 rows) at load
-only where q4gemv does not apply, else when the batching engine asks (`add_batch_copy`).
+On CUDA `packed` is always kept; affine 4-bit adds repacks of it for decode at load: for one
+row either `tc` (`mlxr.ops.triton_q4tc`, where `cuda.q4tc_preferred`) or `q4`
+(`mlxr.ops.triton_q4gemv`), each with `q4_sb` (scale, bias pairs); and `i4`/`i4_sz`
+(tinygemm, 2-32 rows) only where neither applies, else when the batching engine asks
+(`add_batch_copy`).
 Scales/biases stay in their file dtype, except in exact mode (compute_dtype float32) where they
 are cast to float32 once: dequant then is `q*s + b` in fp32 (two fp32 roundings), exactly what
 mlx computes with fp32 params.
@@ -61,6 +63,7 @@ class QuantWeight:
         self.i4: Tensor | None = None
         self.i4_sz: Tensor | None = None
         self.q4: Tensor | None = None
+        self.tc: Tensor | None = None
         self.q4_sb: Tensor | None = None
         self.matmul = True
         self.scales: Tensor | None = None
@@ -116,10 +119,15 @@ class QuantWeight:
         elif dev.type == "cuda":
             self.packed = packed.contiguous()  # Triton kernels read the mlx words as shipped
             if matmul and cuda.q4gemv_supported(self):  # single-request decode (M = 1)
-                self.q4, self.q4_sb = cuda.q4gemv_pack(self.packed, self.scales, self.biases)
-            # tinygemm serves M = 1 where q4gemv does not (or is switched off for an A/B
-            # run: MLXR_Q4GEMV=0 at load); else its copy is built on demand
-            if matmul and (self.q4 is None or os.environ.get("MLXR_Q4GEMV") == "0"):
+                if cuda.q4tc_preferred(self):  # the tensor-core GEMV
+                    self.tc, self.q4_sb = cuda.q4tc_pack(self.packed, self.scales, self.biases)
+                else:
+                    self.q4, self.q4_sb = cuda.q4gemv_pack(self.packed, self.scales,
+                                                           self.biases)
+            # tinygemm serves M = 1 where q4gemv / q4tc do not (or are switched off for an
+            # A/B run: MLXR_Q4GEMV=0 at load); else its copy is built on demand
+            one_row = self.q4 is not None or self.tc is not None
+            if matmul and (not one_row or os.environ.get("MLXR_Q4GEMV") == "0"):
                 self.add_batch_copy()
         elif bits == 8:
             self.codes = packed.contiguous().view(torch.uint8)  # [out, in], zero-copy
@@ -145,8 +153,8 @@ class QuantWeight:
     # ------------------------------------------------------------------ properties
     @property
     def nbytes(self) -> int:
-        ts = (self.packed, self.codes, self.i4, self.i4_sz, self.q4, self.q4_sb, self.scales,
-              self.biases, self.global_scale)
+        ts = (self.packed, self.codes, self.i4, self.i4_sz, self.q4, self.tc, self.q4_sb,
+              self.scales, self.biases, self.global_scale)
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     @property
