@@ -15,15 +15,20 @@ small programs, each with its whole tile of words in flight):
   each (two 16-byte loads), and every mma step stays inside one 32-code half of the block.
 * **Groups in columns**: only the B column of the current group slot carries x (lanes
   4c..4c+3 load it, the others hold zeros), so one fp32 accumulator tile keeps up to 8 group
-  sums per row apart: D[row, c]. Every 8 slots (`_flush`) each lane scales its four
+  sums per row apart: D[row, c]. Every 8 slots (the window flush) each lane scales its four
   accumulators once: s * (D - MAGIC * xs) + b * xs, with xs (the x sums per slot) from the
   same mma on an all-ones A. The multiply is fp32 over exact bf16/fp16 products, as mlx-lm's
   qmv computes s * dot(q, x) + b * sum(x).
-* The mma and the lane loads are PTX (`tl.inline_asm_elementwise`, pack 4: a lane's four
-  words of a block are one mma chain). This depends on Triton giving the word tile its
-  natural layout (4 consecutive words per thread, lanes along K): the GPU tests check the
-  results, and `benchmarks/q4tc_probe.py` shows the layout and the SASS offline. Under
-  TRITON_INTERPRET (no PTX) `_mma4` and the loads are emulated with the same lane semantics.
+* The mma and the lane loads are PTX (`tl.inline_asm_elementwise`) on per-lane tensors: the
+  word tile is loaded 16 bytes per thread and split into its 4 steps in registers, so element
+  u of every operand is lane u % 32 whatever layout Triton picks (see the comment above
+  `_STEP`). The GPU tests check the results; `benchmarks/q4tc_probe.py` prints the layouts
+  and the SASS offline. Under TRITON_INTERPRET (no PTX) the mma and the loads are emulated
+  with the same lane semantics.
+* Loads run ahead of their use: the words `pf` iterations, x one, the pairs one window.
+  Measured (docs/perf.md): half q4gemv's instructions per code, 3-16% faster on the tall and
+  long matrices (8B gate_up 22.1 vs 26.0 us, LM head 81.6 vs 96.6), slower on the squarish
+  ones of <= 4096 rows, which keep q4gemv (`mlxr.quant.cuda.q4tc_preferred`).
 
 `q4tc_ref` is the plain-torch twin with the same signature (the tests' oracle).
 """
