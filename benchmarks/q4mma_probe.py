@@ -77,7 +77,8 @@ def _q4mma_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, zero, K: tl.constexpr, GROUP: tl.
 
 def loop_mix(cubin: bytes) -> tuple[str, int, collections.Counter]:
     """The resource line, and the instructions of the K loop's body (between the backward
-    branch and its target)."""
+    branch and its target; code the loop jumps to out of line, such as q4tc's window flush,
+    is not counted)."""
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -88,8 +89,10 @@ def loop_mix(cubin: bytes) -> tuple[str, int, collections.Counter]:
     code = [(int(m.group(1), 16), m.group(2), m.group(3))
             for m in re.finditer(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)([.\w]*)"
                                  r"(?:\s+0x([0-9a-f]+))?", sass)]
-    back = re.search(r"/\*([0-9a-f]+)\*/\s+@!?P\d\s+BRA\s+0x([0-9a-f]+)", sass)
-    hi, lo = int(back.group(1), 16), int(back.group(2), 16)
+    # the first backward conditional branch (a forward one skips a branch inside the loop)
+    hi, lo = next((int(m.group(1), 16), int(m.group(2), 16)) for m in re.finditer(
+        r"/\*([0-9a-f]+)\*/\s+@!?P\d\s+BRA\s+0x([0-9a-f]+)", sass)
+        if int(m.group(2), 16) < int(m.group(1), 16)), (-1, 0))  # (-1, 0): no loop
     ops = collections.Counter(op for a, op, _ in code if lo <= a <= hi)
     return usage.strip().splitlines()[-1].strip(), sum(ops.values()), ops
 
