@@ -90,9 +90,9 @@ def loop_mix(cubin: bytes) -> tuple[str, int, collections.Counter]:
             for m in re.finditer(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)([.\w]*)"
                                  r"(?:\s+0x([0-9a-f]+))?", sass)]
     # the first backward conditional branch (a forward one skips a branch inside the loop)
-    hi, lo = next((int(m.group(1), 16), int(m.group(2), 16)) for m in re.finditer(
-        r"/\*([0-9a-f]+)\*/\s+@!?P\d\s+BRA\s+0x([0-9a-f]+)", sass)
-        if int(m.group(2), 16) < int(m.group(1), 16)), (-1, 0))  # (-1, 0): no loop
+    branches = re.finditer(r"/\*([0-9a-f]+)\*/\s+@!?P\d\s+BRA\s+0x([0-9a-f]+)", sass)
+    hi, lo = next(((int(m.group(1), 16), int(m.group(2), 16)) for m in branches
+                   if int(m.group(2), 16) < int(m.group(1), 16)), (-1, 0))  # (-1, 0): none
     ops = collections.Counter(op for a, op, _ in code if lo <= a <= hi)
     return usage.strip().splitlines()[-1].strip(), sum(ops.values()), ops
 
