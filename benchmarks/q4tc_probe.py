@@ -1,13 +1,14 @@
 """Workbench for the tensor-core decode GEMV (`mlxr.ops.triton_q4tc`).
 
-    PYTHONPATH=. python benchmarks/q4tc_probe.py [K GROUP RT U WARPS PF]   # offline, sm_90
-    cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --gpu [8b|0.6b]
+    PYTHONPATH=. python benchmarks/q4tc_probe.py [K GROUP RT U WARPS PF STAGES]   # offline, sm_90
+    cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --gpu [--tma] [8b|0.6b]
 
 Offline (no GPU): compiles the kernel for sm_90 with Triton's ptxas, prints the layouts from
 the TTGIR and those of the inline PTX's results (per-lane tensors: one element per thread, lanes
 along the last dimension), the layout conversions, registers, and the K loop's instructions per
 code.
---gpu: max error against fp64 (over sum |x||w|, and in bf16 units against the fp32 reference),
+--gpu: the default launch, then a sweep (`--tma`: the TMA-staged word tiles); max error against
+fp64 (over sum |x||w|, and in bf16 units against the fp32 reference),
 then us per call in CUDA graphs over weight copies larger than the L2, against q4gemv's default
 launch, for a sweep of launch shapes. The last line is JSON.
 """
@@ -30,19 +31,27 @@ SHAPES = {"8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (28672, 40
           "0.6b head": (151936, 1024)}
 PF1 = ((4, 1, 4), (2, 1, 4), (2, 2, 4), (8, 1, 4), (1, 1, 8), (1, 2, 8), (2, 1, 8), (4, 1, 8))
 PF2 = ((4, 1, 4), (2, 1, 4), (2, 2, 4), (1, 2, 4), (1, 1, 8), (2, 1, 8), (4, 1, 8))
-LAUNCHES = tuple(c + (1,) for c in PF1) + tuple(c + (2,) for c in PF2)
+LAUNCHES = tuple(c + (1, 0) for c in PF1) + tuple(c + (2, 0) for c in PF2)
+# --tma: the word tiles through shared memory by TMA, 2 or 4 stages
+TMA = tuple(c + (1, st) for st in (2, 4) for c in ((1, 1, 4), (2, 1, 4), (4, 1, 4), (1, 1, 8),
+                                                    (2, 1, 8), (1, 2, 8)))
 
 
-def offline(k: int, group: int, rt: int, u: int, nw: int, pf: int) -> None:
-    sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*bf16", "y_ptr": "*bf16",
-           "xaddr": "i64", "sbaddr": "i64", "NRT": "i32"}
-    cfg = T.TcConfig(rt=rt, u=u, num_warps=nw, pf=pf)
-    ck = compile_sm90(T._q4tc_kernel, sig, dict(K=k, GROUP=group, RT=rt, WT=cfg.wt, PF=pf,
-                                                F16=False, INTERP=False), nw)
+def offline(k: int, group: int, rt: int, u: int, nw: int, pf: int, stages: int) -> None:
+    cfg = T.TcConfig(rt=rt, u=u, num_warps=nw, pf=pf, stages=stages)
+    desc = f"tensordesc<i32[{rt}, {cfg.wt // 256}, 256]>" if stages else "constexpr"
+    sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "w_desc": desc, "sb_ptr": "*bf16",
+           "y_ptr": "*bf16", "xaddr": "i64", "sbaddr": "i64", "NRT": "i32"}
+    const = dict(K=k, GROUP=group, RT=rt, WT=cfg.wt, PF=pf, STAGES=stages, F16=False,
+                 INTERP=False)
+    if not stages:
+        const["w_desc"] = None
+    ck = compile_sm90(T._q4tc_kernel, sig, const, nw, max(stages, 1))
     ttgir = ck.asm["ttgir"]
     for m in re.finditer(r"#(\w+) = #ttg\.blocked<\{([^}]*)\}>", ttgir):
         print(f"layout #{m.group(1)}: {m.group(2)}")
-    print(f"convert_layout ops: {ttgir.count('ttg.convert_layout')}")
+    print(f"convert_layout ops: {ttgir.count('ttg.convert_layout')}, "
+          f"TMA copies: {ttgir.count('async_tma_copy_global_to_local')}")
     # the PTX's lane semantics need per-lane tensors: one element per thread along the lanes
     for lay, n in collections.Counter(re.findall(r"elementwise_inline_asm.*-> (.*) loc",
                                                  ttgir)).items():
@@ -54,7 +63,7 @@ def offline(k: int, group: int, rt: int, u: int, nw: int, pf: int) -> None:
     print(", ".join(f"{op} {c}" for op, c in ops.most_common(16)))
 
 
-def gpu(only: str = "") -> None:
+def gpu(only: str = "", launches=LAUNCHES) -> None:
     import torch
     from gpu_timing import L2_BYTES, graph_time_us
 
@@ -88,8 +97,9 @@ def gpu(only: str = "") -> None:
               f"err {qerr:.1e}, bf16 != fp32 ref: {(y != ref32).float().mean().item():.4f}",
               flush=True)
         row = {"shape": name, "q4gemv_us": round(base, 2)}
-        for rt, u, nw, pf in LAUNCHES:
-            cfg = T.TcConfig(rt=rt, u=u, num_warps=nw, pf=pf)
+        for rt, u, nw, pf, st in ((None,) * 5,) + launches:
+            cfg = (T.default_config(n, k) if rt is None
+                   else T.TcConfig(rt=rt, u=u, num_warps=nw, pf=pf, stages=st))
             if (k // 64) % (cfg.wt // 128):
                 continue
             try:
@@ -101,7 +111,8 @@ def gpu(only: str = "") -> None:
             neq = (y != ref32).float().mean().item()
             us = graph_time_us([lambda a=a, cfg=cfg: T.q4tc(x, a[4], a[3], group=g, out=y,
                                                             config=cfg) for a in ws])
-            print(f"  tc {cfg.label()}: {us:.2f} us ({nbytes / us / 1e3:.0f} GB/s), "
+            tag = "default " * (rt is None)
+            print(f"  tc {tag}{cfg.label()}: {us:.2f} us ({nbytes / us / 1e3:.0f} GB/s), "
                   f"err {err:.1e}, bf16 != fp32 ref: {neq:.4f}", flush=True)
             row[cfg.label()] = round(us, 2)
             row[cfg.label() + "_err"] = err
@@ -111,9 +122,11 @@ def gpu(only: str = "") -> None:
 
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "--gpu":
-        return gpu(argv[1] if len(argv) > 1 else "")
-    k, group, rt, u, nw, pf = (int(a) for a in argv) if argv else (4096, 64, 2, 2, 4, 1)
-    offline(k, group, rt, u, nw, pf)
+        tma = "--tma" in argv
+        argv = [a for a in argv if a != "--tma"]
+        return gpu(argv[1] if len(argv) > 1 else "", TMA if tma else LAUNCHES)
+    k, group, rt, u, nw, pf, st = (int(a) for a in argv) if argv else (4096, 64, 2, 2, 4, 1, 0)
+    offline(k, group, rt, u, nw, pf, st)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 
-def compile_sm90(fn, sig: dict, const: dict, num_warps: int):
+def compile_sm90(fn, sig: dict, const: dict, num_warps: int, num_stages: int = 1):
     sig = dict(sig)
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(sig)
@@ -35,7 +35,7 @@ def compile_sm90(fn, sig: dict, const: dict, num_warps: int):
     src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in const.items()},
                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": 1})
+                          options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def report(ck, codes_per_thread: int) -> None:

@@ -67,6 +67,8 @@ def test_repack_round_trip_and_layout():
     (32, 2048, T.TcConfig(rt=4, u=1, num_warps=4)),  # a program's row tiles past N
     (32, 1536, T.TcConfig(rt=1, u=1, num_warps=4, pf=2)),  # two word tiles in flight
     (16, 512, T.TcConfig(rt=1, u=1, num_warps=2, pf=2)),  # ... past the last one
+    (48, 2048, T.TcConfig(rt=2, u=1, num_warps=4, stages=3)),  # GPU: TMA, rows past N
+    (32, 3072, T.TcConfig(rt=1, u=1, num_warps=8, stages=2)),  # GPU: TMA, 8 warps
 ])
 def test_q4tc_matches_fp64_and_twin(group, dtype, n, k, cfg):
     packed, s, b, x = _weights(n, k, group, dtype, seed=n + k + group)

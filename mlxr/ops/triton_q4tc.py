@@ -35,6 +35,7 @@ small programs, each with its whole tile of words in flight):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -58,13 +59,14 @@ class TcConfig:
     u: int = 2
     num_warps: int = 4
     pf: int = 1  # word tiles in flight ahead of the one computed (1 or 2)
+    stages: int = 0  # > 0: word tiles by TMA through shared memory, this many in flight
 
     @property
     def wt(self) -> int:
         return 128 * self.num_warps * self.u
 
     def label(self) -> str:
-        return f"rt{self.rt}_u{self.u}_w{self.num_warps}_pf{self.pf}"
+        return f"rt{self.rt}_u{self.u}_w{self.num_warps}_pf{self.pf}_s{self.stages}"
 
 
 def supported(group: int, n: int, k: int, dtype: torch.dtype) -> bool:
@@ -81,13 +83,14 @@ def default_config(n: int, k: int) -> TcConfig:
     iteration (num_warps * u) divide K / 64 (K is a multiple of 512)."""
     if _interpret():  # the interpreter runs programs one by one: few, large ones keep CI fast
         return TcConfig(rt=1 << max(0, min(8, n // 16).bit_length() - 1), u=1, num_warps=4)
+    stages = int(os.environ.get("MLXR_Q4TC_STAGES", "0"))  # an A/B switch (docs/perf.md)
     if n >= 65536:
-        return TcConfig(rt=4 if k >= 4096 else 2, u=1, num_warps=4, pf=2)
+        return TcConfig(rt=4 if k >= 4096 else 2, u=1, num_warps=4, pf=2, stages=stages)
     if n >= 16384:
-        return TcConfig(rt=2, u=1, num_warps=4, pf=1)
+        return TcConfig(rt=2, u=1, num_warps=4, pf=1, stages=stages)
     if k >= 3 * n and (k // 64) % 16 == 0:
-        return TcConfig(rt=1, u=2, num_warps=8, pf=1)
-    return TcConfig(rt=1, u=1, num_warps=8, pf=2)
+        return TcConfig(rt=1, u=2, num_warps=8, pf=1, stages=stages)
+    return TcConfig(rt=1, u=1, num_warps=8, pf=2, stages=stages)
 
 
 # ====================================================================== repack (load time)
@@ -346,10 +349,13 @@ if HAVE_TRITON:
         return s * (acc - OFF * xs[None, :]) + b * xs[None, :]
 
     @triton.jit
-    def _q4tc_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, xaddr, sbaddr, NRT,
+    def _q4tc_kernel(x_ptr, w_ptr, w_desc, sb_ptr, y_ptr, xaddr, sbaddr, NRT,
                      K: tl.constexpr, GROUP: tl.constexpr, RT: tl.constexpr, WT: tl.constexpr,
-                     PF: tl.constexpr, F16: tl.constexpr, INTERP: tl.constexpr):
-        """y for row tiles pid * RT .. + RT (16 rows each)."""
+                     PF: tl.constexpr, STAGES: tl.constexpr, F16: tl.constexpr,
+                     INTERP: tl.constexpr):
+        """y for row tiles pid * RT .. + RT (16 rows each). STAGES > 0: the word tiles come
+        through shared memory by TMA (w_desc over the words as [NRT, 2K / 256, 256]), which
+        Triton's pipeliner keeps STAGES deep in flight; else by register loads PF ahead."""
         pid = tl.program_id(0)
         NS: tl.constexpr = WT // 128  # blocks (of 64 codes) per iteration
         NU: tl.constexpr = WT // 4  # lanes x slots
@@ -370,9 +376,10 @@ if HAVE_TRITON:
         xo = slot * 16 + tig * 2
         # loads run ahead of their use: words PF iterations, x one iteration, the (scale,
         # bias) pairs one window (8 columns)
-        w = tl.load(wp, mask=rm, other=0, cache_modifier=".cg")
-        if PF == 2:
-            w1 = tl.load(wp + WT, mask=rm & (1 < NT), other=0, cache_modifier=".cg")
+        if STAGES == 0:
+            w = tl.load(wp, mask=rm, other=0, cache_modifier=".cg")
+            if PF == 2:
+                w1 = tl.load(wp + WT, mask=rm & (1 < NT), other=0, cache_modifier=".cg")
         x0, x1, x2, x3 = _ldx(x_ptr, xaddr, xo, lg == 0, lg == CPB - 1, INTERP)
         sb0 = _sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, 0, 0, NT, NS, CPB, GROUP, NG, INTERP)
         sb1 = _sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, 0, 1, NT, NS, CPB, GROUP, NG, INTERP)
@@ -386,10 +393,13 @@ if HAVE_TRITON:
         s1 = tl.zeros([NU], dtype=tl.float32)
         y0 = tl.zeros([RT, NU], dtype=tl.float32)
         y1 = tl.zeros([RT, NU], dtype=tl.float32)
-        for it in range(NT):
+        for it in tl.range(NT, num_stages=max(STAGES, 1)):
             j = it % W  # column (pair, for g32) of this iteration in the window
-            wn = tl.load(wp + (it + PF) * WT, mask=rm & (it + PF < NT), other=0,
-                         cache_modifier=".cg")
+            if STAGES > 0:  # rows past NRT come back as zeros
+                w = tl.reshape(w_desc.load([pid * RT, it * (WT // 256), 0]), [RT, WT])
+            else:
+                wn = tl.load(wp + (it + PF) * WT, mask=rm & (it + PF < NT), other=0,
+                             cache_modifier=".cg")
             jn = ((it + 1) % W) * CPB
             ok = it + 1 < NT
             n0, n1, n2, n3 = _ldx(x_ptr, xaddr, xo + (it + 1) * (NS * 16), (lg == jn) & ok,
@@ -398,11 +408,12 @@ if HAVE_TRITON:
             a0, a1, a2, a3 = _mma4(q0, q1, q2, q3, x0, x1, x2, x3, a0, a1, a2, a3, RT, NU,
                                    F16, INTERP)
             s0, s1 = _ones4(x0, x1, x2, x3, s0, s1, NU, F16, INTERP)
-            if PF == 2:
-                w = w1
-                w1 = wn
-            else:
-                w = wn
+            if STAGES == 0:
+                if PF == 2:
+                    w = w1
+                    w1 = wn
+                else:
+                    w = wn
             x0, x1, x2, x3 = n0, n1, n2, n3
             if (j == W - 1) | (it == NT - 1):  # flush the window's columns
                 y0 += _scaled(sb0, a0, s0, OFF, F16) + _scaled(sb1, a1, s1, OFF, F16)  # row g
@@ -447,8 +458,15 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
     if (k // 64) % (cfg.wt // 128):
         raise ValueError(f"q4tc: {cfg.wt // 128} blocks per iteration must divide K/64")
     y = out if out is not None else torch.empty(n, dtype=x.dtype, device=x.device)
+    desc = None
+    stages = 0 if _interpret() else cfg.stages
+    if stages:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        desc = TensorDescriptor(words.view(nrt, k2 // 256, 256), [nrt, k2 // 256, 256],
+                                [k2, 256, 1], [cfg.rt, cfg.wt // 256, 256])
     _q4tc_kernel[(triton.cdiv(nrt, cfg.rt),)](
-        xv, words, sb, y, xv.data_ptr(), sb.data_ptr(), nrt, K=k, GROUP=group, RT=cfg.rt,
-        WT=cfg.wt, PF=cfg.pf, F16=x.dtype == torch.float16, INTERP=_interpret(),
-        num_warps=cfg.num_warps, num_stages=1)
+        xv, words, desc, sb, y, xv.data_ptr(), sb.data_ptr(), nrt, K=k, GROUP=group,
+        RT=cfg.rt, WT=cfg.wt, PF=cfg.pf, STAGES=stages, F16=x.dtype == torch.float16,
+        INTERP=_interpret(), num_warps=cfg.num_warps, num_stages=max(stages, 1))
     return y
