@@ -35,6 +35,7 @@ small programs, each with its whole tile of words in flight):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -76,21 +77,24 @@ def supported(group: int, n: int, k: int, dtype: torch.dtype) -> bool:
 
 
 def default_config(n: int, k: int) -> TcConfig:
-    """The H200 sweep's winners (benchmarks/q4tc_probe.py, docs/perf.md, 8B / 0.6B shapes):
+    """The H200 sweeps' winners (benchmarks/q4tc_probe.py, docs/perf.md, 8B / 0.6B shapes):
     LM heads 4 (K >= 4096) or 2 row tiles per program, 4 warps, two word tiles in flight;
     other tall matrices (gate_up) 2 row tiles, 4 warps; long rows (K >= 3N: down) 1 row tile,
-    8 warps of 2 blocks; the rest 1 row tile, 8 warps, two tiles in flight. Blocks per
-    iteration (num_warps * u) divide K / 64 (K is a multiple of 512)."""
+    8 warps of 2 blocks, the word tiles by TMA 4 stages deep; the rest 1 row tile, 8 warps,
+    two tiles in flight. Env MLXR_Q4TC_STAGES=S sets S TMA stages (0: none) for every shape.
+    Blocks per iteration (num_warps * u) divide K / 64 (K is a multiple of 512)."""
     if _interpret():  # the interpreter runs programs one by one: few, large ones keep CI fast
         return TcConfig(rt=1 << max(0, min(8, n // 16).bit_length() - 1), u=1, num_warps=4)
-    stages = int(os.environ.get("MLXR_Q4TC_STAGES", "0"))  # an A/B switch (docs/perf.md)
+    env = os.environ.get("MLXR_Q4TC_STAGES")  # an A/B switch: this many TMA stages for all
     if n >= 65536:
-        return TcConfig(rt=4 if k >= 4096 else 2, u=1, num_warps=4, pf=2, stages=stages)
-    if n >= 16384:
-        return TcConfig(rt=2, u=1, num_warps=4, pf=1, stages=stages)
-    if k >= 3 * n and (k // 64) % 16 == 0:
-        return TcConfig(rt=1, u=2, num_warps=8, pf=1, stages=stages)
-    return TcConfig(rt=1, u=1, num_warps=8, pf=2, stages=stages)
+        cfg = TcConfig(rt=4 if k >= 4096 else 2, u=1, num_warps=4, pf=2)
+    elif n >= 16384:
+        cfg = TcConfig(rt=2, u=1, num_warps=4, pf=1)
+    elif k >= 3 * n and (k // 64) % 16 == 0:  # TMA, 4 stages: 8B down 17.0 vs 18.7 us
+        cfg = TcConfig(rt=1, u=2, num_warps=8, pf=1, stages=4)
+    else:
+        cfg = TcConfig(rt=1, u=1, num_warps=8, pf=2)
+    return cfg if env is None else dataclasses.replace(cfg, stages=int(env))
 
 
 # ====================================================================== repack (load time)
