@@ -1,0 +1,190 @@
+"""The per-lane PTX of `triton_q4tc` (mma.sync chains, masked lane loads) as Triton functions,
+each with its interpreter twin (TRITON_INTERPRET runs no PTX): the twins compute what the
+warp's lanes compute together, so CI checks the kernel around them at the same semantics.
+"""
+
+from __future__ import annotations
+
+from .triton_fused import HAVE_TRITON
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+# The PTX works on per-lane tensors (pack 1): element u of a [RT, WT/4] or [WT/4] tensor is
+# lane u % 32 of warp u // 32 % num_warps, which is how Triton lays such tensors out (the word
+# tile is loaded 16 bytes per thread as [RT, WT] and split into its 4 steps in registers).
+# A pack of 4 elements would depend on which elements Triton puts in one thread, and Triton
+# may lay a pure op out twice (seen: the x loads, in [1, 4] and [1, 1] layouts).
+#
+# _MMA4: one lane's mma chain over a block's 4 steps: $0-3 out (the D fragment: rows g, g + 8
+# x columns 2tig, 2tig + 1), $4-7 the words of steps 0-3, $8-11 the masked x (b0 | b1 << 32),
+# $12-15 C.
+_STEP = """
+shr.u32 t0, {w}, 4;
+shr.u32 t1, {w}, 8;
+shr.u32 t2, {w}, 12;
+lop3.b32 a0, {w}, 0x000F000F, {magic}, 0xEA;
+lop3.b32 a1, t0, 0x000F000F, {magic}, 0xEA;
+lop3.b32 a2, t1, 0x000F000F, {magic}, 0xEA;
+lop3.b32 a3, t2, 0x000F000F, {magic}, 0xEA;
+mov.b64 {{b0, b1}}, {x};
+mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32
+  {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{b0, b1}}, {{$0, $1, $2, $3}};
+"""
+# _ONES4: the column sums of the masked x over the 4 steps (A = 1): $0-1 out (columns 2tig,
+# 2tig + 1), $2-5 x, $6-7 C.
+_ONES = """
+mov.b64 {{b0, b1}}, ${x};
+mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32
+  {{$0, $1, z2, z3}}, {{a0, a0, a0, a0}}, {{b0, b1}}, {{$0, $1, z2, z3}};
+"""
+
+
+def _asm_mma4(ty: str) -> str:
+    magic = "0x43004300" if ty == "bf16" else "0x64006400"
+    body = "".join(_STEP.format(w=f"${4 + s}", x=f"${8 + s}", magic=magic, ty=ty)
+                   for s in range(4))
+    return ("{\n.reg .b32 t0, t1, t2, a0, a1, a2, a3, b0, b1;\n"
+            "mov.f32 $0, $12;\nmov.f32 $1, $13;\nmov.f32 $2, $14;\nmov.f32 $3, $15;\n"
+            + body + "}")
+
+
+def _asm_ones4(ty: str) -> str:
+    one = "0x3F803F80" if ty == "bf16" else "0x3C003C00"
+    body = "".join(_ONES.format(x=2 + s, ty=ty) for s in range(4))
+    return ("{\n.reg .b32 a0, b0, b1;\n.reg .f32 z2, z3;\nmov.b32 a0, %s;\n" % one
+            + "mov.f32 $0, $6;\nmov.f32 $1, $7;\nmov.f32 z2, 0f00000000;\nmov.f32 z3, 0f00000000;\n"
+            + body + "}")
+
+
+# a lane's x: 16 bytes at $4 (steps 0, 1) where $6 is set and 16 bytes at $5 (steps 2, 3)
+# where $7 is set; zeros elsewhere
+_LDX = """{
+.reg .pred p, q;
+setp.ne.b32 p, $6, 0;
+setp.ne.b32 q, $7, 0;
+mov.b64 $0, 0;
+mov.b64 $1, 0;
+mov.b64 $2, 0;
+mov.b64 $3, 0;
+@p ld.global.nc.v2.b64 {$0, $1}, [$4];
+@q ld.global.nc.v2.b64 {$2, $3}, [$5];
+}"""
+# one 32-bit (scale, bias) pair at $1 where $2 is set, else 0
+_LD32 = """{
+.reg .pred p;
+setp.ne.b32 p, $2, 0;
+mov.b32 $0, 0;
+@p ld.global.nc.b32 $0, [$1];
+}"""
+
+if HAVE_TRITON:
+    # the PTX as constexpr globals (a jit function reads no other globals)
+    MMA4_BF16 = tl.constexpr(_asm_mma4("bf16"))
+    MMA4_F16 = tl.constexpr(_asm_mma4("f16"))
+    ONES4_BF16 = tl.constexpr(_asm_ones4("bf16"))
+    ONES4_F16 = tl.constexpr(_asm_ones4("f16"))
+    LDX = tl.constexpr(_LDX)
+    LD32 = tl.constexpr(_LD32)
+
+    @triton.jit
+    def _join4(a0, a1, a2, a3):
+        """[..., n] x 4 -> [..., n, 4] (interpreter only)."""
+        return tl.join(tl.join(a0, a2), tl.join(a1, a3)).reshape(a0.shape + [4])
+
+    @triton.jit
+    def _split4(t, NU: tl.constexpr):
+        """[..., 4 NU] -> its elements 4u + s for s = 0..3, each [..., NU] (in registers: a
+        thread holds 4 consecutive elements)."""
+        a, b = tl.split(tl.reshape(t, t.shape[:-1] + [NU, 2, 2]))
+        a0, a2 = tl.split(a)
+        a1, a3 = tl.split(b)
+        return a0, a1, a2, a3
+
+    @triton.jit
+    def _half(v, sh: tl.constexpr, F16: tl.constexpr):
+        """The 16-bit float at bits [sh, sh + 16) of int64 v, as fp32 (interpreter only)."""
+        bits = ((v >> sh) & 0xFFFF).to(tl.int32)
+        if F16:
+            return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return (bits << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _emu_bx(xm, NS: tl.constexpr, F16: tl.constexpr):
+        """Masked x [WT] int64 (lane t = 4 col + tig, step (sh, sl); b0 | b1 << 32, each two
+        16-bit values) -> B [NS, 8 (col), 64] in the k order (tig, sh, sl, m, hi)."""
+        v = tl.reshape(xm, [NS, 8, 4, 2, 2])
+        m0 = tl.join(_half(v, 0, F16), _half(v, 16, F16))  # [.., hi]
+        m1 = tl.join(_half(v, 32, F16), _half(v, 48, F16))
+        b = tl.permute(tl.join(m0, m1), [0, 1, 2, 3, 4, 6, 5])  # [.., m, hi]
+        return tl.reshape(b, [NS, 8, 64])
+
+    @triton.jit
+    def _mma4(w0, w1, w2, w3, x0, x1, x2, x3, c0, c1, c2, c3, RT: tl.constexpr,
+              NU: tl.constexpr, F16: tl.constexpr, INTERP: tl.constexpr):
+        """c + the D fragments of each lane's 4-step mma chain: words w [RT, NU] and masked x
+        [NU] per step; returns the 4 fragment values [RT, NU]."""
+        if INTERP:
+            NS: tl.constexpr = NU // 32
+            OFF: tl.constexpr = 1024.0 if F16 else 128.0
+            w = tl.reshape(_join4(w0, w1, w2, w3), [RT, 4 * NU])
+            sh = tl.arange(0, 8) * 4
+            q = ((w[:, :, None] >> sh[None, None, :]) & 15).to(tl.float32) + OFF
+            # [RT, NS, g, tig, sh, sl, hi, m, h] -> [RT, NS, g, h, (tig, sh, sl, m, hi)]
+            q = tl.reshape(q, [RT, NS, 8, 4, 2, 2, 2, 2, 2])
+            q = tl.permute(q, [0, 1, 2, 8, 3, 4, 5, 7, 6])
+            a = tl.reshape(q, [RT, NS, 8, 2, 1, 64])
+            b = _emu_bx(tl.reshape(_join4(x0, x1, x2, x3), [4 * NU]), NS, F16)
+            d = tl.sum(a * b[None, :, None, None, :, :], axis=5)  # [RT, NS, g, h, col]
+            d = tl.reshape(d, [RT, NS, 8, 2, 4, 2])  # col = 2tig + e2
+            d = tl.permute(d, [0, 1, 2, 4, 3, 5])  # [RT, NS, g, tig, h, e2]
+            d0, d1, d2, d3 = _split4(tl.reshape(d, [RT, 4 * NU]), NU)
+            return c0 + d0, c1 + d1, c2 + d2, c3 + d3
+        else:
+            return tl.inline_asm_elementwise(
+                MMA4_F16 if F16 else MMA4_BF16, "=f,=f,=f,=f,r,r,r,r,l,l,l,l,f,f,f,f",
+                [w0, w1, w2, w3, x0, x1, x2, x3, c0, c1, c2, c3],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+    @triton.jit
+    def _ones4(x0, x1, x2, x3, c0, c1, NU: tl.constexpr, F16: tl.constexpr,
+               INTERP: tl.constexpr):
+        """c + each lane's sums of the masked x [NU] over the 4 steps, for its columns 2tig
+        and 2tig + 1."""
+        if INTERP:
+            NS: tl.constexpr = NU // 32
+            b = _emu_bx(tl.reshape(_join4(x0, x1, x2, x3), [4 * NU]), NS, F16)
+            xs = tl.reshape(tl.sum(b, axis=2), [NS, 1, 4, 2])  # col = 2tig + e2, any g
+            z = tl.zeros([NS, 8, 4, 2], dtype=tl.float32)
+            s0, s1 = tl.split(tl.reshape(z + xs, [NU, 2]))
+            return c0 + s0, c1 + s1
+        else:
+            return tl.inline_asm_elementwise(
+                ONES4_F16 if F16 else ONES4_BF16, "=f,=f,l,l,l,l,f,f",
+                [x0, x1, x2, x3, c0, c1], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+
+    @triton.jit
+    def _ldx(x_ptr, xaddr, xo, on0, on1, INTERP: tl.constexpr):
+        """A lane's masked x (int64: 4 values) for steps 0-3 at int64 offsets xo, xo + 1 (where
+        on0) and xo + 8, xo + 9 (where on1): one 16-byte load per pair on the GPU."""
+        if INTERP:
+            xi = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + xo
+            return (tl.load(xi, mask=on0, other=0), tl.load(xi + 1, mask=on0, other=0),
+                    tl.load(xi + 8, mask=on1, other=0), tl.load(xi + 9, mask=on1, other=0))
+        else:
+            a = xaddr + xo.to(tl.int64) * 8
+            return tl.inline_asm_elementwise(
+                LDX, "=l,=l,=l,=l,l,l,r,r", [a, a + 64, on0.to(tl.int32), on1.to(tl.int32)],
+                dtype=(tl.int64, tl.int64, tl.int64, tl.int64), is_pure=True, pack=1)
+
+    @triton.jit
+    def _ld32(p_ptr, paddr, idx, on, INTERP: tl.constexpr):
+        """int32 at p + idx where `on`, else 0."""
+        if INTERP:
+            return tl.load(p_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + idx, mask=on,
+                           other=0)
+        else:
+            return tl.inline_asm_elementwise(
+                LD32, "=r,l,r", [paddr + idx.to(tl.int64) * 4, on.to(tl.int32)],
+                dtype=tl.int32, is_pure=True, pack=1)
