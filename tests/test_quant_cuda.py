@@ -126,6 +126,8 @@ def test_single_row_decode_takes_q4tc_where_preferred(monkeypatch):
         monkeypatch.delenv(var)
     square = QuantWeight.from_tensors(w[:512], s[:512], b[:512], spec, device="cpu")
     assert not qcuda.q4tc_preferred(square)
+    fp16 = QuantWeight.from_tensors(w, s, b, spec, compute_dtype=torch.float16, device="cpu")
+    assert not qcuda.q4tc_preferred(fp16)  # bf16 scales, fp16 activations: q4gemv
 
 
 def test_batch_copy_is_built_on_demand(monkeypatch):

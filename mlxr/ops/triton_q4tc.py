@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .triton_fused import HAVE_TRITON, _interpret
+from .triton_fused import HAVE_TRITON, _hopper, _interpret
 
 if HAVE_TRITON:
     import triton
@@ -288,8 +288,8 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
     if (k // 64) % (cfg.wt // 128):
         raise ValueError(f"q4tc: {cfg.wt // 128} blocks per iteration must divide K/64")
     y = out if out is not None else torch.empty(n, dtype=x.dtype, device=x.device)
-    desc = None
-    stages = 0 if _interpret() else cfg.stages
+    desc = None  # TMA needs Hopper: elsewhere the same sums come by register loads
+    stages = 0 if _interpret() or not _hopper(x.device.index or 0) else cfg.stages
     if stages:
         from triton.tools.tensor_descriptor import TensorDescriptor
 

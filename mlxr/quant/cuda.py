@@ -83,15 +83,18 @@ def q4tc_preferred(qw) -> bool:
     """Whether single-row decode of this weight takes triton_q4tc rather than triton_q4gemv:
     where the H200 sweep measured it faster (benchmarks/q4tc_probe.py, docs/perf.md): more
     than 4096 rows (8B qkv 8.3 vs 8.7 us, gate_up 22.1 vs 26.0, the LM heads), or K >= 3N
-    (N >= 1024) or N >= 4K (8B down 18.7 vs 19.3, 0.6B down 4.1 vs 4.4, 0.6B qkv 2.9 vs
-    3.2). q4gemv keeps the squarer ones of <= 4096 rows (its 8-row programs fill the GPU better there: the o
-    projections, 8B 6.3 vs 7.4 us). `MLXR_Q4TC=0` (at load) turns it off, and so does the
-    opt-in fused decode step (`MLXR_DECODE_FUSED=1` at load: it needs q4gemv's copy)."""
+    (N >= 1024) or N >= 4K (8B down 17.0 vs 19.2, 0.6B down 4.1 vs 4.4, 0.6B qkv 2.9 vs
+    3.2). q4gemv keeps the squarer ones of <= 4096 rows (its 8-row programs fill the GPU
+    better there: the o projections, 8B 6.3 vs 7.4 us). `MLXR_Q4TC=0` (at load) turns it
+    off, and so does the opt-in fused decode step (`MLXR_DECODE_FUSED=1` at load: it needs
+    q4gemv's copy). Needs sm_80+ (bf16 mma.sync) and scales in the compute dtype."""
     from ..ops import triton_q4tc
 
-    n, k = qw.out_features, qw.in_features
+    n, k, dev = qw.out_features, qw.in_features, qw.device
     return (os.environ.get("MLXR_Q4TC", "") != "0" and os.environ.get("MLXR_DECODE_FUSED") != "1"
             and triton_q4tc.supported(qw.spec.group_size, n, k, qw.compute_dtype)
+            and qw.scales.dtype == qw.compute_dtype  # the kernel reads the pairs in x's dtype
+            and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] >= 8)  # mma
             and (n > 4096 or (k >= 3 * n and n >= 1024) or n >= 4 * k))
 
 
