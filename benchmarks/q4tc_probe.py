@@ -42,7 +42,7 @@ def offline(k: int, group: int, rt: int, u: int, nw: int, pf: int, stages: int) 
     desc = f"tensordesc<i32[{rt}, {cfg.wt // 256}, 256]>" if stages else "constexpr"
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "w_desc": desc, "sb_ptr": "*bf16",
            "y_ptr": "*bf16", "xaddr": "i64", "sbaddr": "i64", "NRT": "i32"}
-    const = dict(K=k, GROUP=group, RT=rt, WT=cfg.wt, PF=pf, STAGES=stages, F16=False,
+    const = dict(K=k, GROUP=group, RT=rt, WT=cfg.wt, PF=pf, STAGES=stages, M=1, F16=False,
                  INTERP=False)
     if not stages:
         const["w_desc"] = None

@@ -29,7 +29,8 @@ from triton.compiler import ASTSource
 def compile_sm90(fn, sig: dict, const: dict, num_warps: int, num_stages: int = 1):
     sig = dict(sig)
     sig.update(dict.fromkeys(const, "constexpr"))
-    names = list(sig)
+    names = [n for n in fn.arg_names if n in sig]  # the kernel's own argument order
+    sig = {n: sig[n] for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if str(sig[n]).startswith("*")}
     src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in const.items()},

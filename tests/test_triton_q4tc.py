@@ -82,6 +82,32 @@ def test_q4tc_matches_fp64_and_twin(group, dtype, n, k, cfg):
     assert (y.float() - twin.float()).abs().max() <= 2**-6 * twin.float().abs().max()
 
 
+@pytest.mark.parametrize("group,m", [(g, m) for g in (32, 64, 128) for m in (2, 3, 4, 5, 8)
+                                     if m <= T.max_rows(g)])
+@pytest.mark.parametrize("n,k,cfg", [
+    (32, 1024, None),
+    (48, 1536, T.TcConfig(rt=2, u=1, num_warps=2)),  # windows of 4 / 2 / 1 iterations
+    (32, 2048, T.TcConfig(rt=1, u=1, num_warps=4, pf=2, stages=3)),  # GPU: TMA
+])
+def test_q4tc_several_rows(group, m, n, k, cfg):
+    """Up to 8 rows of x (4 with group 32) in one launch: the B columns hold rows x group
+    slots; 3 and 5 rows are padded to 4 and 8. Each row as the one-row kernel computes it."""
+    packed, s, b, _ = _weights(n, k, group, torch.bfloat16, seed=m + n + group)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    words = T.repack(packed.to(DEV))
+    sb = pair_scales(s, b).to(DEV)
+    y = T.q4tc(x.to(DEV), words, sb, group=group, config=cfg).cpu()
+    assert y.shape == (m, n)
+    w = dequant_f32(packed, s, b, None, "affine", 4, group).double()
+    exact, scale = x.double() @ w.t(), x.double().abs() @ w.abs().t()
+    err = (y.double() - exact).abs()
+    assert bool((err <= 2**-7 * exact.abs() + 1e-5 * scale).all()), float((err / scale).max())
+    one = torch.stack([T.q4tc(x[i].to(DEV), words, sb, group=group, config=cfg).cpu()
+                       for i in (0, m - 1)])
+    assert (y[[0, m - 1]].float() - one.float()).abs().max() <= 2**-6 * one.float().abs().max()
+
+
 def test_q4tc_sees_every_code_position():
     """With x one-hot at k, y[row] = s * q[row, k] exactly, for every row: each of a block's
     64 positions (all lanes, steps and nibbles) and positions in later blocks and windows. A
@@ -108,6 +134,8 @@ def test_q4tc_rejects_bad_input():
         T.q4tc(x, words, sb[:16], group=64)
     with pytest.raises(ValueError, match="x must be"):  # 16-byte alignment
         T.q4tc(torch.zeros(513, dtype=torch.bfloat16)[1:], words, sb, group=64)
+    with pytest.raises(ValueError, match="x must be"):  # more rows than one launch takes
+        T.q4tc(x.expand(5, 512).contiguous(), words, pair_scales(s, b), group=32)
     with pytest.raises(ValueError, match="divide"):
         T.q4tc(x, words, sb, group=64, config=T.TcConfig(rt=1, u=4, num_warps=4))
     assert not T.supported(64, 24, 512, torch.bfloat16)

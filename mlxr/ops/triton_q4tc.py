@@ -137,12 +137,16 @@ def unrepack(words: Tensor) -> Tensor:
 # ====================================================================== torch twin (oracle)
 def q4tc_ref(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None = None,
              config: TcConfig | None = None) -> Tensor:
-    """y [N] = x @ (s * q + b)^T in fp32, rounded to x.dtype; `words` are `repack`'s output,
-    sb = `triton_q4gemv.pair_scales(scales, biases)` [N, K/group, 2]."""
+    """y = x @ (s * q + b)^T in fp32, rounded to x.dtype: [N] for one row of x ([K] or
+    [1, K]), else [M, N]; `words` are `repack`'s output, sb = `triton_q4gemv.pair_scales(
+    scales, biases)` [N, K/group, 2]."""
     from .triton_qmm import dequant_f32
 
     w = dequant_f32(unrepack(words), sb[..., 0], sb[..., 1], None, "affine", 4, group)
-    y = (x.reshape(-1).float() @ w.t()).to(x.dtype)
+    xm = x.reshape(-1, words.shape[1] // 2)
+    y = (xm.float() @ w.t()).to(x.dtype)
+    if xm.shape[0] == 1:
+        y = y[0]
     if out is None:
         return y
     out.copy_(y)
@@ -156,11 +160,14 @@ if HAVE_TRITON:
     @triton.jit
     def _sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it0, E: tl.constexpr, NT: tl.constexpr,
             NS: tl.constexpr, CPB: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-            INTERP: tl.constexpr):
+            GPW: tl.constexpr, INTERP: tl.constexpr):
         """The (scale, bias) pair of fragment value E of every lane for the window starting at
-        iteration it0: row 16 rt + g + 8 (E // 2), column 2tig + E % 2, i.e. iteration
-        it0 + column // CPB, half column % CPB of its block (0 past K)."""
+        iteration it0: row 16 rt + g + 8 (E // 2), column 2tig + E % 2, whose group slot
+        (column % GPW) is iteration it0 + slot // CPB, half slot % CPB of its block (0 past
+        K)."""
         col = 2 * tig + E % 2
+        if GPW < 8:  # several rows of x: the column's slot among its row's GPW
+            col = col % GPW
         itc = it0 + col // CPB
         grp = ((itc * NS + slot) * 64 + (col % CPB) * 32) // GROUP
         row = rt[:, None] * 16 + (lg + 8 * (E // 2))[None, :]
@@ -168,12 +175,17 @@ if HAVE_TRITON:
 
     @triton.jit
     def _sb4(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it0, NT: tl.constexpr, NS: tl.constexpr,
-             CPB: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, INTERP: tl.constexpr):
+             CPB: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, GPW: tl.constexpr,
+             INTERP: tl.constexpr):
         """`_sb` for the 4 fragment values."""
-        return (_sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it0, 0, NT, NS, CPB, GROUP, NG, INTERP),
-                _sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it0, 1, NT, NS, CPB, GROUP, NG, INTERP),
-                _sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it0, 2, NT, NS, CPB, GROUP, NG, INTERP),
-                _sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it0, 3, NT, NS, CPB, GROUP, NG, INTERP))
+        return (_sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it0, 0, NT, NS, CPB, GROUP, NG, GPW,
+                    INTERP),
+                _sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it0, 1, NT, NS, CPB, GROUP, NG, GPW,
+                    INTERP),
+                _sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it0, 2, NT, NS, CPB, GROUP, NG, GPW,
+                    INTERP),
+                _sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it0, 3, NT, NS, CPB, GROUP, NG, GPW,
+                    INTERP))
 
     @triton.jit
     def _scaled(sbv, acc, xs, OFF: tl.constexpr, F16: tl.constexpr):
@@ -189,17 +201,20 @@ if HAVE_TRITON:
     @triton.jit
     def _q4tc_kernel(x_ptr, w_ptr, w_desc, sb_ptr, y_ptr, xaddr, sbaddr, NRT,
                      K: tl.constexpr, GROUP: tl.constexpr, RT: tl.constexpr, WT: tl.constexpr,
-                     PF: tl.constexpr, STAGES: tl.constexpr, F16: tl.constexpr,
-                     INTERP: tl.constexpr):
-        """y for row tiles pid * RT .. + RT (16 rows each). STAGES > 0: the word tiles come
-        through shared memory by TMA (w_desc over the words as [NRT, 2K / 256, 256]), which
-        Triton's pipeliner keeps STAGES deep in flight; else by register loads PF ahead."""
+                     PF: tl.constexpr, STAGES: tl.constexpr, M: tl.constexpr,
+                     F16: tl.constexpr, INTERP: tl.constexpr):
+        """y [M, N] for row tiles pid * RT .. + RT (16 rows each) of x [M, K] (M = 1, 2, 4, 8:
+        the B columns are M rows of x x GPW = 8 / M group slots, so a window holds GPW
+        slots). STAGES > 0: the word tiles come through shared memory by TMA (w_desc over the
+        words as [NRT, 2K / 256, 256]), which Triton's pipeliner keeps STAGES deep in flight;
+        else by register loads PF ahead."""
         pid = tl.program_id(0)
         NS: tl.constexpr = WT // 128  # blocks (of 64 codes) per iteration
         NU: tl.constexpr = WT // 4  # lanes x slots
         NT: tl.constexpr = K // 64 // NS  # iterations
         CPB: tl.constexpr = 2 if GROUP == 32 else 1  # mma chains (columns) per block
-        W: tl.constexpr = 8 // CPB  # iterations per window of 8 columns
+        GPW: tl.constexpr = 8 // M  # group slots (columns) per row of x in a window
+        W: tl.constexpr = GPW // CPB  # iterations per window
         NG: tl.constexpr = K // GROUP
         OFF: tl.constexpr = 1024.0 if F16 else 128.0
         rt = pid * RT + tl.arange(0, RT)  # row tiles
@@ -212,15 +227,20 @@ if HAVE_TRITON:
         # x of (slot, lane, step s): k = 64 blk + 32 (s // 2) + 8 tig + 4 (s % 2), in int64
         # units: xo + (s // 2) * 8 + s % 2 for block 0
         xo = slot * 16 + tig * 2
+        if M == 1:
+            ls = lg  # the lane's column is its group slot
+        else:  # column lg: row lg // GPW of x, slot lg % GPW
+            ls = lg % GPW
+            xo += (lg // GPW) * (K // 4)
         # loads run ahead of their use: words PF iterations, x one iteration, the (scale,
         # bias) pairs one window (8 columns)
         if STAGES == 0:
             w = tl.load(wp, mask=rm, other=0, cache_modifier=".cg")
             if PF == 2:
                 w1 = tl.load(wp + WT, mask=rm & (1 < NT), other=0, cache_modifier=".cg")
-        x0, x1, x2, x3 = _ldx(x_ptr, xaddr, xo, lg == 0, lg == CPB - 1, INTERP)
+        x0, x1, x2, x3 = _ldx(x_ptr, xaddr, xo, ls == 0, ls == CPB - 1, INTERP)
         sb0, sb1, sb2, sb3 = _sb4(sb_ptr, sbaddr, rt, lg, tig, slot, rm, 0, NT, NS, CPB,
-                                  GROUP, NG, INTERP)
+                                  GROUP, NG, GPW, INTERP)
         a0 = tl.zeros([RT, NU], dtype=tl.float32)
         a1 = tl.zeros([RT, NU], dtype=tl.float32)
         a2 = tl.zeros([RT, NU], dtype=tl.float32)
@@ -229,6 +249,9 @@ if HAVE_TRITON:
         s1 = tl.zeros([NU], dtype=tl.float32)
         y0 = tl.zeros([RT, NU], dtype=tl.float32)
         y1 = tl.zeros([RT, NU], dtype=tl.float32)
+        if M == 8:  # a lane's two columns are two rows of x: apart
+            y2 = tl.zeros([RT, NU], dtype=tl.float32)
+            y3 = tl.zeros([RT, NU], dtype=tl.float32)
         for it in tl.range(NT, num_stages=max(STAGES, 1)):
             j = it % W  # column (pair, for g32) of this iteration in the window
             if STAGES > 0:  # rows past NRT come back as zeros
@@ -238,8 +261,8 @@ if HAVE_TRITON:
                              cache_modifier=".cg")
             jn = ((it + 1) % W) * CPB
             ok = it + 1 < NT
-            n0, n1, n2, n3 = _ldx(x_ptr, xaddr, xo + (it + 1) * (NS * 16), (lg == jn) & ok,
-                                  (lg == jn + CPB - 1) & ok, INTERP)
+            n0, n1, n2, n3 = _ldx(x_ptr, xaddr, xo + (it + 1) * (NS * 16), (ls == jn) & ok,
+                                  (ls == jn + CPB - 1) & ok, INTERP)
             q0, q1, q2, q3 = _split4(w, NU)
             a0, a1, a2, a3 = _mma4(q0, q1, q2, q3, x0, x1, x2, x3, a0, a1, a2, a3, RT, NU,
                                    F16, INTERP)
@@ -252,8 +275,14 @@ if HAVE_TRITON:
                     w = wn
             x0, x1, x2, x3 = n0, n1, n2, n3
             if (j == W - 1) | (it == NT - 1):  # flush the window's columns
-                y0 += _scaled(sb0, a0, s0, OFF, F16) + _scaled(sb1, a1, s1, OFF, F16)  # row g
-                y1 += _scaled(sb2, a2, s0, OFF, F16) + _scaled(sb3, a3, s1, OFF, F16)  # g + 8
+                if M == 8:
+                    y0 += _scaled(sb0, a0, s0, OFF, F16)  # row g, x row 2tig
+                    y2 += _scaled(sb1, a1, s1, OFF, F16)  # row g, x row 2tig + 1
+                    y1 += _scaled(sb2, a2, s0, OFF, F16)  # row g + 8
+                    y3 += _scaled(sb3, a3, s1, OFF, F16)
+                else:  # row g (y0), g + 8 (y1); both columns belong to x row 2tig // GPW
+                    y0 += _scaled(sb0, a0, s0, OFF, F16) + _scaled(sb1, a1, s1, OFF, F16)
+                    y1 += _scaled(sb2, a2, s0, OFF, F16) + _scaled(sb3, a3, s1, OFF, F16)
                 a0 = tl.zeros([RT, NU], dtype=tl.float32)
                 a1 = tl.zeros([RT, NU], dtype=tl.float32)
                 a2 = tl.zeros([RT, NU], dtype=tl.float32)
@@ -261,25 +290,49 @@ if HAVE_TRITON:
                 s0 = tl.zeros([NU], dtype=tl.float32)
                 s1 = tl.zeros([NU], dtype=tl.float32)
                 sb0, sb1, sb2, sb3 = _sb4(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it + 1, NT, NS,
-                                          CPB, GROUP, NG, INTERP)
-        # lane (slot, g, tig): rows 16 rt + g (y0) and + 8 (y1)
-        y0 = tl.sum(tl.sum(tl.reshape(y0, [RT, NS, 8, 4]), axis=3), axis=1)  # [RT, 8]
-        y1 = tl.sum(tl.sum(tl.reshape(y1, [RT, NS, 8, 4]), axis=3), axis=1)
-        y = tl.reshape(tl.permute(tl.join(y0, y1), [0, 2, 1]), [RT * 16])
-        rows = pid * RT * 16 + tl.arange(0, RT * 16)
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < NRT * 16)
+                                          CPB, GROUP, NG, GPW, INTERP)
+        # lane (slot, g, tig): rows 16 rt + g (y0) and + 8 (y1), x row (2tig + e2) // GPW
+        if M == 1:
+            y0 = tl.sum(tl.sum(tl.reshape(y0, [RT, NS, 8, 4]), axis=3), axis=1)  # [RT, 8]
+            y1 = tl.sum(tl.sum(tl.reshape(y1, [RT, NS, 8, 4]), axis=3), axis=1)
+            y = tl.reshape(tl.permute(tl.join(y0, y1), [0, 2, 1]), [RT * 16])
+            rows = pid * RT * 16 + tl.arange(0, RT * 16)
+            tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < NRT * 16)
+        else:
+            if M == 8:  # x row 2tig + e2
+                y0 = tl.reshape(tl.join(y0, y2), [RT, NS, 8, 8, 1])
+                y1 = tl.reshape(tl.join(y1, y3), [RT, NS, 8, 8, 1])
+            else:  # x row tig // (4 / M)
+                y0 = tl.reshape(y0, [RT, NS, 8, M, 4 // M])
+                y1 = tl.reshape(y1, [RT, NS, 8, M, 4 // M])
+            y0 = tl.sum(tl.sum(y0, axis=4), axis=1)  # [RT, 8 (g), M]
+            y1 = tl.sum(tl.sum(y1, axis=4), axis=1)
+            y = tl.reshape(tl.permute(tl.join(y0, y1), [2, 0, 3, 1]), [M, RT * 16])
+            rows = pid * RT * 16 + tl.arange(0, RT * 16)
+            mi = tl.arange(0, M)[:, None]
+            tl.store(y_ptr + mi * (NRT * 16) + rows[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=(rows < NRT * 16)[None, :])
+
+
+def max_rows(group: int) -> int:
+    """Rows of x one launch takes: 8, or 4 for group 32 (two columns per row and block)."""
+    return 4 if group == 32 else 8
 
 
 def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None = None,
          config: TcConfig | None = None) -> Tensor:
-    """See `q4tc_ref` (same results up to fp32 summation order). x [K] or [1, K] contiguous and
-    16-byte aligned; words = `repack(packed)`; sb = `pair_scales(scales, biases)`."""
-    xv = x.reshape(-1)
+    """See `q4tc_ref` (same results up to fp32 summation order). x [K] or [M, K] (M up to
+    `max_rows`; rows are padded to 2, 4 or 8), contiguous and 16-byte aligned; words =
+    `repack(packed)`; sb = `pair_scales(scales, biases)`. Returns [N] for one row, else
+    [M, N] (or writes `out` of that shape)."""
     nrt, k2 = words.shape
     n, k = nrt * 16, k2 // 2
-    if xv.shape[0] != k or not supported(group, n, k, x.dtype) or xv.data_ptr() % 16:
+    xm = x.reshape(-1, k) if x.dim() <= 2 and x.shape[-1] == k else None
+    if (xm is None or xm.shape[0] > max_rows(group) or not supported(group, n, k, x.dtype)
+            or not xm.is_contiguous() or xm.data_ptr() % 16):
         raise ValueError(f"q4tc: x {tuple(x.shape)} ({x.dtype}), words {tuple(words.shape)}, "
-                         f"group {group}: x must be [K], 16-byte aligned")
+                         f"group {group}: x must be [K] or [M <= {max_rows(group)}, K], "
+                         f"contiguous, 16-byte aligned")
     if sb.shape != (n, k // group, 2) or not sb.is_contiguous() or sb.dtype != x.dtype:
         raise ValueError(f"q4tc: sb {tuple(sb.shape)} {sb.dtype} != {(n, k // group, 2)}")
     if nrt * k2 >= 2**31:
@@ -287,7 +340,15 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
     cfg = config or default_config(n, k)
     if (k // 64) % (cfg.wt // 128):
         raise ValueError(f"q4tc: {cfg.wt // 128} blocks per iteration must divide K/64")
-    y = out if out is not None else torch.empty(n, dtype=x.dtype, device=x.device)
+    m = xm.shape[0]
+    mp = 1 << (m - 1).bit_length()  # the kernel's 1, 2, 4 or 8 rows: pad with zero rows
+    if mp != m:
+        xm = torch.cat([xm, xm.new_zeros(mp - m, k)])
+    shape = (n,) if m == 1 else (m, n)
+    if out is not None and out.shape != shape:
+        raise ValueError(f"q4tc: out {tuple(out.shape)} != {shape}")
+    y = out if out is not None and mp == m else torch.empty(mp, n, dtype=x.dtype,
+                                                            device=x.device)
     desc = None  # TMA needs Hopper: elsewhere the same sums come by register loads
     stages = 0 if _interpret() or not _hopper(x.device.index or 0) else cfg.stages
     if stages:
@@ -296,7 +357,11 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
         desc = TensorDescriptor(words.view(nrt, k2 // 256, 256), [nrt, k2 // 256, 256],
                                 [k2, 256, 1], [cfg.rt, cfg.wt // 256, 256])
     _q4tc_kernel[(triton.cdiv(nrt, cfg.rt),)](
-        xv, words, desc, sb, y, xv.data_ptr(), sb.data_ptr(), nrt, K=k, GROUP=group,
-        RT=cfg.rt, WT=cfg.wt, PF=cfg.pf, STAGES=stages, F16=x.dtype == torch.float16,
+        xm, words, desc, sb, y, xm.data_ptr(), sb.data_ptr(), nrt, K=k, GROUP=group,
+        RT=cfg.rt, WT=cfg.wt, PF=cfg.pf, STAGES=stages, M=mp, F16=x.dtype == torch.float16,
         INTERP=_interpret(), num_warps=cfg.num_warps, num_stages=max(stages, 1))
-    return y
+    if mp != m:
+        y = y[:m]
+        if out is not None:
+            return out.copy_(y)
+    return y.view(shape)
