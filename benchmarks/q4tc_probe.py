@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/q4tc_probe.py [K GROUP RT U WARPS PF STAGES]   # offline, sm_90
     cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --gpu [--tma] [8b|0.6b]
+    cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --rows 2,4,8 [8b|0.6b]
 
 Offline (no GPU): compiles the kernel for sm_90 with Triton's ptxas, prints the layouts from
 the TTGIR and those of the inline PTX's results (per-lane tensors: one element per thread, lanes
@@ -11,6 +12,8 @@ code.
 fp64 (over sum |x||w|, and in bf16 units against the fp32 reference),
 then us per call in CUDA graphs over weight copies larger than the L2, against q4gemv's default
 launch, for a sweep of launch shapes. The last line is JSON.
+--rows: 2-8 rows of x (batched decode) through q4tc's default launch, tinygemm and the fused
+GEMM: us per call and the error against fp64.
 """
 
 from __future__ import annotations
@@ -120,7 +123,49 @@ def gpu(only: str = "", launches=LAUNCHES) -> None:
     print(json.dumps(rows))
 
 
+def rows(ms: list[int], only: str = "") -> None:
+    """Several rows of x (batched decode): q4tc's default launch against tinygemm (the
+    serving engine's 2-7-row path, on its own copy of the weights) and the fused GEMM, with
+    the max error over sum |x||w| against fp64 for each."""
+    import torch
+    from gpu_timing import L2_BYTES, graph_time_us
+
+    from mlxr.ops import triton_q4gemv as Q
+    from mlxr.ops.triton_qgemm import qgemm
+    from mlxr.ops.triton_qmm import dequant_f32
+    from mlxr.quant.cuda import tinygemm_pack
+
+    g = 64
+    for name, (n, k) in SHAPES.items():
+        if not name.startswith(only):
+            continue
+        nbytes = n * k // 2 + 4 * n * (k // g)
+        ws = []
+        for _ in range(max(1, min(8, -(-2 * L2_BYTES // nbytes)))):
+            w = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
+            sc = (torch.randn(n, k // g, device="cuda") * 0.02).bfloat16()
+            b = (torch.randn(n, k // g, device="cuda") * 0.1).bfloat16()
+            ws.append((w, sc, b, Q.pair_scales(sc, b), T.repack(w)) + tinygemm_pack(w, sc, b))
+        w, sc, b = ws[0][:3]
+        deq = dequant_f32(w, sc, b, None, "affine", 4, g).double()
+        for m in ms:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            exact, scale = x.double() @ deq.t(), x.double().abs() @ deq.abs().t()
+            paths = {
+                "q4tc": lambda a: T.q4tc(x, a[4], a[3], group=g),
+                "tinygemm": lambda a: torch._weight_int4pack_mm(x, a[5], g, a[6]),
+                "fused": lambda a: qgemm(x, a[0], a[1], a[2], bits=4, group=g)}
+            line = []
+            for label, f in paths.items():
+                err = float(((f(ws[0]).double() - exact).abs() / scale).max())
+                us = graph_time_us([lambda a=a, f=f: f(a) for a in ws])
+                line.append(f"{label} {us:7.2f} us (err {err:.1e})")
+            print(f"{name:12s} M={m}: " + ", ".join(line), flush=True)
+
+
 def main(argv: list[str]) -> None:
+    if argv and argv[0] == "--rows":  # --rows 2,4,8 [8b|0.6b]
+        return rows([int(m) for m in argv[1].split(",")], argv[2] if len(argv) > 2 else "")
     if argv and argv[0] == "--gpu":
         tma = "--tma" in argv
         argv = [a for a in argv if a != "--tma"]
