@@ -120,6 +120,8 @@ def test_single_row_decode_takes_q4tc_where_preferred(monkeypatch):
     want = x.float() @ ref_dequantize(w, s.float(), b.float(), spec, dtype=torch.float32).t()
     assert calls == [1] and y.shape == (1, n) and y.dtype == torch.bfloat16
     assert ((y.float() - want).abs() <= 2.0 ** -7 * want.abs() + 1e-3).all()
+    xs = torch.cat([torch.zeros(1, 1, dtype=torch.bfloat16), x], 1)[:, 1:]  # 2 bytes off
+    assert xs.data_ptr() % 16 and torch.equal(qcuda.linear(qw, xs), y)  # copied, aligned
     for var in ("MLXR_Q4TC", "MLXR_DECODE_FUSED"):
         monkeypatch.setenv(var, "0" if var == "MLXR_Q4TC" else "1")
         assert not qcuda.q4tc_preferred(qw)

@@ -193,8 +193,8 @@ def linear(qw, x: Tensor) -> Tensor | None:
     if m == 1 and qw.tc is not None and os.environ.get("MLXR_Q4GEMV", "") != "0":
         from ..ops import triton_q4tc
 
-        if x.data_ptr() % 16:  # the kernel's 16-byte x loads (a fresh copy is aligned)
-            x = x.clone()
+        if x.data_ptr() % 16 or not x.is_contiguous():  # its 16-byte x loads: a fresh copy
+            x = x.clone(memory_format=torch.contiguous_format)
         return triton_q4tc.q4tc(x, qw.tc, qw.q4_sb, group=qw.spec.group_size).view(1, -1)
     if m == 1 and qw.q4 is not None and os.environ.get("MLXR_Q4GEMV", "") != "0":
         from ..ops import triton_q4gemv
