@@ -66,9 +66,28 @@ def offline(k: int, group: int, rt: int, u: int, nw: int, pf: int, stages: int) 
     print(", ".join(f"{op} {c}" for op, c in ops.most_common(16)))
 
 
+def _weight_copies(n: int, k: int, g: int, most: int, extra=lambda w, sc, b: ()) -> list:
+    """Random 4-bit weights [N, K], bf16 scales: enough copies (up to `most`) that rotating
+    through them defeats the L2. Each is (MLX words, scales, biases, (scale, bias) pairs,
+    q4tc words) + extra(words, scales, biases)."""
+    import torch
+    from gpu_timing import L2_BYTES
+
+    from mlxr.ops.triton_q4gemv import pair_scales
+
+    nbytes = n * k // 2 + 4 * n * (k // g)
+    out = []
+    for _ in range(max(1, min(most, -(-2 * L2_BYTES // nbytes)))):
+        w = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
+        sc = (torch.randn(n, k // g, device="cuda") * 0.02).bfloat16()
+        b = (torch.randn(n, k // g, device="cuda") * 0.1).bfloat16()
+        out.append((w, sc, b, pair_scales(sc, b), T.repack(w)) + tuple(extra(w, sc, b)))
+    return out
+
+
 def gpu(only: str = "", launches=LAUNCHES) -> None:
     import torch
-    from gpu_timing import L2_BYTES, graph_time_us
+    from gpu_timing import graph_time_us
 
     from mlxr.ops import triton_q4gemv as Q
     from mlxr.ops.triton_qmm import dequant_f32
@@ -79,22 +98,17 @@ def gpu(only: str = "", launches=LAUNCHES) -> None:
         if not name.startswith(only):
             continue
         nbytes = n * k // 2 + 4 * n * (k // g)
-        ws = []
-        for _ in range(max(1, min(16, -(-2 * L2_BYTES // nbytes)))):
-            w = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
-            sc = (torch.randn(n, k // g, device="cuda") * 0.02).bfloat16()
-            b = (torch.randn(n, k // g, device="cuda") * 0.1).bfloat16()
-            ws.append((Q.repack(w), sc, b, Q.pair_scales(sc, b), T.repack(w)))
+        ws = _weight_copies(n, k, g, 16, lambda w, sc, b: (Q.repack(w),))  # [5]: q4gemv's
         x = torch.randn(k, device="cuda").bfloat16()
         y = torch.empty(n, device="cuda", dtype=torch.bfloat16)
-        w, sc, b = Q.unrepack(ws[0][0]), ws[0][1], ws[0][2]
+        w, sc, b = ws[0][:3]
         deq = dequant_f32(w, sc, b, None, "affine", 4, g)
         exact = x.double() @ deq.double().t()
         scale = x.double().abs() @ deq.double().abs().t()
         ref32 = (x.float() @ deq.t()).bfloat16()
-        base = graph_time_us([lambda a=a: Q.q4gemv(x, a[0], a[1], a[2], group=g, sb=a[3], out=y)
+        base = graph_time_us([lambda a=a: Q.q4gemv(x, a[5], a[1], a[2], group=g, sb=a[3], out=y)
                               for a in ws])
-        Q.q4gemv(x, ws[0][0], sc, b, group=g, sb=ws[0][3], out=y)
+        Q.q4gemv(x, ws[0][5], sc, b, group=g, sb=ws[0][3], out=y)
         qerr = float(((y.double() - exact).abs() / scale).max())
         print(f"{name} {n}x{k}: q4gemv {base:.2f} us ({nbytes / base / 1e3:.0f} GB/s), "
               f"err {qerr:.1e}, bf16 != fp32 ref: {(y != ref32).float().mean().item():.4f}",
@@ -128,9 +142,8 @@ def rows(ms: list[int], only: str = "") -> None:
     serving engine's 2-7-row path, on its own copy of the weights) and the fused GEMM, with
     the max error over sum |x||w| against fp64 for each."""
     import torch
-    from gpu_timing import L2_BYTES, graph_time_us
+    from gpu_timing import graph_time_us
 
-    from mlxr.ops import triton_q4gemv as Q
     from mlxr.ops.triton_qgemm import qgemm
     from mlxr.ops.triton_qmm import dequant_f32
     from mlxr.quant.cuda import tinygemm_pack
@@ -139,13 +152,7 @@ def rows(ms: list[int], only: str = "") -> None:
     for name, (n, k) in SHAPES.items():
         if not name.startswith(only):
             continue
-        nbytes = n * k // 2 + 4 * n * (k // g)
-        ws = []
-        for _ in range(max(1, min(8, -(-2 * L2_BYTES // nbytes)))):
-            w = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
-            sc = (torch.randn(n, k // g, device="cuda") * 0.02).bfloat16()
-            b = (torch.randn(n, k // g, device="cuda") * 0.1).bfloat16()
-            ws.append((w, sc, b, Q.pair_scales(sc, b), T.repack(w)) + tinygemm_pack(w, sc, b))
+        ws = _weight_copies(n, k, g, 8, tinygemm_pack)  # [5], [6]: tinygemm's copy
         w, sc, b = ws[0][:3]
         deq = dequant_f32(w, sc, b, None, "affine", 4, g).double()
         for m in ms:
