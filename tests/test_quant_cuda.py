@@ -53,17 +53,25 @@ def test_tinygemm_nibble_order():
     assert torch.equal((swapped & 15).to(torch.int32), codes[:, 1::2])
 
 
+def _q4_weight(g, n, k, group):
+    """Random 4-bit bf16 weight drawn from g, as CUDA keeps it after load (the MLX words, no
+    tinygemm copy), built on the CPU: (words, scales, biases, QuantWeight)."""
+    w = torch.randint(-(2**31), 2**31, (n, k // 8), generator=g, dtype=torch.int64).to(torch.int32)
+    s = (torch.randn(n, k // group, generator=g) * 0.02).to(torch.bfloat16)
+    b = (torch.randn(n, k // group, generator=g) * 0.1).to(torch.bfloat16)
+    qw = QuantWeight.from_tensors(w, s, b, QuantSpec("affine", 4, group),
+                                  compute_dtype=torch.bfloat16, device="cpu")
+    qw.packed, qw.i4, qw.i4_sz = w, None, None
+    return w, s, b, qw
+
+
 def test_single_row_decode_takes_q4gemv(monkeypatch):
     """M = 1 of a 4-bit bf16 weight runs triton_q4gemv on the load-time repack; MLXR_Q4GEMV=0
     turns it off (then tinygemm, absent here, would serve it); other widths never take it."""
     g = torch.Generator().manual_seed(11)
     n, k, group = 40, 1024, 64
-    w = torch.randint(-(2**31), 2**31, (n, k // 8), generator=g, dtype=torch.int64).to(torch.int32)
-    s = (torch.randn(n, k // group, generator=g) * 0.02).to(torch.bfloat16)
-    b = (torch.randn(n, k // group, generator=g) * 0.1).to(torch.bfloat16)
-    spec = QuantSpec("affine", 4, group)
-    qw = QuantWeight.from_tensors(w, s, b, spec, compute_dtype=torch.bfloat16, device="cpu")
-    qw.packed, qw.i4, qw.i4_sz = w, None, None  # the CUDA layout, without tinygemm's copy
+    w, s, b, qw = _q4_weight(g, n, k, group)  # the CUDA layout, without tinygemm's copy
+    spec = qw.spec
     assert qcuda.q4gemv_supported(qw)
     qw.q4, qw.q4_sb = qcuda.q4gemv_pack(w, s, b)
     x = torch.randn(1, k, generator=g).to(torch.bfloat16)
@@ -104,12 +112,8 @@ def test_single_row_decode_takes_q4tc_where_preferred(monkeypatch):
 
     g = torch.Generator().manual_seed(12)
     n, k, group = 2048, 512, 64
-    w = torch.randint(-(2**31), 2**31, (n, k // 8), generator=g, dtype=torch.int64).to(torch.int32)
-    s = (torch.randn(n, k // group, generator=g) * 0.02).to(torch.bfloat16)
-    b = (torch.randn(n, k // group, generator=g) * 0.1).to(torch.bfloat16)
-    spec = QuantSpec("affine", 4, group)
-    qw = QuantWeight.from_tensors(w, s, b, spec, compute_dtype=torch.bfloat16, device="cpu")
-    qw.packed, qw.i4, qw.i4_sz = w, None, None  # the CUDA layout, without tinygemm's copy
+    w, s, b, qw = _q4_weight(g, n, k, group)  # the CUDA layout, without tinygemm's copy
+    spec = qw.spec
     assert qcuda.q4tc_preferred(qw)
     qw.tc, qw.q4_sb = qcuda.q4tc_pack(w, s, b)
     calls = []
@@ -137,11 +141,7 @@ def test_batch_copy_is_built_on_demand(monkeypatch):
     once, for matmul weights on CUDA only, and reports its bytes."""
     g = torch.Generator().manual_seed(8)
     n, k, group = 16, 1024, 64
-    w = torch.randint(-(2**31), 2**31, (n, k // 8), generator=g, dtype=torch.int64).to(torch.int32)
-    s = (torch.randn(n, k // group, generator=g) * 0.02).to(torch.bfloat16)
-    b = (torch.randn(n, k // group, generator=g) * 0.1).to(torch.bfloat16)
-    qw = QuantWeight.from_tensors(w, s, b, QuantSpec("affine", 4, group), device="cpu")
-    qw.packed, qw.i4, qw.i4_sz = w, None, None  # the CUDA layout after load
+    w, s, b, qw = _q4_weight(g, n, k, group)  # the CUDA layout after load
     calls = []
 
     def fake_pack(packed, scales, biases):
@@ -203,12 +203,7 @@ def test_batch_rows_route_between_tinygemm_and_the_fused_gemm(monkeypatch):
 
     g = torch.Generator().manual_seed(5)
     n, k, group = 32, 1024, 64
-    w = torch.randint(-(2**31), 2**31, (n, k // 8), generator=g, dtype=torch.int64).to(torch.int32)
-    s = (torch.randn(n, k // group, generator=g) * 0.02).to(torch.bfloat16)
-    b = (torch.randn(n, k // group, generator=g) * 0.1).to(torch.bfloat16)
-    qw = QuantWeight.from_tensors(w, s, b, QuantSpec("affine", 4, group),
-                                  compute_dtype=torch.bfloat16, device="cpu")
-    qw.packed, qw.q4, qw.q4_sb = w, None, None
+    w, s, b, qw = _q4_weight(g, n, k, group)
     qw.i4, qw.i4_sz = torch.zeros(1), torch.zeros(1)  # a tinygemm copy (never read here)
     calls = []
     monkeypatch.setattr(torch, "_weight_int4pack_mm",
