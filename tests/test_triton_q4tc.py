@@ -11,20 +11,13 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from test_triton_q4gemv import _weights
+
 from mlxr.ops import triton_q4tc as T
 from mlxr.ops.triton_q4gemv import pair_scales
 from mlxr.ops.triton_qmm import dequant_f32
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _weights(n, k, group, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=g)
-    s = (torch.randn(n, k // group, generator=g) * 0.02).to(dtype)
-    b = (torch.randn(n, k // group, generator=g) * 0.1).to(dtype)
-    x = torch.randn(k, generator=g).to(dtype)
-    return packed, s, b, x
 
 
 def _exact(x, packed, s, b, group):
