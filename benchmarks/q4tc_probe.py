@@ -1,14 +1,15 @@
 """Workbench for the tensor-core decode GEMV (`mlxr.ops.triton_q4tc`).
 
     PYTHONPATH=. python benchmarks/q4tc_probe.py [K GROUP RT U WARPS PF STAGES]   # offline, sm_90
-    cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --gpu [--tma] [8b|0.6b]
+    cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --gpu [--tma|--wide] [8b|0.6b]
     cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --rows 2,4,8 [8b|0.6b]
 
 Offline (no GPU): compiles the kernel for sm_90 with Triton's ptxas, prints the layouts from
 the TTGIR and those of the inline PTX's results (per-lane tensors: one element per thread, lanes
 along the last dimension), the layout conversions, registers, and the K loop's instructions per
 code.
---gpu: the default launch, then a sweep (`--tma`: the TMA-staged word tiles); max error against
+--gpu: the default launch, then a sweep (`--tma`: the TMA-staged word tiles; `--wide`: 16 and
+32 warps per program); max error against
 fp64 (over sum |x||w|, and in bf16 units against the fp32 reference),
 then us per call in CUDA graphs over weight copies larger than the L2, against q4gemv's default
 launch, for a sweep of launch shapes. The last line is JSON.
@@ -38,6 +39,10 @@ LAUNCHES = tuple(c + (1, 0) for c in PF1) + tuple(c + (2, 0) for c in PF2)
 # --tma: the word tiles through shared memory by TMA, 2 or 4 stages
 TMA = tuple(c + (1, st) for st in (2, 4) for c in ((1, 1, 4), (2, 1, 4), (4, 1, 4), (1, 1, 8),
                                                     (2, 1, 8), (1, 2, 8)))
+# --wide: 16 and 32 warps per row tile (more warps per SM on the <= 4096-row matrices, whose
+# 16-row programs number only 256), registers or TMA
+WIDE = ((1, 1, 16, 1, 0), (1, 1, 16, 2, 0), (1, 1, 16, 1, 4), (1, 2, 16, 1, 4),
+        (1, 1, 32, 1, 0), (1, 1, 32, 1, 4), (2, 1, 16, 1, 0), (2, 1, 16, 1, 4), (1, 1, 4, 2, 0))
 
 
 def offline(k: int, group: int, rt: int, u: int, nw: int, pf: int, stages: int) -> None:
@@ -95,7 +100,7 @@ def gpu(only: str = "", launches=LAUNCHES) -> None:
     g = 64
     rows = []
     for name, (n, k) in SHAPES.items():
-        if not name.startswith(only):
+        if not name.startswith(tuple(only.split(","))):
             continue
         nbytes = n * k // 2 + 4 * n * (k // g)
         ws = _weight_copies(n, k, g, 16, lambda w, sc, b: (Q.repack(w),))  # [5]: q4gemv's
@@ -150,7 +155,7 @@ def rows(ms: list[int], only: str = "") -> None:
 
     g = 64
     for name, (n, k) in SHAPES.items():
-        if not name.startswith(only):
+        if not name.startswith(tuple(only.split(","))):
             continue
         ws = _weight_copies(n, k, g, 8, tinygemm_pack)  # [5], [6]: tinygemm's copy
         w, sc, b = ws[0][:3]
@@ -173,10 +178,10 @@ def rows(ms: list[int], only: str = "") -> None:
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "--rows":  # --rows 2,4,8 [8b|0.6b]
         return rows([int(m) for m in argv[1].split(",")], argv[2] if len(argv) > 2 else "")
-    if argv and argv[0] == "--gpu":
-        tma = "--tma" in argv
-        argv = [a for a in argv if a != "--tma"]
-        return gpu(argv[1] if len(argv) > 1 else "", TMA if tma else LAUNCHES)
+    if argv and argv[0] == "--gpu":  # --gpu [--tma | --wide] [shape prefix]
+        sweep = TMA if "--tma" in argv else WIDE if "--wide" in argv else LAUNCHES
+        argv = [a for a in argv if a not in ("--tma", "--wide")]
+        return gpu(argv[1] if len(argv) > 1 else "", sweep)
     k, group, rt, u, nw, pf, st = (int(a) for a in argv) if argv else (4096, 64, 2, 2, 4, 1, 0)
     offline(k, group, rt, u, nw, pf, st)
 

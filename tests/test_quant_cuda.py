@@ -136,12 +136,64 @@ def test_single_row_decode_takes_q4tc_where_preferred(monkeypatch):
     assert not qcuda.q4tc_preferred(fp16)  # bf16 scales, fp16 activations: q4gemv
 
 
+def test_several_rows_take_q4tc(monkeypatch):
+    """2-16 rows (2-8 for group 32) of a weight with q4tc's copy run triton_q4tc, in launches
+    of 8 (4) rows; 17+ rows, or MLXR_Q4TC_ROWS=0, take the prefill paths. With both one-row
+    copies (the batching engine adds `tc` to a q4gemv weight), one row keeps q4gemv."""
+    from mlxr.ops import triton_q4gemv, triton_q4tc
+
+    g = torch.Generator().manual_seed(21)
+    n, k = 32, 1024
+    for group, most in ((64, 16), (32, 8)):
+        w, s, b, qw = _q4_weight(g, n, k, group)
+        qw.tc, qw.q4_sb = qcuda.q4tc_pack(w, s, b)
+        launches = []
+        real = triton_q4tc._q4tc_kernel
+        monkeypatch.setattr(triton_q4tc, "_q4tc_kernel", type(
+            "Count", (), {"__getitem__": lambda self, grid: launches.append(1) or real[grid]})())
+        x = torch.randn(most + 1, k, generator=g).to(torch.bfloat16)
+        want = x.float() @ ref_dequantize(w, s.float(), b.float(), qw.spec,
+                                          dtype=torch.float32).t()
+        for m in (2, 5, most):
+            launches.clear()
+            y = qcuda.linear(qw, x[:m])
+            assert y.shape == (m, n) and len(launches) == -(-m // triton_q4tc.max_rows(group))
+            assert ((y.float() - want[:m]).abs() <= 2.0 ** -7 * want[:m].abs() + 1e-3).all()
+        launches.clear()
+        qcuda.linear(qw, x)  # 17 (9) rows: the prefill paths
+        monkeypatch.setenv("MLXR_Q4TC_ROWS", "0")
+        qcuda.linear(qw, x[:2])
+        assert launches == []
+        monkeypatch.delenv("MLXR_Q4TC_ROWS")
+        monkeypatch.undo()
+    qw.q4 = triton_q4gemv.repack(w)
+    calls = []
+    monkeypatch.setattr(triton_q4gemv, "q4gemv",
+                        lambda x, *a, **kw: calls.append("q4gemv") or torch.zeros(n))
+    qcuda.linear(qw, x[:1])
+    assert calls == ["q4gemv"]
+
+
 def test_batch_copy_is_built_on_demand(monkeypatch):
-    """tinygemm's copy (2-32 rows) is not built with q4gemv's at load; add_batch_copy builds it
-    once, for matmul weights on CUDA only, and reports its bytes."""
+    """The several-row copy is not built with q4gemv's at load; add_batch_copy builds it once,
+    for matmul weights on CUDA only, and reports its bytes: q4tc's repack where triton_q4tc
+    serves the weight (keeping q4gemv's pairs), else (or with MLXR_Q4TC_ROWS=0) tinygemm's."""
     g = torch.Generator().manual_seed(8)
     n, k, group = 16, 1024, 64
     w, s, b, qw = _q4_weight(g, n, k, group)  # the CUDA layout after load
+    assert qw.add_batch_copy() == 0 and qw.tc is None  # not a CUDA weight
+    monkeypatch.setattr(qw, "device", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    qw.q4_sb = sb = torch.zeros(n, k // group, 2, dtype=torch.bfloat16)  # q4gemv's pairs
+    assert qcuda.q4tc_supported(qw)
+    assert qw.add_batch_copy() == n * k // 2 and qw.q4_sb is sb
+    assert torch.equal(qw.tc, qcuda.q4tc_pack(w, s, b)[0]) and qw.i4 is None
+    assert qw.add_batch_copy() == 0  # once
+    qw.tc = qw.q4_sb = None
+    assert qw.add_batch_copy() == n * k // 2 + n * (k // group) * 4  # the pairs too
+    qw.tc = qw.q4_sb = None
+    monkeypatch.setenv("MLXR_Q4TC_ROWS", "0")
+    monkeypatch.setattr(qw, "device", torch.device("cpu"))
     calls = []
 
     def fake_pack(packed, scales, biases):

@@ -62,6 +62,8 @@ def test_repack_round_trip_and_layout():
     (16, 512, T.TcConfig(rt=1, u=1, num_warps=2, pf=2)),  # ... past the last one
     (48, 2048, T.TcConfig(rt=2, u=1, num_warps=4, stages=3)),  # GPU: TMA, rows past N
     (32, 3072, T.TcConfig(rt=1, u=1, num_warps=8, stages=2)),  # GPU: TMA, 8 warps
+    (16, 4096, T.TcConfig(rt=1, u=1, num_warps=16, pf=2)),  # 16 warps: 2 iterations
+    (32, 6144, T.TcConfig(rt=1, u=1, num_warps=16, stages=4)),  # GPU: TMA, 16 warps
 ])
 def test_q4tc_matches_fp64_and_twin(group, dtype, n, k, cfg):
     packed, s, b, x = _weights(n, k, group, dtype, seed=n + k + group)
@@ -75,8 +77,8 @@ def test_q4tc_matches_fp64_and_twin(group, dtype, n, k, cfg):
     assert (y.float() - twin.float()).abs().max() <= 2**-6 * twin.float().abs().max()
 
 
-@pytest.mark.parametrize("group,m", [(g, m) for g in (32, 64, 128) for m in (2, 3, 4, 5, 8)
-                                     if m <= T.max_rows(g)])
+@pytest.mark.parametrize("group,m", [(g, m) for g in (32, 64, 128) for m in (2, 3, 4, 5, 8, 9, 12)
+                                     if m <= T.max_rows(g) or m > 8])
 @pytest.mark.parametrize("n,k,cfg", [
     (32, 1024, None),
     (48, 1536, T.TcConfig(rt=2, u=1, num_warps=2)),  # windows of 4 / 2 / 1 iterations
@@ -84,7 +86,8 @@ def test_q4tc_matches_fp64_and_twin(group, dtype, n, k, cfg):
 ])
 def test_q4tc_several_rows(group, m, n, k, cfg):
     """Up to 8 rows of x (4 with group 32) in one launch: the B columns hold rows x group
-    slots; 3 and 5 rows are padded to 4 and 8. Each row as the one-row kernel computes it."""
+    slots; 3 and 5 rows are padded to 4 and 8; 9 and 12 rows take launches of 8 (4) and a
+    rest (9 = 8 + 1: the one-row kernel). Each row as the one-row kernel computes it."""
     packed, s, b, _ = _weights(n, k, group, torch.bfloat16, seed=m + n + group)
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
@@ -127,8 +130,8 @@ def test_q4tc_rejects_bad_input():
         T.q4tc(x, words, sb[:16], group=64)
     with pytest.raises(ValueError, match="x must be"):  # 16-byte alignment
         T.q4tc(torch.zeros(513, dtype=torch.bfloat16)[1:], words, sb, group=64)
-    with pytest.raises(ValueError, match="x must be"):  # more rows than one launch takes
-        T.q4tc(x.expand(5, 512).contiguous(), words, pair_scales(s, b), group=32)
+    with pytest.raises(ValueError, match="out"):
+        T.q4tc(x.expand(9, 512).contiguous(), words, sb, group=64, out=torch.empty(8, 32))
     with pytest.raises(ValueError, match="divide"):
         T.q4tc(x, words, sb, group=64, config=T.TcConfig(rt=1, u=4, num_warps=4))
     assert not T.supported(64, 24, 512, torch.bfloat16)

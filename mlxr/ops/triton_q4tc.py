@@ -79,9 +79,11 @@ def supported(group: int, n: int, k: int, dtype: torch.dtype) -> bool:
 def default_config(n: int, k: int) -> TcConfig:
     """The H200 sweeps' winners (benchmarks/q4tc_probe.py, docs/perf.md, 8B / 0.6B shapes):
     LM heads 4 (K >= 4096) or 2 row tiles per program, 4 warps, two word tiles in flight;
-    other tall matrices (gate_up) 2 row tiles, 4 warps; long rows (K >= 3N: down) 1 row tile,
-    8 warps of 2 blocks, the word tiles by TMA 4 stages deep; the rest 1 row tile, 8 warps,
-    two tiles in flight. Env MLXR_Q4TC_STAGES=S sets S TMA stages (0: none) for every shape.
+    other tall matrices (gate_up) 2 row tiles, 4 warps; the long rows (K >= 3N: down) and
+    the square 4096-row ones (8B o) 1 row tile, 16 warps (their 16-row programs are few: 16
+    warps each keep more loads in flight per SM; 8B down 16.3 vs 17.0 us with 8 warps and
+    TMA, o 6.1 vs 7.8); the rest 1 row tile, 8 warps, two tiles in flight. Env
+    MLXR_Q4TC_STAGES=S sets S TMA stages (0: none) for every shape, for A/B runs.
     Blocks per iteration (num_warps * u) divide K / 64 (K is a multiple of 512)."""
     if _interpret():  # the interpreter runs programs one by one: few, large ones keep CI fast
         return TcConfig(rt=1 << max(0, min(8, n // 16).bit_length() - 1), u=1, num_warps=4)
@@ -90,8 +92,8 @@ def default_config(n: int, k: int) -> TcConfig:
         cfg = TcConfig(rt=4 if k >= 4096 else 2, u=1, num_warps=4, pf=2)
     elif n >= 16384:
         cfg = TcConfig(rt=2, u=1, num_warps=4, pf=1)
-    elif k >= 3 * n and (k // 64) % 16 == 0:  # TMA, 4 stages: 8B down 17.0 vs 18.7 us
-        cfg = TcConfig(rt=1, u=2, num_warps=8, pf=1, stages=4)
+    elif (k >= 3 * n or (n <= 4096 and k >= 4096)) and (k // 64) % 16 == 0:
+        cfg = TcConfig(rt=1, u=1, num_warps=16, pf=1)
     else:
         cfg = TcConfig(rt=1, u=1, num_warps=8, pf=2)
     return cfg if env is None else dataclasses.replace(cfg, stages=int(env))
@@ -315,24 +317,24 @@ if HAVE_TRITON:
 
 
 def max_rows(group: int) -> int:
-    """Rows of x one launch takes: 8, or 4 for group 32 (two columns per row and block)."""
+    """Rows of x one launch takes: 8, or 4 for group 32 (two columns per row and block).
+    `q4tc` takes more in launches of this many."""
     return 4 if group == 32 else 8
 
 
 def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None = None,
          config: TcConfig | None = None) -> Tensor:
-    """See `q4tc_ref` (same results up to fp32 summation order). x [K] or [M, K] (M up to
-    `max_rows`; rows are padded to 2, 4 or 8), contiguous and 16-byte aligned; words =
-    `repack(packed)`; sb = `pair_scales(scales, biases)`. Returns [N] for one row, else
-    [M, N] (or writes `out` of that shape)."""
+    """See `q4tc_ref` (same results up to fp32 summation order). x [K] or [M, K], contiguous
+    and 16-byte aligned (one launch per `max_rows` rows; a launch's rows are padded to 2, 4
+    or 8); words = `repack(packed)`; sb = `pair_scales(scales, biases)`. Returns [N] for one
+    row, else [M, N] (or writes `out` of that shape)."""
     nrt, k2 = words.shape
     n, k = nrt * 16, k2 // 2
     xm = x.reshape(-1, k) if x.dim() <= 2 and x.shape[-1] == k else None
-    if (xm is None or xm.shape[0] > max_rows(group) or not supported(group, n, k, x.dtype)
-            or not xm.is_contiguous() or xm.data_ptr() % 16):
+    if (xm is None or not supported(group, n, k, x.dtype) or not xm.is_contiguous()
+            or xm.data_ptr() % 16):
         raise ValueError(f"q4tc: x {tuple(x.shape)} ({x.dtype}), words {tuple(words.shape)}, "
-                         f"group {group}: x must be [K] or [M <= {max_rows(group)}, K], "
-                         f"contiguous, 16-byte aligned")
+                         f"group {group}: x must be [K] or [M, K], contiguous, 16-byte aligned")
     if sb.shape != (n, k // group, 2) or not sb.is_contiguous() or sb.dtype != x.dtype:
         raise ValueError(f"q4tc: sb {tuple(sb.shape)} {sb.dtype} != {(n, k // group, 2)}")
     if nrt * k2 >= 2**31:
@@ -341,12 +343,19 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
     if (k // 64) % (cfg.wt // 128):
         raise ValueError(f"q4tc: {cfg.wt // 128} blocks per iteration must divide K/64")
     m = xm.shape[0]
-    mp = 1 << (m - 1).bit_length()  # the kernel's 1, 2, 4 or 8 rows: pad with zero rows
-    if mp != m:
-        xm = torch.cat([xm, xm.new_zeros(mp - m, k)])
     shape = (n,) if m == 1 else (m, n)
     if out is not None and out.shape != shape:
         raise ValueError(f"q4tc: out {tuple(out.shape)} != {shape}")
+    if m > max_rows(group):  # launches of max_rows rows (K * 2 bytes apart: still aligned)
+        y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+        for i in range(0, m, max_rows(group)):
+            part = y[i:i + max_rows(group)]
+            q4tc(xm[i:i + max_rows(group)], words, sb, group=group, config=config,
+                 out=part.view(n) if part.shape[0] == 1 else part)
+        return y
+    mp = 1 << (m - 1).bit_length()  # the kernel's 1, 2, 4 or 8 rows: pad with zero rows
+    if mp != m:
+        xm = torch.cat([xm, xm.new_zeros(mp - m, k)])
     y = out if out is not None and mp == m else torch.empty(mp, n, dtype=x.dtype,
                                                             device=x.device)
     desc = None  # TMA needs Hopper: elsewhere the same sums come by register loads

@@ -79,23 +79,47 @@ def q4gemv_supported(qw) -> bool:
             and qw.out_features * qw.in_features // 8 < 2**31)
 
 
-def q4tc_preferred(qw) -> bool:
-    """Whether single-row decode of this weight takes triton_q4tc rather than triton_q4gemv:
-    where the H200 sweep measured it faster (benchmarks/q4tc_probe.py, docs/perf.md): more
-    than 4096 rows (8B qkv 8.3 vs 8.7 us, gate_up 22.1 vs 26.0, the LM heads), or K >= 3N
-    (N >= 1024) or N >= 4K (8B down 17.0 vs 19.2, 0.6B down 4.1 vs 4.4, 0.6B qkv 2.9 vs
-    3.2). q4gemv keeps the squarer ones of <= 4096 rows (its 8-row programs fill the GPU
-    better there: the o projections, 8B 6.3 vs 7.4 us). `MLXR_Q4TC=0` (at load) turns it
-    off, and so does the opt-in fused decode step (`MLXR_DECODE_FUSED=1` at load: it needs
-    q4gemv's copy). Needs sm_80+ (bf16 mma.sync) and scales in the compute dtype."""
+def q4tc_supported(qw) -> bool:
+    """Whether triton_q4tc can serve this weight: its shapes and dtypes, scales in the
+    compute dtype (the kernel reads the pairs in x's dtype), sm_80+ (bf16 mma.sync)."""
     from ..ops import triton_q4tc
 
-    n, k, dev = qw.out_features, qw.in_features, qw.device
+    sp, dev = qw.spec, qw.device
+    return (sp.mode == "affine" and sp.bits == 4 and qw.packed is not None
+            and qw.biases is not None and qw.biases.dtype == qw.scales.dtype
+            and triton_q4tc.supported(qw.spec.group_size, qw.out_features, qw.in_features,
+                                      qw.compute_dtype)
+            and qw.scales.dtype == qw.compute_dtype
+            and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] >= 8))
+
+
+def q4tc_preferred(qw) -> bool:
+    """Whether single-row decode of this weight takes triton_q4tc rather than triton_q4gemv:
+    where the H200 sweeps measured it faster (benchmarks/q4tc_probe.py, docs/perf.md): more
+    than 4096 rows (8B qkv 8.3 vs 8.7 us, gate_up 22.1 vs 26.0, the LM heads), K >= 3N
+    (N >= 1024: 8B down 16.3 vs 18.8, 0.6B down 3.0 vs 3.9) or N >= 4K (0.6B qkv 2.8 vs
+    3.3), and 4096 x 4096 and up (8B o 6.1 vs 6.4, 16 warps per row tile). q4gemv keeps the
+    smaller squarish ones (its 8-row programs fill the GPU better there: 0.6B o 2.7 vs 3.0).
+    `MLXR_Q4TC=0` (at load) turns it off, and so does the opt-in fused decode step
+    (`MLXR_DECODE_FUSED=1` at load: it needs q4gemv's copy)."""
+    n, k = qw.out_features, qw.in_features
     return (os.environ.get("MLXR_Q4TC", "") != "0" and os.environ.get("MLXR_DECODE_FUSED") != "1"
-            and triton_q4tc.supported(qw.spec.group_size, n, k, qw.compute_dtype)
-            and qw.scales.dtype == qw.compute_dtype  # the kernel reads the pairs in x's dtype
-            and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] >= 8)  # mma
-            and (n > 4096 or (k >= 3 * n and n >= 1024) or n >= 4 * k))
+            and q4tc_supported(qw)
+            and (n > 4096 or (k >= 3 * n and n >= 1024) or n >= 4 * k
+                 or (n >= 4096 and k >= 4096)))
+
+
+def q4tc_rows(qw, m: int) -> bool:
+    """Whether m (>= 2) rows of x take triton_q4tc (on `tc`, built at load or by
+    `QuantWeight.add_batch_copy`): up to 2 launches (16 rows; 8 for group 32). H200
+    (q4tc_probe.py --rows, us per call at 8 rows): 8B gate_up 27.3 vs tinygemm 81.6 and the
+    fused GEMM 83.9, 8B down 22.2 vs 42.6 / 39.0, 0.6B LM head 39.8 vs 109.8 / 96.0; faster at
+    2 and 4 rows too on every 8B / 0.6B shape. Env `MLXR_Q4TC_ROWS=0` (read at every call,
+    and at `add_batch_copy`) keeps 2+ rows on the paths below."""
+    from ..ops import triton_q4tc
+
+    return (qw.tc is not None and 2 <= m <= 2 * triton_q4tc.max_rows(qw.spec.group_size)
+            and os.environ.get("MLXR_Q4TC_ROWS", "") != "0")
 
 
 def q4tc_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tensor, Tensor]:
@@ -190,17 +214,18 @@ def linear(qw, x: Tensor) -> Tensor | None:
         return triton_gemv.qgemv(x, qw.packed, qw.scales, qw.biases, qw.global_scale,
                                  mode=sp.mode, bits=sp.bits, group=sp.group_size,
                                  config=_gemv_v2_config(qw, m))
-    if m == 1 and qw.tc is not None and os.environ.get("MLXR_Q4GEMV", "") != "0":
-        from ..ops import triton_q4tc
-
-        if x.data_ptr() % 16 or not x.is_contiguous():  # its 16-byte x loads: a fresh copy
-            x = x.clone(memory_format=torch.contiguous_format)
-        return triton_q4tc.q4tc(x, qw.tc, qw.q4_sb, group=qw.spec.group_size).view(1, -1)
-    if m == 1 and qw.q4 is not None and os.environ.get("MLXR_Q4GEMV", "") != "0":
+    one_row = m == 1 and os.environ.get("MLXR_Q4GEMV", "") != "0"
+    if one_row and qw.q4 is not None:  # q4gemv's copy: q4tc's (if any) is for 2+ rows
         from ..ops import triton_q4gemv
 
         return triton_q4gemv.q4gemv(x, qw.q4, qw.scales, qw.biases, group=qw.spec.group_size,
                                     sb=qw.q4_sb).view(1, -1)
+    if (one_row and qw.tc is not None) or q4tc_rows(qw, m):
+        from ..ops import triton_q4tc
+
+        if x.data_ptr() % 16 or not x.is_contiguous():  # its 16-byte x loads: a fresh copy
+            x = x.clone(memory_format=torch.contiguous_format)
+        return triton_q4tc.q4tc(x, qw.tc, qw.q4_sb, group=qw.spec.group_size).view(m, -1)
     if m <= TINYGEMM_MAX_M and qw.i4 is not None and not fused_gemm(qw, m):
         return torch._weight_int4pack_mm(x, qw.i4, qw.spec.group_size, qw.i4_sz)
     # 2-16 rows of a 4-bit weight with a decode copy (q4gemv's or tinygemm's) that tinygemm

@@ -7,10 +7,10 @@ Storage (chosen at load time, see `from_tensors`):
                  per call), or
   * `i4`       - torch's packed int4 CPU tensor + bf16 scales_and_zeros (fast-mode affine 4-bit).
 On CUDA `packed` is always kept; affine 4-bit adds repacks of it for decode at load: for one
-row either `tc` (`mlxr.ops.triton_q4tc`, where `cuda.q4tc_preferred`) or `q4`
-(`mlxr.ops.triton_q4gemv`), each with `q4_sb` (scale, bias pairs); and `i4`/`i4_sz`
-(tinygemm, 2-32 rows) only where neither applies, else when the batching engine asks
-(`add_batch_copy`).
+row either `tc` (`mlxr.ops.triton_q4tc`, where `cuda.q4tc_preferred`; it also serves 2-16
+rows) or `q4` (`mlxr.ops.triton_q4gemv`), each with `q4_sb` (scale, bias pairs); and
+`i4`/`i4_sz` (tinygemm, 2-32 rows) only where neither applies. The batching engine asks for
+the several-row copy (`add_batch_copy`): `tc` where a `q4` weight lacks it, else tinygemm's.
 Scales/biases stay in their file dtype, except in exact mode (compute_dtype float32) where they
 are cast to float32 once: dequant then is `q*s + b` in fp32 (two fp32 roundings), exactly what
 mlx computes with fp32 params.
@@ -138,14 +138,27 @@ class QuantWeight:
         return self
 
     def add_batch_copy(self) -> int:
-        """Build tinygemm's copy (decode of 2-32 rows, `mlxr.quant.cuda`) if this weight takes
-        it and has none; returns the bytes added. At load it is built only where q4gemv cannot
-        serve single-row decode: a single request needs it only for prompts of 2-32 tokens
-        (which otherwise take the Triton GEMV or dequant + cuBLAS), so it is left out there
-        (about the size of the packed words: ~4.5 GB on a Llama-8B 4-bit). The batching
-        engine (`LLMEngine`) asks for it before it sizes the KV pool and captures its graphs."""
-        if (self.i4 is not None or not self.matmul or self.packed is None
-                or self.device.type != "cuda" or not cuda.tinygemm_supported(self)):
+        """Build the copy that decode of several rows reads (`mlxr.quant.cuda`), if this
+        weight takes one and has none; returns the bytes added. Where triton_q4tc serves the
+        weight: its repack `tc` (2-16 rows; only the squarish weights whose single row takes
+        q4gemv lack it, ~0.27 GB on a Llama-8B 4-bit); else tinygemm's (2-32 rows; also with
+        env MLXR_Q4TC_ROWS=0 or MLXR_Q4GEMV=0). At load it is built only where neither q4gemv
+        nor q4tc serves single-row decode: a single request's prompts of 2-16 tokens take
+        `tc` or the prefill paths. The batching engine (`LLMEngine`) asks for it before it
+        sizes the KV pool and captures its graphs."""
+        if not self.matmul or self.packed is None or self.device.type != "cuda":
+            return 0
+        if (os.environ.get("MLXR_Q4TC_ROWS") != "0" and os.environ.get("MLXR_Q4GEMV") != "0"
+                and cuda.q4tc_supported(self)):
+            if self.tc is not None:
+                return 0
+            self.tc, sb = cuda.q4tc_pack(self.packed, self.scales, self.biases)
+            added = [self.tc]
+            if self.q4_sb is None:
+                self.q4_sb = sb
+                added.append(sb)
+            return sum(t.numel() * t.element_size() for t in added)
+        if self.i4 is not None or not cuda.tinygemm_supported(self):
             return 0
         self.i4, self.i4_sz = cuda.tinygemm_pack(self.packed, self.scales, self.biases)
         return sum(t.numel() * t.element_size() for t in (self.i4, self.i4_sz))
