@@ -6,7 +6,8 @@ length, stepped to completion by LLMEngine; the same batches the server would ru
 
 Per batch size: a warm-up round, then a measured one. Reports output tok/s over the whole round
 (prefill steps included), the median decode-step time, and how much of it the host spends
-outside the decode runner (scheduling, sampling bookkeeping, detokenization). `--eager` turns
+outside the decode runner (scheduling, sampling bookkeeping, detokenization), and the bytes of
+the quantized weights with their decode copies and the KV pool's size. `--eager` turns
 the captured decode graphs off (the eager forward_step path) for an A/B. `--tokens-out` writes
 the measured rounds' greedy tokens (per batch size, per request) as JSON, to compare two runs
 (e.g. two `MLXR_PREFILL_GEMM` routings). The last line is JSON.
@@ -95,8 +96,10 @@ def main() -> None:
     t = time.perf_counter()
     engine = LLMEngine(model, max_num_seqs=max(batches), paged_decode=False if a.eager else None)
     setup = time.perf_counter() - t
+    weights = sum(qw.nbytes for qw in engine.decoder.quant_weights())
     print(f"engine ready in {setup:.1f} s (decode graphs: "
-          f"{sorted(engine.paged.graphs) if engine.paged else 'off'})")
+          f"{sorted(engine.paged.graphs) if engine.paged else 'off'}); quantized weights with "
+          f"their copies {weights / 1e9:.2f} GB, KV pool {engine.pool.num_blocks} blocks")
     out, tokens = [], {}
     for b in batches:
         round_(engine, b, a.prompt, min(16, a.tokens), model.config.vocab_size, 0)  # warm-up
@@ -108,7 +111,9 @@ def main() -> None:
     if a.tokens_out:
         with open(a.tokens_out, "w") as f:
             json.dump(tokens, f)
-    print(json.dumps({"setup_s": round(setup, 1), "eager": a.eager, "rounds": out}))
+    print(json.dumps({"setup_s": round(setup, 1), "eager": a.eager,
+                      "quant_weights_gb": round(weights / 1e9, 3),
+                      "kv_blocks": engine.pool.num_blocks, "rounds": out}))
 
 
 if __name__ == "__main__":

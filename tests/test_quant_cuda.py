@@ -137,8 +137,9 @@ def test_single_row_decode_takes_q4tc_where_preferred(monkeypatch):
 
 
 def test_several_rows_take_q4tc(monkeypatch):
-    """2-16 rows (2-8 for group 32) of a weight with q4tc's copy run triton_q4tc, in launches
-    of 8 (4) rows; 17+ rows, or MLXR_Q4TC_ROWS=0, take the prefill paths. With both one-row
+    """2-16 rows (2-8 for group 32) of a tall weight with q4tc's copy run triton_q4tc, in
+    launches of 8 (4) rows; 2-8 (2-4) rows of a 4096-row one; more rows, or
+    MLXR_Q4TC_ROWS=0, take the other paths. With both one-row
     copies (the batching engine adds `tc` to a q4gemv weight), one row keeps q4gemv."""
     from mlxr.ops import triton_q4gemv, triton_q4tc
 
@@ -147,6 +148,7 @@ def test_several_rows_take_q4tc(monkeypatch):
     for group, most in ((64, 16), (32, 8)):
         w, s, b, qw = _q4_weight(g, n, k, group)
         qw.tc, qw.q4_sb = qcuda.q4tc_pack(w, s, b)
+        monkeypatch.setattr(qw, "out_features", 4112)  # counts as tall (N > 4096)
         launches = []
         real = triton_q4tc._q4tc_kernel
         monkeypatch.setattr(triton_q4tc, "_q4tc_kernel", type(
@@ -161,6 +163,9 @@ def test_several_rows_take_q4tc(monkeypatch):
             assert ((y.float() - want[:m]).abs() <= 2.0 ** -7 * want[:m].abs() + 1e-3).all()
         launches.clear()
         qcuda.linear(qw, x)  # 17 (9) rows: the prefill paths
+        assert not qcuda.q4tc_rows(qw, most + 1)
+        monkeypatch.setattr(qw, "out_features", 4096)  # not tall: one launch only
+        assert qcuda.q4tc_rows(qw, most // 2) and not qcuda.q4tc_rows(qw, most // 2 + 1)
         monkeypatch.setenv("MLXR_Q4TC_ROWS", "0")
         qcuda.linear(qw, x[:2])
         assert launches == []
@@ -175,38 +180,37 @@ def test_several_rows_take_q4tc(monkeypatch):
 
 
 def test_batch_copy_is_built_on_demand(monkeypatch):
-    """The several-row copy is not built with q4gemv's at load; add_batch_copy builds it once,
-    for matmul weights on CUDA only, and reports its bytes: q4tc's repack where triton_q4tc
-    serves the weight (keeping q4gemv's pairs), else (or with MLXR_Q4TC_ROWS=0) tinygemm's."""
+    """The several-row copies are not built with q4gemv's at load; add_batch_copy builds them
+    once, for matmul weights on CUDA only, and reports their bytes: q4tc's repack where
+    triton_q4tc serves the weight (keeping q4gemv's pairs), plus tinygemm's where
+    `tinygemm_rows`; tinygemm's alone where q4tc cannot serve it or MLXR_Q4TC_ROWS=0."""
     g = torch.Generator().manual_seed(8)
     n, k, group = 16, 1024, 64
     w, s, b, qw = _q4_weight(g, n, k, group)  # the CUDA layout after load
-    assert qw.add_batch_copy() == 0 and qw.tc is None  # not a CUDA weight
-    monkeypatch.setattr(qw, "device", torch.device("cuda"))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
-    qw.q4_sb = sb = torch.zeros(n, k // group, 2, dtype=torch.bfloat16)  # q4gemv's pairs
-    assert qcuda.q4tc_supported(qw)
-    assert qw.add_batch_copy() == n * k // 2 and qw.q4_sb is sb
-    assert torch.equal(qw.tc, qcuda.q4tc_pack(w, s, b)[0]) and qw.i4 is None
-    assert qw.add_batch_copy() == 0  # once
-    qw.tc = qw.q4_sb = None
-    assert qw.add_batch_copy() == n * k // 2 + n * (k // group) * 4  # the pairs too
-    qw.tc = qw.q4_sb = None
-    monkeypatch.setenv("MLXR_Q4TC_ROWS", "0")
-    monkeypatch.setattr(qw, "device", torch.device("cpu"))
     calls = []
 
     def fake_pack(packed, scales, biases):
         calls.append(packed.shape)
         return torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(k // group, n, 2)
 
+    i4_bytes = n * k // 2 + (k // group) * n * 2 * 4
     monkeypatch.setattr(qcuda, "tinygemm_supported", lambda qw: True)
     monkeypatch.setattr(qcuda, "tinygemm_pack", fake_pack)
-    assert qw.add_batch_copy() == 0 and qw.i4 is None  # not a CUDA weight
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    assert qw.add_batch_copy() == 0 and qw.tc is None and qw.i4 is None  # not a CUDA weight
     monkeypatch.setattr(qw, "device", torch.device("cuda"))
-    assert qw.add_batch_copy() == n * k // 2 + (k // group) * n * 2 * 4
-    assert qw.i4 is not None and calls == [(n, k // 8)]
+    qw.q4_sb = sb = torch.zeros(n, k // group, 2, dtype=torch.bfloat16)  # q4gemv's pairs
+    assert qcuda.q4tc_supported(qw) and qcuda.tinygemm_rows(qw)  # a small squarish weight
+    assert qw.add_batch_copy() == n * k // 2 + i4_bytes and qw.q4_sb is sb
+    assert torch.equal(qw.tc, qcuda.q4tc_pack(w, s, b)[0]) and calls == [(n, k // 8)]
     assert qw.add_batch_copy() == 0 and len(calls) == 1  # once
+    qw.tc = qw.q4_sb = qw.i4 = None
+    monkeypatch.setattr(qcuda, "tinygemm_rows", lambda qw: False)  # a tall one: q4tc only
+    assert qw.add_batch_copy() == n * k // 2 + n * (k // group) * 4  # the pairs too
+    assert qw.i4 is None
+    qw.tc = qw.q4_sb = None
+    monkeypatch.setenv("MLXR_Q4TC_ROWS", "0")
+    assert qw.add_batch_copy() == i4_bytes and qw.tc is None and qw.i4 is not None
     qw.i4, qw.matmul = None, False  # a gather-only embedding never gets one
     assert qw.add_batch_copy() == 0
 

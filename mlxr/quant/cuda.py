@@ -111,15 +111,28 @@ def q4tc_preferred(qw) -> bool:
 
 def q4tc_rows(qw, m: int) -> bool:
     """Whether m (>= 2) rows of x take triton_q4tc (on `tc`, built at load or by
-    `QuantWeight.add_batch_copy`): up to 2 launches (16 rows; 8 for group 32). H200
-    (q4tc_probe.py --rows, us per call at 8 rows): 8B gate_up 27.3 vs tinygemm 81.6 and the
-    fused GEMM 83.9, 8B down 22.2 vs 42.6 / 39.0, 0.6B LM head 39.8 vs 109.8 / 96.0; faster at
-    2 and 4 rows too on every 8B / 0.6B shape. Env `MLXR_Q4TC_ROWS=0` (read at every call,
-    and at `add_batch_copy`) keeps 2+ rows on the paths below."""
+    `QuantWeight.add_batch_copy`). H200 (q4tc_probe.py --rows, us per call against tinygemm
+    and the fused GEMM): one launch (2-8 rows; 2-4 for group 32) wins on every 8B / 0.6B
+    shape (at 8 rows: 8B gate_up 27.3 vs 81.6 / 83.9, down 22.2 vs 42.6 / 39.0, 0.6B o 4.7
+    vs 5.5 / 7.2, 0.6B LM head 39.8 vs 109.8 / 96.0). Two launches (9-16; 5-8) only on the
+    tall matrices (N > 4096: 8B gate_up at 16 rows 51.1 vs 137.4 / 78.5, qkv 19.5 vs 36.4 /
+    24.0); on the 4096-row ones the fused GEMM (8B o 16.4 vs 20.8) or tinygemm (0.6B o 5.7 vs
+    7.8, down 7.6 vs 10.5) is faster. Env `MLXR_Q4TC_ROWS=0` (read at every call, and at
+    `add_batch_copy`) keeps 2+ rows on the paths below."""
     from ..ops import triton_q4tc
 
-    return (qw.tc is not None and 2 <= m <= 2 * triton_q4tc.max_rows(qw.spec.group_size)
+    most = triton_q4tc.max_rows(qw.spec.group_size)
+    return (qw.tc is not None and 2 <= m <= 2 * most
+            and (m <= most or qw.out_features > 4096)
             and os.environ.get("MLXR_Q4TC_ROWS", "") != "0")
+
+
+def tinygemm_rows(qw) -> bool:
+    """Whether tinygemm serves the batching engine's 9-32 rows of a weight that has q4tc's
+    copy: where neither q4tc (N <= 4096) nor the fused GEMM (min(N, K) < 4096) takes them,
+    i.e. the squarish matrices of small models (0.6B qkv, o, down: ~0.2 GB)."""
+    return (tinygemm_supported(qw) and qw.out_features <= 4096
+            and min(qw.out_features, qw.in_features) < FUSED_MIN_DIM)
 
 
 def q4tc_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tensor, Tensor]:

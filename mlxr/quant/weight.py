@@ -138,30 +138,30 @@ class QuantWeight:
         return self
 
     def add_batch_copy(self) -> int:
-        """Build the copy that decode of several rows reads (`mlxr.quant.cuda`), if this
-        weight takes one and has none; returns the bytes added. Where triton_q4tc serves the
+        """Build the copies that decode of several rows reads (`mlxr.quant.cuda`) where this
+        weight takes them and has none; returns the bytes added. Where triton_q4tc serves the
         weight: its repack `tc` (2-16 rows; only the squarish weights whose single row takes
-        q4gemv lack it, ~0.27 GB on a Llama-8B 4-bit); else tinygemm's (2-32 rows; also with
-        env MLXR_Q4TC_ROWS=0 or MLXR_Q4GEMV=0). At load it is built only where neither q4gemv
-        nor q4tc serves single-row decode: a single request's prompts of 2-16 tokens take
-        `tc` or the prefill paths. The batching engine (`LLMEngine`) asks for it before it
-        sizes the KV pool and captures its graphs."""
+        q4gemv lack it, ~0.27 GB on a Llama-8B 4-bit), plus tinygemm's where
+        `cuda.tinygemm_rows` (9-32 rows of small squarish weights); else tinygemm's (2-32
+        rows; also with env MLXR_Q4TC_ROWS=0 or MLXR_Q4GEMV=0). At load only tinygemm's is
+        built, and only where neither q4gemv nor q4tc serves single-row decode. The batching
+        engine (`LLMEngine`) asks before it sizes the KV pool and captures its graphs."""
         if not self.matmul or self.packed is None or self.device.type != "cuda":
             return 0
-        if (os.environ.get("MLXR_Q4TC_ROWS") != "0" and os.environ.get("MLXR_Q4GEMV") != "0"
-                and cuda.q4tc_supported(self)):
-            if self.tc is not None:
-                return 0
+        added = []
+        tc = (os.environ.get("MLXR_Q4TC_ROWS") != "0" and os.environ.get("MLXR_Q4GEMV") != "0"
+              and cuda.q4tc_supported(self))
+        if tc and self.tc is None:
             self.tc, sb = cuda.q4tc_pack(self.packed, self.scales, self.biases)
-            added = [self.tc]
+            added.append(self.tc)
             if self.q4_sb is None:
                 self.q4_sb = sb
                 added.append(sb)
-            return sum(t.numel() * t.element_size() for t in added)
-        if self.i4 is not None or not cuda.tinygemm_supported(self):
-            return 0
-        self.i4, self.i4_sz = cuda.tinygemm_pack(self.packed, self.scales, self.biases)
-        return sum(t.numel() * t.element_size() for t in (self.i4, self.i4_sz))
+        if (self.i4 is None and cuda.tinygemm_supported(self)
+                and (not tc or cuda.tinygemm_rows(self))):
+            self.i4, self.i4_sz = cuda.tinygemm_pack(self.packed, self.scales, self.biases)
+            added += [self.i4, self.i4_sz]
+        return sum(t.numel() * t.element_size() for t in added)
 
     # ------------------------------------------------------------------ properties
     @property
