@@ -1,6 +1,6 @@
 """Workbench for the tensor-core decode GEMV (`mlxr.ops.triton_q4tc`).
 
-    PYTHONPATH=. python benchmarks/q4tc_probe.py [K GROUP RT U WARPS PF STAGES]   # offline, sm_90
+    PYTHONPATH=. python benchmarks/q4tc_probe.py [K GROUP RT U WARPS PF STAGES [pdl]]  # offline
     cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --gpu [--tma|--wide] [8b|0.6b]
     cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --rows 2,4,8 [8b|0.6b]
 
@@ -51,7 +51,7 @@ def offline(k: int, group: int, rt: int, u: int, nw: int, pf: int, stages: int) 
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "w_desc": desc, "sb_ptr": "*bf16",
            "y_ptr": "*bf16", "xaddr": "i64", "sbaddr": "i64", "NRT": "i32"}
     const = dict(K=k, GROUP=group, RT=rt, WT=cfg.wt, PF=pf, STAGES=stages, M=1, F16=False,
-                 INTERP=False)
+                 GDC=len(sys.argv) > 8, INTERP=False)  # an 8th argument: the PDL variant
     if not stages:
         const["w_desc"] = None
     ck = compile_sm90(T._q4tc_kernel, sig, const, nw, max(stages, 1))
@@ -182,7 +182,7 @@ def main(argv: list[str]) -> None:
         sweep = TMA if "--tma" in argv else WIDE if "--wide" in argv else LAUNCHES
         argv = [a for a in argv if a not in ("--tma", "--wide")]
         return gpu(argv[1] if len(argv) > 1 else "", sweep)
-    k, group, rt, u, nw, pf, st = (int(a) for a in argv) if argv else (4096, 64, 2, 2, 4, 1, 0)
+    k, group, rt, u, nw, pf, st = (int(a) for a in argv[:7]) if argv else (4096, 64, 2, 2, 4, 1, 0)
     offline(k, group, rt, u, nw, pf, st)
 
 

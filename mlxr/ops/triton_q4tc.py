@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .triton_fused import HAVE_TRITON, _hopper, _interpret
+from .triton_fused import HAVE_TRITON, _hopper, _interpret, pdl
 
 if HAVE_TRITON:
     import triton
@@ -204,12 +204,13 @@ if HAVE_TRITON:
     def _q4tc_kernel(x_ptr, w_ptr, w_desc, sb_ptr, y_ptr, xaddr, sbaddr, NRT,
                      K: tl.constexpr, GROUP: tl.constexpr, RT: tl.constexpr, WT: tl.constexpr,
                      PF: tl.constexpr, STAGES: tl.constexpr, M: tl.constexpr,
-                     F16: tl.constexpr, INTERP: tl.constexpr):
+                     F16: tl.constexpr, GDC: tl.constexpr, INTERP: tl.constexpr):
         """y [M, N] for row tiles pid * RT .. + RT (16 rows each) of x [M, K] (M = 1, 2, 4, 8:
         the B columns are M rows of x x GPW = 8 / M group slots, so a window holds GPW
         slots). STAGES > 0: the word tiles come through shared memory by TMA (w_desc over the
         words as [NRT, 2K / 256, 256]), which Triton's pipeliner keeps STAGES deep in flight;
-        else by register loads PF ahead."""
+        else by register loads PF ahead. GDC: launched with PDL (`triton_fused.pdl`; register
+        loads only)."""
         pid = tl.program_id(0)
         NS: tl.constexpr = WT // 128  # blocks (of 64 codes) per iteration
         NU: tl.constexpr = WT // 4  # lanes x slots
@@ -240,9 +241,12 @@ if HAVE_TRITON:
             w = tl.load(wp, mask=rm, other=0, cache_modifier=".cg")
             if PF == 2:
                 w1 = tl.load(wp + WT, mask=rm & (1 < NT), other=0, cache_modifier=".cg")
-        x0, x1, x2, x3 = _ldx(x_ptr, xaddr, xo, ls == 0, ls == CPB - 1, INTERP)
         sb0, sb1, sb2, sb3 = _sb4(sb_ptr, sbaddr, rt, lg, tig, slot, rm, 0, NT, NS, CPB,
                                   GROUP, NG, GPW, INTERP)
+        if GDC:  # launched early (PDL): the weights above stream in while the previous grid
+            # finishes; x and the output are touched only after it completed
+            tl.extra.cuda.gdc_wait()
+        x0, x1, x2, x3 = _ldx(x_ptr, xaddr, xo, ls == 0, ls == CPB - 1, INTERP, GDC)
         a0 = tl.zeros([RT, NU], dtype=tl.float32)
         a1 = tl.zeros([RT, NU], dtype=tl.float32)
         a2 = tl.zeros([RT, NU], dtype=tl.float32)
@@ -264,7 +268,7 @@ if HAVE_TRITON:
             jn = ((it + 1) % W) * CPB
             ok = it + 1 < NT
             n0, n1, n2, n3 = _ldx(x_ptr, xaddr, xo + (it + 1) * (NS * 16), (ls == jn) & ok,
-                                  (ls == jn + CPB - 1) & ok, INTERP)
+                                  (ls == jn + CPB - 1) & ok, INTERP, GDC)
             q0, q1, q2, q3 = _split4(w, NU)
             a0, a1, a2, a3 = _mma4(q0, q1, q2, q3, x0, x1, x2, x3, a0, a1, a2, a3, RT, NU,
                                    F16, INTERP)
@@ -365,10 +369,12 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
 
         desc = TensorDescriptor(words.view(nrt, k2 // 256, 256), [nrt, k2 // 256, 256],
                                 [k2, 256, 1], [cfg.rt, cfg.wt // 256, 256])
+    gdc = not stages and pdl(x.device)  # opt-in MLXR_PDL=1: the word tiles before the wait
     _q4tc_kernel[(triton.cdiv(nrt, cfg.rt),)](
         xm, words, desc, sb, y, xm.data_ptr(), sb.data_ptr(), nrt, K=k, GROUP=group,
         RT=cfg.rt, WT=cfg.wt, PF=cfg.pf, STAGES=stages, M=mp, F16=x.dtype == torch.float16,
-        INTERP=_interpret(), num_warps=cfg.num_warps, num_stages=max(stages, 1))
+        GDC=gdc, INTERP=_interpret(), num_warps=cfg.num_warps, num_stages=max(stages, 1),
+        **({"launch_pdl": True} if gdc else {}))
     if mp != m:
         y = y[:m]
         if out is not None:

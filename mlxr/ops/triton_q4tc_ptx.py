@@ -59,8 +59,9 @@ def _asm_ones4(ty: str) -> str:
 
 
 # a lane's x: 16 bytes at $4 (steps 0, 1) where $6 is set and 16 bytes at $5 (steps 2, 3)
-# where $7 is set; zeros elsewhere
-_LDX = """{
+# where $7 is set; zeros elsewhere. {nc}: the read-only path, or `.cg` where x may be written
+# by a grid still running when this one starts (PDL)
+_LDX = """{{
 .reg .pred p, q;
 setp.ne.b32 p, $6, 0;
 setp.ne.b32 q, $7, 0;
@@ -68,9 +69,9 @@ mov.b64 $0, 0;
 mov.b64 $1, 0;
 mov.b64 $2, 0;
 mov.b64 $3, 0;
-@p ld.global.nc.v2.b64 {$0, $1}, [$4];
-@q ld.global.nc.v2.b64 {$2, $3}, [$5];
-}"""
+@p ld.global.{nc}.v2.b64 {{$0, $1}}, [$4];
+@q ld.global.{nc}.v2.b64 {{$2, $3}}, [$5];
+}}"""
 # one 32-bit (scale, bias) pair at $1 where $2 is set, else 0
 _LD32 = """{
 .reg .pred p;
@@ -85,7 +86,8 @@ if HAVE_TRITON:
     MMA4_F16 = tl.constexpr(_asm_mma4("f16"))
     ONES4_BF16 = tl.constexpr(_asm_ones4("bf16"))
     ONES4_F16 = tl.constexpr(_asm_ones4("f16"))
-    LDX = tl.constexpr(_LDX)
+    LDX = tl.constexpr(_LDX.format(nc="nc"))
+    LDX_CG = tl.constexpr(_LDX.format(nc="cg"))
     LD32 = tl.constexpr(_LD32)
 
     @triton.jit
@@ -165,9 +167,10 @@ if HAVE_TRITON:
                 [x0, x1, x2, x3, c0, c1], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
 
     @triton.jit
-    def _ldx(x_ptr, xaddr, xo, on0, on1, INTERP: tl.constexpr):
+    def _ldx(x_ptr, xaddr, xo, on0, on1, INTERP: tl.constexpr, GDC: tl.constexpr = False):
         """A lane's masked x (int64: 4 values) for steps 0-3 at int64 offsets xo, xo + 1 (where
-        on0) and xo + 8, xo + 9 (where on1): one 16-byte load per pair on the GPU."""
+        on0) and xo + 8, xo + 9 (where on1): one 16-byte load per pair on the GPU. GDC (a PDL
+        launch): through L2 (`.cg`), and not pure, so it stays after `griddepcontrol.wait`."""
         if INTERP:
             xi = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + xo
             return (tl.load(xi, mask=on0, other=0), tl.load(xi + 1, mask=on0, other=0),
@@ -175,8 +178,9 @@ if HAVE_TRITON:
         else:
             a = xaddr + xo.to(tl.int64) * 8
             return tl.inline_asm_elementwise(
-                LDX, "=l,=l,=l,=l,l,l,r,r", [a, a + 64, on0.to(tl.int32), on1.to(tl.int32)],
-                dtype=(tl.int64, tl.int64, tl.int64, tl.int64), is_pure=True, pack=1)
+                LDX_CG if GDC else LDX, "=l,=l,=l,=l,l,l,r,r",
+                [a, a + 64, on0.to(tl.int32), on1.to(tl.int32)],
+                dtype=(tl.int64, tl.int64, tl.int64, tl.int64), is_pure=not GDC, pack=1)
 
     @triton.jit
     def _ld32(p_ptr, paddr, idx, on, INTERP: tl.constexpr):
