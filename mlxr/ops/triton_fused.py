@@ -62,11 +62,12 @@ def pdl(device: torch.device) -> bool:
     """Programmatic dependent launch for the single-request decode chain, opt-in (env
     MLXR_PDL=1, read at every call, i.e. when a CUDA graph is captured): the norm, gated-act
     and attention-combine kernels let the next grid launch early
-    (`griddepcontrol.launch_dependents`), and `triton_q4gemv` launches with PDL, streams its
-    first weight tile, then waits for that grid (`griddepcontrol.wait`: all its writes
-    visible) before touching anything else. Hopper and later, never in the interpreter.
-    H200 (docs/perf.md): greedy tokens and logits bit-identical, but decode only +1.4%
-    (Qwen3-0.6B) / -1% (Llama-8B), so off by default."""
+    (`griddepcontrol.launch_dependents`), and `triton_q4gemv` / `triton_q4tc` launch with
+    PDL, stream their first weight tile, then wait for that grid (`griddepcontrol.wait`: all
+    its writes visible) before touching anything else. Hopper and later, never in the
+    interpreter. H200 (docs/perf.md): greedy tokens and logits bit-identical, but decode
+    with q4gemv +1.4% (Qwen3-0.6B) / -1% (Llama-8B), with q4tc a tie / -2.2%, so off by
+    default."""
     return (device.type == "cuda" and not _interpret() and os.environ.get("MLXR_PDL", "") == "1"
             and _hopper(device.index if device.index is not None else torch.cuda.current_device()))
 
@@ -76,7 +77,8 @@ def _p2(n: int) -> int:
 
 
 def _warps(elems: int) -> int:
-    return 1 if elems <= 256 else 2 if elems <= 512 else 4 if elems <= 2048 else 8 if elems <= 8192 else 16
+    return (1 if elems <= 256 else 2 if elems <= 512 else 4 if elems <= 2048
+            else 8 if elems <= 8192 else 16)
 
 
 if HAVE_TRITON:

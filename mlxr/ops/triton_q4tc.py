@@ -26,9 +26,13 @@ small programs, each with its whole tile of words in flight):
   `benchmarks/q4tc_probe.py` prints the layouts and the SASS offline.
 * Loads run ahead of their use: the words `pf` iterations in registers (or `stages` deep
   through shared memory by TMA), x one iteration, the pairs one window. Measured
-  (docs/perf.md): 3-16% faster than q4gemv on the tall and long matrices (8B gate_up 22.1 vs
-  26.0 us, LM head 81.6 vs 96.6, down with TMA 17.0 vs 19.2), slower on the squarish ones of
-  <= 4096 rows, which keep q4gemv (`mlxr.quant.cuda.q4tc_preferred`).
+  (docs/perf.md): 1-23% faster than q4gemv on the tall, the long and the 4096 x 4096
+  matrices (8B gate_up 22.1 vs 26.0 us, LM head 81.6 vs 96.6, down with 16 warps 16.3 vs
+  18.8, o 6.1 vs 6.4), slower on the smaller squarish ones, which keep q4gemv
+  (`mlxr.quant.cuda.q4tc_preferred`).
+* Several rows of x (batched decode, short prompts) share the words: the B columns are rows
+  x 8/M group slots. At 2-8 rows it is 1.1-3.0x faster than tinygemm and the fused GEMM at
+  the 8B / 0.6B shapes (`mlxr.quant.cuda.q4tc_rows`).
 
 `q4tc_ref` is the plain-torch twin with the same signature (the tests' oracle).
 """

@@ -5,16 +5,19 @@
   measured faster, else `mlxr.ops.triton_q4gemv` (on `q4`); both read the scales and biases
   repacked into pairs (`q4_sb`). H200 (benchmarks/gpu_q4gemv_sweep.py, q4tc_probe.py): q4gemv
   beats tinygemm at every Llama-8B / Qwen3-0.6B shape (8B gate_up 26.0 vs 38.9 us, LM head
-  92.4 vs 150.6 us), q4tc beats q4gemv on the tall and the long matrices (8B gate_up 22.1 vs
-  26.0 us, LM head 81.6 vs 96.6). Env `MLXR_Q4TC=0` at load builds q4gemv's copy everywhere;
-  `MLXR_Q4GEMV=0` (read at every call) sends M = 1 to tinygemm (set at load, it also makes the
-  load build tinygemm's copy).
-- decode of 2-32 rows (2-7 on the weights the fused GEMM below takes from 8 rows), affine
-  4-bit: torch's tinygemm kernel (`_weight_int4pack_mm`), fed by a one-time repack of the
-  mlx codes (nibble order swapped, torch's tiled layout). It computes `x @ ((q - 8) * s +
-  z)^T` per group, so mlx's `w = s*q + b` maps to `z = b + 8*s`. The copy
-  is built at load only where q4gemv does not serve M = 1, else by the batching engine
-  (`QuantWeight.add_batch_copy`); without it 2-32 rows take the prefill paths below.
+  92.4 vs 150.6 us), q4tc beats q4gemv on the tall, the long and the 4096 x 4096 matrices
+  (8B gate_up 22.1 vs 26.0 us, LM head 81.6 vs 96.6). Env `MLXR_Q4TC=0` at load builds
+  q4gemv's copy everywhere; `MLXR_Q4GEMV=0` (read at every call) sends M = 1 to tinygemm (set
+  at load, it also makes the load build tinygemm's copy).
+- decode of 2-16 rows (2-8 on the 4096-row matrices; half that for group 32), affine 4-bit:
+  `triton_q4tc` on `tc` (`q4tc_rows`; launches of 8 rows). The batching engine
+  (`QuantWeight.add_batch_copy`) builds `tc` where a weight has only q4gemv's copy.
+- the other rows up to 32, affine 4-bit bf16: torch's tinygemm kernel
+  (`_weight_int4pack_mm`) where its copy exists: a one-time repack of the mlx codes (nibble
+  order swapped, torch's tiled layout). It computes `x @ ((q - 8) * s + z)^T` per group, so
+  mlx's `w = s*q + b` maps to `z = b + 8*s`. The copy is built at load only where neither
+  q4gemv nor q4tc serves M = 1, and by the batching engine only where `tinygemm_rows` (or
+  with `MLXR_Q4TC_ROWS=0`); without it these rows take the prefill paths below.
 - prefill and large decode batches (M > 16; > 32 for 4-bit), affine 2/3/4/5/6/8-bit: one
   Triton pass (`triton_dequant.dequant_affine`) dequantizes the packed words to a bf16 scratch
   matrix (4-bit: read 0.5 B, write 2 B per weight), then cuBLAS does the GEMM on tensor

@@ -140,8 +140,8 @@ class QuantWeight:
     def add_batch_copy(self) -> int:
         """Build the copies that decode of several rows reads (`mlxr.quant.cuda`) where this
         weight takes them and has none; returns the bytes added. Where triton_q4tc serves the
-        weight: its repack `tc` (2-16 rows; only the squarish weights whose single row takes
-        q4gemv lack it, ~0.27 GB on a Llama-8B 4-bit), plus tinygemm's where
+        weight: its repack `tc` (2-16 rows; only the small squarish weights whose single row
+        takes q4gemv lack it, e.g. Qwen3-0.6B's o projections), plus tinygemm's where
         `cuda.tinygemm_rows` (9-32 rows of small squarish weights); else tinygemm's (2-32
         rows; also with env MLXR_Q4TC_ROWS=0 or MLXR_Q4GEMV=0). At load only tinygemm's is
         built, and only where neither q4gemv nor q4tc serves single-row decode. The batching
