@@ -45,13 +45,14 @@ WIDE = ((1, 1, 16, 1, 0), (1, 1, 16, 2, 0), (1, 1, 16, 1, 4), (1, 2, 16, 1, 4),
         (1, 1, 32, 1, 0), (1, 1, 32, 1, 4), (2, 1, 16, 1, 0), (2, 1, 16, 1, 4), (1, 1, 4, 2, 0))
 
 
-def offline(k: int, group: int, rt: int, u: int, nw: int, pf: int, stages: int) -> None:
+def offline(k: int, group: int, rt: int, u: int, nw: int, pf: int, stages: int,
+            gdc: bool = False) -> None:
     cfg = T.TcConfig(rt=rt, u=u, num_warps=nw, pf=pf, stages=stages)
     desc = f"tensordesc<i32[{rt}, {cfg.wt // 256}, 256]>" if stages else "constexpr"
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "w_desc": desc, "sb_ptr": "*bf16",
            "y_ptr": "*bf16", "xaddr": "i64", "sbaddr": "i64", "NRT": "i32"}
     const = dict(K=k, GROUP=group, RT=rt, WT=cfg.wt, PF=pf, STAGES=stages, M=1, F16=False,
-                 GDC=len(sys.argv) > 8, INTERP=False)  # an 8th argument: the PDL variant
+                 GDC=gdc, INTERP=False)
     if not stages:
         const["w_desc"] = None
     ck = compile_sm90(T._q4tc_kernel, sig, const, nw, max(stages, 1))
@@ -182,8 +183,8 @@ def main(argv: list[str]) -> None:
         sweep = TMA if "--tma" in argv else WIDE if "--wide" in argv else LAUNCHES
         argv = [a for a in argv if a not in ("--tma", "--wide")]
         return gpu(argv[1] if len(argv) > 1 else "", sweep)
-    k, group, rt, u, nw, pf, st = (int(a) for a in argv[:7]) if argv else (4096, 64, 2, 2, 4, 1, 0)
-    offline(k, group, rt, u, nw, pf, st)
+    nums = [int(a) for a in argv if a != "pdl"] or [4096, 64, 2, 2, 4, 1, 0]
+    offline(*nums, gdc="pdl" in argv)  # pdl: the variant launched with PDL
 
 
 if __name__ == "__main__":
