@@ -133,7 +133,7 @@ def q4tc_rows(qw, m: int) -> bool:
 def tinygemm_rows(qw) -> bool:
     """Whether tinygemm serves the batching engine's 9-32 rows of a weight that has q4tc's
     copy: where neither q4tc (N <= 4096) nor the fused GEMM (min(N, K) < 4096) takes them,
-    i.e. the squarish matrices of small models (0.6B qkv, o, down: ~0.2 GB)."""
+    i.e. the squarish matrices of small models (0.6B qkv, o, down: ~0.15 GB)."""
     return (tinygemm_supported(qw) and qw.out_features <= 4096
             and min(qw.out_features, qw.in_features) < FUSED_MIN_DIM)
 
