@@ -131,11 +131,11 @@ def q4tc_rows(qw, m: int) -> bool:
 
 
 def tinygemm_rows(qw) -> bool:
-    """Whether tinygemm serves the batching engine's 9-32 rows of a weight that has q4tc's
-    copy: where neither q4tc (N <= 4096) nor the fused GEMM (min(N, K) < 4096) takes them,
-    i.e. the squarish matrices of small models (0.6B qkv, o, down: ~0.15 GB)."""
-    return (tinygemm_supported(qw) and qw.out_features <= 4096
-            and min(qw.out_features, qw.in_features) < FUSED_MIN_DIM)
+    """Whether the batching engine's 9-32 rows of a weight that has q4tc's copy want
+    tinygemm's too (where `tinygemm_supported`): where neither q4tc (N <= 4096) nor the fused
+    GEMM (min(N, K) < 4096) takes them, i.e. the squarish matrices of small models (0.6B
+    qkv, o, down: ~0.15 GB)."""
+    return qw.out_features <= 4096 and min(qw.out_features, qw.in_features) < FUSED_MIN_DIM
 
 
 def q4tc_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tensor, Tensor]:
