@@ -326,10 +326,28 @@ def test_embed_rows(mode, bits, group, out_f, in_f, cd):
         Q.embed(torch.tensor([out_f]))
 
 
+@pytest.mark.parametrize("blk", [64, 32])
+def test_int4_block_layouts_decode(monkeypatch, blk):
+    """Both layouts torch's CPU int4 pack uses (AVX-512: 64-row blocks, AVX2: 32-row blocks;
+    bytes [N/blk, K, blk/2], low nibble row r, high nibble row r + blk/2), built here by hand
+    so that both are checked on any CPU: rows and gathered rows decode to the codes."""
+    from mlxr.quant import int4pack
+
+    g = torch.Generator().manual_seed(blk)
+    n, k = 192, 48
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    c = codes.view(n // blk, 2, blk // 2, k)  # [block, nibble, row in half, K]
+    packed = (c[:, 0] | (c[:, 1] << 4)).transpose(1, 2).contiguous()  # [N/blk, K, blk/2]
+    monkeypatch.setattr(int4pack, "block", lambda: blk)
+    assert torch.equal(int4pack.decode_rows(packed, k, 64, 192), codes[64:])
+    ids = torch.tensor([0, 15, 16, 31, 32, 63, 64, 100, 191])
+    assert torch.equal(int4pack.decode_gather(packed, k, ids), codes[ids])
+
+
 def test_int4_layout_decode_matches_codes():
-    """Rows decode from torch's int4 CPU layout where this torch build packs the layout
-    `int4pack.decode_rows` reads (no second copy); where it packs another one (the layout
-    follows the CPU's ISA: AVX-512 and AVX2 builds differ) the MLX words are kept for it."""
+    """Rows decode from torch's int4 CPU layout where this torch build packs a layout
+    `int4pack.decode_rows` reads (no second copy: the 64- or 32-row blocks of the AVX-512 and
+    AVX2 builds); where it packs another one the MLX words are kept for it."""
     from mlxr.quant import int4pack
 
     Q, _, (qw, _, _) = build("affine", 4, 64, 192, 256, 5, torch.bfloat16)

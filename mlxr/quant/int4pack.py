@@ -5,10 +5,11 @@ The kernel computes `x @ ((q - 8) * scale + zero)^T` per group, so mlx's `w = s*
 torch 2.13 CPU: x/scales bf16, N (out_features) divisible by 16, group size 32/64/128/256, K a
 multiple of the group size.
 
-The packed layout is an implementation detail of torch (ISA dependent). For N % 64 == 0 the
-AVX-512 build uses bytes `[N/64, K, 32]`, low nibble = row r, high nibble = row r+32 of each
-64-row block. We verify that layout once with a probe and, when it holds, decode codes from the
-packed tensor (for prefill tiles and embedding rows) instead of keeping a second copy.
+The packed layout is an implementation detail of torch that follows the CPU's ISA. For N % 64
+== 0 the AVX-512 build uses bytes `[N/64, K, 32]` (low nibble = row r, high nibble = row r + 32
+of each 64-row block), the AVX2 build `[N/32, K, 16]` (rows r and r + 16 of 32-row blocks). A
+probe finds the block once (`block`); when one of them holds, codes are decoded from the packed
+tensor (for prefill tiles and embedding rows) instead of keeping a second copy.
 """
 
 from __future__ import annotations
@@ -47,37 +48,51 @@ def mm(x: Tensor, packed: Tensor, group_size: int, sz: Tensor) -> Tensor:
     return torch._weight_int4pack_mm_for_cpu(x, packed, group_size, sz)
 
 
-def _decode_blocks(packed: Tensor, k: int, b0: int, b1: int) -> Tensor:
-    p = packed.view(-1, k, 32)[b0:b1]  # [nb, K, 32]
-    both = torch.stack([p & 15, p >> 4], dim=2)  # [nb, K, 2, 32]
-    return both.reshape(b1 - b0, k, 64).transpose(1, 2).reshape((b1 - b0) * 64, k)
+def _decode_blocks(packed: Tensor, k: int, b0: int, b1: int, blk: int) -> Tensor:
+    """Codes uint8 [(b1 - b0) * blk, K] of blocks b0..b1 of `blk` rows."""
+    p = packed.view(-1, k, blk // 2)[b0:b1]  # [nb, K, blk/2]
+    both = torch.stack([p & 15, p >> 4], dim=2)  # [nb, K, 2, blk/2]
+    return both.reshape(b1 - b0, k, blk).transpose(1, 2).reshape((b1 - b0) * blk, k)
 
 
-def decode_rows(packed: Tensor, k: int, r0: int, r1: int) -> Tensor:
-    """Codes uint8 [r1-r0, K] of rows r0..r1 (both multiples of 64)."""
-    return _decode_blocks(packed, k, r0 // 64, r1 // 64)
-
-
-def decode_gather(packed: Tensor, k: int, ids: Tensor) -> Tensor:
-    """Codes uint8 [len(ids), K] of arbitrary rows."""
-    p = packed.view(-1, k, 32)
-    c = ids % 64
-    b = p[ids // 64, :, c % 32]  # [n, K]
-    return (b >> (4 * (c >= 32).to(torch.uint8)).unsqueeze(1)) & 15
+def _gather(packed: Tensor, k: int, ids: Tensor, blk: int) -> Tensor:
+    p = packed.view(-1, k, blk // 2)
+    c = ids % blk
+    b = p[ids // blk, :, c % (blk // 2)]  # [n, K]
+    return (b >> (4 * (c >= blk // 2).to(torch.uint8)).unsqueeze(1)) & 15
 
 
 @functools.cache
-def layout_ok() -> bool:
-    """True if this torch build packs N%64==0 weights in the layout `decode_rows` reads."""
+def block() -> int:
+    """Rows per block of the layout this torch build packs (N % 64 == 0): 64 or 32, or 0 if
+    it is neither (then the caller keeps its own copy of the codes)."""
     if not available():
-        return False
+        return 0
     try:
         g = torch.Generator().manual_seed(0)
         codes = torch.randint(0, 16, (128, 96), generator=g, dtype=torch.uint8)
         p = pack(codes)
-        ids = torch.tensor([0, 31, 32, 63, 64, 100, 127])
-        return (p.dtype == torch.uint8 and p.numel() * 2 == codes.numel()
-                and torch.equal(decode_rows(p, 96, 0, 128), codes)
-                and torch.equal(decode_gather(p, 96, ids), codes[ids]))
+        ids = torch.tensor([0, 15, 16, 31, 32, 63, 64, 100, 127])
+        if p.dtype != torch.uint8 or p.numel() * 2 != codes.numel():
+            return 0
+        return next((blk for blk in (64, 32)
+                     if torch.equal(_decode_blocks(p, 96, 0, 128 // blk, blk), codes)
+                     and torch.equal(_gather(p, 96, ids, blk), codes[ids])), 0)
     except Exception:  # noqa: BLE001 - any failure means "don't rely on the layout"
-        return False
+        return 0
+
+
+def layout_ok() -> bool:
+    """True if this torch build packs N % 64 == 0 weights in a layout `decode_rows` reads."""
+    return block() > 0
+
+
+def decode_rows(packed: Tensor, k: int, r0: int, r1: int) -> Tensor:
+    """Codes uint8 [r1-r0, K] of rows r0..r1 (both multiples of 64)."""
+    blk = block()
+    return _decode_blocks(packed, k, r0 // blk, r1 // blk, blk)
+
+
+def decode_gather(packed: Tensor, k: int, ids: Tensor) -> Tensor:
+    """Codes uint8 [len(ids), K] of arbitrary rows."""
+    return _gather(packed, k, ids, block())
