@@ -126,8 +126,7 @@ def q4tc_rows(qw, m: int) -> bool:
 
     most = triton_q4tc.max_rows(qw.spec.group_size)
     return (qw.tc is not None and 2 <= m <= 2 * most
-            and (m <= most or qw.out_features > 4096)
-            and os.environ.get("MLXR_Q4TC_ROWS", "") != "0")
+            and (m <= most or qw.out_features > 4096) and several_rows_on())
 
 
 def tinygemm_rows(qw) -> bool:
@@ -138,11 +137,20 @@ def tinygemm_rows(qw) -> bool:
     return qw.out_features <= 4096 and min(qw.out_features, qw.in_features) < FUSED_MIN_DIM
 
 
-def q4tc_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tensor, Tensor]:
-    """The load-time copies triton_q4tc reads: lane-ordered words, (scale, bias) pairs."""
+def q4tc_pack(packed: Tensor, scales: Tensor, biases: Tensor,
+              sb: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The load-time copies triton_q4tc reads: lane-ordered words, (scale, bias) pairs (`sb`
+    where the weight already has q4gemv's: the same pairs)."""
     from ..ops import triton_q4gemv, triton_q4tc
 
-    return triton_q4tc.repack(packed), triton_q4gemv.pair_scales(scales, biases)
+    return triton_q4tc.repack(packed), (triton_q4gemv.pair_scales(scales, biases)
+                                        if sb is None else sb)
+
+
+def several_rows_on() -> bool:
+    """Env `MLXR_Q4TC_ROWS=0` keeps several rows off q4tc (`q4tc_rows`,
+    `QuantWeight.add_batch_copy`)."""
+    return os.environ.get("MLXR_Q4TC_ROWS", "") != "0"
 
 
 def q4gemv_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tensor, Tensor]:

@@ -149,14 +149,13 @@ class QuantWeight:
         if not self.matmul or self.packed is None or self.device.type != "cuda":
             return 0
         added = []
-        tc = (os.environ.get("MLXR_Q4TC_ROWS") != "0" and os.environ.get("MLXR_Q4GEMV") != "0"
+        tc = (cuda.several_rows_on() and os.environ.get("MLXR_Q4GEMV") != "0"
               and cuda.q4tc_supported(self))
         if tc and self.tc is None:
-            self.tc, sb = cuda.q4tc_pack(self.packed, self.scales, self.biases)
-            added.append(self.tc)
-            if self.q4_sb is None:
-                self.q4_sb = sb
-                added.append(sb)
+            had = self.q4_sb is not None  # q4gemv's pairs are q4tc's too
+            self.tc, self.q4_sb = cuda.q4tc_pack(self.packed, self.scales, self.biases,
+                                                 self.q4_sb)
+            added += [self.tc] if had else [self.tc, self.q4_sb]
         if (self.i4 is None and cuda.tinygemm_supported(self)
                 and (not tc or cuda.tinygemm_rows(self))):
             self.i4, self.i4_sz = cuda.tinygemm_pack(self.packed, self.scales, self.biases)
