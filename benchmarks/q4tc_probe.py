@@ -1,7 +1,7 @@
 """Workbench for the tensor-core decode GEMV (`mlxr.ops.triton_q4tc`).
 
-    PYTHONPATH=. python benchmarks/q4tc_probe.py [K GROUP RT U WARPS PF STAGES [pdl]]  # offline
-    cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --gpu [--tma|--wide] [8b|0.6b]
+    PYTHONPATH=. python benchmarks/q4tc_probe.py [K GROUP RT U WARPS PF STAGES [UNROLL] [pdl]]
+    cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --gpu [--tma|--wide|--deep] [8b|0.6b]
     cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --rows 2,4,8 [8b|0.6b]
 
 Offline (no GPU): compiles the kernel for sm_90 with Triton's ptxas, prints the layouts from
@@ -43,15 +43,26 @@ TMA = tuple(c + (1, st) for st in (2, 4) for c in ((1, 1, 4), (2, 1, 4), (4, 1, 
 # 16-row programs number only 256), registers or TMA
 WIDE = ((1, 1, 16, 1, 0), (1, 1, 16, 2, 0), (1, 1, 16, 1, 4), (1, 2, 16, 1, 4),
         (1, 1, 32, 1, 0), (1, 1, 32, 1, 4), (2, 1, 16, 1, 0), (2, 1, 16, 1, 4), (1, 1, 4, 2, 0))
+# --deep: more word bytes in flight per SM (Nsight Compute: the warps stall on the word loads,
+# and on the moves that rotate a prefetched tile into place, which wait for its load):
+# (rt, u, warps, pf, stages, unroll, maxnreg): two blocks per warp and iteration, two
+# tiles in flight with the loop unrolled twice (they swap registers instead of moving),
+# deeper TMA rings, registers capped so two 16-warp programs fit per SM
+DEEP = ((1, 2, 16, 1, 0, 1, 0), (1, 2, 16, 1, 0, 1, 64), (1, 2, 8, 1, 0, 1, 0),
+        (1, 2, 8, 2, 0, 1, 0), (1, 1, 16, 2, 0, 2, 0), (1, 1, 8, 2, 0, 2, 0),
+        (1, 1, 16, 1, 6, 1, 0),
+        (1, 1, 16, 1, 8, 1, 0), (1, 1, 8, 1, 8, 1, 0), (1, 2, 8, 1, 6, 1, 0),
+        (2, 1, 8, 1, 6, 1, 0), (2, 2, 4, 1, 0, 1, 0), (2, 1, 8, 2, 0, 2, 0))
 
 
 def offline(k: int, group: int, rt: int, u: int, nw: int, pf: int, stages: int,
-            gdc: bool = False) -> None:
-    cfg = T.TcConfig(rt=rt, u=u, num_warps=nw, pf=pf, stages=stages)
+            unroll: int = 1, gdc: bool = False) -> None:
+    cfg = T.TcConfig(rt=rt, u=u, num_warps=nw, pf=pf, stages=stages, unroll=unroll)
     desc = f"tensordesc<i32[{rt}, {cfg.wt // 256}, 256]>" if stages else "constexpr"
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "w_desc": desc, "sb_ptr": "*bf16",
            "y_ptr": "*bf16", "xaddr": "i64", "sbaddr": "i64", "NRT": "i32"}
-    const = dict(K=k, GROUP=group, RT=rt, WT=cfg.wt, PF=pf, STAGES=stages, M=1, F16=False,
+    const = dict(K=k, GROUP=group, RT=rt, WT=cfg.wt, PF=pf, STAGES=stages, UNROLL=unroll, M=1,
+                 F16=False,
                  GDC=gdc, INTERP=False)
     if not stages:
         const["w_desc"] = None
@@ -120,9 +131,11 @@ def gpu(only: str = "", launches=LAUNCHES) -> None:
               f"err {qerr:.1e}, bf16 != fp32 ref: {(y != ref32).float().mean().item():.4f}",
               flush=True)
         row = {"shape": name, "q4gemv_us": round(base, 2)}
-        for rt, u, nw, pf, st in ((None,) * 5,) + launches:
+        for rt, u, nw, pf, st, *more in ((None,) * 5,) + launches:
+            un, reg = (more + [1, 0][len(more):])[:2]  # DEEP's unroll and maxnreg
             cfg = (T.default_config(n, k) if rt is None
-                   else T.TcConfig(rt=rt, u=u, num_warps=nw, pf=pf, stages=st))
+                   else T.TcConfig(rt=rt, u=u, num_warps=nw, pf=pf, stages=st, unroll=un,
+                                   maxnreg=reg))
             if (k // 64) % (cfg.wt // 128):
                 continue
             try:
@@ -179,12 +192,13 @@ def rows(ms: list[int], only: str = "") -> None:
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "--rows":  # --rows 2,4,8 [8b|0.6b]
         return rows([int(m) for m in argv[1].split(",")], argv[2] if len(argv) > 2 else "")
-    if argv and argv[0] == "--gpu":  # --gpu [--tma | --wide] [shape prefix]
-        sweep = TMA if "--tma" in argv else WIDE if "--wide" in argv else LAUNCHES
-        argv = [a for a in argv if a not in ("--tma", "--wide")]
+    if argv and argv[0] == "--gpu":  # --gpu [--tma | --wide | --deep] [shape prefix]
+        sweep = {"--tma": TMA, "--wide": WIDE, "--deep": DEEP}.get(
+            next((a for a in argv if a.startswith("--") and a != "--gpu"), ""), LAUNCHES)
+        argv = [a for a in argv if a not in ("--tma", "--wide", "--deep")]
         return gpu(argv[1] if len(argv) > 1 else "", sweep)
     nums = [int(a) for a in argv if a != "pdl"] or [4096, 64, 2, 2, 4, 1, 0]
-    offline(*nums, gdc="pdl" in argv)  # pdl: the variant launched with PDL
+    offline(*nums, gdc="pdl" in argv)  # an 8th number: the unroll factor; pdl: launched with PDL
 
 
 if __name__ == "__main__":

@@ -64,6 +64,8 @@ def test_repack_round_trip_and_layout():
     (32, 3072, T.TcConfig(rt=1, u=1, num_warps=8, stages=2)),  # GPU: TMA, 8 warps
     (16, 4096, T.TcConfig(rt=1, u=1, num_warps=16, pf=2)),  # 16 warps: 2 iterations
     (32, 6144, T.TcConfig(rt=1, u=1, num_warps=16, stages=4)),  # GPU: TMA, 16 warps
+    (16, 3584, T.TcConfig(rt=1, u=1, num_warps=4, pf=2, unroll=2)),  # 14 iterations (8B down)
+    (32, 2560, T.TcConfig(rt=2, u=1, num_warps=8, pf=2, unroll=2)),  # 5: an odd count
 ])
 def test_q4tc_matches_fp64_and_twin(group, dtype, n, k, cfg):
     packed, s, b, x = _weights(n, k, group, dtype, seed=n + k + group)

@@ -65,13 +65,17 @@ class TcConfig:
     num_warps: int = 4
     pf: int = 1  # word tiles in flight ahead of the one computed (1 or 2)
     stages: int = 0  # > 0: word tiles by TMA through shared memory, this many in flight
+    unroll: int = 1  # K loop copies (2 with pf 2: the two tiles swap registers, no moves)
+    maxnreg: int = 0  # > 0: registers per thread capped at this (ptxas .maxnreg)
 
     @property
     def wt(self) -> int:
         return 128 * self.num_warps * self.u
 
     def label(self) -> str:
-        return f"rt{self.rt}_u{self.u}_w{self.num_warps}_pf{self.pf}_s{self.stages}"
+        return (f"rt{self.rt}_u{self.u}_w{self.num_warps}_pf{self.pf}_s{self.stages}"
+                + (f"_x{self.unroll}" if self.unroll > 1 else "")
+                + (f"_r{self.maxnreg}" if self.maxnreg else ""))
 
 
 def supported(group: int, n: int, k: int, dtype: torch.dtype) -> bool:
@@ -82,20 +86,26 @@ def supported(group: int, n: int, k: int, dtype: torch.dtype) -> bool:
 
 def default_config(n: int, k: int) -> TcConfig:
     """The H200 sweeps' winners (benchmarks/q4tc_probe.py, docs/perf.md, 8B / 0.6B shapes):
-    LM heads 4 (K >= 4096) or 2 row tiles per program, 4 warps, two word tiles in flight;
-    other tall matrices (gate_up) 2 row tiles, 4 warps; the long rows (K >= 3N: down) and
-    the square 4096-row ones (8B o) 1 row tile, 16 warps (their 16-row programs are few: 16
-    warps each keep more loads in flight per SM; 8B down 16.3 vs 17.0 us with 8 warps and
-    TMA, o 6.1 vs 7.8); the rest 1 row tile, 8 warps, two tiles in flight. Env
+    LM heads with K >= 4096 2 row tiles per program, 8 warps, two word tiles in flight and
+    the K loop unrolled twice (8B head 77.8 vs 82.0 us), the others 2 row tiles, 4 warps,
+    two tiles; other tall matrices (gate_up) 2 row tiles, 4 warps; the long rows (K >= 3N:
+    down) and the square 4096-row ones (8B o) 1 row tile, 16 warps (their 16-row programs
+    are few: 16 warps each keep more loads in flight per SM; 8B down 16.3 vs 17.0 us with 8
+    warps and TMA, o 6.1 vs 7.8), and with K >= 8192 (8B down) two tiles in flight,
+    unrolled twice (15.2 vs 16.7 us); the rest 1 row tile, 8 warps, two tiles in flight. Env
     MLXR_Q4TC_STAGES=S sets S TMA stages (0: none) for every shape, for A/B runs.
     Blocks per iteration (num_warps * u) divide K / 64 (K is a multiple of 512)."""
     if _interpret():  # the interpreter runs programs one by one: few, large ones keep CI fast
         return TcConfig(rt=1 << max(0, min(8, n // 16).bit_length() - 1), u=1, num_warps=4)
     env = os.environ.get("MLXR_Q4TC_STAGES")  # an A/B switch: this many TMA stages for all
-    if n >= 65536:
-        cfg = TcConfig(rt=4 if k >= 4096 else 2, u=1, num_warps=4, pf=2)
+    if n >= 65536 and k >= 4096:
+        cfg = TcConfig(rt=2, u=1, num_warps=8, pf=2, unroll=2)
+    elif n >= 65536:
+        cfg = TcConfig(rt=2, u=1, num_warps=4, pf=2)
     elif n >= 16384:
         cfg = TcConfig(rt=2, u=1, num_warps=4, pf=1)
+    elif k >= 3 * n and k >= 8192 and (k // 64) % 16 == 0:
+        cfg = TcConfig(rt=1, u=1, num_warps=16, pf=2, unroll=2)
     elif (k >= 3 * n or (n <= 4096 and k >= 4096)) and (k // 64) % 16 == 0:
         cfg = TcConfig(rt=1, u=1, num_warps=16, pf=1)
     else:
@@ -207,7 +217,8 @@ if HAVE_TRITON:
     @triton.jit
     def _q4tc_kernel(x_ptr, w_ptr, w_desc, sb_ptr, y_ptr, xaddr, sbaddr, NRT,
                      K: tl.constexpr, GROUP: tl.constexpr, RT: tl.constexpr, WT: tl.constexpr,
-                     PF: tl.constexpr, STAGES: tl.constexpr, M: tl.constexpr,
+                     PF: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
+                     M: tl.constexpr,
                      F16: tl.constexpr, GDC: tl.constexpr, INTERP: tl.constexpr):
         """y [M, N] for row tiles pid * RT .. + RT (16 rows each) of x [M, K] (M = 1, 2, 4, 8:
         the B columns are M rows of x x GPW = 8 / M group slots, so a window holds GPW
@@ -262,7 +273,7 @@ if HAVE_TRITON:
         if M == 8:  # a lane's two columns are two rows of x: apart
             y2 = tl.zeros([RT, NU], dtype=tl.float32)
             y3 = tl.zeros([RT, NU], dtype=tl.float32)
-        for it in tl.range(NT, num_stages=max(STAGES, 1)):
+        for it in tl.range(NT, num_stages=max(STAGES, 1), loop_unroll_factor=UNROLL):
             j = it % W  # column (pair, for g32) of this iteration in the window
             if STAGES > 0:  # rows past NRT come back as zeros
                 w = tl.reshape(w_desc.load([pid * RT, it * (WT // 256), 0]), [RT, WT])
@@ -279,8 +290,7 @@ if HAVE_TRITON:
             s0, s1 = _ones4(x0, x1, x2, x3, s0, s1, NU, F16, INTERP)
             if STAGES == 0:
                 if PF == 2:
-                    w = w1
-                    w1 = wn
+                    w, w1 = w1, wn
                 else:
                     w = wn
             x0, x1, x2, x3 = n0, n1, n2, n3
@@ -376,9 +386,11 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
     gdc = not stages and pdl(x.device)  # opt-in MLXR_PDL=1: the word tiles before the wait
     _q4tc_kernel[(triton.cdiv(nrt, cfg.rt),)](
         xm, words, desc, sb, y, xm.data_ptr(), sb.data_ptr(), nrt, K=k, GROUP=group,
-        RT=cfg.rt, WT=cfg.wt, PF=cfg.pf, STAGES=stages, M=mp, F16=x.dtype == torch.float16,
-        GDC=gdc, INTERP=_interpret(), num_warps=cfg.num_warps, num_stages=max(stages, 1),
-        **({"launch_pdl": True} if gdc else {}))
+        RT=cfg.rt, WT=cfg.wt, PF=cfg.pf, STAGES=stages, UNROLL=cfg.unroll, M=mp,
+        F16=x.dtype == torch.float16, GDC=gdc, INTERP=_interpret(), num_warps=cfg.num_warps,
+        num_stages=max(stages, 1),
+        **({"launch_pdl": True} if gdc else {}),
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not _interpret() else {}))
     if mp != m:
         y = y[:m]
         if out is not None:
