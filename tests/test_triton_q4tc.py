@@ -139,3 +139,19 @@ def test_q4tc_rejects_bad_input():
     assert not T.supported(64, 24, 512, torch.bfloat16)
     assert not T.supported(64, 32, 768, torch.bfloat16)
     assert not T.supported(64, 32, 512, torch.float32)
+
+
+def test_default_config_one_row_launches(monkeypatch):
+    """The GPU defaults (the interpreter has its own): the 8B down and the K >= 4096 LM heads
+    take two word tiles in flight with the K loop unrolled twice for one row of x only (the
+    launch measured for one row); several rows keep the previous launches."""
+    monkeypatch.setattr(T, "_interpret", lambda: False)
+    monkeypatch.delenv("MLXR_Q4TC_STAGES", raising=False)
+    down, head = (4096, 14336), (128256, 4096)
+    assert T.default_config(*down) == T.TcConfig(rt=1, u=1, num_warps=16, pf=2, unroll=2)
+    assert T.default_config(*head) == T.TcConfig(rt=2, u=1, num_warps=8, pf=2, unroll=2)
+    assert T.default_config(*down, 8) == T.TcConfig(rt=1, u=1, num_warps=16, pf=1)
+    assert T.default_config(*head, 2) == T.TcConfig(rt=4, u=1, num_warps=4, pf=2)
+    # K < 8192 (the 0.6B down) and K < 4096 (the 0.6B head) are unchanged
+    assert T.default_config(1024, 3072) == T.TcConfig(rt=1, u=1, num_warps=16, pf=1)
+    assert T.default_config(151936, 1024) == T.TcConfig(rt=2, u=1, num_warps=4, pf=2)

@@ -84,27 +84,29 @@ def supported(group: int, n: int, k: int, dtype: torch.dtype) -> bool:
             and dtype in (torch.bfloat16, torch.float16))
 
 
-def default_config(n: int, k: int) -> TcConfig:
-    """The H200 sweeps' winners (benchmarks/q4tc_probe.py, docs/perf.md, 8B / 0.6B shapes):
-    LM heads with K >= 4096 2 row tiles per program, 8 warps, two word tiles in flight and
-    the K loop unrolled twice (8B head 77.8 vs 82.0 us), the others 2 row tiles, 4 warps,
-    two tiles; other tall matrices (gate_up) 2 row tiles, 4 warps; the long rows (K >= 3N:
-    down) and the square 4096-row ones (8B o) 1 row tile, 16 warps (their 16-row programs
-    are few: 16 warps each keep more loads in flight per SM; 8B down 16.3 vs 17.0 us with 8
-    warps and TMA, o 6.1 vs 7.8), and with K >= 8192 (8B down) two tiles in flight,
-    unrolled twice (15.2 vs 16.7 us); the rest 1 row tile, 8 warps, two tiles in flight. Env
+def default_config(n: int, k: int, m: int = 1) -> TcConfig:
+    """The H200 sweeps' winners (benchmarks/q4tc_probe.py, docs/perf.md, 8B / 0.6B shapes)
+    for m rows of x: LM heads 4 (K >= 4096) or 2 row tiles per program, 4 warps, two word
+    tiles in flight, and for one row with K >= 4096 2 row tiles, 8 warps, two tiles, the K
+    loop unrolled twice (8B head 77.8 vs 82.0 us); other tall matrices (gate_up) 2 row
+    tiles, 4 warps; the long rows (K >= 3N: down) and the square 4096-row ones (8B o) 1 row
+    tile, 16 warps (their 16-row programs are few: 16 warps each keep more loads in flight
+    per SM; 8B down 16.3 vs 17.0 us with 8 warps and TMA, o 6.1 vs 7.8), and for one row
+    with K >= 8192 (8B down) two tiles in flight, unrolled twice (15.2 vs 16.7 us); the rest
+    1 row tile, 8 warps, two tiles in flight. The one-row launches were measured for one
+    row only, so several rows keep the others. Env
     MLXR_Q4TC_STAGES=S sets S TMA stages (0: none) for every shape, for A/B runs.
     Blocks per iteration (num_warps * u) divide K / 64 (K is a multiple of 512)."""
     if _interpret():  # the interpreter runs programs one by one: few, large ones keep CI fast
         return TcConfig(rt=1 << max(0, min(8, n // 16).bit_length() - 1), u=1, num_warps=4)
     env = os.environ.get("MLXR_Q4TC_STAGES")  # an A/B switch: this many TMA stages for all
-    if n >= 65536 and k >= 4096:
+    if n >= 65536 and k >= 4096 and m == 1:
         cfg = TcConfig(rt=2, u=1, num_warps=8, pf=2, unroll=2)
     elif n >= 65536:
-        cfg = TcConfig(rt=2, u=1, num_warps=4, pf=2)
+        cfg = TcConfig(rt=4 if k >= 4096 else 2, u=1, num_warps=4, pf=2)
     elif n >= 16384:
         cfg = TcConfig(rt=2, u=1, num_warps=4, pf=1)
-    elif k >= 3 * n and k >= 8192 and (k // 64) % 16 == 0:
+    elif k >= 3 * n and k >= 8192 and (k // 64) % 16 == 0 and m == 1:
         cfg = TcConfig(rt=1, u=1, num_warps=16, pf=2, unroll=2)
     elif (k >= 3 * n or (n <= 4096 and k >= 4096)) and (k // 64) % 16 == 0:
         cfg = TcConfig(rt=1, u=1, num_warps=16, pf=1)
@@ -357,10 +359,10 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
         raise ValueError(f"q4tc: sb {tuple(sb.shape)} {sb.dtype} != {(n, k // group, 2)}")
     if nrt * k2 >= 2**31:
         raise ValueError("q4tc: the weight has >= 2^31 words (int32 offsets)")
-    cfg = config or default_config(n, k)
+    m = xm.shape[0]
+    cfg = config or default_config(n, k, m)
     if (k // 64) % (cfg.wt // 128):
         raise ValueError(f"q4tc: {cfg.wt // 128} blocks per iteration must divide K/64")
-    m = xm.shape[0]
     shape = (n,) if m == 1 else (m, n)
     if out is not None and out.shape != shape:
         raise ValueError(f"q4tc: out {tuple(out.shape)} != {shape}")
