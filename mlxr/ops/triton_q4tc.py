@@ -206,6 +206,14 @@ if HAVE_TRITON:
                     INTERP))
 
     @triton.jit
+    def _window(RT: tl.constexpr, NU: tl.constexpr):
+        """A window's accumulators, zeroed: the 4 fragment values [RT, NU] (group sums of codes
+        x x) and the 2 columns' x sums [NU]."""
+        a = tl.zeros([RT, NU], dtype=tl.float32)
+        s = tl.zeros([NU], dtype=tl.float32)
+        return a, a, a, a, s, s
+
+    @triton.jit
     def _scaled(sbv, acc, xs, OFF: tl.constexpr, F16: tl.constexpr):
         """s * (acc - OFF * xs) + b * xs for the packed (scale, bias) pairs sbv."""
         if F16:
@@ -264,12 +272,7 @@ if HAVE_TRITON:
             # finishes; x and the output are touched only after it completed
             tl.extra.cuda.gdc_wait()
         x0, x1, x2, x3 = _ldx(x_ptr, xaddr, xo, ls == 0, ls == CPB - 1, INTERP, GDC)
-        a0 = tl.zeros([RT, NU], dtype=tl.float32)
-        a1 = tl.zeros([RT, NU], dtype=tl.float32)
-        a2 = tl.zeros([RT, NU], dtype=tl.float32)
-        a3 = tl.zeros([RT, NU], dtype=tl.float32)
-        s0 = tl.zeros([NU], dtype=tl.float32)
-        s1 = tl.zeros([NU], dtype=tl.float32)
+        a0, a1, a2, a3, s0, s1 = _window(RT, NU)
         y0 = tl.zeros([RT, NU], dtype=tl.float32)
         y1 = tl.zeros([RT, NU], dtype=tl.float32)
         if M == 8:  # a lane's two columns are two rows of x: apart
@@ -305,12 +308,7 @@ if HAVE_TRITON:
                 else:  # row g (y0), g + 8 (y1); both columns belong to x row 2tig // GPW
                     y0 += _scaled(sb0, a0, s0, OFF, F16) + _scaled(sb1, a1, s1, OFF, F16)
                     y1 += _scaled(sb2, a2, s0, OFF, F16) + _scaled(sb3, a3, s1, OFF, F16)
-                a0 = tl.zeros([RT, NU], dtype=tl.float32)
-                a1 = tl.zeros([RT, NU], dtype=tl.float32)
-                a2 = tl.zeros([RT, NU], dtype=tl.float32)
-                a3 = tl.zeros([RT, NU], dtype=tl.float32)
-                s0 = tl.zeros([NU], dtype=tl.float32)
-                s1 = tl.zeros([NU], dtype=tl.float32)
+                a0, a1, a2, a3, s0, s1 = _window(RT, NU)
                 sb0, sb1, sb2, sb3 = _sb4(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it + 1, NT, NS,
                                           CPB, GROUP, NG, GPW, INTERP)
         # lane (slot, g, tig): rows 16 rt + g (y0) and + 8 (y1), x row (2tig + e2) // GPW
