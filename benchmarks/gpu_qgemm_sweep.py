@@ -26,7 +26,8 @@ Per case:
   grid), `dq+cublas` (triton_dequant.dequant_affine + cuBLAS, what serves prefill today),
   `cublas_bf16` (x @ W^T on a pre-dequantized bf16 weight: the ceiling).
 Each case's fused configs are compiled before it is timed, in parallel threads where Triton's
-AsyncCompileMode exists (compile time counts against the budget, so it is printed). A config that fails to compile or run is printed and skipped.
+AsyncCompileMode exists (compile time counts against the budget, so it is printed). A config that
+fails to compile or run is printed and skipped.
 Per case one summary line (best fused config vs the baselines); the last line is JSON.
 
 `--dequant-bits B,...` runs only the dequantizer (dequant_affine) at the 8B shapes for those

@@ -1,13 +1,16 @@
-"""Chat templates: render a model's Jinja chat template exactly as transformers' `apply_chat_template` does.
+"""Chat templates: render a model's Jinja chat template exactly as transformers'
+`apply_chat_template` does.
 
-The Jinja environment mirrors transformers' (`utils/chat_template_utils.py`): an ImmutableSandboxedEnvironment with
-trim_blocks/lstrip_blocks, the loopcontrols extension, a no-op `{% generation %}` tag, `raise_exception`,
-`strftime_now`, a `tojson` filter that does not escape HTML or non-ASCII, and underscore-safe `namespace`/`dict`.
+The Jinja environment mirrors transformers' (`utils/chat_template_utils.py`): an
+ImmutableSandboxedEnvironment with trim_blocks/lstrip_blocks, the loopcontrols extension, a no-op
+`{% generation %}` tag, `raise_exception`, `strftime_now`, a `tojson` filter that does not escape
+HTML or non-ASCII, and underscore-safe `namespace`/`dict`.
 
-Tokenizing a chat (``tokenize=True``) treats user-supplied strings as plain text: control tokens that appear in
-message contents, tools, documents or template arguments are wrapped in private-use markers before rendering, and
-the marked spans are encoded without matching added tokens, so ``<|im_start|>`` typed by a user never becomes the
-control token. Only the template's own markup becomes control tokens.
+Tokenizing a chat (``tokenize=True``) treats user-supplied strings as plain text: control tokens
+that appear in message contents, tools, documents or template arguments are wrapped in private-use
+markers before rendering, and the marked spans are encoded without matching added tokens, so
+``<|im_start|>`` typed by a user never becomes the control token. Only the template's own markup
+becomes control tokens.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def _environment():
     jinja2 = _jinja()
 
     class GenerationTag(jinja2.ext.Extension):
-        """`{% generation %}...{% endgeneration %}` renders its body (transformers uses it for assistant masks)."""
+        """`{% generation %}...{% endgeneration %}` renders its body (transformers uses it for
+        assistant masks)."""
 
         tags = frozenset({"generation"})
 
@@ -97,7 +101,8 @@ def _environment():
         def _check_name(name):
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(
-                    f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}."
+                    "Chat templates cannot store underscore-prefixed attributes on a namespace, "
+                    f"but got {name!r}."
                 )
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
@@ -132,7 +137,8 @@ def _template_literal_text(source: str) -> str:
 
 
 def select_template(templates: str | dict[str, str] | None, tools=None, name: str = "model") -> str:
-    """Pick the template to use, as transformers' `get_chat_template` (named templates: tool_use / default)."""
+    """Pick the template to use, as transformers' `get_chat_template` (named templates: tool_use /
+    default)."""
     if templates is None:
         raise TokenizerError(
             f"{name}: the model has no chat template (tokenizer_config.json chat_template, "
@@ -150,8 +156,9 @@ def select_template(templates: str | dict[str, str] | None, tools=None, name: st
     return templates
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Input preparation (as transformers: drop None-valued keys, plain data only, alias reasoning fields)
+# -------------------------------------------------------------------------------------------------
+# Input preparation (as transformers: drop None-valued keys, plain data only, alias reasoning
+# fields)
 
 
 def _plain(value: Any) -> Any:
@@ -209,7 +216,8 @@ def _mark(obj: Any, pattern: re.Pattern) -> Any:
 
 
 def _control_tokens(tokenizer: Tokenizer, source: str) -> tuple[str, ...]:
-    """Added tokens treated as control tokens: special ones, plus non-whitespace added tokens the template writes."""
+    """Added tokens treated as control tokens: special ones, plus non-whitespace added tokens the
+    template writes."""
     literal = _template_literal_text(source)
     out = []
     for tok in tokenizer.added_tokens.values():
@@ -231,7 +239,8 @@ def _patterns(control_tokens: tuple[str, ...]) -> tuple[re.Pattern, re.Pattern]:
 def render_chat_template(
     source: str, messages, tools=None, documents=None, add_generation_prompt: bool = True, **kwargs
 ) -> str:
-    """Render a chat template with transformers' semantics. Template errors become TokenizerError."""
+    """Render a chat template with transformers' semantics. Template errors become
+    TokenizerError."""
     jinja2 = _jinja()
     template = compile_template(source)
     if tools is not None and (
@@ -271,7 +280,8 @@ def _encode_marked(tokenizer: Tokenizer, rendered: str, markers_re: re.Pattern) 
             if as_text
             else (lambda s: tokenizer.encode(s, add_special_tokens=False))
         )
-        # encode after a newline so SentencePiece-style tokenizers don't add a prefix space, then drop the newline
+        # encode after a newline so SentencePiece-style tokenizers don't add a prefix space, then
+        # drop the newline
         piece_ids = encode("\n" + piece)
         if piece_ids[: len(newline_ids)] == newline_ids:
             piece_ids = piece_ids[len(newline_ids) :]
@@ -297,8 +307,8 @@ def apply_chat_template(
 ):
     """Render (and optionally tokenize) a conversation with the tokenizer's chat template.
 
-    `template_kwargs` (e.g. ``enable_thinking=False``) are passed to the template, overriding the special tokens
-    (bos_token, eos_token, ...) which are always available to it.
+    `template_kwargs` (e.g. ``enable_thinking=False``) are passed to the template, overriding the
+    special tokens (bos_token, eos_token, ...) which are always available to it.
     """
     templates = tokenizer._chat_templates
     if chat_template is not None:

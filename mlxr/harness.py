@@ -94,7 +94,8 @@ def build_golden(prompt: Sequence[int], greedy: Sequence[int], logits, ident: di
 
 
 def make_golden(model, prompt_ids: Sequence[int], tokens: int = 32, top_k: int = 10) -> dict:
-    """A golden from an mlxr model: greedy continuation (EOS ignored), then teacher-forced logits."""
+    """A golden from an mlxr model: greedy continuation (EOS ignored), then teacher-forced
+    logits."""
     prompt_ids = [int(t) for t in prompt_ids]
     greedy = list(model.generate(prompt_ids, max_tokens=tokens, temperature=0.0,
                                  ignore_eos=True))
@@ -139,7 +140,8 @@ class Divergence:
             return "  ".join(f"{i}:{v:.6g}" for i, v in top) or "-"
         return (f"{self.gate} gate: first divergence at continuation position {self.position}: "
                 f"golden token {self.golden_token}, ours {self.our_token}\n"
-                f"  golden top-5: {fmt(self.golden_top[:5])}\n  ours   top-5: {fmt(self.our_top[:5])}")
+                f"  golden top-5: {fmt(self.golden_top[:5])}\n"
+                f"  ours   top-5: {fmt(self.our_top[:5])}")
 
 
 @dataclass

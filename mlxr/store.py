@@ -99,7 +99,8 @@ def explain_unsupported(path: Path) -> None:
     names = [p.name for p in path.iterdir()] if path.is_dir() else []
     st = [n for n in names if n.endswith(".safetensors")]
     gguf = [n for n in names if n.lower().endswith(".gguf")]
-    pt = [n for n in names if re.fullmatch(r"(pytorch_model|model|consolidated).*\.(bin|pt|pth)", n)]
+    pt = [n for n in names
+          if re.fullmatch(r"(pytorch_model|model|consolidated).*\.(bin|pt|pth)", n)]
     need = ("mlxr runs MLX / Hugging Face safetensors checkpoints (mlx-community repos); "
             "find one with `mlxr search`")
     if not st and gguf:
@@ -217,8 +218,10 @@ def describe(path: Path) -> dict:
     if cfg.quant is not None:
         d = cfg.quant.default
         info["quantization"] = (f"{d.bits}-bit {d.mode} group {d.group_size}"
-                                if d.mode == "affine" else f"{d.mode} ({d.bits}-bit, group {d.group_size})")
-        info["overrides"] = {k: (None if v is None else f"{v.bits}-bit {v.mode} group {v.group_size}")
+                                if d.mode == "affine"
+                                else f"{d.mode} ({d.bits}-bit, group {d.group_size})")
+        info["overrides"] = {k: (None if v is None
+                                 else f"{v.bits}-bit {v.mode} group {v.group_size}")
                              for k, v in sorted(cfg.quant.overrides.items())}
     try:
         tmpl = load_chat_template(path)

@@ -3,13 +3,16 @@
 Supported layouts, in order of preference:
 
 * ``tokenizer.json`` (any Hugging Face fast tokenizer),
-* ``vocab.json`` + ``merges.txt`` (or GPT-2's ``encoder.json`` + ``vocab.bpe``): byte-level BPE, with the Qwen2
-  pre-tokenizer regex and NFC when ``tokenizer_config.json`` names a Qwen2 tokenizer, GPT-2's otherwise,
-* ``tokenizer.model``: a SentencePiece BPE model (Llama / Mistral style, byte fallback), converted the way
-  transformers' ``convert_slow_tokenizer`` does, or a tiktoken rank file (Llama 3), converted to byte-level BPE.
+* ``vocab.json`` + ``merges.txt`` (or GPT-2's ``encoder.json`` + ``vocab.bpe``): byte-level BPE,
+  with the Qwen2 pre-tokenizer regex and NFC when ``tokenizer_config.json`` names a Qwen2
+  tokenizer, GPT-2's otherwise,
+* ``tokenizer.model``: a SentencePiece BPE model (Llama / Mistral style, byte fallback), converted
+  the way transformers' ``convert_slow_tokenizer`` does, or a tiktoken rank file (Llama 3),
+  converted to byte-level BPE.
 
-Added tokens come from ``tokenizer_config.json``'s ``added_tokens_decoder`` and ``special_tokens_map.json``.
-Every failure to read these files is raised as :class:`mlxr.errors.TokenizerError` naming the file.
+Added tokens come from ``tokenizer_config.json``'s ``added_tokens_decoder`` and
+``special_tokens_map.json``. Every failure to read these files is raised as
+:class:`mlxr.errors.TokenizerError` naming the file.
 """
 
 from __future__ import annotations
@@ -41,11 +44,12 @@ from mlxr.tokenizer_formats import (
 
 __all__ = ["StreamingDetokenizer", "Tokenizer", "load_chat_template", "load_tokenizer"]
 
-# --------------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 
 
 class Tokenizer:
-    """A loaded tokenizer: encode/decode, special tokens, chat template and a streaming detokenizer."""
+    """A loaded tokenizer: encode/decode, special tokens, chat template and a streaming
+    detokenizer."""
 
     def __init__(
         self,
@@ -83,7 +87,7 @@ class Tokenizer:
         self._chat_templates = chat_template
         self._spm_dummy_prefix = spm_dummy_prefix
 
-    # -- special tokens ----------------------------------------------------------------------------------------------
+    # -- special tokens ---------------------------------------------------------------------------
     @property
     def chat_template(self) -> str | None:
         t = self._chat_templates
@@ -111,18 +115,19 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tk.id_to_token(int(token_id))
 
-    # -- encode / decode ---------------------------------------------------------------------------------------------
+    # -- encode / decode --------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"encode() expects a str, got {type(text).__name__}")
         if self._spm_dummy_prefix and text.startswith(" "):
-            # SentencePiece always adds its dummy prefix; tokenizers' Metaspace skips it when the text already
-            # starts with a space, so " a" would lose a "▁". Spell the prefix out.
+            # SentencePiece always adds its dummy prefix; tokenizers' Metaspace skips it when the
+            # text already starts with a space, so " a" would lose a "▁". Spell the prefix out.
             text = "▁" + text
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_plain(self, text: str) -> list[int]:
-        """Encode `text` as plain text: no added token (special or not) is matched, no BOS/EOS is added."""
+        """Encode `text` as plain text: no added token (special or not) is matched, no BOS/EOS is
+        added."""
         if not text:
             return []
         tk = self._tk
@@ -145,7 +150,7 @@ class Tokenizer:
     def detokenizer(self, skip_special_tokens: bool = False) -> StreamingDetokenizer:
         return StreamingDetokenizer(self, skip_special_tokens=skip_special_tokens)
 
-    # -- chat --------------------------------------------------------------------------------------------------------
+    # -- chat -------------------------------------------------------------------------------------
     def get_chat_template(self, tools=None) -> str:
         from mlxr.chat import select_template
 
@@ -181,12 +186,13 @@ class Tokenizer:
 class StreamingDetokenizer:
     """Incremental decoding: `add(id)` returns the newly completed text (possibly "").
 
-    Decodes a small window of recent ids (from the last emitted boundary), never the whole history, and holds back
-    text that ends in an incomplete UTF-8 sequence (decoded as U+FFFD). The concatenation of everything returned by
-    `add` and `flush` equals `tokenizer.decode(all_ids)`.
+    Decodes a small window of recent ids (from the last emitted boundary), never the whole history,
+    and holds back text that ends in an incomplete UTF-8 sequence (decoded as U+FFFD). The
+    concatenation of everything returned by `add` and `flush` equals `tokenizer.decode(all_ids)`.
     """
 
-    #: after this many held-back tokens a trailing U+FFFD is taken to be genuinely invalid bytes and emitted
+    #: after this many held-back tokens a trailing U+FFFD is taken to be genuinely invalid bytes and
+    #: emitted
     MAX_PENDING = 8
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
@@ -257,11 +263,12 @@ class StreamingDetokenizer:
         return piece
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 
 
 def _read_chat_template(root: Path, config: dict) -> str | dict[str, str] | None:
-    """chat_template.jinja (preferred, as in transformers 5) > chat_template.json > tokenizer_config.json."""
+    """chat_template.jinja (preferred, as in transformers 5) > chat_template.json >
+    tokenizer_config.json."""
     jinja = root / "chat_template.jinja"
     if jinja.is_file():
         try:
@@ -305,7 +312,8 @@ def _read_chat_template(root: Path, config: dict) -> str | dict[str, str] | None
 
 
 def load_chat_template(path: str | os.PathLike) -> str | dict[str, str] | None:
-    """The chat template(s) of a model directory, without loading the vocabulary (None if it has none)."""
+    """The chat template(s) of a model directory, without loading the vocabulary (None if it has
+    none)."""
     root = Path(path)
     config: dict = {}
     if (root / "tokenizer_config.json").is_file():
@@ -316,7 +324,8 @@ def load_chat_template(path: str | os.PathLike) -> str | dict[str, str] | None:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Load the tokenizer of a model directory (see the module docstring for the supported files)."""
+    """Load the tokenizer of a model directory (see the module docstring for the supported
+    files)."""
     root = Path(path)
     if not root.is_dir():
         raise TokenizerError(f"{root}: tokenizer directory not found")
@@ -370,14 +379,15 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     else:
         present = sorted(p.name for p in root.iterdir())
         raise TokenizerError(
-            f"{root}: no tokenizer files found (expected tokenizer.json, vocab.json + merges.txt, or tokenizer.model;"
+            f"{root}: no tokenizer files found (expected tokenizer.json, vocab.json + merges.txt, "
+            "or tokenizer.model;"
             f" found {present})"
         )
 
-    # -- added tokens ------------------------------------------------------------------------------------------------
+    # -- added tokens -----------------------------------------------------------------------------
     _add_tokens(backend, root, config, stmap, kind, special, spm_added, extra_specials)
 
-    # -- BOS/EOS post-processing (as transformers' update_post_processor) ------------------------------------------------
+    # -- BOS/EOS post-processing (as transformers' update_post_processor) -------------------------
     explicit = "add_bos_token" in config or "add_eos_token" in config
     if explicit or backend.post_processor is None or kind in ("sentencepiece", "tiktoken"):
         add_bos = bool(config.get("add_bos_token", default_bos))
@@ -388,7 +398,10 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         add_bos = add_bos and bos_id is not None
         add_eos = add_eos and eos_id is not None
         single = f"{(bos + ':0 ') if add_bos else ''}$A:0{(' ' + eos + ':0') if add_eos else ''}"
-        pair = f"{single}{(' ' + bos + ':1') if add_bos else ''} $B:1{(' ' + eos + ':1') if add_eos else ''}"
+        pair = (
+            f"{single}{(' ' + bos + ':1') if add_bos else ''}"
+            f" $B:1{(' ' + eos + ':1') if add_eos else ''}"
+        )
         toks = ([(bos, bos_id)] if add_bos else []) + ([(eos, eos_id)] if add_eos else [])
         backend.post_processor = processors.TemplateProcessing(
             single=single, pair=pair, special_tokens=toks

@@ -1,9 +1,11 @@
-"""Building a `tokenizers.Tokenizer` from the on-disk formats that :func:`mlxr.tokenizer.load_tokenizer` reads.
+"""Building a `tokenizers.Tokenizer` from the on-disk formats that
+:func:`mlxr.tokenizer.load_tokenizer` reads.
 
-``tokenizer.json`` pipelines of Llama tokenizers are modernised as transformers 5 does, ``vocab.json`` +
-``merges.txt`` become byte-level BPE, ``tokenizer.model`` is converted from a SentencePiece BPE model or a tiktoken
-rank file, and added / special tokens from ``tokenizer_config.json`` and ``special_tokens_map.json`` are registered.
-Every failure is raised as :class:`mlxr.errors.TokenizerError` naming the file.
+``tokenizer.json`` pipelines of Llama tokenizers are modernised as transformers 5 does,
+``vocab.json`` + ``merges.txt`` become byte-level BPE, ``tokenizer.model`` is converted from a
+SentencePiece BPE model or a tiktoken rank file, and added / special tokens from
+``tokenizer_config.json`` and ``special_tokens_map.json`` are registered. Every failure is raised
+as :class:`mlxr.errors.TokenizerError` naming the file.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from mlxr.errors import TokenizerError
 
 GPT2_SPLIT_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-QWEN2_SPLIT_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-LLAMA3_SPLIT_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN2_SPLIT_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
+LLAMA3_SPLIT_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
 
-# Llama 3.1's 256 reserved special tokens (ids 128000-128255), as in the Hugging Face tokenizer.json.
+# Llama 3.1's 256 reserved special tokens (ids 128000-128255), as in the Hugging Face
+# tokenizer.json.
 _LLAMA3_NAMED_SPECIALS = [
     "<|begin_of_text|>",
     "<|end_of_text|>",
@@ -69,7 +72,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # File reading helpers
 
 
@@ -82,7 +85,8 @@ def _read_json(path: Path) -> Any:
 
 
 def _token_content(value: Any, where: str) -> str | None:
-    """A special token value from tokenizer_config.json / special_tokens_map.json: str, AddedToken dict or None."""
+    """A special token value from tokenizer_config.json / special_tokens_map.json: str, AddedToken
+    dict or None."""
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
@@ -104,7 +108,7 @@ def _added_token(content: str, spec: dict | None, special: bool) -> AddedToken:
     )
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # Backend builders
 
 
@@ -218,7 +222,8 @@ def _load_tiktoken(path: Path) -> tuple[tokenizers.Tokenizer, list[str]]:
 def _load_sentencepiece(
     path: Path, config: dict
 ) -> tuple[tokenizers.Tokenizer, list[tuple[str, bool]], dict]:
-    """Convert a SentencePiece BPE model like transformers' LlamaConverter (Metaspace, byte fallback)."""
+    """Convert a SentencePiece BPE model like transformers' LlamaConverter (Metaspace, byte
+    fallback)."""
     try:
         from sentencepiece import sentencepiece_model_pb2 as model_pb2
     except ImportError as exc:  # pragma: no cover
@@ -238,9 +243,10 @@ def _load_sentencepiece(
             f"{proto.trainer_spec.model_type})"
         )
     vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
-    # Merges: every split of a piece into two pieces, ordered by the merged piece's score (highest first), as
-    # transformers' generate_merges(vocab, vocab_scores) does (scores are not monotonic in the id: Llama 2's "▁▁" has
-    # the lowest score); control/unknown/byte pieces are never produced by merging.
+    # Merges: every split of a piece into two pieces, ordered by the merged piece's score (highest
+    # first), as transformers' generate_merges(vocab, vocab_scores) does (scores are not monotonic
+    # in the id: Llama 2's "▁▁" has the lowest score); control/unknown/byte pieces are never
+    # produced by merging.
     skip = {p.piece for p in proto.pieces if p.type in (2, 3, 6)}
     merges = []
     for piece, pid in vocab.items():
@@ -297,7 +303,8 @@ _LLAMA_NORMALIZER_RE = re.compile(r"Prepend|Replace")
 
 
 def _modernize_llama_json(tk: tokenizers.Tokenizer, config: dict) -> None:
-    """transformers 5 rebuilds LlamaTokenizer pipelines: no normalizer, Metaspace(prepend_scheme="first")."""
+    """transformers 5 rebuilds LlamaTokenizer pipelines: no normalizer,
+    Metaspace(prepend_scheme="first")."""
     norm = tk.normalizer
     if norm is None or not _LLAMA_NORMALIZER_RE.search(repr(norm)) or "Prepend" not in repr(norm):
         return
@@ -318,7 +325,8 @@ def _add_tokens(
     spm_added: list[tuple[str, bool]],
     extra_specials: list[str],
 ) -> None:
-    """Register the added tokens of a model directory on `backend`; `special` gets the special tokens it names."""
+    """Register the added tokens of a model directory on `backend`; `special` gets the special
+    tokens it names."""
     to_add: list[AddedToken] = []
     for content, is_special in spm_added:
         to_add.append(AddedToken(content, normalized=False, special=is_special))
@@ -349,15 +357,15 @@ def _add_tokens(
         have = backend.token_to_id(tok.content)
         if have is not None and have != idx:
             raise TokenizerError(
-                f"{root / 'tokenizer_config.json'}: added token {tok.content!r} has id {idx} but the "
-                f"vocabulary maps it to {have}"
+                f"{root / 'tokenizer_config.json'}: added token {tok.content!r} has id {idx} "
+                f"but the vocabulary maps it to {have}"
             )
         if have is None:
             # ids must be contiguous after the vocabulary for tokenizers to assign them
             if idx != next_free:
                 raise TokenizerError(
-                    f"{root / 'tokenizer_config.json'}: added token {tok.content!r} id {idx} is not "
-                    f"the next free id ({next_free})"
+                    f"{root / 'tokenizer_config.json'}: added token {tok.content!r} id {idx} "
+                    f"is not the next free id ({next_free})"
                 )
             next_free += 1
         to_add.append(tok)
@@ -388,5 +396,6 @@ def _add_tokens(
     for idx, tok in by_id:
         if backend.token_to_id(tok.content) != idx:
             raise TokenizerError(
-                f"{root / 'tokenizer_config.json'}: added token {tok.content!r} did not get id {idx}"
+                f"{root / 'tokenizer_config.json'}: added token {tok.content!r} "
+                f"did not get id {idx}"
             )

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.generate import generate_step

@@ -1,4 +1,5 @@
-"""Chat templates: byte-identical to transformers' apply_chat_template on every real template in the assets."""
+"""Chat templates: byte-identical to transformers' apply_chat_template on every real template in
+the assets."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""mlxr.convert.llama2c on Karpathy's stories260K, checked against mlx-lm and llama2.c's algorithms."""
+"""mlxr.convert.llama2c on Karpathy's stories260K, checked against mlx-lm and llama2.c's
+algorithms."""
 
 from __future__ import annotations
 
@@ -123,7 +124,9 @@ def test_config(converted):
     cfg = json.loads((converted / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
     assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]) == (64, 172, 5)
-    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]) == (8, 4, 512)
+    assert (
+        cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+    ) == (8, 4, 512)
     assert cfg["max_position_embeddings"] == 512 and cfg["rms_norm_eps"] == 1e-5
     assert cfg["rope_theta"] == 10000 and cfg["tie_word_embeddings"] is True
     assert "rope_traditional" not in cfg  # wq/wk are permuted to HF's rotate-half layout

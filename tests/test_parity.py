@@ -88,7 +88,9 @@ def test_float32_greedy_matches_mlx_lm(built, family, quant):
     tie = _top2_margin(ref) < TIE_TOL * _range(ref)
     # Teacher-forced: every position, our argmax vs the reference's.
     differ = ours.argmax(-1) != ref.argmax(-1)
-    assert not (differ & ~tie).any(), f"argmax differs at non-tie positions {np.where(differ & ~tie)}"
+    assert not (differ & ~tie).any(), (
+        f"argmax differs at non-tie positions {np.where(differ & ~tie)}"
+    )
     assert tie.mean() <= MAX_TIE_FRACTION, f"{tie.sum()} near-ties in {len(tie)} positions"
     # Free-running greedy generation with the KV cache must reproduce mlx-lm's continuation
     # exactly, up to the first near-tie on its path (if any).

@@ -1,4 +1,5 @@
-"""Tokenizer loading and encode/decode against transformers, sentencepiece, tiktoken and published test vectors."""
+"""Tokenizer loading and encode/decode against transformers, sentencepiece, tiktoken and published
+test vectors."""
 
 from __future__ import annotations
 
@@ -123,7 +124,8 @@ def test_loads(tok, name):
     assert (ids[0] == bos) == adds_bos
     assert t.encode("Hello", add_special_tokens=False) == (ids[1:] if adds_bos else ids)
     assert t.token_to_id(t.id_to_token(ids[-1])) == ids[-1]
-    # transformers 5's Llama pipeline for tokenizer.json (Metaspace, prepend_scheme="first") drops a leading space
+    # transformers 5's Llama pipeline for tokenizer.json (Metaspace, prepend_scheme="first") drops a
+    # leading space
     for s in TEXTS + (LEADING if name != "phi3" else []):
         assert t.decode(t.encode(s, add_special_tokens=False)) == s, (name, s)
 
@@ -167,7 +169,8 @@ def test_sentencepiece_matches_sentencepiece(tok, dirs, name):
     t = tok(name)
     for s in TEXTS + LEADING + ["x  # c", "   spaces", "[INST] not a control token in plain sp"]:
         if "[INST]" in s and name == "mistral-v3":
-            continue  # control token: the tokenizer (like HF's) matches it, sentencepiece never does
+            # control token: the tokenizer (like HF's) matches it, sentencepiece never does
+            continue
         assert t.encode(s, add_special_tokens=False) == sp.encode(s), s
         assert t.encode(s) == [sp.bos_id()] + sp.encode(s)
         assert t.decode(sp.encode(s)) == sp.decode(sp.encode(s))
@@ -177,9 +180,10 @@ def test_sentencepiece_matches_transformers_llama(tok, dirs):
     transformers = pytest.importorskip("transformers")
     ref = transformers.LlamaTokenizer.from_pretrained(str(dirs["llama2-spm"]))
     t = tok("llama2-spm")
-    # transformers 5 drops SentencePiece's dummy prefix before leading spaces and orders merges by id (Llama 2's
-    # "▁▁" has the lowest score but a low id), so it departs from sentencepiece on some whitespace: we follow
-    # sentencepiece (test above) and agree with transformers everywhere else.
+    # transformers 5 drops SentencePiece's dummy prefix before leading spaces and orders merges by
+    # id (Llama 2's "▁▁" has the lowest score but a low id), so it departs from sentencepiece on
+    # some whitespace: we follow sentencepiece (test above) and agree with transformers everywhere
+    # else.
     agree = 0
     for s in TEXTS:
         if "  " in s or s.startswith(" "):
@@ -254,8 +258,8 @@ def test_swift_tokenizer_edge_cases(tok, assets, name, model):
     for case in cases:
         ids = case["encoded"]["input_ids"]
         assert t.encode(case["input"]) == ids, case["input"]
-        # the vectors were made with an older transformers that applied clean_up_tokenization_spaces; transformers
-        # 5 (and mlxr) no longer do for BPE tokenizers
+        # the vectors were made with an older transformers that applied
+        # clean_up_tokenization_spaces; transformers 5 (and mlxr) no longer do for BPE tokenizers
         got = t.decode(ids, skip_special_tokens=True)
         assert case["decoded_without_special"] in (got, _clean_up(got)), case["input"]
 
@@ -308,7 +312,7 @@ def test_mistral_common_samples(tok, assets):
     assert checked >= 6
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # Streaming detokenizer
 
 STREAM_TEXTS = (
@@ -380,7 +384,7 @@ def test_streaming_skip_special(tok):
     assert text == t.decode(ids, skip_special_tokens=True) == "assistant\nHi 🎉"
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # Errors
 
 

@@ -177,7 +177,8 @@ def _check_rope_table(path: Path, cfg: Llama2cConfig, real: np.ndarray, imag: np
     freqs = 1.0 / (ROPE_THETA ** (np.arange(0, hs, 2, dtype=np.float64) / hs))
     angles = np.outer(np.arange(cfg.seq_len, dtype=np.float64), freqs)
     if not (
-        np.allclose(real, np.cos(angles), atol=1e-3) and np.allclose(imag, np.sin(angles), atol=1e-3)
+        np.allclose(real, np.cos(angles), atol=1e-3)
+        and np.allclose(imag, np.sin(angles), atol=1e-3)
     ):
         raise ModelFormatError(
             f"{path}: stored RoPE table (freq_cis_real/imag) is not the standard theta=10000 "
@@ -397,7 +398,9 @@ def convert(model_bin: Path, tokenizer_bin: Path, out_dir: Path) -> None:
     tok = build_tokenizer(Path(tokenizer_bin), cfg.vocab_size)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(hf_tensors(cfg, arrays), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        hf_tensors(cfg, arrays), str(out_dir / "model.safetensors"), metadata={"format": "pt"}
+    )
     _write_json(out_dir / "config.json", hf_config(cfg))
     _write_json(
         out_dir / "generation_config.json",

@@ -82,7 +82,8 @@ def default_config(m: int, n: int, k: int, bits: int, group: int,
     """Launch table: the H200 sweep's winners (benchmarks/gpu_qgemm_sweep.py, 4-bit g64 bf16,
     docs/perf.md "Prefill GEMM sweep") as rules by M bucket (measured at 64, 128, 512, 2048;
     the cut between two buckets near their geometric mean) and weight size, split-K by
-    `fill_split` (which gives the winners' splits). Roles: "big" = the 8B gate_up/down (N*K >= 32M), "deep" = K >= 2N (down).
+    `fill_split` (which gives the winners' splits). Roles: "big" = the 8B gate_up/down
+    (N*K >= 32M), "deep" = K >= 2N (down).
     BLOCK_K is 64 or 128, a multiple or a divisor of every group (32/64/128), so each row is
     valid for 2/4/8 bits; other widths and groups were not swept."""
     big, deep = n * k >= 1 << 25, k >= 2 * n

@@ -436,8 +436,8 @@ def qgemm(x: Tensor, w: Tensor, s: Tensor, b: Tensor | None, gs: Tensor | None, 
                          split)
     kern[grid](x, w, s, b if b is not None else dummy, gs if gs is not None else dummy, y,
                m, n, x.stride(0), n, ys, K=k, BITS=bits, GROUP=group, MODE=MODES[mode],
-               HAS_GS=gs is not None, SPLIT_K=split, DOT_IEEE=x.dtype == torch.float32 or _interpret(),
-               M_BUCKET=mb)
+               HAS_GS=gs is not None, SPLIT_K=split,
+               DOT_IEEE=x.dtype == torch.float32 or _interpret(), M_BUCKET=mb)
     return _finish(y, split, odt)
 
 

@@ -17,7 +17,8 @@ __all__ = ["SecurityConfig", "ServerState", "create_app", "run"]
 
 def run(model_path: Path, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
         allow_origins=(), model_id: str | None = None, max_num_seqs: int = 16,
-        max_num_batched_tokens: int | None = None, max_queued: int = 64, max_connections: int = 256, max_body_bytes: int = 4 << 20,
+        max_num_batched_tokens: int | None = None, max_queued: int = 64, max_connections: int = 256,
+        max_body_bytes: int = 4 << 20,
         header_timeout: float = 10.0, body_timeout: float = 30.0, device=None, dtype=None,
         log_level: str = "info", stream_interval: int | None = None,
         engine_process: str = "auto") -> None:

@@ -1,5 +1,5 @@
-"""Ollama's API: `POST /api/generate`, `POST /api/chat` (NDJSON streamed by default), `GET /api/tags`
-and `GET /api/version`.
+"""Ollama's API: `POST /api/generate`, `POST /api/chat` (NDJSON streamed by default),
+`GET /api/tags` and `GET /api/version`.
 
 An Ollama body is translated into the OpenAI request models (`ChatRequest`, `CompletionRequest`)
 and built into a `Job` by the same `chat_job` / `completion_job` as the OpenAI routes, then run

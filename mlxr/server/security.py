@@ -114,7 +114,8 @@ class SecurityMiddleware:
                     token.strip().encode(), cfg.api_key.encode()):
                 return await send_error(send, 401, "missing or invalid API key (send "
                                         "'Authorization: Bearer <key>')", "invalid_request_error",
-                                        "invalid_api_key", [(b"www-authenticate", b"Bearer")] + cors)
+                                        "invalid_api_key",
+                                        [(b"www-authenticate", b"Bearer")] + cors)
         if cors:
             send = _with_headers(send, cors)
         if method in ("POST", "PUT", "PATCH"):

@@ -142,7 +142,8 @@ class ToolCallParser:
             i = self.buf.find(self.start)
             if i >= 0:
                 self._content(self.buf[:i], out)
-                self.buf, self.state, self.at_start = self.buf[i + len(self.start):], "region", False
+                self.buf, self.state, self.at_start = (
+                    self.buf[i + len(self.start):], "region", False)
                 continue
             keep = _held(self.buf, self.start)
             self._content(self.buf[:len(self.buf) - keep], out)
