@@ -7,7 +7,8 @@ one launch costs, not against the large-copy rate (launch and ramp dominate smal
 
 Each launch: P programs, each streams its contiguous chunk of int32 words in tiles of BLOCK
 (16-byte loads, .cg: past L1), XORs them into a register tile and stores one word (so the
-loads stay live). CUDA graphs over copies larger than the L2 (gpu_timing). Prints, per size,
+loads stay live); its loop's trip count is a constant, so it is unrolled and a thread's loads
+issue back to back. CUDA graphs over copies larger than the L2 (gpu_timing). Prints, per size,
 the best launch and the sweep, with GB/s.
 """
 

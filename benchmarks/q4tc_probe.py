@@ -50,9 +50,9 @@ WIDE = ((1, 1, 16, 1, 0), (1, 1, 16, 2, 0), (1, 1, 16, 1, 4), (1, 2, 16, 1, 4),
 # deeper TMA rings, registers capped so two 16-warp programs fit per SM
 DEEP = ((1, 2, 16, 1, 0, 1, 0), (1, 2, 16, 1, 0, 1, 64), (1, 2, 8, 1, 0, 1, 0),
         (1, 2, 8, 2, 0, 1, 0), (1, 1, 16, 2, 0, 2, 0), (1, 1, 8, 2, 0, 2, 0),
-        (1, 1, 16, 1, 6, 1, 0),
-        (1, 1, 16, 1, 8, 1, 0), (1, 1, 8, 1, 8, 1, 0), (1, 2, 8, 1, 6, 1, 0),
-        (2, 1, 8, 1, 6, 1, 0), (2, 2, 4, 1, 0, 1, 0), (2, 1, 8, 2, 0, 2, 0))
+        (1, 1, 16, 1, 6, 1, 0), (1, 1, 16, 1, 8, 1, 0), (1, 1, 8, 1, 8, 1, 0),
+        (1, 2, 8, 1, 6, 1, 0), (2, 1, 8, 1, 6, 1, 0), (2, 2, 4, 1, 0, 1, 0),
+        (2, 1, 8, 2, 0, 2, 0))
 
 
 def offline(k: int, group: int, rt: int, u: int, nw: int, pf: int, stages: int,
@@ -61,9 +61,8 @@ def offline(k: int, group: int, rt: int, u: int, nw: int, pf: int, stages: int,
     desc = f"tensordesc<i32[{rt}, {cfg.wt // 256}, 256]>" if stages else "constexpr"
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "w_desc": desc, "sb_ptr": "*bf16",
            "y_ptr": "*bf16", "xaddr": "i64", "sbaddr": "i64", "NRT": "i32"}
-    const = dict(K=k, GROUP=group, RT=rt, WT=cfg.wt, PF=pf, STAGES=stages, UNROLL=unroll, M=1,
-                 F16=False,
-                 GDC=gdc, INTERP=False)
+    const = dict(K=k, GROUP=group, RT=rt, WT=cfg.wt, PF=pf, STAGES=stages, UNROLL=unroll,
+                 M=1, F16=False, GDC=gdc, INTERP=False)
     if not stages:
         const["w_desc"] = None
     ck = compile_sm90(T._q4tc_kernel, sig, const, nw, max(stages, 1))
