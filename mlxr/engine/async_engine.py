@@ -191,6 +191,9 @@ class AsyncEngine:
         early aborts the request and frees its KV blocks."""
         if len(self.engine.scheduler.waiting) >= self.max_queued:
             raise QueueFullError("too many requests are waiting; retry later", retry_after=1)
+        prepare = getattr(req.logits_processor, "prepare", None)
+        if prepare is not None:  # e.g. a grammar's matcher: built here, not on the engine thread
+            prepare()
         loop = asyncio.get_running_loop()
         stream = _Stream(loop)
         # emit runs on the engine thread inside step(); _flush (same thread) swaps the list

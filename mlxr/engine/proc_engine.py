@@ -123,8 +123,9 @@ class _ChildEngine(AsyncEngine):
             if isinstance(req.logits_processor, tuple):  # ("grammar", text), see ProcEngine
                 from ..server.grammar import GrammarProcessor
 
-                req = replace(req, logits_processor=GrammarProcessor(self.engine.model,
-                                                                     req.logits_processor[1]))
+                proc = GrammarProcessor(self.engine.model, req.logits_processor[1])
+                proc.prepare()  # a grammar that does not fit the vocabulary fails here: a 400
+                req = replace(req, logits_processor=proc)
             r.seq = self.engine.add(req, lambda out: self._outbox.append((r, out)))
         except Exception as e:  # noqa: BLE001 -- bad input is a 400, anything else a 500
             self.remotes.pop(rid, None)

@@ -36,21 +36,36 @@ def _lltokenizer(model):
 
 class GrammarProcessor:
     """A logits processor for one request (not shared: it holds the parser state). `grammar` is
-    kept: ProcEngine sends it, not the processor, to the engine process, which rebuilds one."""
+    kept: ProcEngine sends it, not the processor, to the engine process, which rebuilds one.
+
+    Built in two steps: the grammar's syntax is checked here (no tokenizer, ~1 ms), the matcher
+    by `prepare` (llguidance's tokenizer: ~1.2 s once per model for a 150k vocabulary, then
+    ~1 ms per request), so a server whose engine runs in another process never builds one."""
 
     def __init__(self, model, grammar: str):
         import llguidance
 
-        self.grammar = grammar
-        self.matcher = llguidance.LLMatcher(_lltokenizer(model), grammar, log_level=0)
-        if self.matcher.is_error():
-            raise bad_request(f"invalid grammar: {self.matcher.get_error()}", "response_format")
-        self.vocab = model.config.vocab_size
+        err = llguidance.LLMatcher.validate_grammar(grammar)
+        if err:
+            raise bad_request(f"invalid grammar: {err}", "response_format")
+        self.model, self.grammar = model, grammar
+        self.matcher = None
         self.eos = sorted(model.eos_token_ids)
         self.consumed = 0
         self.failed = False
 
+    def prepare(self) -> None:
+        """Build the matcher (once); a grammar that does not fit the vocabulary is a 400."""
+        if self.matcher is None:
+            import llguidance
+
+            m = llguidance.LLMatcher(_lltokenizer(self.model), self.grammar, log_level=0)
+            if m.is_error():
+                raise bad_request(f"invalid grammar: {m.get_error()}", "response_format")
+            self.matcher = m
+
     def __call__(self, generated_ids, logits: torch.Tensor) -> torch.Tensor:
+        self.prepare()
         m = self.matcher
         new = list(generated_ids[self.consumed:])
         self.consumed = len(generated_ids)
