@@ -135,6 +135,39 @@ def test_async_engine_concurrent_and_abort(model):
     assert eng.engine.blocks.num_free == len(eng.engine.blocks.blocks)
 
 
+def test_async_engine_prepares_the_processor_before_queueing(model):
+    """A logits processor's prepare() (a grammar's matcher build) runs in generate, before the
+    request is queued; what it raises reaches the caller and nothing is queued."""
+    eng = AsyncEngine(model, max_num_seqs=4)
+    calls = []
+
+    class Proc:
+        def __init__(self, fail):
+            self.fail = fail
+
+        def prepare(self):
+            calls.append(self.fail)
+            if self.fail:
+                raise RuntimeError("does not fit the vocabulary")
+
+        def __call__(self, ids, logits):
+            return logits
+
+    async def run(proc):
+        out = []
+        async for o in eng.generate(EngineRequest(model.tokenizer.encode("The sun"),
+                                                  SamplingParams(max_tokens=3, temperature=0,
+                                                                 ignore_eos=True),
+                                                  logits_processor=proc)):
+            out += o.token_ids
+        return out
+
+    with pytest.raises(RuntimeError, match="vocabulary"):
+        asyncio.run(run(Proc(True)))
+    assert calls == [True] and not eng.engine.has_work()
+    assert len(asyncio.run(run(Proc(False)))) == 3 and calls == [True, False]
+
+
 def test_long_prompt_prefilled_in_chunks_alone(model):
     """A prompt longer than the step budget, with nothing else running: the steps that only
     prefill (no sampled row) must work and the result equal the single-request path."""

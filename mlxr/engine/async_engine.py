@@ -187,7 +187,8 @@ class AsyncEngine:
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (those that queued up while the consumer was busy come
-        merged into one). Raises QueueFullError or MlxrError before streaming; leaving the loop
+        merged into one). Raises QueueFullError, MlxrError or what the logits processor's
+        `prepare()` raises (if it has one) before streaming; leaving the loop
         early aborts the request and frees its KV blocks."""
         if len(self.engine.scheduler.waiting) >= self.max_queued:
             raise QueueFullError("too many requests are waiting; retry later", retry_after=1)

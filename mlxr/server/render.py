@@ -105,6 +105,9 @@ async def start(state, engine, job, route: str) -> Gen:
         retry = str(max(1, round(getattr(e, "retry_after", 1) or 1)))
         raise APIError(429, "the server is busy: too many queued requests", "server_error",
                        code="queue_full", headers={"Retry-After": retry}) from None
+    except APIError:  # a grammar that does not fit the vocabulary (its prepare())
+        state.metrics.request_done(route, "invalid")
+        raise
     except MlxrError as e:
         state.metrics.request_done(route, "invalid")
         if str(e).startswith("engine failure"):
