@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/q4tc_probe.py [K GROUP RT U WARPS PF STAGES [UNROLL] [pdl]]
     cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --gpu [--tma|--wide|--deep] [8b|0.6b]
     cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --rows 2,4,8 [8b|0.6b]
+    cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --glu 1,4
 
 Offline (no GPU): compiles the kernel for sm_90 with Triton's ptxas, prints the layouts from
 the TTGIR and those of the inline PTX's results (per-lane tensors: one element per thread, lanes
@@ -15,6 +16,9 @@ then us per call in CUDA graphs over weight copies larger than the L2, against q
 launch, for a sweep of launch shapes. The last line is JSON.
 --rows: 2-8 rows of x (batched decode) through q4tc's default launch, tinygemm and the fused
 GEMM: us per call and the error against fp64.
+--glu: the MLP's gate_up with act(gate) * up in q4tc's epilogue (a glu copy, `act="silu"`)
+against the plain launch followed by `gated_act`, and the plain launch alone (us per call),
+for the given rows of x; the fused results must equal the pair's bit for bit.
 """
 
 from __future__ import annotations
@@ -188,7 +192,34 @@ def rows(ms: list[int], only: str = "") -> None:
             print(f"{name:12s} M={m}: " + ", ".join(line), flush=True)
 
 
+def glu(ms: list[int]) -> None:
+    import torch
+    from gpu_timing import graph_time_us
+
+    from mlxr.ops.triton_fused import gated_act
+    from mlxr.ops.triton_q4gemv import pair_scales
+
+    g = 64
+    for name in ("8b gate_up", "0.6b gate_up"):
+        n, k = SHAPES[name]
+        perm = T.glu_rows(n).cuda()
+        ws = _weight_copies(n, k, g, 8, lambda w, sc, b: (
+            T.repack(w[perm]), pair_scales(sc[perm], b[perm])))  # [5], [6]: the glu copy
+        for m in ms:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            plain = lambda a: T.q4tc(x, a[4], a[3], group=g)  # noqa: E731
+            pair = lambda a: gated_act(*plain(a).view(m, n).chunk(2, -1), "silu")  # noqa: E731
+            fused = lambda a: T.q4tc(x, a[5], a[6], group=g, act="silu")  # noqa: E731
+            same = torch.equal(fused(ws[0]).view(m, -1), pair(ws[0]))
+            line = [f"{label} {graph_time_us([lambda a=a, f=f: f(a) for a in ws]):6.2f} us"
+                    for label, f in (("plain", plain), ("plain + act", pair), ("fused", fused))]
+            print(f"{name:12s} M={m}: " + ", ".join(line) + f", fused == pair: {same}",
+                  flush=True)
+
+
 def main(argv: list[str]) -> None:
+    if argv and argv[0] == "--glu":  # --glu 1,4
+        return glu([int(m) for m in argv[1].split(",")])
     if argv and argv[0] == "--rows":  # --rows 2,4,8 [8b|0.6b]
         return rows([int(m) for m in argv[1].split(",")], argv[2] if len(argv) > 2 else "")
     if argv and argv[0] == "--gpu":  # --gpu [--tma | --wide | --deep] [shape prefix]

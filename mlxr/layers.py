@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from . import ops
 from .config import RopeSpec
 from .quant import QuantWeight
 
@@ -27,6 +28,17 @@ class Linear:
         else:
             y = x @ self.weight.t()
         return y if self.bias is None else y + self.bias
+
+    def gated(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        """act(gate) * up of this projection's output halves [gate | up] (an MLP's gate_up):
+        in the GEMV's launch where the weight serves it (`QuantWeight.gated`), else as
+        `ops.gated_act` over the halves."""
+        if self.bias is None and isinstance(self.weight, QuantWeight):
+            y = self.weight.gated(x, act)
+            if y is not None:
+                return y
+        gate, up = self(x).chunk(2, dim=-1)
+        return ops.gated_act(gate, up, act)
 
 
 class Embedding:

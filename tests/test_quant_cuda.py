@@ -179,6 +179,60 @@ def test_several_rows_take_q4tc(monkeypatch):
     assert calls == ["q4gemv"]
 
 
+def test_glu_copy_serves_gated_and_linear(monkeypatch):
+    """A gate_up weight's glu copy (rows interleaved, `from_tensors(glu=True)` on CUDA):
+    `gated` gives act(gate) * up in one launch, equal to the plain copy's `linear` followed by
+    `gated_act` (same sums, same roundings), for one row and several; `linear` on it gives the
+    plain copy's result (rows back in [gate | up] order). Where q4tc does not serve the rows
+    (prefill, MLXR_Q4GEMV=0) or the copy is plain, `gated` declines."""
+    from mlxr.ops import triton_q4tc
+    from mlxr.ops.triton_fused import gated_act
+
+    g = torch.Generator().manual_seed(31)
+    n, k, group = 64, 1024, 64
+    w, s, b, plain = _q4_weight(g, n, k, group)
+    plain.tc, plain.q4_sb = qcuda.q4tc_pack(w, s, b)
+    _, _, _, qw = _q4_weight(torch.Generator().manual_seed(31), n, k, group)
+    qw.tc, qw.q4_sb = qcuda.q4tc_pack(w, s, b, glu=True)
+    qw.tc_glu = True
+    assert not torch.equal(qw.tc, plain.tc)
+    launches = []
+    real = triton_q4tc.q4tc
+    monkeypatch.setattr(triton_q4tc, "q4tc",
+                        lambda *a, **kw: launches.append(kw.get("act")) or real(*a, **kw))
+    x = torch.randn(5, k, generator=g).to(torch.bfloat16)
+    for m in (1, 5):
+        gate, up = qcuda.linear(plain, x[:m]).chunk(2, dim=-1)
+        launches.clear()
+        y = qcuda.gated(qw, x[:m], "silu")
+        assert launches == ["silu"] and y.shape == (m, n // 2)
+        assert torch.equal(y, gated_act(gate, up, "silu"))
+        assert torch.equal(qcuda.linear(qw, x[:m]), torch.cat([gate, up], -1))
+    assert qcuda.gated(qw, torch.randn(40, k).to(torch.bfloat16), "silu") is None  # prefill
+    monkeypatch.setenv("MLXR_Q4GEMV", "0")
+    assert qcuda.gated(qw, x[:1], "silu") is None
+    monkeypatch.delenv("MLXR_Q4GEMV")
+    assert qcuda.gated(plain, x[:1], "silu") is None
+    with pytest.raises(ValueError, match="glu"):
+        qcuda.q4tc_pack(w, s, b, plain.q4_sb, glu=True)
+
+
+def test_gated_falls_back_off_the_glu_copy():
+    """`Linear.gated` on a CPU weight (no glu copy): `ops.gated_act` over the output halves;
+    `from_tensors(glu=True)` builds no copy off CUDA."""
+    from mlxr import ops
+    from mlxr.layers import Linear
+
+    g = torch.Generator().manual_seed(32)
+    w, s, b, _ = _q4_weight(g, 64, 512, 64)
+    qw = QuantWeight.from_tensors(w, s, b, QuantSpec("affine", 4, 64), device="cpu", glu=True)
+    assert not qw.tc_glu and qw.gated(torch.randn(2, 512), "silu") is None
+    lin = Linear(qw)
+    x = torch.randn(3, 512).to(torch.bfloat16)
+    gate, up = lin(x).chunk(2, dim=-1)
+    assert torch.equal(lin.gated(x, "gelu"), ops.gated_act(gate, up, "gelu"))
+
+
 def test_batch_copy_is_built_on_demand(monkeypatch):
     """The several-row copies are not built with q4gemv's at load; add_batch_copy builds them
     once, for matmul weights on CUDA only, and reports their bytes: q4tc's repack where

@@ -155,3 +155,55 @@ def test_default_config_one_row_launches(monkeypatch):
     # K < 8192 (the 0.6B down) and K < 4096 (the 0.6B head) are unchanged
     assert T.default_config(1024, 3072) == T.TcConfig(rt=1, u=1, num_warps=16, pf=1)
     assert T.default_config(151936, 1024) == T.TcConfig(rt=2, u=1, num_warps=4, pf=2)
+
+
+def test_glu_rows_and_order():
+    """The glu copy's row order puts gate row 8t + j at 16t + j and its up row at 16t + 8 + j,
+    and `glu_order` undoes it."""
+    perm = T.glu_rows(64)
+    assert torch.equal(perm[:16], torch.tensor([*range(8), *range(32, 40)]))
+    assert torch.equal(perm[16:24], torch.arange(8, 16))
+    assert torch.equal(torch.sort(perm).values, torch.arange(64))
+    y = torch.randn(3, 64)
+    assert torch.equal(T.glu_order(y[:, perm]), y)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        T.glu_rows(40)
+
+
+_UNROLLED = T.TcConfig(rt=1, u=1, num_warps=4, pf=2, unroll=2)
+
+
+@pytest.mark.parametrize("act,group,m,dtype,n,k,cfg", [
+    ("silu", 64, 1, torch.bfloat16, 64, 1024, None),
+    ("gelu", 32, 1, torch.float16, 96, 1536, T.TcConfig(rt=2, u=1, num_warps=2)),  # rows past N
+    ("silu", 64, 1, torch.bfloat16, 32, 3584, _UNROLLED),
+    ("gelu_tanh", 128, 2, torch.bfloat16, 64, 1024, None),
+    ("silu", 32, 4, torch.float16, 32, 3584, _UNROLLED),
+    ("silu", 64, 5, torch.bfloat16, 96, 1536, T.TcConfig(rt=2, u=1, num_warps=2)),
+    ("gelu", 64, 9, torch.bfloat16, 64, 1024, None),
+])
+def test_q4tc_gated(act, group, m, dtype, n, k, cfg):
+    """act(gate) * up from a glu copy in one launch: exactly what the plain launch on the
+    un-permuted weight followed by `gated_act` computes (same sums, same roundings), and
+    within rounding of the torch twin. 9 rows: a launch of 8 and a one-row launch."""
+    from mlxr.ops.triton_fused import gated_act
+
+    packed, s, b, _ = _weights(n, k, group, dtype, seed=n + k + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    x = x[0] if m == 1 else x
+    perm = T.glu_rows(n)
+    words, sb = T.repack(packed[perm].to(DEV)), pair_scales(s[perm], b[perm]).to(DEV)
+    y = T.q4tc(x.to(DEV), words, sb, group=group, config=cfg, act=act).cpu()
+    assert y.shape == ((n // 2,) if m == 1 else (m, n // 2))
+    plain = T.q4tc(x.to(DEV), T.repack(packed.to(DEV)), pair_scales(s, b).to(DEV),
+                   group=group, config=cfg)
+    gate, up = plain.reshape(m, n).chunk(2, dim=-1)
+    assert torch.equal(y.reshape(m, -1), gated_act(gate, up, act).cpu())
+    twin = T.q4tc_ref(x, T.repack(packed[perm]), pair_scales(s[perm], b[perm]), group=group,
+                      act=act)
+    assert twin.shape == y.shape
+    # four 16-bit roundings (gate, up, act, product; the interpreter truncates): 2^-5 |y|
+    y, twin = y.float(), twin.float()
+    assert bool(((y - twin).abs() <= 2**-5 * twin.abs() + 2**-8 * twin.abs().max()).all())
+    with pytest.raises(ValueError, match="activation"):
+        T.q4tc(x.to(DEV), words, sb, group=group, act="relu")

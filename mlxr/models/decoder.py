@@ -27,6 +27,15 @@ class Fused:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
+def _gated_act(gate_up: Linear | Fused, x: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up of the MLP's [gate | up] projection (one launch where `Linear.gated`
+    can)."""
+    if isinstance(gate_up, Linear):
+        return gate_up.gated(x, act)
+    gate, up = gate_up(x).chunk(2, dim=-1)
+    return ops.gated_act(gate, up, act)
+
+
 @dataclass
 class SeqSpan:
     """One sequence's share of a step: q_len new tokens at positions [q_start, q_start+q_len).
@@ -273,8 +282,7 @@ class Decoder:
             if layer.post_attn_norm is not None:
                 o = ops.rms_norm(o, layer.post_attn_norm, eps, off)
             h, x = self._add_norm(h, o, layer.mlp_norm)
-            gate, up = layer.gate_up(x).split(c.intermediate_size, dim=-1)
-            m = layer.down_proj(ops.gated_act(gate, up, c.hidden_act))
+            m = layer.down_proj(_gated_act(layer.gate_up, x, c.hidden_act))
             if layer.post_mlp_norm is not None:
                 m = ops.rms_norm(m, layer.post_mlp_norm, eps, off)
             if i + 1 < len(self.layers):

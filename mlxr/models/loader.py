@@ -163,17 +163,20 @@ class _Builder:
         return RawQuant(self.load(path + ".weight"), self.load(path + ".scales"),
                         biases, spec, gscale)
 
-    def quant(self, raw: RawQuant, matmul: bool = True) -> QuantWeight | RawQuant:
+    def quant(self, raw: RawQuant, matmul: bool = True,
+              glu: bool = False) -> QuantWeight | RawQuant:
         if self.dry_run:
             return raw
         return QuantWeight.from_tensors(raw.weight, raw.scales, raw.biases, raw.spec,
                                         global_scale=raw.global_scale, compute_dtype=self.dtype,
-                                        device=self.device, matmul=matmul)
+                                        device=self.device, matmul=matmul, glu=glu)
 
-    def linear(self, parts: list[tuple[str, int, int, bool]], matmul: bool = True) -> Linear:
+    def linear(self, parts: list[tuple[str, int, int, bool]], matmul: bool = True,
+               glu: bool = False) -> Linear:
         """One Linear for projections of the same input, stacked along the output dim (one
         matmul instead of several) when they share a storage format. `matmul=False`: only
-        gathered (an untied embedding; see QuantWeight.from_tensors)."""
+        gathered (an untied embedding; see QuantWeight.from_tensors). `glu`: an MLP's gate
+        over its up (`QuantWeight.from_tensors(glu=True)`)."""
         ws = [self.weight(path, out, inp) for path, out, inp, _ in parts]
         bs: list = [None] * len(parts)
         if any(p[3] for p in parts):  # a part without a bias contributes zeros
@@ -183,7 +186,7 @@ class _Builder:
         bias = None if bs[0] is None else torch.cat(bs)
         if len(ws) == 1:
             return Linear(ws[0] if isinstance(ws[0], torch.Tensor) else
-                          self.quant(ws[0], matmul), bias)
+                          self.quant(ws[0], matmul, glu), bias)
         if all(isinstance(w, torch.Tensor) for w in ws):
             return Linear(torch.cat(ws), bias)
         if all(isinstance(w, RawQuant) and w.spec == ws[0].spec and w.global_scale is None
@@ -191,7 +194,7 @@ class _Builder:
             cat = RawQuant(torch.cat([w.weight for w in ws]), torch.cat([w.scales for w in ws]),
                            None if ws[0].biases is None else torch.cat([w.biases for w in ws]),
                            ws[0].spec, None)
-            return Linear(self.quant(cat), bias)
+            return Linear(self.quant(cat, glu=glu), bias)
         return Fused([Linear(w if isinstance(w, torch.Tensor) else self.quant(w), b)
                       for w, b in zip(ws, bs)])
 
@@ -216,8 +219,8 @@ def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
     table = module_table(c, tied)
     b = _Builder(ckpt, c, dtype, device, dry_run)
 
-    def linear(*paths: str, matmul: bool = True) -> Linear | Fused:
-        return b.linear([(p, *table[p][1:]) for p in paths], matmul)
+    def linear(*paths: str, matmul: bool = True, glu: bool = False) -> Linear | Fused:
+        return b.linear([(p, *table[p][1:]) for p in paths], matmul, glu)
 
     def norm(path: str) -> torch.Tensor:
         return b.float_tensor(path + ".weight", (table[path][1],))
@@ -234,8 +237,8 @@ def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
             o_proj=linear(attn + "o_proj"),
             mlp_norm=norm(p + ("pre_feedforward_layernorm" if sandwich else
                                "post_attention_layernorm")),
-            gate_up=linear(mlp + "gate_up_proj") if c.fused_gate_up else linear(
-                mlp + "gate_proj", mlp + "up_proj"),
+            gate_up=linear(mlp + "gate_up_proj", glu=True) if c.fused_gate_up else linear(
+                mlp + "gate_proj", mlp + "up_proj", glu=True),
             down_proj=linear(mlp + "down_proj"),
             q_norm=norm(attn + "q_norm") if c.qk_norm else None,
             k_norm=norm(attn + "k_norm") if c.qk_norm else None,

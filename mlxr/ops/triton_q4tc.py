@@ -33,8 +33,13 @@ small programs, each with its whole tile of words in flight):
 * Several rows of x (batched decode, short prompts) share the words: the B columns are rows
   x 8/M group slots. At 2-8 rows it is 1.1-3.0x faster than tinygemm and the fused GEMM at
   the 8B / 0.6B shapes (`mlxr.quant.cuda.q4tc_rows`).
+* An MLP's gate_up can run with its gated activation in the epilogue (`act=`): its copy's
+  rows interleaved (`glu_rows`: tile t = gate rows 8t.. over up rows 8t..), a lane's rows g
+  and g + 8 are one output's gate and up. Same sums and roundings as the GEMV followed by
+  `ops.gated_act`, one launch fewer (0.6B decode +4.6%, docs/perf.md).
 
-`q4tc_ref` is the plain-torch twin with the same signature (the tests' oracle).
+`q4tc_ref` is the plain-torch twin with the same signature (the tests' oracle); the load-time
+layouts (`repack`, `glu_rows`) are in `triton_q4tc_layout`.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .triton_fused import HAVE_TRITON, _hopper, _interpret, pdl
+from .triton_fused import ACTS, HAVE_TRITON, _hopper, _interpret, pdl
+from .triton_q4tc_layout import glu_order, glu_rows, repack, unrepack  # noqa: F401 (API)
 
 if HAVE_TRITON:
     import triton
@@ -115,54 +121,23 @@ def default_config(n: int, k: int, m: int = 1) -> TcConfig:
     return cfg if env is None else dataclasses.replace(cfg, stages=int(env))
 
 
-# ====================================================================== repack (load time)
-def _codes(packed: Tensor) -> Tensor:
-    """MLX words [N, K/8] -> codes [N, K] int32 (code k at nibble k % 8 of word k // 8)."""
-    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
-    return ((packed.view(torch.int32).unsqueeze(-1) >> shifts) & 15).reshape(packed.shape[0], -1)
-
-
-def repack(packed: Tensor, chunk_rows: int = 4096) -> Tensor:
-    """MLX 4-bit words [N, K/8] -> the lane-ordered words [N/16, 2K] int32 (module docstring).
-    Rows go through in slices so an LM head does not need 8x its size of scratch."""
-    n, kw = packed.shape
-    k = kw * 8
-    if n % 16 or k % 64:
-        raise ValueError(f"q4tc.repack: N = {n} must be a multiple of 16, K = {k} of 64")
-    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
-    out = torch.empty(n // 16, 2 * k, dtype=torch.int32, device=packed.device)
-    for r in range(0, n, chunk_rows):
-        q = _codes(packed[r:r + chunk_rows])
-        rt = q.shape[0] // 16
-        # [R, h, g, blk, sh, tig, sl, m, hi] -> [R, blk, g, tig, sh, sl | hi, m, h]
-        q = q.reshape(rt, 2, 8, k // 64, 2, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 6, 8, 7, 1)
-        q = q.reshape(rt, 2 * k, 8)
-        out[r // 16:r // 16 + rt] = (q << shifts).sum(-1, dtype=torch.int32)
-    return out
-
-
-def unrepack(words: Tensor) -> Tensor:
-    """Inverse of `repack`: back to MLX words [N, K/8] (tests, reference)."""
-    rt, k2 = words.shape
-    k = k2 // 2
-    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
-    q = (words.unsqueeze(-1) >> shifts) & 15  # [R, 2K, nibble (hi, m, h)]
-    q = q.reshape(rt, k // 64, 8, 4, 2, 2, 2, 2, 2).permute(0, 8, 2, 1, 4, 3, 5, 7, 6)
-    q = q.reshape(rt * 16, k // 8, 8)  # [N, K/8, 8]: code k at nibble k % 8 of word k // 8
-    return (q << shifts).sum(-1, dtype=torch.int32)
-
-
 # ====================================================================== torch twin (oracle)
 def q4tc_ref(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None = None,
-             config: TcConfig | None = None) -> Tensor:
+             config: TcConfig | None = None, act: str | None = None) -> Tensor:
     """y = x @ (s * q + b)^T in fp32, rounded to x.dtype: [N] for one row of x ([K] or
     [1, K]), else [M, N]; `words` are `repack`'s output, sb = `triton_q4gemv.pair_scales(
-    scales, biases)` [N, K/group, 2]."""
+    scales, biases)` [N, K/group, 2]. act (silu, gelu, gelu_tanh): words and sb are a glu
+    copy (rows in `glu_rows` order) and the result is act(gate) * up, [F] or [M, F] for F =
+    N / 2, each rounded to x.dtype as `ops.gated_act` rounds."""
+    from .reference import gated_act
     from .triton_qmm import dequant_f32
 
     w = dequant_f32(unrepack(words), sb[..., 0], sb[..., 1], None, "affine", 4, group)
     xm = x.reshape(-1, words.shape[1] // 2)
     y = (xm.float() @ w.t()).to(x.dtype)
+    if act is not None:
+        gate, up = glu_order(y).chunk(2, dim=-1)
+        y = gated_act(gate, up, act)
     if xm.shape[0] == 1:
         y = y[0]
     if out is None:
@@ -173,6 +148,7 @@ def q4tc_ref(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | 
 
 # ====================================================================== Triton kernel
 if HAVE_TRITON:
+    from .triton_fused import _act
     from .triton_q4tc_ptx import _ld32, _ldx, _mma4, _ones4, _split4
 
     @triton.jit
@@ -228,14 +204,15 @@ if HAVE_TRITON:
     def _q4tc_kernel(x_ptr, w_ptr, w_desc, sb_ptr, y_ptr, xaddr, sbaddr, NRT,
                      K: tl.constexpr, GROUP: tl.constexpr, RT: tl.constexpr, WT: tl.constexpr,
                      PF: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
-                     M: tl.constexpr,
+                     M: tl.constexpr, ACT: tl.constexpr,
                      F16: tl.constexpr, GDC: tl.constexpr, INTERP: tl.constexpr):
         """y [M, N] for row tiles pid * RT .. + RT (16 rows each) of x [M, K] (M = 1, 2, 4, 8:
         the B columns are M rows of x x GPW = 8 / M group slots, so a window holds GPW
         slots). STAGES > 0: the word tiles come through shared memory by TMA (w_desc over the
         words as [NRT, 2K / 256, 256]), which Triton's pipeliner keeps STAGES deep in flight;
         else by register loads PF ahead. GDC: launched with PDL (`triton_fused.pdl`; register
-        loads only)."""
+        loads only). ACT >= 0 (`ACTS`): the rows are a glu copy (`glu_rows`) and y [M, N / 2]
+        is act(gate) * up of each lane's rows g (gate) and g + 8 (up)."""
         pid = tl.program_id(0)
         NS: tl.constexpr = WT // 128  # blocks (of 64 codes) per iteration
         NU: tl.constexpr = WT // 4  # lanes x slots
@@ -312,12 +289,19 @@ if HAVE_TRITON:
                 sb0, sb1, sb2, sb3 = _sb4(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it + 1, NT, NS,
                                           CPB, GROUP, NG, GPW, INTERP)
         # lane (slot, g, tig): rows 16 rt + g (y0) and + 8 (y1), x row (2tig + e2) // GPW
+        dt = y_ptr.dtype.element_ty
         if M == 1:
             y0 = tl.sum(tl.sum(tl.reshape(y0, [RT, NS, 8, 4]), axis=3), axis=1)  # [RT, 8]
             y1 = tl.sum(tl.sum(tl.reshape(y1, [RT, NS, 8, 4]), axis=3), axis=1)
-            y = tl.reshape(tl.permute(tl.join(y0, y1), [0, 2, 1]), [RT * 16])
-            rows = pid * RT * 16 + tl.arange(0, RT * 16)
-            tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < NRT * 16)
+            if ACT >= 0:  # output 8 rt + g: rounded as the GEMV, then `gated_act`, round
+                a = _act(y0.to(dt).to(tl.float32), ACT).to(dt).to(tl.float32)
+                y = tl.reshape(a * y1.to(dt).to(tl.float32), [RT * 8])
+                rows = pid * RT * 8 + tl.arange(0, RT * 8)
+                tl.store(y_ptr + rows, y.to(dt), mask=rows < NRT * 8)
+            else:
+                y = tl.reshape(tl.permute(tl.join(y0, y1), [0, 2, 1]), [RT * 16])
+                rows = pid * RT * 16 + tl.arange(0, RT * 16)
+                tl.store(y_ptr + rows, y.to(dt), mask=rows < NRT * 16)
         else:
             if M == 8:  # x row 2tig + e2
                 y0 = tl.reshape(tl.join(y0, y2), [RT, NS, 8, 8, 1])
@@ -327,11 +311,18 @@ if HAVE_TRITON:
                 y1 = tl.reshape(y1, [RT, NS, 8, M, 4 // M])
             y0 = tl.sum(tl.sum(y0, axis=4), axis=1)  # [RT, 8 (g), M]
             y1 = tl.sum(tl.sum(y1, axis=4), axis=1)
-            y = tl.reshape(tl.permute(tl.join(y0, y1), [2, 0, 3, 1]), [M, RT * 16])
-            rows = pid * RT * 16 + tl.arange(0, RT * 16)
             mi = tl.arange(0, M)[:, None]
-            tl.store(y_ptr + mi * (NRT * 16) + rows[None, :], y.to(y_ptr.dtype.element_ty),
-                     mask=(rows < NRT * 16)[None, :])
+            if ACT >= 0:
+                a = _act(y0.to(dt).to(tl.float32), ACT).to(dt).to(tl.float32)
+                y = tl.reshape(tl.permute(a * y1.to(dt).to(tl.float32), [2, 0, 1]), [M, RT * 8])
+                rows = pid * RT * 8 + tl.arange(0, RT * 8)
+                tl.store(y_ptr + mi * (NRT * 8) + rows[None, :], y.to(dt),
+                         mask=(rows < NRT * 8)[None, :])
+            else:
+                y = tl.reshape(tl.permute(tl.join(y0, y1), [2, 0, 3, 1]), [M, RT * 16])
+                rows = pid * RT * 16 + tl.arange(0, RT * 16)
+                tl.store(y_ptr + mi * (NRT * 16) + rows[None, :], y.to(dt),
+                         mask=(rows < NRT * 16)[None, :])
 
 
 def max_rows(group: int) -> int:
@@ -341,11 +332,13 @@ def max_rows(group: int) -> int:
 
 
 def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None = None,
-         config: TcConfig | None = None) -> Tensor:
+         config: TcConfig | None = None, act: str | None = None) -> Tensor:
     """See `q4tc_ref` (same results up to fp32 summation order). x [K] or [M, K], contiguous
     and 16-byte aligned (one launch per `max_rows` rows; a launch's rows are padded to 2, 4
     or 8); words = `repack(packed)`; sb = `pair_scales(scales, biases)`. Returns [N] for one
-    row, else [M, N] (or writes `out` of that shape)."""
+    row, else [M, N] (or writes `out` of that shape). act: words and sb are a glu copy
+    (`glu_rows`), and the result is act(gate) * up, [F] or [M, F] (F = N / 2), in the same
+    launch: the same GEMV sums, rounded, then `ops.gated_act`'s arithmetic."""
     nrt, k2 = words.shape
     n, k = nrt * 16, k2 // 2
     xm = x.reshape(-1, k) if x.dim() <= 2 and x.shape[-1] == k else None
@@ -357,24 +350,27 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
         raise ValueError(f"q4tc: sb {tuple(sb.shape)} {sb.dtype} != {(n, k // group, 2)}")
     if nrt * k2 >= 2**31:
         raise ValueError("q4tc: the weight has >= 2^31 words (int32 offsets)")
+    if act is not None and act not in ACTS:
+        raise ValueError(f"q4tc: unknown activation {act!r}")
     m = xm.shape[0]
     cfg = config or default_config(n, k, m)
     if (k // 64) % (cfg.wt // 128):
         raise ValueError(f"q4tc: {cfg.wt // 128} blocks per iteration must divide K/64")
-    shape = (n,) if m == 1 else (m, n)
+    n_out = n if act is None else n // 2
+    shape = (n_out,) if m == 1 else (m, n_out)
     if out is not None and out.shape != shape:
         raise ValueError(f"q4tc: out {tuple(out.shape)} != {shape}")
     if m > max_rows(group):  # launches of max_rows rows (K * 2 bytes apart: still aligned)
-        y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+        y = out if out is not None else torch.empty(m, n_out, dtype=x.dtype, device=x.device)
         for i in range(0, m, max_rows(group)):
             part = y[i:i + max_rows(group)]
-            q4tc(xm[i:i + max_rows(group)], words, sb, group=group, config=config,
-                 out=part.view(n) if part.shape[0] == 1 else part)
+            q4tc(xm[i:i + max_rows(group)], words, sb, group=group, config=config, act=act,
+                 out=part.view(n_out) if part.shape[0] == 1 else part)
         return y
     mp = 1 << (m - 1).bit_length()  # the kernel's 1, 2, 4 or 8 rows: pad with zero rows
     if mp != m:
         xm = torch.cat([xm, xm.new_zeros(mp - m, k)])
-    y = out if out is not None and mp == m else torch.empty(mp, n, dtype=x.dtype,
+    y = out if out is not None and mp == m else torch.empty(mp, n_out, dtype=x.dtype,
                                                             device=x.device)
     desc = None  # TMA needs Hopper: elsewhere the same sums come by register loads
     stages = 0 if _interpret() or not _hopper(x.device.index or 0) else cfg.stages
@@ -387,8 +383,8 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
     _q4tc_kernel[(triton.cdiv(nrt, cfg.rt),)](
         xm, words, desc, sb, y, xm.data_ptr(), sb.data_ptr(), nrt, K=k, GROUP=group,
         RT=cfg.rt, WT=cfg.wt, PF=cfg.pf, STAGES=stages, UNROLL=cfg.unroll, M=mp,
-        F16=x.dtype == torch.float16, GDC=gdc, INTERP=_interpret(), num_warps=cfg.num_warps,
-        num_stages=max(stages, 1),
+        ACT=-1 if act is None else ACTS[act], F16=x.dtype == torch.float16, GDC=gdc,
+        INTERP=_interpret(), num_warps=cfg.num_warps, num_stages=max(stages, 1),
         **({"launch_pdl": True} if gdc else {}),
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not _interpret() else {}))
     if mp != m:

@@ -8,7 +8,9 @@ Storage (chosen at load time, see `from_tensors`):
   * `i4`       - torch's packed int4 CPU tensor + bf16 scales_and_zeros (fast-mode affine 4-bit).
 On CUDA `packed` is always kept; affine 4-bit adds repacks of it for decode at load: for one
 row either `tc` (`mlxr.ops.triton_q4tc`, where `cuda.q4tc_preferred`; it also serves 2-16
-rows) or `q4` (`mlxr.ops.triton_q4gemv`), each with `q4_sb` (scale, bias pairs); and
+rows; an MLP's gate_up gets it with gate and up rows interleaved, `tc_glu`, so `gated` runs
+the activation in its epilogue) or `q4` (`mlxr.ops.triton_q4gemv`), each with `q4_sb` (scale,
+bias pairs); and
 `i4`/`i4_sz` (tinygemm, 2-32 rows) only where neither applies. The batching engine asks for
 the several-row copy (`add_batch_copy`): `tc` where a `q4` weight lacks it, else tinygemm's.
 Scales/biases stay in their file dtype, except in exact mode (compute_dtype float32) where they
@@ -64,6 +66,7 @@ class QuantWeight:
         self.i4_sz: Tensor | None = None
         self.q4: Tensor | None = None
         self.tc: Tensor | None = None
+        self.tc_glu = False  # tc (and q4_sb) in triton_q4tc.glu_rows' order (`gated`)
         self.q4_sb: Tensor | None = None
         self.matmul = True
         self.scales: Tensor | None = None
@@ -77,9 +80,13 @@ class QuantWeight:
         cls, weight: Tensor, scales: Tensor, biases: Tensor | None, spec: QuantSpec, *,
         global_scale: Tensor | None = None, compute_dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu", name: str = "weight", matmul: bool = True,
+        glu: bool = False,
     ) -> QuantWeight:
         """`matmul=False`: the weight is only gathered (an untied embedding), so no decode
-        copies are built for it on CUDA (`linear` still works, by the generic kernels)."""
+        copies are built for it on CUDA (`linear` still works, by the generic kernels).
+        `glu=True`: the rows stack an MLP's gate over its up (F rows each); where q4tc's copy
+        is built at load it interleaves them (`tc_glu`), so `gated` computes act(gate) * up in
+        the GEMV's launch. Env `MLXR_Q4TC_GLU=0` (at load) keeps the plain order."""
         in_features = validate(weight, scales, biases, spec, global_scale, name)
         if weight.dim() != 2:
             raise ModelFormatError(
@@ -120,7 +127,9 @@ class QuantWeight:
             self.packed = packed.contiguous()  # Triton kernels read the mlx words as shipped
             if matmul and cuda.q4gemv_supported(self):  # single-request decode (M = 1)
                 if cuda.q4tc_preferred(self):  # the tensor-core GEMV
-                    self.tc, self.q4_sb = cuda.q4tc_pack(self.packed, self.scales, self.biases)
+                    self.tc_glu = glu and os.environ.get("MLXR_Q4TC_GLU") != "0"
+                    self.tc, self.q4_sb = cuda.q4tc_pack(self.packed, self.scales, self.biases,
+                                                         glu=self.tc_glu)
                 else:
                     self.q4, self.q4_sb = cuda.q4gemv_pack(self.packed, self.scales,
                                                            self.biases)
@@ -242,6 +251,17 @@ class QuantWeight:
             from . import cpu  # generic torch fallback (MLXR_KERNELS=torch, no triton, ...)
             y = cpu.tiled_linear(self, x2)
         return y.reshape(*lead, self.out_features)
+
+    def gated(self, x: Tensor, act: str) -> Tensor | None:
+        """act(gate) * up, x [..., in] -> [..., out / 2], for a weight built with `glu=True`,
+        in one launch where the tensor-core GEMV serves x's rows (`cuda.gated`); None
+        elsewhere (the caller runs `linear` and `ops.gated_act`: the same result)."""
+        if not self.tc_glu or not x.is_cuda or not _use_triton(self):
+            return None
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{self.name}: input last dim {x.shape[-1]} != {self.in_features}")
+        y = cuda.gated(self, x.reshape(-1, self.in_features).to(self.compute_dtype), act)
+        return None if y is None else y.reshape(*x.shape[:-1], self.out_features // 2)
 
     def embed(self, ids: Tensor) -> Tensor:
         """ids long [...] -> dequantized rows [..., in] in compute dtype."""

@@ -1,0 +1,65 @@
+"""`triton_q4tc`'s load-time layouts (plain torch): the lane-ordered repack of MLX 4-bit words
+(the layout is described in `triton_q4tc`'s docstring), its inverse, and the glu row order in
+which an MLP's [gate; up] weight is repacked so that the kernel's epilogue can compute
+act(gate) * up (`triton_q4tc.q4tc(act=...)`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _codes(packed: Tensor) -> Tensor:
+    """MLX words [N, K/8] -> codes [N, K] int32 (code k at nibble k % 8 of word k // 8)."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    return ((packed.view(torch.int32).unsqueeze(-1) >> shifts) & 15).reshape(packed.shape[0], -1)
+
+
+def repack(packed: Tensor, chunk_rows: int = 4096) -> Tensor:
+    """MLX 4-bit words [N, K/8] -> the lane-ordered words [N/16, 2K] int32 (`triton_q4tc`'s
+    docstring).
+    Rows go through in slices so an LM head does not need 8x its size of scratch."""
+    n, kw = packed.shape
+    k = kw * 8
+    if n % 16 or k % 64:
+        raise ValueError(f"q4tc.repack: N = {n} must be a multiple of 16, K = {k} of 64")
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    out = torch.empty(n // 16, 2 * k, dtype=torch.int32, device=packed.device)
+    for r in range(0, n, chunk_rows):
+        q = _codes(packed[r:r + chunk_rows])
+        rt = q.shape[0] // 16
+        # [R, h, g, blk, sh, tig, sl, m, hi] -> [R, blk, g, tig, sh, sl | hi, m, h]
+        q = q.reshape(rt, 2, 8, k // 64, 2, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 6, 8, 7, 1)
+        q = q.reshape(rt, 2 * k, 8)
+        out[r // 16:r // 16 + rt] = (q << shifts).sum(-1, dtype=torch.int32)
+    return out
+
+
+def unrepack(words: Tensor) -> Tensor:
+    """Inverse of `repack`: back to MLX words [N, K/8] (tests, reference)."""
+    rt, k2 = words.shape
+    k = k2 // 2
+    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
+    q = (words.unsqueeze(-1) >> shifts) & 15  # [R, 2K, nibble (hi, m, h)]
+    q = q.reshape(rt, k // 64, 8, 4, 2, 2, 2, 2, 2).permute(0, 8, 2, 1, 4, 3, 5, 7, 6)
+    q = q.reshape(rt * 16, k // 8, 8)  # [N, K/8, 8]: code k at nibble k % 8 of word k // 8
+    return (q << shifts).sum(-1, dtype=torch.int32)
+
+
+def glu_rows(n: int) -> Tensor:
+    """The row order of a glu copy of an MLP's [gate; up] weight (N = 2F rows, gate first):
+    row 16t + j of the copy is gate row 8t + j for j < 8, up row 8t + j - 8 for j >= 8, so a
+    lane's rows g and g + 8 are the gate and the up of one output (`q4tc(act=...)`)."""
+    if n % 16:
+        raise ValueError(f"q4tc.glu_rows: N = {n} must be a multiple of 16")
+    f = n // 2
+    idx = (torch.arange(f // 8)[:, None, None] * 8 + torch.arange(2)[None, :, None] * f
+           + torch.arange(8)[None, None, :])
+    return idx.reshape(n)
+
+
+def glu_order(y: Tensor) -> Tensor:
+    """Outputs [..., N] of a glu copy (`glu_rows`' order) back to [gate | up] order."""
+    n = y.shape[-1]
+    return y.reshape(*y.shape[:-1], n // 16, 2, 8).transpose(-3, -2).reshape(y.shape)
