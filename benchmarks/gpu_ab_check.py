@@ -5,6 +5,7 @@ last step's logits.
     MLXR_PDL=1 python benchmarks/gpu_ab_check.py MODEL_DIR on.pt
     MLXR_PDL=0 python benchmarks/gpu_ab_check.py MODEL_DIR off.pt
     python benchmarks/gpu_ab_check.py --compare on.pt off.pt   # exit 1 unless identical
+    ... gpu_ab_check.py MODEL_DIR out.pt PROMPT_LEN   # a longer prompt (default 300 tokens)
 
 Each run is its own process (the graphs are captured once per process).
 """
@@ -23,7 +24,7 @@ from mlxr.engine.kv_cache import new_cache
 def run(path: str, out: str, prompt_len: int = 300, n: int = 200) -> None:
     m = mlxr.load(path, device="cuda")
     dec = m.decoder
-    cache = new_cache(dec, 1024)
+    cache = new_cache(dec, max(1024, 1 << (prompt_len + n - 1).bit_length()))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, m.config.vocab_size, (prompt_len,), generator=g)
     with torch.inference_mode():
@@ -52,4 +53,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "--compare":
         compare(sys.argv[2], sys.argv[3])
     else:
-        run(sys.argv[1], sys.argv[2])
+        run(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:4]))

@@ -1,7 +1,11 @@
 """The single request's decode attention (mlxr.ops.triton_fused.attention_masked, what the
 CUDA-graph decode step runs) launch sweep on one CUDA GPU: splits x keys per tile.
 
-    PYTHONPATH=. python benchmarks/gpu_attn_decode_sweep.py [--budget-s 90]
+    PYTHONPATH=. python benchmarks/gpu_attn_decode_sweep.py [--budget-s 90] [--default-only]
+        [--loads 8192x6000,16384x12000] [--shapes 8B]
+
+(--default-only: the default launch at each load, for an A/B of the kernel against another
+checkout's, e.g. PYTHONPATH=base:benchmarks.)
 
 The decode graph attends over its whole capacity under a visibility mask; tiles past the
 position are skipped without K/V traffic, but every (kv head, split) program is launched, and
@@ -28,10 +32,11 @@ from mlxr.ops import triton_fused as F
 SHAPES = {"0.6B": (16, 8, 128), "8B": (32, 8, 128)}
 LOADS = [(1024, 600), (2048, 600), (4096, 3000)]
 VARIANTS = [(bs, sp) for bs in (32, 64, 128) for sp in (1, 2, 4, 8, 16, 32)]
+LONG = [(bs, sp) for bs in (64, 128, 256) for sp in (16, 32, 64)]  # with --loads
 LAYERS = 28
 
 
-def sweep_load(name, h, kh, d, cap, pos, deadline, rows) -> None:
+def sweep_load(name, h, kh, d, cap, pos, deadline, rows, variants=VARIANTS) -> None:
     g = torch.Generator().manual_seed(cap + pos)
     caches = [(torch.randn(kh, cap, d, generator=g).to("cuda", torch.bfloat16),
                torch.randn(kh, cap, d, generator=g).to("cuda", torch.bfloat16))
@@ -46,7 +51,7 @@ def sweep_load(name, h, kh, d, cap, pos, deadline, rows) -> None:
 
     gb = 2 * (pos + 1) * kh * d * 2 / 1e9  # visible K and V of one layer
     best = None
-    for bs, sp in [(None, None), *VARIANTS]:
+    for bs, sp in [(None, None), *variants]:
         if time.perf_counter() > deadline:
             break
         label = f"s{bs or 'auto'}_k{sp or 'auto'}"
@@ -74,11 +79,18 @@ def sweep_load(name, h, kh, d, cap, pos, deadline, rows) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget-s", type=float, default=90.0)
+    ap.add_argument("--default-only", action="store_true")
+    ap.add_argument("--loads", help="CAPxPOS,... (then the long-context variants)")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
     a = ap.parse_args()
+    loads = ([tuple(map(int, x.split("x"))) for x in a.loads.split(",")] if a.loads
+             else LOADS)
+    variants = [] if a.default_only else LONG if a.loads else VARIANTS
     deadline, rows = time.perf_counter() + a.budget_s, []
-    for name, (h, kh, d) in SHAPES.items():
-        for cap, pos in LOADS:
-            sweep_load(name, h, kh, d, cap, pos, deadline, rows)
+    for name in a.shapes.split(","):
+        h, kh, d = SHAPES[name]
+        for cap, pos in loads:
+            sweep_load(name, h, kh, d, cap, pos, deadline, rows, variants)
     print(json.dumps(rows))
 
 
