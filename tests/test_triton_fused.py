@@ -230,6 +230,19 @@ def test_attention_default_policy_and_odd_head_dim():
     check(out, R.attention_masked(q, k, v, vis, 0.2), 0.0, 1e-5 * float(v.abs().max()))
 
 
+def test_attention_launch_policy(monkeypatch):
+    """Decode launch (8 kv heads, one row block): splits for ~256 programs below 4096 keys, ~512
+    from there (the long-context sweep's winner); the env switches override both knobs."""
+    monkeypatch.delenv("MLXR_ATTN_PROGRAMS", raising=False)
+    monkeypatch.delenv("MLXR_ATTN_BLOCK_S", raising=False)
+    assert [F.attn_splits(s, 8, 1) for s in (1024, 2048, 4095, 4096, 16384)] == [32] * 3 + [64] * 2
+    assert F.attn_splits(4096, 32, 2) == 8 and F.attn_block_s(128) == 64
+    assert F.attn_block_s(256) == 32
+    monkeypatch.setenv("MLXR_ATTN_PROGRAMS", "256")
+    monkeypatch.setenv("MLXR_ATTN_BLOCK_S", "128")
+    assert F.attn_splits(16384, 8, 1) == 32 and F.attn_block_s(128) == 128
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_attention_masked_keys_contribute_nothing(splits):
     """Invisible slots hold NaN / inf / huge values (stale cache): no effect on the output."""

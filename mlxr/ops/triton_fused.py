@@ -45,7 +45,8 @@ except ImportError:  # pragma: no cover - torch-only installs
 ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 LOG2E = 1.4426950408889634
 # attention_masked launch policy (the lead may tune these on the GPU)
-ATTN_TARGET_PROGRAMS = 256  # aim for about this many (kv head x split) programs
+ATTN_TARGET_PROGRAMS = 256  # aim for about this many (kv head x split) programs, and
+ATTN_LONG_S = 4096  # twice that from this many keys (`attn_splits`)
 ATTN_MAX_BLOCK_M = 64  # query rows (rep * T) per program; more rows -> another grid dim
 
 
@@ -348,6 +349,28 @@ def score_consts(scale: float, softcap: float | None) -> tuple[float, float, flo
     return scale * LOG2E, 0.0, 0.0
 
 
+def attn_block_s(block_d: int) -> int:
+    """Keys per tile of `attention_masked`: 64 (32 for head dims over 128). Env
+    `MLXR_ATTN_BLOCK_S` (read at each call, i.e. when a decode graph is captured) sets it, for
+    A/B runs."""
+    env = os.environ.get("MLXR_ATTN_BLOCK_S")
+    if env:
+        return int(env)
+    return 64 if block_d <= 128 else 32
+
+
+def attn_splits(s: int, kh: int, mblocks: int) -> int:
+    """Splits of the s keys (the decode graph's capacity) for kh kv heads x mblocks row
+    blocks: about ATTN_TARGET_PROGRAMS programs, twice that from ATTN_LONG_S keys. H200
+    (`gpu_attn_decode_sweep.py --loads`, 8 kv heads, 64-key tiles, us per layer): 4096 /
+    8192 / 16384 slots 12.85 / 20.54 / 35.95 with 32 splits, 11.38 / 16.03 / 26.54 with 64;
+    below 4096 slots a split is a tile at either target (16 / 32 splits), so shorter contexts
+    keep their launch. Env `MLXR_ATTN_PROGRAMS` (read at each call) sets the target."""
+    env = os.environ.get("MLXR_ATTN_PROGRAMS")
+    target = int(env) if env else ATTN_TARGET_PROGRAMS * (2 if s >= ATTN_LONG_S else 1)
+    return max(1, -(-target // (kh * mblocks)))
+
+
 def attention_masked_split(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float,
                            softcap: float | None = None, block_s: int | None = None,
                            splits: int | None = None) -> Tensor:
@@ -370,10 +393,10 @@ def attention_masked_split(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, sca
     mblocks = triton.cdiv(rt, block_m)
     block_d = max(16, _p2(d))
     if block_s is None:
-        block_s = 64 if block_d <= 128 else 32
+        block_s = attn_block_s(block_d)
     tiles = max(1, triton.cdiv(s, block_s))
     if splits is None:
-        splits = max(1, triton.cdiv(ATTN_TARGET_PROGRAMS, kh * mblocks))
+        splits = attn_splits(s, kh, mblocks)
     per = triton.cdiv(tiles, min(tiles, splits))
     nsplit = triton.cdiv(tiles, per)
     single = nsplit == 1
