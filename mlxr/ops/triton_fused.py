@@ -133,8 +133,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _act(g, ACT: tl.constexpr):
-        """act(g) in fp32 for g fp32 (ACTS: silu, gelu with exact erf, gelu_tanh); shared by
-        `_gated_act_kernel` and q4gemv's act prologue (mlxr.ops.triton_q4gemv)."""
+        """act(g) in fp32 for g fp32 (ACTS: silu, gelu with exact erf, gelu_tanh)."""
         if ACT == 0:  # silu: x / (1 + exp(-x))
             a = g / (1.0 + tl.exp(-g))
         elif ACT == 1:  # gelu, exact erf
@@ -143,6 +142,13 @@ if HAVE_TRITON:
             z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
             a = g / (1.0 + tl.exp(-2.0 * z))
         return a
+
+    @triton.jit
+    def _gated(g, u, ACT: tl.constexpr, DT: tl.constexpr):
+        """act(g) rounded to DT, times u, in fp32 (not rounded): `ops.gated_act`'s arithmetic
+        for g, u fp32 holding DT values. Shared by `_gated_act_kernel`, q4gemv's act prologue
+        and q4tc's act epilogue, so the three round alike."""
+        return _act(g, ACT).to(DT).to(tl.float32) * u
 
     @triton.jit
     def _gated_act_kernel(g_ptr, u_ptr, o_ptr, sg, su, F, ACT: tl.constexpr,
@@ -154,8 +160,8 @@ if HAVE_TRITON:
         m = c < F
         g = tl.load(g_ptr + row * sg + c, mask=m, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * su + c, mask=m, other=0.0).to(tl.float32)
-        a = _act(g, ACT).to(g_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(o_ptr + row * F + c, (a * u).to(o_ptr.dtype.element_ty), mask=m)
+        y = _gated(g, u, ACT, g_ptr.dtype.element_ty)
+        tl.store(o_ptr + row * F + c, y.to(o_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _scores(q, k, qk_scale, inv_cap, cap2, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr):

@@ -57,7 +57,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_fused import _act
+    from .triton_fused import _gated
 
 GROUPS = (32, 64, 128)
 WORDS_PER_THREAD = 4  # one 16-byte load
@@ -193,7 +193,7 @@ if HAVE_TRITON:
             v = ((v * rstd).to(dt).to(tl.float32) * nw.to(tl.float32)).to(dt).to(tl.float32)
         elif PRO == 2:  # act(gate) * up over [gate | up]: reference.gated_act's roundings
             u = tl.load(x_ptr + K + k).to(tl.float32)
-            v = (_act(v, ACT).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+            v = _gated(v, u, ACT, dt).to(dt).to(tl.float32)
         return v
 
     @triton.jit

@@ -148,7 +148,7 @@ def q4tc_ref(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | 
 
 # ====================================================================== Triton kernel
 if HAVE_TRITON:
-    from .triton_fused import _act
+    from .triton_fused import _gated
     from .triton_q4tc_ptx import _ld32, _ldx, _mma4, _ones4, _split4
 
     @triton.jit
@@ -294,8 +294,8 @@ if HAVE_TRITON:
             y0 = tl.sum(tl.sum(tl.reshape(y0, [RT, NS, 8, 4]), axis=3), axis=1)  # [RT, 8]
             y1 = tl.sum(tl.sum(tl.reshape(y1, [RT, NS, 8, 4]), axis=3), axis=1)
             if ACT >= 0:  # output 8 rt + g: rounded as the GEMV, then `gated_act`, round
-                a = _act(y0.to(dt).to(tl.float32), ACT).to(dt).to(tl.float32)
-                y = tl.reshape(a * y1.to(dt).to(tl.float32), [RT * 8])
+                y = _gated(y0.to(dt).to(tl.float32), y1.to(dt).to(tl.float32), ACT, dt)
+                y = tl.reshape(y, [RT * 8])
                 rows = pid * RT * 8 + tl.arange(0, RT * 8)
                 tl.store(y_ptr + rows, y.to(dt), mask=rows < NRT * 8)
             else:
@@ -313,8 +313,8 @@ if HAVE_TRITON:
             y1 = tl.sum(tl.sum(y1, axis=4), axis=1)
             mi = tl.arange(0, M)[:, None]
             if ACT >= 0:
-                a = _act(y0.to(dt).to(tl.float32), ACT).to(dt).to(tl.float32)
-                y = tl.reshape(tl.permute(a * y1.to(dt).to(tl.float32), [2, 0, 1]), [M, RT * 8])
+                y = _gated(y0.to(dt).to(tl.float32), y1.to(dt).to(tl.float32), ACT, dt)
+                y = tl.reshape(tl.permute(y, [2, 0, 1]), [M, RT * 8])
                 rows = pid * RT * 8 + tl.arange(0, RT * 8)
                 tl.store(y_ptr + mi * (NRT * 8) + rows[None, :], y.to(dt),
                          mask=(rows < NRT * 8)[None, :])
