@@ -54,6 +54,16 @@ FAMILIES: dict[str, dict] = {
 }
 
 
+# Families for the GPU parity run only (scripts/make_gpu_fixtures.py): dimensions that the
+# decode GEMVs' tensor-core kernel takes (K a multiple of 512), so greedy decode runs through
+# it (triton_q4tc, and its nibble planes for the other affine widths).
+WIDE: dict[str, dict] = {
+    "qwen3_wide": dict(model_type="qwen3", tie_word_embeddings=True, hidden_size=512,
+                       intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=128, rope_theta=1e6),
+}
+
+
 def mixed_predicate(path: str, module) -> bool | dict:
     """Per-layer recipe: an unquantized module, an 8-bit module, the rest at the default."""
     if path.endswith("layers.0.mlp.down_proj"):
@@ -84,7 +94,7 @@ QUANTS: dict[str, dict | None] = {
 
 def config_for(family: str) -> dict:
     cfg = dict(BASE)
-    cfg.update(copy.deepcopy(FAMILIES[family]))
+    cfg.update(copy.deepcopy(FAMILIES[family] if family in FAMILIES else WIDE[family]))
     return cfg
 
 

@@ -83,6 +83,32 @@ def test_bf16_on_gpu_close_to_reference(case):
     assert ours_err <= 1.5 * mlx_err + 0.01, f"{ours_err:.3f} vs mlx-lm bf16 {mlx_err:.3f}"
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("qwen3_wide")])
+def test_bf16_graph_decode_close_to_reference(case):
+    """Teacher-forced decode through the CUDA graph (one token per replay, so the decode GEMVs:
+    at these widths triton_q4tc / q4gemv, and q4tc's nibble planes for 2/3/5/6/8-bit) against
+    mlx-lm's float32 logits, with the bf16 bar of `test_bf16_on_gpu_close_to_reference`."""
+    from mlxr.engine.cuda_graph import GraphDecoder
+    from mlxr.engine.kv_cache import new_cache
+
+    path, ref = _load(case)
+    m = _model(path)
+    seq = [int(i) for i in ref["prompt"]] + [int(i) for i in ref["greedy"]]
+    n0 = len(ref["prompt"])
+    dec = m.decoder
+    cache = new_cache(dec, 1024)
+    with torch.inference_mode():
+        rows = [dec.forward(torch.tensor(seq[:n0]), cache, last_only=True).float().reshape(-1)]
+        graph = GraphDecoder(dec, cache)
+        rows += [graph.logits_for(t, n0 + i).float().clone() for i, t in enumerate(seq[n0:])]
+    ours = torch.stack(rows).cpu().numpy()
+    want = ref["logits32"][n0 - 1:]
+    scale = _range(want)
+    ours_err = (np.abs(ours - want).max(-1) / scale).max()
+    mlx_err = (np.abs(ref["logits_bf16"][n0 - 1:] - want).max(-1) / scale).max()
+    assert ours_err <= 1.5 * mlx_err + 0.01, f"{ours_err:.3f} vs mlx-lm bf16 {mlx_err:.3f}"
+
+
 FUSED = [c for c in CASES if any(q in c for q in ("q2g", "q4g", "q8g"))]  # affine 2/4/8-bit
 
 

@@ -217,6 +217,63 @@ def test_glu_copy_serves_gated_and_linear(monkeypatch):
         qcuda.q4tc_pack(w, s, b, plain.q4_sb, glu=True)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 5, 6, 8])
+def test_other_widths_decode_through_planes(bits, monkeypatch):
+    """A 2/3/5/6/8-bit weight's decode copy (`planes_pack`, what the CUDA load builds): 1-8
+    rows take q4tc over its nibble planes, within rounding of fp64 over mlx's dequantization;
+    a glu copy gives act(gate) * up as the plain linear + `gated_act` does; 2/3-bit single
+    rows leave triton_gemv; MLXR_TC_PLANES=0 builds no copy, and an overflowing plane scale
+    none either (the Triton GEMVs keep the weight)."""
+    from mlxr.ops import triton_q4tc
+    from mlxr.ops.triton_fused import gated_act
+    from mlxr.quant.dequant import dequantize as ref_dequantize
+
+    g = torch.Generator().manual_seed(bits)
+    n, k, group = 64, 1024, 64
+    w = torch.randint(-(2**31), 2**31, (n, k * bits // 32), generator=g,
+                      dtype=torch.int64).to(torch.int32)
+    s = (torch.rand(n, k // group, generator=g) * 0.04 / 2**bits + 1e-4).to(torch.bfloat16)
+    b = (torch.randn(n, k // group, generator=g) * 0.05).to(torch.bfloat16)
+    spec = QuantSpec("affine", bits, group)
+
+    def weight():
+        qw = QuantWeight.from_tensors(w, s, b, spec, compute_dtype=torch.bfloat16,
+                                      device="cpu")
+        qw.packed, qw.codes = w, None  # the CUDA layout: the mlx words as shipped
+        return qw
+
+    qw, glu = weight(), weight()
+    assert qcuda.planes_supported(qw)
+    qw.tc, qw.q4_sb, qw.tc_planes = qcuda.planes_pack(qw, chunk_rows=32)
+    glu.tc, glu.q4_sb, glu.tc_planes = qcuda.planes_pack(glu, glu=True)
+    glu.tc_glu = True
+    assert qw.tc_planes == (2 if bits > 4 else 1)
+    assert not qcuda.gemv_v2_default(qw, 1)
+    launches = []
+    real = triton_q4tc.q4tc
+    monkeypatch.setattr(triton_q4tc, "q4tc",
+                        lambda *a, **kw: launches.append(kw["planes"]) or real(*a, **kw))
+    x = torch.randn(4, k, generator=g).to(torch.bfloat16)
+    wd = ref_dequantize(w, s.float(), b.float(), spec, dtype=torch.float64)
+    for m in (1, 4):
+        launches.clear()
+        y = qcuda.linear(qw, x[:m])
+        assert launches == [qw.tc_planes] and y.shape == (m, n)
+        exact, scale = x[:m].double() @ wd.t(), x[:m].double().abs() @ wd.abs().t()
+        err = (y.double() - exact).abs()
+        assert bool((err <= 2**-7 * exact.abs() + 1e-5 * scale).all())
+        gate, up = y.chunk(2, dim=-1)
+        assert torch.equal(qcuda.gated(glu, x[:m], "silu"), gated_act(gate, up, "silu"))
+    monkeypatch.setenv("MLXR_TC_PLANES", "0")
+    assert not qcuda.planes_supported(weight())
+    monkeypatch.delenv("MLXR_TC_PLANES")
+    if bits > 4:  # 2^(b-4) x a huge fp16 scale overflows
+        big = QuantWeight.from_tensors(w, torch.full_like(s, 60000.0, dtype=torch.float16),
+                                       b.half(), spec, compute_dtype=torch.float16, device="cpu")
+        big.packed = w
+        assert qcuda.planes_supported(big) and qcuda.planes_pack(big) is None
+
+
 def test_gated_falls_back_off_the_glu_copy():
     """`Linear.gated` on a CPU weight (no glu copy): `ops.gated_act` over the output halves;
     `from_tensors(glu=True)` builds no copy off CUDA."""

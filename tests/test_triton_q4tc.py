@@ -207,3 +207,72 @@ def test_q4tc_gated(act, group, m, dtype, n, k, cfg):
     assert bool(((y - twin).abs() <= 2**-5 * twin.abs() + 2**-8 * twin.abs().max()).all())
     with pytest.raises(ValueError, match="activation"):
         T.q4tc(x.to(DEV), words, sb, group=group, act="relu")
+
+
+def _affine(g, n, k, bits, group, dtype):
+    """Random b-bit codes [N, K] with scales and biases [N, K/G] drawn from g."""
+    codes = torch.randint(0, 2**bits, (n, k), generator=g, dtype=torch.int32)
+    s = (torch.rand(n, k // group, generator=g) * 0.04 / 2**bits + 1e-4).to(dtype)
+    b = (torch.randn(n, k // group, generator=g) * 0.05).to(dtype)
+    return codes, s, b
+
+
+def _dequant64(codes, s, b, group):
+    n, k = codes.shape
+    w = codes.double().view(n, k // group, group) * s.double()[..., None] + b.double()[..., None]
+    return w.view(n, k)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 5, 6, 8])
+def test_planes_are_the_weight(bits):
+    """`planes`: nibble codes whose 4-bit weight over x repeated P times is the b-bit weight
+    (in fp64, so only the summation order differs); a scale that overflows when scaled by
+    2^(b-4) is refused."""
+    from mlxr.ops.triton_q4tc_layout import planes
+
+    g = torch.Generator().manual_seed(bits)
+    codes, s, b = _affine(g, 16, 256, bits, 64, torch.bfloat16)
+    c, s2, b2 = planes(codes, s, b, bits)
+    p = 1 if bits <= 4 else 2
+    assert c.shape == (16, p * 256) and int(c.min()) >= 0 and int(c.max()) < 16
+    assert s2.shape == b2.shape == (16, p * 4) and s2.dtype == s.dtype
+    x = torch.randn(3, 256, generator=g, dtype=torch.float64)
+    want = x @ _dequant64(codes, s, b, 64).t()
+    got = x.repeat(1, p) @ _dequant64(c, s2, b2, 64).t()
+    assert torch.allclose(got, want, rtol=0, atol=1e-12 * float(want.abs().max()))
+    if p == 2:
+        with pytest.raises(ValueError, match="overflow"):
+            planes(codes, torch.full_like(s, 60000.0, dtype=torch.float16), b.half(), bits)
+
+
+@pytest.mark.parametrize("bits,group,m,dtype,n,k,cfg", [
+    (8, 64, 1, torch.bfloat16, 32, 1024, None),
+    (8, 32, 3, torch.float16, 48, 1536, T.TcConfig(rt=2, u=1, num_warps=2)),  # windows span planes
+    (6, 64, 1, torch.bfloat16, 32, 1536, T.TcConfig(rt=1, u=1, num_warps=4, pf=2, unroll=2)),
+    (5, 128, 2, torch.bfloat16, 16, 2048, None),
+    (3, 64, 1, torch.bfloat16, 32, 1024, None),
+    (2, 32, 4, torch.bfloat16, 32, 512, None),
+    (8, 64, 9, torch.bfloat16, 32, 512, None),  # a launch of 8 rows and a one-row launch
+])
+def test_q4tc_planes(bits, group, m, dtype, n, k, cfg):
+    """2/3/5/6/8-bit weights through their nibble planes (`q4tc(planes=P)`: the kernel walks
+    K = P x x's length and reads x once per plane): within rounding of fp64 x @ W^T of the
+    b-bit weight, and of the torch twin."""
+    from mlxr.ops.triton_q4tc_layout import planes, repack_codes
+
+    g = torch.Generator().manual_seed(bits * 100 + m)
+    codes, s, b = _affine(g, n, k, bits, group, dtype)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    c, s2, b2 = planes(codes, s, b, bits)
+    p = 1 if bits <= 4 else 2
+    words, sb = repack_codes(c), pair_scales(s2, b2)
+    y = T.q4tc(x.to(DEV), words.to(DEV), sb.to(DEV), group=group, config=cfg, planes=p).cpu()
+    assert y.shape == ((n,) if m == 1 else (m, n))
+    w = _dequant64(codes, s, b, group)
+    exact, scale = x.double() @ w.t(), x.double().abs() @ w.abs().t()
+    err = (y.double() - exact).abs()
+    assert bool((err <= 2**-7 * exact.abs() + 1e-5 * scale).all()), float((err / scale).max())
+    twin = T.q4tc_ref(x, words, sb, group=group, planes=p)
+    assert (y.float() - twin.float()).abs().max() <= 2**-6 * twin.float().abs().max()
+    with pytest.raises(ValueError, match="x must be"):  # x of the planes' length
+        T.q4tc(x.repeat(1, p + 1).to(DEV), words.to(DEV), sb.to(DEV), group=group, planes=p)

@@ -123,18 +123,20 @@ def default_config(n: int, k: int, m: int = 1) -> TcConfig:
 
 # ====================================================================== torch twin (oracle)
 def q4tc_ref(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None = None,
-             config: TcConfig | None = None, act: str | None = None) -> Tensor:
+             config: TcConfig | None = None, act: str | None = None, planes: int = 1
+             ) -> Tensor:
     """y = x @ (s * q + b)^T in fp32, rounded to x.dtype: [N] for one row of x ([K] or
     [1, K]), else [M, N]; `words` are `repack`'s output, sb = `triton_q4gemv.pair_scales(
     scales, biases)` [N, K/group, 2]. act (silu, gelu, gelu_tanh): words and sb are a glu
     copy (rows in `glu_rows` order) and the result is act(gate) * up, [F] or [M, F] for F =
-    N / 2, each rounded to x.dtype as `ops.gated_act` rounds."""
+    N / 2, each rounded to x.dtype as `ops.gated_act` rounds. planes: words and sb hold P
+    nibble planes of another width (`triton_q4tc_layout.planes`), K = P x x's length."""
     from .reference import gated_act
     from .triton_qmm import dequant_f32
 
     w = dequant_f32(unrepack(words), sb[..., 0], sb[..., 1], None, "affine", 4, group)
-    xm = x.reshape(-1, words.shape[1] // 2)
-    y = (xm.float() @ w.t()).to(x.dtype)
+    xm = x.reshape(-1, words.shape[1] // 2 // planes)
+    y = (xm.float().repeat(1, planes) @ w.t()).to(x.dtype)
     if act is not None:
         gate, up = glu_order(y).chunk(2, dim=-1)
         y = gated_act(gate, up, act)
@@ -204,7 +206,7 @@ if HAVE_TRITON:
     def _q4tc_kernel(x_ptr, w_ptr, w_desc, sb_ptr, y_ptr, xaddr, sbaddr, NRT,
                      K: tl.constexpr, GROUP: tl.constexpr, RT: tl.constexpr, WT: tl.constexpr,
                      PF: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
-                     M: tl.constexpr, ACT: tl.constexpr,
+                     M: tl.constexpr, ACT: tl.constexpr, P: tl.constexpr,
                      F16: tl.constexpr, GDC: tl.constexpr, INTERP: tl.constexpr):
         """y [M, N] for row tiles pid * RT .. + RT (16 rows each) of x [M, K] (M = 1, 2, 4, 8:
         the B columns are M rows of x x GPW = 8 / M group slots, so a window holds GPW
@@ -212,11 +214,13 @@ if HAVE_TRITON:
         words as [NRT, 2K / 256, 256]), which Triton's pipeliner keeps STAGES deep in flight;
         else by register loads PF ahead. GDC: launched with PDL (`triton_fused.pdl`; register
         loads only). ACT >= 0 (`ACTS`): the rows are a glu copy (`glu_rows`) and y [M, N / 2]
-        is act(gate) * up of each lane's rows g (gate) and g + 8 (up)."""
+        is act(gate) * up of each lane's rows g (gate) and g + 8 (up). P planes
+        (`triton_q4tc_layout.planes`): K is P x x's length, x is read P times over."""
         pid = tl.program_id(0)
         NS: tl.constexpr = WT // 128  # blocks (of 64 codes) per iteration
         NU: tl.constexpr = WT // 4  # lanes x slots
         NT: tl.constexpr = K // 64 // NS  # iterations
+        NTP: tl.constexpr = NT // P  # iterations per plane (x's period)
         CPB: tl.constexpr = 2 if GROUP == 32 else 1  # mma chains (columns) per block
         GPW: tl.constexpr = 8 // M  # group slots (columns) per row of x in a window
         W: tl.constexpr = GPW // CPB  # iterations per window
@@ -236,7 +240,7 @@ if HAVE_TRITON:
             ls = lg  # the lane's column is its group slot
         else:  # column lg: row lg // GPW of x, slot lg % GPW
             ls = lg % GPW
-            xo += (lg // GPW) * (K // 4)
+            xo += (lg // GPW) * (K // P // 4)
         # loads run ahead of their use: words PF iterations, x one iteration, the (scale,
         # bias) pairs one window (8 columns)
         if STAGES == 0:
@@ -264,7 +268,8 @@ if HAVE_TRITON:
                              cache_modifier=".cg")
             jn = ((it + 1) % W) * CPB
             ok = it + 1 < NT
-            n0, n1, n2, n3 = _ldx(x_ptr, xaddr, xo + (it + 1) * (NS * 16), (ls == jn) & ok,
+            itx = it + 1 if P == 1 else (it + 1) % NTP  # x's block of the next iteration
+            n0, n1, n2, n3 = _ldx(x_ptr, xaddr, xo + itx * (NS * 16), (ls == jn) & ok,
                                   (ls == jn + CPB - 1) & ok, INTERP, GDC)
             q0, q1, q2, q3 = _split4(w, NU)
             a0, a1, a2, a3 = _mma4(q0, q1, q2, q3, x0, x1, x2, x3, a0, a1, a2, a3, RT, NU,
@@ -332,18 +337,23 @@ def max_rows(group: int) -> int:
 
 
 def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None = None,
-         config: TcConfig | None = None, act: str | None = None) -> Tensor:
+         config: TcConfig | None = None, act: str | None = None, planes: int = 1) -> Tensor:
     """See `q4tc_ref` (same results up to fp32 summation order). x [K] or [M, K], contiguous
     and 16-byte aligned (one launch per `max_rows` rows; a launch's rows are padded to 2, 4
     or 8); words = `repack(packed)`; sb = `pair_scales(scales, biases)`. Returns [N] for one
     row, else [M, N] (or writes `out` of that shape). act: words and sb are a glu copy
     (`glu_rows`), and the result is act(gate) * up, [F] or [M, F] (F = N / 2), in the same
-    launch: the same GEMV sums, rounded, then `ops.gated_act`'s arithmetic."""
+    launch: the same GEMV sums, rounded, then `ops.gated_act`'s arithmetic. planes (1 or 2):
+    words and sb hold the nibble planes of another affine width
+    (`triton_q4tc_layout.planes`) over K = planes x x's length, x read once per plane."""
     nrt, k2 = words.shape
     n, k = nrt * 16, k2 // 2
-    xm = x.reshape(-1, k) if x.dim() <= 2 and x.shape[-1] == k else None
-    if (xm is None or not supported(group, n, k, x.dtype) or not xm.is_contiguous()
-            or xm.data_ptr() % 16):
+    if planes not in (1, 2):
+        raise ValueError(f"q4tc: planes = {planes} (1 or 2)")
+    kx = k // planes  # x's length
+    xm = x.reshape(-1, kx) if x.dim() <= 2 and x.shape[-1] == kx else None
+    if (xm is None or not supported(group, n, kx, x.dtype) or not xm.is_contiguous()
+            or xm.data_ptr() % 16 or kx * planes != k):
         raise ValueError(f"q4tc: x {tuple(x.shape)} ({x.dtype}), words {tuple(words.shape)}, "
                          f"group {group}: x must be [K] or [M, K], contiguous, 16-byte aligned")
     if sb.shape != (n, k // group, 2) or not sb.is_contiguous() or sb.dtype != x.dtype:
@@ -354,7 +364,9 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
         raise ValueError(f"q4tc: unknown activation {act!r}")
     m = xm.shape[0]
     cfg = config or default_config(n, k, m)
-    if (k // 64) % (cfg.wt // 128):
+    while config is None and (kx // 64) % (cfg.wt // 128) and cfg.num_warps > 1:
+        cfg = dataclasses.replace(cfg, num_warps=cfg.num_warps // 2)  # planes of odd K/512
+    if (kx // 64) % (cfg.wt // 128):  # (an iteration stays inside one plane)
         raise ValueError(f"q4tc: {cfg.wt // 128} blocks per iteration must divide K/64")
     n_out = n if act is None else n // 2
     shape = (n_out,) if m == 1 else (m, n_out)
@@ -365,11 +377,11 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
         for i in range(0, m, max_rows(group)):
             part = y[i:i + max_rows(group)]
             q4tc(xm[i:i + max_rows(group)], words, sb, group=group, config=config, act=act,
-                 out=part.view(n_out) if part.shape[0] == 1 else part)
+                 out=part.view(n_out) if part.shape[0] == 1 else part, planes=planes)
         return y
     mp = 1 << (m - 1).bit_length()  # the kernel's 1, 2, 4 or 8 rows: pad with zero rows
     if mp != m:
-        xm = torch.cat([xm, xm.new_zeros(mp - m, k)])
+        xm = torch.cat([xm, xm.new_zeros(mp - m, kx)])
     y = out if out is not None and mp == m else torch.empty(mp, n_out, dtype=x.dtype,
                                                             device=x.device)
     desc = None  # TMA needs Hopper: elsewhere the same sums come by register loads
@@ -383,7 +395,7 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
     _q4tc_kernel[(triton.cdiv(nrt, cfg.rt),)](
         xm, words, desc, sb, y, xm.data_ptr(), sb.data_ptr(), nrt, K=k, GROUP=group,
         RT=cfg.rt, WT=cfg.wt, PF=cfg.pf, STAGES=stages, UNROLL=cfg.unroll, M=mp,
-        ACT=-1 if act is None else ACTS[act], F16=x.dtype == torch.float16, GDC=gdc,
+        ACT=-1 if act is None else ACTS[act], P=planes, F16=x.dtype == torch.float16, GDC=gdc,
         INTERP=_interpret(), num_warps=cfg.num_warps, num_stages=max(stages, 1),
         **({"launch_pdl": True} if gdc else {}),
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not _interpret() else {}))

@@ -1,7 +1,8 @@
 """`triton_q4tc`'s load-time layouts (plain torch): the lane-ordered repack of MLX 4-bit words
-(the layout is described in `triton_q4tc`'s docstring), its inverse, and the glu row order in
+(the layout is described in `triton_q4tc`'s docstring), its inverse, the glu row order in
 which an MLP's [gate; up] weight is repacked so that the kernel's epilogue can compute
-act(gate) * up (`triton_q4tc.q4tc(act=...)`).
+act(gate) * up (`triton_q4tc.q4tc(act=...)`), and the nibble planes through which the same
+kernel serves the other affine widths (`planes`).
 """
 
 from __future__ import annotations
@@ -21,13 +22,25 @@ def repack(packed: Tensor, chunk_rows: int = 4096) -> Tensor:
     docstring).
     Rows go through in slices so an LM head does not need 8x its size of scratch."""
     n, kw = packed.shape
-    k = kw * 8
+    return _repack_rows(lambda r0, r1: _codes(packed[r0:r1]), n, kw * 8, packed.device,
+                        chunk_rows)
+
+
+def repack_codes(codes: Tensor, chunk_rows: int = 4096) -> Tensor:
+    """`repack` of codes [N, K] (any integer dtype, each in [0, 16)) instead of MLX words."""
+    n, k = codes.shape
+    return _repack_rows(lambda r0, r1: codes[r0:r1].to(torch.int32), n, k, codes.device,
+                        chunk_rows)
+
+
+def _repack_rows(rows, n: int, k: int, device, chunk_rows: int) -> Tensor:
+    """The lane-ordered words of N x K codes, `rows(r0, r1)` giving rows r0..r1 as int32."""
     if n % 16 or k % 64:
         raise ValueError(f"q4tc.repack: N = {n} must be a multiple of 16, K = {k} of 64")
-    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
-    out = torch.empty(n // 16, 2 * k, dtype=torch.int32, device=packed.device)
+    shifts = torch.arange(0, 32, 4, device=device, dtype=torch.int32)
+    out = torch.empty(n // 16, 2 * k, dtype=torch.int32, device=device)
     for r in range(0, n, chunk_rows):
-        q = _codes(packed[r:r + chunk_rows])
+        q = rows(r, r + chunk_rows)
         rt = q.shape[0] // 16
         # [R, h, g, blk, sh, tig, sl, m, hi] -> [R, blk, g, tig, sh, sl | hi, m, h]
         q = q.reshape(rt, 2, 8, k // 64, 2, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 6, 8, 7, 1)
@@ -63,3 +76,24 @@ def glu_order(y: Tensor) -> Tensor:
     """Outputs [..., N] of a glu copy (`glu_rows`' order) back to [gate | up] order."""
     n = y.shape[-1]
     return y.reshape(*y.shape[:-1], n // 16, 2, 8).transpose(-3, -2).reshape(y.shape)
+
+
+def planes(codes: Tensor, scales: Tensor, biases: Tensor, bits: int
+           ) -> tuple[Tensor, Tensor, Tensor]:
+    """b-bit affine codes [N, K] with scales, biases [N, K/G] -> nibble codes [N, P K] and
+    scales, biases [N, P K/G] whose 4-bit GEMV over x repeated P times is the b-bit GEMV
+    (`q4tc(planes=P)`). b <= 4 (P = 1): the codes as they are (a nibble holds them). b = 5,
+    6, 8 (P = 2): q = 2^(b-4) h + l, plane 0 holds h (4 bits) with scales 2^(b-4) s and the
+    biases, plane 1 holds l (b - 4 bits) with scales s and zero biases, so
+    s' h . x + b' sum(x) + s l . x = s q . x + b sum(x), mlx-lm's qmv sums (fp32 order aside).
+    A power-of-two scale is exact in a float format; a scale that overflows there (no real
+    checkpoint has one) raises ValueError, so the caller keeps its other decode path."""
+    if bits <= 4:
+        return codes, scales, biases
+    sh = bits - 4
+    q = codes.to(torch.int32)
+    s_hi = scales * (1 << sh)
+    if not bool(torch.isfinite(s_hi).all()):
+        raise ValueError(f"q4tc.planes: scales x {1 << sh} overflow {scales.dtype}")
+    return (torch.cat([q >> sh, q & ((1 << sh) - 1)], dim=1), torch.cat([s_hi, scales], dim=1),
+            torch.cat([biases, torch.zeros_like(biases)], dim=1))

@@ -36,7 +36,11 @@
   near-ties between the settings.
 - everything else: the Triton GEMV/GEMM kernels of `mlxr.ops.triton_qmm`.
 
-Affine 2/3-bit at M = 1 (bf16/fp16) use `mlxr.ops.triton_gemv` by default (measured faster).
+- decode (1-16 rows, as for 4-bit) of affine 2/3/5/6/8-bit weights: `triton_q4tc` over their
+  nibble planes (`planes_supported`, `planes_pack`: a load-time copy; 2/3-bit codes widened to
+  nibbles, 5/6/8-bit split into a high and a low plane read against the same x). Env
+  `MLXR_TC_PLANES=0` at load keeps the paths below: affine 2/3-bit at M = 1 (bf16/fp16) then
+  use `mlxr.ops.triton_gemv` (measured faster than `triton_qmm`'s GEMV).
 Env `MLXR_GEMV=triton` (read at every call, so A/B runs need no reload) routes decode (M <= 16)
 of every format, affine 4-bit included, to the GEMV of `mlxr.ops.triton_gemv` instead of tinygemm
 / `triton_qmm` (benchmarks/gpu_gemv_sweep.py measures both).
@@ -156,6 +160,57 @@ def q4tc_pack(packed: Tensor, scales: Tensor, biases: Tensor, sb: Tensor | None 
                                         if sb is None else sb)
 
 
+PLANE_BITS = (2, 3, 5, 6, 8)  # the affine widths q4tc serves through nibble planes
+
+
+def planes_supported(qw) -> bool:
+    """Whether decode (1-16 rows) of this 2/3/5/6/8-bit affine weight takes triton_q4tc over
+    its nibble planes (`triton_q4tc_layout.planes`: 2/3-bit codes widened to nibbles, 5/6/8-bit
+    split into two planes), a copy built at load (`planes_pack`). The Triton GEMVs that served
+    these widths ran at 0.3-1.1 TB/s (docs/perf.md); q4tc reads the planes' 0.5 B per code
+    (1 B for two planes) at its 4-bit rate. Env `MLXR_TC_PLANES=0` at load keeps them."""
+    from ..ops import triton_q4tc
+
+    sp, dev = qw.spec, qw.device
+    p = 2 if sp.bits > 4 else 1
+    return (os.environ.get("MLXR_TC_PLANES", "") != "0" and sp.mode == "affine"
+            and sp.bits in PLANE_BITS and qw.packed is not None and qw.biases is not None
+            and qw.scales.dtype == qw.biases.dtype == qw.compute_dtype
+            and triton_q4tc.supported(sp.group_size, qw.out_features, qw.in_features,
+                                      qw.compute_dtype)
+            and qw.out_features * qw.in_features * p // 8 < 2**31
+            and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] >= 8))
+
+
+def planes_pack(qw, glu: bool = False, chunk_rows: int = 4096
+                ) -> tuple[Tensor, Tensor, int] | None:
+    """q4tc's copy of a `planes_supported` weight: (lane-ordered words of its nibble planes,
+    their (scale, bias) pairs, planes), built in row slices (an 8-bit LM head's codes would
+    otherwise need ~4x its size of scratch); glu as `q4tc_pack`. None where a plane's scale
+    overflows the dtype (`planes`)."""
+    from ..ops import triton_q4gemv, triton_q4tc
+    from ..ops.triton_q4tc_layout import planes, repack_codes
+    from .affine import unpack_codes
+
+    packed, scales, biases = qw.packed, qw.scales, qw.biases
+    if glu:
+        perm = triton_q4tc.glu_rows(packed.shape[0]).to(packed.device)
+        packed, scales, biases = packed[perm], scales[perm], biases[perm]
+    bits, n, k = qw.spec.bits, qw.out_features, qw.in_features
+    p = 2 if bits > 4 else 1
+    words = torch.empty(n // 16, 2 * p * k, dtype=torch.int32, device=packed.device)
+    pairs = []
+    try:
+        for r in range(0, n, chunk_rows):
+            c, s, b = planes(unpack_codes(packed[r:r + chunk_rows], bits, k),
+                             scales[r:r + chunk_rows], biases[r:r + chunk_rows], bits)
+            words[r // 16:(r + c.shape[0]) // 16] = repack_codes(c)
+            pairs.append(triton_q4gemv.pair_scales(s, b))
+    except ValueError:
+        return None
+    return words, torch.cat(pairs), p
+
+
 def several_rows_on() -> bool:
     """Env `MLXR_Q4TC_ROWS=0` keeps several rows off q4tc (`q4tc_rows`,
     `QuantWeight.add_batch_copy`)."""
@@ -190,7 +245,7 @@ def gemv_v2_default(qw, m: int) -> bool:
     3-bit qkv 1.1x; other widths and M were not measured, and the float32 exact mode keeps the
     kernel its parity runs used)."""
     sp = qw.spec
-    return (m == 1 and sp.mode == "affine" and sp.bits in (2, 3)
+    return (m == 1 and sp.mode == "affine" and sp.bits in (2, 3) and qw.tc is None
             and qw.compute_dtype != torch.float32)
 
 
@@ -256,8 +311,8 @@ def _q4tc(qw, x: Tensor, act: str | None = None) -> Tensor:
 
     if x.data_ptr() % 16 or not x.is_contiguous():  # its 16-byte x loads: a fresh copy
         x = x.clone(memory_format=torch.contiguous_format)
-    return triton_q4tc.q4tc(x, qw.tc, qw.q4_sb, group=qw.spec.group_size,
-                            act=act).view(x.shape[0], -1)
+    return triton_q4tc.q4tc(x, qw.tc, qw.q4_sb, group=qw.spec.group_size, act=act,
+                            planes=qw.tc_planes).view(x.shape[0], -1)
 
 
 def gated(qw, x: Tensor, act: str) -> Tensor | None:

@@ -11,8 +11,10 @@ row either `tc` (`mlxr.ops.triton_q4tc`, where `cuda.q4tc_preferred`; it also se
 rows; an MLP's gate_up gets it with gate and up rows interleaved, `tc_glu`, so `gated` runs
 the activation in its epilogue) or `q4` (`mlxr.ops.triton_q4gemv`), each with `q4_sb` (scale,
 bias pairs); and
-`i4`/`i4_sz` (tinygemm, 2-32 rows) only where neither applies. The batching engine asks for
-the several-row copy (`add_batch_copy`): `tc` where a `q4` weight lacks it, else tinygemm's.
+`i4`/`i4_sz` (tinygemm, 2-32 rows) only where neither applies. Affine 2/3/5/6/8-bit weights
+get `tc` too, over nibble planes (`tc_planes`: 1, or 2 for 5/6/8-bit; `cuda.planes_pack`).
+The batching engine asks for the several-row copy (`add_batch_copy`): `tc` where a `q4`
+weight lacks it, else tinygemm's.
 Scales/biases stay in their file dtype, except in exact mode (compute_dtype float32) where they
 are cast to float32 once: dequant then is `q*s + b` in fp32 (two fp32 roundings), exactly what
 mlx computes with fp32 params.
@@ -67,6 +69,7 @@ class QuantWeight:
         self.q4: Tensor | None = None
         self.tc: Tensor | None = None
         self.tc_glu = False  # tc (and q4_sb) in triton_q4tc.glu_rows' order (`gated`)
+        self.tc_planes = 1  # tc holds this many nibble planes (2/3/5/6/8-bit: `cuda.planes_pack`)
         self.q4_sb: Tensor | None = None
         self.matmul = True
         self.scales: Tensor | None = None
@@ -133,6 +136,12 @@ class QuantWeight:
                 else:
                     self.q4, self.q4_sb = cuda.q4gemv_pack(self.packed, self.scales,
                                                            self.biases)
+            elif matmul and cuda.planes_supported(self):  # the other widths' decode
+                glu = glu and os.environ.get("MLXR_Q4TC_GLU") != "0"
+                tc = cuda.planes_pack(self, glu=glu)
+                if tc is not None:
+                    self.tc, self.q4_sb, self.tc_planes = tc
+                    self.tc_glu = glu
             # tinygemm serves M = 1 where q4gemv / q4tc do not (or are switched off for an
             # A/B run: MLXR_Q4GEMV=0 at load); else its copy is built on demand
             one_row = self.q4 is not None or self.tc is not None
