@@ -27,10 +27,10 @@ def run(path: str, out: str, prompt_len: int = 300, n: int = 200) -> None:
     cache = new_cache(dec, max(1024, 1 << (prompt_len + n - 1).bit_length()))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, m.config.vocab_size, (prompt_len,), generator=g)
+    graph = GraphDecoder(dec, cache)  # before the prompt: its warm-up steps write slots 0, 1
     with torch.inference_mode():
         logits = dec.forward(ids, cache, last_only=True)
         first = int(logits.reshape(-1).argmax())
-        graph = GraphDecoder(dec, cache)
         toks = list(graph.greedy(first, prompt_len, n))
         last = graph.logits_for(toks[-1], prompt_len + n).float().cpu()
     torch.save({"tokens": toks, "logits": last}, out)

@@ -97,9 +97,9 @@ def test_bf16_graph_decode_close_to_reference(case):
     n0 = len(ref["prompt"])
     dec = m.decoder
     cache = new_cache(dec, 1024)
+    graph = GraphDecoder(dec, cache)  # first: its warm-up steps write the cache's slots 0, 1
     with torch.inference_mode():
         rows = [dec.forward(torch.tensor(seq[:n0]), cache, last_only=True).float().reshape(-1)]
-        graph = GraphDecoder(dec, cache)
         rows += [graph.logits_for(t, n0 + i).float().clone() for i, t in enumerate(seq[n0:])]
     ours = torch.stack(rows).cpu().numpy()
     want = ref["logits32"][n0 - 1:]
