@@ -361,6 +361,29 @@ def test_int4_layout_decode_matches_codes():
     assert Q.nbytes == 192 * 256 // 2 + words + 2 * (192 * 4 * 2 * 2)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 5, 6, 8])
+def test_other_widths_take_int4_planes_on_cpu(bits, monkeypatch):
+    """bf16 CPU weights of 2/3/5/6/8 bits keep torch's int4 copy of their nibble planes
+    (`affine.planes`; two planes over x repeated twice for 5/6/8-bit): decode within the bf16
+    bar of mlx's weight, the codes read back from the copy (rows and gathered rows) equal
+    mlx's, a copy packed in row slices equals one packed whole, MLXR_PLANES=0 keeps the old
+    storage."""
+    Q, W, (qw, _, _) = build("affine", bits, 64, 192, 256, 40 + bits, torch.bfloat16)
+    assert Q.i4 is not None and Q.planes == (2 if bits > 4 else 1)
+    codes = unpack_codes(t(qw), bits, 256)
+    assert torch.equal(Q.row_codes(slice(70, 192)), codes[70:])
+    ids = torch.tensor([0, 65, 191, 3])
+    assert torch.equal(Q.row_codes(ids), codes[ids])
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(bits)).to(torch.bfloat16)
+    err = (Q.linear(x).float() - x.float() @ W.T).abs()
+    assert (err <= bf16_tol(x.float(), W, 64)).all(), err.max()
+    whole = Q.i4
+    assert Q._int4_copy(t(qw).view(torch.int32), chunk_rows=64) and torch.equal(Q.i4, whole)
+    monkeypatch.setenv("MLXR_PLANES", "0")
+    Q0, _, _ = build("affine", bits, 64, 192, 256, 40 + bits, torch.bfloat16)
+    assert Q0.i4 is None and Q0.planes == 1
+
+
 @pytest.mark.parametrize("cd", [torch.float32, torch.bfloat16])
 def test_tiled_path_equals_single_tile(monkeypatch, cd):
     Q, W, _ = build("affine", 3, 64, 320, 256, 2, cd)

@@ -222,7 +222,7 @@ def test_other_widths_decode_through_planes(bits, monkeypatch):
     """A 2/3/5/6/8-bit weight's decode copy (`planes_pack`, what the CUDA load builds): 1-8
     rows take q4tc over its nibble planes, within rounding of fp64 over mlx's dequantization;
     a glu copy gives act(gate) * up as the plain linear + `gated_act` does; 2/3-bit single
-    rows leave triton_gemv; MLXR_TC_PLANES=0 builds no copy, and an overflowing plane scale
+    rows leave triton_gemv; MLXR_PLANES=0 builds no copy, and an overflowing plane scale
     none either (the Triton GEMVs keep the weight)."""
     from mlxr.ops import triton_q4tc
     from mlxr.ops.triton_fused import gated_act
@@ -244,10 +244,10 @@ def test_other_widths_decode_through_planes(bits, monkeypatch):
 
     qw, glu = weight(), weight()
     assert qcuda.planes_supported(qw)
-    qw.tc, qw.q4_sb, qw.tc_planes = qcuda.planes_pack(qw, chunk_rows=32)
-    glu.tc, glu.q4_sb, glu.tc_planes = qcuda.planes_pack(glu, glu=True)
+    qw.tc, qw.q4_sb, qw.planes = qcuda.planes_pack(qw, chunk_rows=32)
+    glu.tc, glu.q4_sb, glu.planes = qcuda.planes_pack(glu, glu=True)
     glu.tc_glu = True
-    assert qw.tc_planes == (2 if bits > 4 else 1)
+    assert qw.planes == (2 if bits > 4 else 1)
     assert not qcuda.gemv_v2_default(qw, 1)
     launches = []
     real = triton_q4tc.q4tc
@@ -258,20 +258,54 @@ def test_other_widths_decode_through_planes(bits, monkeypatch):
     for m in (1, 4):
         launches.clear()
         y = qcuda.linear(qw, x[:m])
-        assert launches == [qw.tc_planes] and y.shape == (m, n)
+        assert launches == [qw.planes] and y.shape == (m, n)
         exact, scale = x[:m].double() @ wd.t(), x[:m].double().abs() @ wd.abs().t()
         err = (y.double() - exact).abs()
         assert bool((err <= 2**-7 * exact.abs() + 1e-5 * scale).all())
         gate, up = y.chunk(2, dim=-1)
         assert torch.equal(qcuda.gated(glu, x[:m], "silu"), gated_act(gate, up, "silu"))
-    monkeypatch.setenv("MLXR_TC_PLANES", "0")
+    monkeypatch.setenv("MLXR_PLANES", "0")
     assert not qcuda.planes_supported(weight())
-    monkeypatch.delenv("MLXR_TC_PLANES")
+    monkeypatch.delenv("MLXR_PLANES")
     if bits > 4:  # 2^(b-4) x a huge fp16 scale overflows
         big = QuantWeight.from_tensors(w, torch.full_like(s, 60000.0, dtype=torch.float16),
                                        b.half(), spec, compute_dtype=torch.float16, device="cpu")
         big.packed = w
         assert qcuda.planes_supported(big) and qcuda.planes_pack(big) is None
+
+
+def test_decode_copy_bytes_and_the_loaders_budget(monkeypatch):
+    """`decode_copy_bytes` is what the copies take (4-bit q4tc, 3-bit and 8-bit planes); the
+    loader builds copies while they fit its GPU budget, and loads the rest without (matmul
+    weights only: a gathered embedding costs nothing)."""
+    from mlxr.models import loader
+    from mlxr.models.loader import RawQuant, _Builder
+
+    g = torch.Generator().manual_seed(5)
+    w, s, b, qw = _q4_weight(g, 64, 1024, 64)
+    tc, sb = qcuda.q4tc_pack(w, s, b)
+    assert qcuda.decode_copy_bytes(qw.spec, 64, 1024) == tc.nbytes + sb.nbytes
+    for bits in (3, 8):
+        pw = torch.randint(-(2**31), 2**31, (64, 1024 * bits // 32), generator=g,
+                           dtype=torch.int64).to(torch.int32)
+        spec = QuantSpec("affine", bits, 64)
+        q = QuantWeight.from_tensors(pw, s, b, spec, device="cpu")
+        q.packed = pw
+        words, pairs, _ = qcuda.planes_pack(q)
+        assert qcuda.decode_copy_bytes(spec, 64, 1024) == words.nbytes + pairs.nbytes
+    assert qcuda.decode_copy_bytes(QuantSpec("mxfp4", 4, 32), 64, 1024) == 0
+    asked = []
+    monkeypatch.setattr(loader.QuantWeight, "from_tensors",
+                        lambda *a, **kw: asked.append(kw["decode_copies"]))
+    builder = _Builder(None, None, torch.bfloat16, "cpu")
+    need = qcuda.decode_copy_bytes(qw.spec, 64, 1024)
+    builder.copy_budget = 2 * need + 1
+    raw = RawQuant(w, s, b, qw.spec, None)
+    for _ in range(3):
+        builder.quant(raw)
+    builder.quant(raw, matmul=False)
+    assert asked == [True, True, False, True] and builder.copies_skipped == 1
+    assert builder.copy_budget == 1
 
 
 def test_gated_falls_back_off_the_glu_copy():

@@ -228,7 +228,7 @@ def test_planes_are_the_weight(bits):
     """`planes`: nibble codes whose 4-bit weight over x repeated P times is the b-bit weight
     (in fp64, so only the summation order differs); a scale that overflows when scaled by
     2^(b-4) is refused."""
-    from mlxr.ops.triton_q4tc_layout import planes
+    from mlxr.quant.affine import planes
 
     g = torch.Generator().manual_seed(bits)
     codes, s, b = _affine(g, 16, 256, bits, 64, torch.bfloat16)
@@ -258,7 +258,8 @@ def test_q4tc_planes(bits, group, m, dtype, n, k, cfg):
     """2/3/5/6/8-bit weights through their nibble planes (`q4tc(planes=P)`: the kernel walks
     K = P x x's length and reads x once per plane): within rounding of fp64 x @ W^T of the
     b-bit weight, and of the torch twin."""
-    from mlxr.ops.triton_q4tc_layout import planes, repack_codes
+    from mlxr.ops.triton_q4tc_layout import repack_codes
+    from mlxr.quant.affine import planes
 
     g = torch.Generator().manual_seed(bits * 100 + m)
     codes, s, b = _affine(g, n, k, bits, group, dtype)

@@ -7,6 +7,7 @@ mode come from the config's per-module entry or, failing that, from the tensor s
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
@@ -16,10 +17,16 @@ from ..config import QuantSpec, ModelConfig
 from ..errors import ModelFormatError
 from ..layers import Embedding, Linear
 from ..quant import QuantWeight
+from ..quant.cuda import decode_copy_bytes
 from .decoder import Decoder, Fused, Layer
+
+log = logging.getLogger(__name__)
 
 FLOAT_DTYPES = {"BF16", "F16", "F32"}
 QUANT_MODES = {(4, 16): "nvfp4", (4, 32): "mxfp4", (8, 32): "mxfp8"}
+# GPU memory a CUDA load leaves free after the file's tensors and the decode copies: at least
+# this, or a tenth of the device (activations, the KV cache, CUDA graphs)
+COPY_RESERVE = 2 << 30
 
 
 def module_table(c: ModelConfig, tied: bool) -> dict[str, tuple[str, int, int, bool]]:
@@ -83,6 +90,15 @@ class _Builder:
         self.ckpt, self.config, self.dtype, self.device = ckpt, config, dtype, device
         self.dry_run = dry_run
         self.used: set[str] = set()
+        # bytes of decode copies (QuantWeight's load-time repacks, ~ the weight's own size or
+        # twice it) that still fit on the GPU beside the whole file; weights past it load
+        # without (slower decode, no out-of-memory at load)
+        self.copy_budget: int | None = None
+        self.copies_skipped = 0
+        if not dry_run and torch.device(device).type == "cuda":
+            free, total = torch.cuda.mem_get_info(torch.device(device))
+            files = sum(i.nbytes for i in ckpt.tensors.values())
+            self.copy_budget = free - files - max(COPY_RESERVE, total // 10)
 
     def load(self, name: str) -> torch.Tensor:
         if self.dry_run:
@@ -167,9 +183,17 @@ class _Builder:
               glu: bool = False) -> QuantWeight | RawQuant:
         if self.dry_run:
             return raw
+        copies = True
+        if self.copy_budget is not None and matmul:
+            need = decode_copy_bytes(raw.spec, raw.weight.shape[0],
+                                     raw.scales.shape[-1] * raw.spec.group_size)
+            copies = need <= self.copy_budget
+            self.copy_budget -= need if copies else 0
+            self.copies_skipped += 0 if copies else 1
         return QuantWeight.from_tensors(raw.weight, raw.scales, raw.biases, raw.spec,
                                         global_scale=raw.global_scale, compute_dtype=self.dtype,
-                                        device=self.device, matmul=matmul, glu=glu)
+                                        device=self.device, matmul=matmul, glu=glu,
+                                        decode_copies=copies)
 
     def linear(self, parts: list[tuple[str, int, int, bool]], matmul: bool = True,
                glu: bool = False) -> Linear:
@@ -256,4 +280,7 @@ def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
             f"{', '.join(unexpected[:5])}{more}")
     if dry_run:
         return None
+    if b.copies_skipped:
+        log.warning("GPU memory: %d weights load without their decode copies (their decode "
+                    "runs the slower generic kernels)", b.copies_skipped)
     return Decoder(c, Embedding(embed.weight), layers, final_norm, lm_head, dtype, device)

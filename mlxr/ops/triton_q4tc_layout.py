@@ -1,8 +1,8 @@
 """`triton_q4tc`'s load-time layouts (plain torch): the lane-ordered repack of MLX 4-bit words
-(the layout is described in `triton_q4tc`'s docstring), its inverse, the glu row order in
-which an MLP's [gate; up] weight is repacked so that the kernel's epilogue can compute
-act(gate) * up (`triton_q4tc.q4tc(act=...)`), and the nibble planes through which the same
-kernel serves the other affine widths (`planes`).
+(the layout is described in `triton_q4tc`'s docstring), its inverse (also of codes:
+`repack_codes`, for the nibble planes of `mlxr.quant.affine.planes`), and the glu row order
+in which an MLP's [gate; up] weight is repacked so that the kernel's epilogue can compute
+act(gate) * up (`triton_q4tc.q4tc(act=...)`).
 """
 
 from __future__ import annotations
@@ -77,23 +77,3 @@ def glu_order(y: Tensor) -> Tensor:
     n = y.shape[-1]
     return y.reshape(*y.shape[:-1], n // 16, 2, 8).transpose(-3, -2).reshape(y.shape)
 
-
-def planes(codes: Tensor, scales: Tensor, biases: Tensor, bits: int
-           ) -> tuple[Tensor, Tensor, Tensor]:
-    """b-bit affine codes [N, K] with scales, biases [N, K/G] -> nibble codes [N, P K] and
-    scales, biases [N, P K/G] whose 4-bit GEMV over x repeated P times is the b-bit GEMV
-    (`q4tc(planes=P)`). b <= 4 (P = 1): the codes as they are (a nibble holds them). b = 5,
-    6, 8 (P = 2): q = 2^(b-4) h + l, plane 0 holds h (4 bits) with scales 2^(b-4) s and the
-    biases, plane 1 holds l (b - 4 bits) with scales s and zero biases, so
-    s' h . x + b' sum(x) + s l . x = s q . x + b sum(x), mlx-lm's qmv sums (fp32 order aside).
-    A power-of-two scale is exact in a float format; a scale that overflows there (no real
-    checkpoint has one) raises ValueError, so the caller keeps its other decode path."""
-    if bits <= 4:
-        return codes, scales, biases
-    sh = bits - 4
-    q = codes.to(torch.int32)
-    s_hi = scales * (1 << sh)
-    if not bool(torch.isfinite(s_hi).all()):
-        raise ValueError(f"q4tc.planes: scales x {1 << sh} overflow {scales.dtype}")
-    return (torch.cat([q >> sh, q & ((1 << sh) - 1)], dim=1), torch.cat([s_hi, scales], dim=1),
-            torch.cat([biases, torch.zeros_like(biases)], dim=1))

@@ -10,11 +10,16 @@ int16/int32/int64 first (shifts stay within non-negative values, masks do the re
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUPS = (32, 64, 128)
+# widths whose decode runs the 4-bit kernels (CUDA: triton_q4tc; CPU: torch's int4 kernel) over
+# nibble planes (`planes`)
+PLANE_BITS = (2, 3, 5, 6, 8)
 
 _SHIFT_CACHE: dict[tuple[int, str], Tensor] = {}
 
@@ -98,3 +103,31 @@ def affine_dequantize(
     in_features = scales.shape[-1] * group_size
     q = unpack_codes(weight, bits, in_features)
     return affine_dequantize_codes(q, scales, biases, group_size, out_dtype)
+
+
+def planes_on() -> bool:
+    """Env `MLXR_PLANES=0` (read at load) keeps 2/3/5/6/8-bit weights off the nibble planes
+    (their previous decode kernels, for A/B runs or to save the copy's memory)."""
+    return os.environ.get("MLXR_PLANES", "") != "0"
+
+
+def planes(codes: Tensor, scales: Tensor, biases: Tensor, bits: int
+           ) -> tuple[Tensor, Tensor, Tensor]:
+    """b-bit affine codes [N, K] with scales, biases [N, K/G] -> nibble codes [N, P K] and
+    scales, biases [N, P K/G] whose 4-bit GEMV over x repeated P times is the b-bit GEMV
+    (`triton_q4tc.q4tc(planes=P)` on CUDA, torch's int4 kernel over [x, x] on the CPU).
+    b <= 4 (P = 1): the codes as they are (a nibble holds them). b = 5, 6, 8 (P = 2):
+    q = 2^(b-4) h + l, plane 0 holds h (4 bits) with scales 2^(b-4) s and the
+    biases, plane 1 holds l (b - 4 bits) with scales s and zero biases, so
+    s' h . x + b' sum(x) + s l . x = s q . x + b sum(x), mlx-lm's qmv sums (fp32 order aside).
+    A power-of-two scale is exact in a float format; a scale that overflows there (no real
+    checkpoint has one) raises ValueError, so the caller keeps its other decode path."""
+    if bits <= 4:
+        return codes, scales, biases
+    sh = bits - 4
+    q = codes.to(torch.int32)
+    s_hi = scales * (1 << sh)
+    if not bool(torch.isfinite(s_hi).all()):
+        raise ValueError(f"planes: scales x {1 << sh} overflow {scales.dtype}")
+    return (torch.cat([q >> sh, q & ((1 << sh) - 1)], dim=1), torch.cat([s_hi, scales], dim=1),
+            torch.cat([biases, torch.zeros_like(biases)], dim=1))

@@ -1,6 +1,9 @@
 """CPU matmul strategies for `QuantWeight.linear`.
 
-* affine 4-bit, bf16, M < I4_MAX_M: torch's packed-int4 kernel (reads 0.5 B/weight).
+* affine 4-bit, bf16, M < I4_MAX_M: torch's packed-int4 kernel (reads 0.5 B/weight); the
+  other affine widths through it too, over their nibble planes (`affine.planes`: 2/3-bit
+  codes as nibbles, 5/6/8-bit as two planes against x repeated twice; `MLXR_PLANES=0` at load
+  keeps them on the tiles below).
 * everything else: dequantize tiles of output rows to the compute dtype and matmul them
   (bf16 GEMM is ~2x faster than the int4 kernel for prefill). Small matrices (< SMALL_BYTES
   dequantized) are done in one tile. The full dequantized matrix is never held otherwise.
@@ -19,8 +22,9 @@ TILE_BYTES = 4 << 20
 
 
 def linear(qw, x: Tensor) -> Tensor:
-    if qw.i4 is not None and x.shape[0] < I4_MAX_M:
-        return int4pack.mm(x.contiguous(), qw.i4, qw.spec.group_size, qw.i4_sz)
+    if qw.i4 is not None and x.shape[0] < I4_MAX_M:  # two planes (5/6/8-bit) read x twice
+        x = x.contiguous() if qw.planes == 1 else x.repeat(1, qw.planes)
+        return int4pack.mm(x, qw.i4, qw.spec.group_size, qw.i4_sz)
     return tiled_linear(qw, x)
 
 

@@ -39,7 +39,7 @@
 - decode (1-16 rows, as for 4-bit) of affine 2/3/5/6/8-bit weights: `triton_q4tc` over their
   nibble planes (`planes_supported`, `planes_pack`: a load-time copy; 2/3-bit codes widened to
   nibbles, 5/6/8-bit split into a high and a low plane read against the same x). Env
-  `MLXR_TC_PLANES=0` at load keeps the paths below: affine 2/3-bit at M = 1 (bf16/fp16) then
+  `MLXR_PLANES=0` at load keeps the paths below: affine 2/3-bit at M = 1 (bf16/fp16) then
   use `mlxr.ops.triton_gemv` (measured faster than `triton_qmm`'s GEMV).
 Env `MLXR_GEMV=triton` (read at every call, so A/B runs need no reload) routes decode (M <= 16)
 of every format, affine 4-bit included, to the GEMV of `mlxr.ops.triton_gemv` instead of tinygemm
@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 
 from . import int4pack
+from .affine import PLANE_BITS, planes, planes_on, unpack_codes
 
 DECODE_MAX_M = 16
 # tinygemm beats dequant + cuBLAS up to 32 rows (H200, benchmarks/gpu_mid_m.py: 8B gate_up at
@@ -160,26 +161,33 @@ def q4tc_pack(packed: Tensor, scales: Tensor, biases: Tensor, sb: Tensor | None 
                                         if sb is None else sb)
 
 
-PLANE_BITS = (2, 3, 5, 6, 8)  # the affine widths q4tc serves through nibble planes
-
-
 def planes_supported(qw) -> bool:
     """Whether decode (1-16 rows) of this 2/3/5/6/8-bit affine weight takes triton_q4tc over
-    its nibble planes (`triton_q4tc_layout.planes`: 2/3-bit codes widened to nibbles, 5/6/8-bit
+    its nibble planes (`mlxr.quant.affine.planes`: 2/3-bit codes widened to nibbles, 5/6/8-bit
     split into two planes), a copy built at load (`planes_pack`). The Triton GEMVs that served
     these widths ran at 0.3-1.1 TB/s (docs/perf.md); q4tc reads the planes' 0.5 B per code
-    (1 B for two planes) at its 4-bit rate. Env `MLXR_TC_PLANES=0` at load keeps them."""
+    (1 B for two planes) at its 4-bit rate. Env `MLXR_PLANES=0` at load keeps them."""
     from ..ops import triton_q4tc
 
     sp, dev = qw.spec, qw.device
     p = 2 if sp.bits > 4 else 1
-    return (os.environ.get("MLXR_TC_PLANES", "") != "0" and sp.mode == "affine"
-            and sp.bits in PLANE_BITS and qw.packed is not None and qw.biases is not None
+    return (planes_on() and sp.mode == "affine" and sp.bits in PLANE_BITS
+            and qw.packed is not None and qw.biases is not None
             and qw.scales.dtype == qw.biases.dtype == qw.compute_dtype
             and triton_q4tc.supported(sp.group_size, qw.out_features, qw.in_features,
                                       qw.compute_dtype)
             and qw.out_features * qw.in_features * p // 8 < 2**31
             and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] >= 8))
+
+
+def decode_copy_bytes(spec, out: int, inp: int) -> int:
+    """Bytes of the decode copy a CUDA load builds for a weight of this spec and shape: words
+    at 0.5 B per code and plane and a 4-byte (scale, bias) pair per group and plane (q4tc's
+    or q4gemv's at 4-bit, the nibble planes at 2/3/5/6/8-bit); 0 for the fp modes."""
+    if spec.mode != "affine" or spec.bits not in (4, *PLANE_BITS):
+        return 0
+    p = 2 if spec.bits > 4 else 1
+    return p * (out * inp // 2 + out * (inp // spec.group_size) * 4)
 
 
 def planes_pack(qw, glu: bool = False, chunk_rows: int = 4096
@@ -189,8 +197,7 @@ def planes_pack(qw, glu: bool = False, chunk_rows: int = 4096
     otherwise need ~4x its size of scratch); glu as `q4tc_pack`. None where a plane's scale
     overflows the dtype (`planes`)."""
     from ..ops import triton_q4gemv, triton_q4tc
-    from ..ops.triton_q4tc_layout import planes, repack_codes
-    from .affine import unpack_codes
+    from ..ops.triton_q4tc_layout import repack_codes
 
     packed, scales, biases = qw.packed, qw.scales, qw.biases
     if glu:
@@ -312,7 +319,7 @@ def _q4tc(qw, x: Tensor, act: str | None = None) -> Tensor:
     if x.data_ptr() % 16 or not x.is_contiguous():  # its 16-byte x loads: a fresh copy
         x = x.clone(memory_format=torch.contiguous_format)
     return triton_q4tc.q4tc(x, qw.tc, qw.q4_sb, group=qw.spec.group_size, act=act,
-                            planes=qw.tc_planes).view(x.shape[0], -1)
+                            planes=qw.planes).view(x.shape[0], -1)
 
 
 def gated(qw, x: Tensor, act: str) -> Tensor | None:

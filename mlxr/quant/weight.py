@@ -4,15 +4,17 @@ Storage (chosen at load time, see `from_tensors`):
   * `packed`   - the mlx uint32 words viewed as int32 [out, in*bits/32] (unpacked per tile), or
   * `codes`    - uint8 codes [out, in]: a free byte view for 8-bit weights; a load-time repack
                  for 3/5/6-bit in fast mode (costs 8/bits x the packed size, saves a slow unpack
-                 per call), or
-  * `i4`       - torch's packed int4 CPU tensor + bf16 scales_and_zeros (fast-mode affine 4-bit).
+                 per call), where the int4 copy below is not built, or
+  * `i4`       - torch's packed int4 CPU tensor + bf16 scales_and_zeros (fast-mode affine: 4-bit
+                 codes; 2/3/5/6/8-bit over their nibble planes, `planes` of them, see
+                 `mlxr.quant.affine.planes`; the codes are decoded back from it).
 On CUDA `packed` is always kept; affine 4-bit adds repacks of it for decode at load: for one
 row either `tc` (`mlxr.ops.triton_q4tc`, where `cuda.q4tc_preferred`; it also serves 2-16
 rows; an MLP's gate_up gets it with gate and up rows interleaved, `tc_glu`, so `gated` runs
 the activation in its epilogue) or `q4` (`mlxr.ops.triton_q4gemv`), each with `q4_sb` (scale,
 bias pairs); and
 `i4`/`i4_sz` (tinygemm, 2-32 rows) only where neither applies. Affine 2/3/5/6/8-bit weights
-get `tc` too, over nibble planes (`tc_planes`: 1, or 2 for 5/6/8-bit; `cuda.planes_pack`).
+get `tc` too, over nibble planes (`planes`: 1, or 2 for 5/6/8-bit; `cuda.planes_pack`).
 The batching engine asks for the several-row copy (`add_batch_copy`): `tc` where a `q4`
 weight lacks it, else tinygemm's.
 Scales/biases stay in their file dtype, except in exact mode (compute_dtype float32) where they
@@ -39,7 +41,7 @@ from mlxr.config import QuantSpec
 from mlxr.errors import ModelFormatError
 
 from . import cuda, int4pack
-from .affine import unpack_codes
+from .affine import PLANE_BITS, planes, planes_on, unpack_codes
 from .dequant import validate
 from .fp import code_table, fp_scales
 
@@ -69,7 +71,7 @@ class QuantWeight:
         self.q4: Tensor | None = None
         self.tc: Tensor | None = None
         self.tc_glu = False  # tc (and q4_sb) in triton_q4tc.glu_rows' order (`gated`)
-        self.tc_planes = 1  # tc holds this many nibble planes (2/3/5/6/8-bit: `cuda.planes_pack`)
+        self.planes = 1  # tc / i4 hold this many nibble planes of the codes (`affine.planes`)
         self.q4_sb: Tensor | None = None
         self.matmul = True
         self.scales: Tensor | None = None
@@ -83,13 +85,15 @@ class QuantWeight:
         cls, weight: Tensor, scales: Tensor, biases: Tensor | None, spec: QuantSpec, *,
         global_scale: Tensor | None = None, compute_dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu", name: str = "weight", matmul: bool = True,
-        glu: bool = False,
+        glu: bool = False, decode_copies: bool = True,
     ) -> QuantWeight:
         """`matmul=False`: the weight is only gathered (an untied embedding), so no decode
         copies are built for it on CUDA (`linear` still works, by the generic kernels).
         `glu=True`: the rows stack an MLP's gate over its up (F rows each); where q4tc's copy
         is built at load it interleaves them (`tc_glu`), so `gated` computes act(gate) * up in
-        the GEMV's launch. Env `MLXR_Q4TC_GLU=0` (at load) keeps the plain order."""
+        the GEMV's launch. Env `MLXR_Q4TC_GLU=0` (at load) keeps the plain order.
+        `decode_copies=False`: none either (the loader's GPU memory budget), not even the
+        batching engine's (`add_batch_copy`)."""
         in_features = validate(weight, scales, biases, spec, global_scale, name)
         if weight.dim() != 2:
             raise ModelFormatError(
@@ -98,7 +102,7 @@ class QuantWeight:
             raise ValueError(f"compute_dtype must be one of {_COMPUTE_DTYPES}, got {compute_dtype}")
         self = cls()
         self.name = name
-        self.matmul = matmul
+        self.matmul = matmul and decode_copies  # False: no decode copies, ever
         self.spec = spec
         self.in_features = in_features
         self.out_features = weight.shape[0]
@@ -118,17 +122,13 @@ class QuantWeight:
                 self.global_scale = global_scale.to(dev, torch.float32).reshape(())
 
         use_i4 = (dev.type == "cpu" and not exact and compute_dtype == torch.bfloat16
-                  and spec.mode == "affine" and bits == 4
+                  and spec.mode == "affine" and (bits == 4 or (bits in PLANE_BITS and planes_on()))
                   and int4pack.supported(self.out_features, in_features, spec.group_size))
-        if use_i4:
-            codes = unpack_codes(packed, 4, in_features)
-            self.i4 = int4pack.pack(codes)
-            self.i4_sz = int4pack.scales_and_zeros(self.scales, self.biases)
-            if not (self.out_features % 64 == 0 and int4pack.layout_ok()):
-                self.packed = packed.contiguous()  # cannot decode the int4 layout: keep a copy
+        if use_i4 and self._int4_copy(packed):
+            pass  # torch's int4 kernel serves decode; the codes are read back from its copy
         elif dev.type == "cuda":
             self.packed = packed.contiguous()  # Triton kernels read the mlx words as shipped
-            if matmul and cuda.q4gemv_supported(self):  # single-request decode (M = 1)
+            if self.matmul and cuda.q4gemv_supported(self):  # single-request decode (M = 1)
                 if cuda.q4tc_preferred(self):  # the tensor-core GEMV
                     self.tc_glu = glu and os.environ.get("MLXR_Q4TC_GLU") != "0"
                     self.tc, self.q4_sb = cuda.q4tc_pack(self.packed, self.scales, self.biases,
@@ -136,16 +136,16 @@ class QuantWeight:
                 else:
                     self.q4, self.q4_sb = cuda.q4gemv_pack(self.packed, self.scales,
                                                            self.biases)
-            elif matmul and cuda.planes_supported(self):  # the other widths' decode
+            elif self.matmul and cuda.planes_supported(self):  # the other widths' decode
                 glu = glu and os.environ.get("MLXR_Q4TC_GLU") != "0"
                 tc = cuda.planes_pack(self, glu=glu)
                 if tc is not None:
-                    self.tc, self.q4_sb, self.tc_planes = tc
+                    self.tc, self.q4_sb, self.planes = tc
                     self.tc_glu = glu
             # tinygemm serves M = 1 where q4gemv / q4tc do not (or are switched off for an
             # A/B run: MLXR_Q4GEMV=0 at load); else its copy is built on demand
             one_row = self.q4 is not None or self.tc is not None
-            if matmul and (not one_row or os.environ.get("MLXR_Q4GEMV") == "0"):
+            if self.matmul and (not one_row or os.environ.get("MLXR_Q4GEMV") == "0"):
                 self.add_batch_copy()
         elif bits == 8:
             self.codes = packed.contiguous().view(torch.uint8)  # [out, in], zero-copy
@@ -154,6 +154,31 @@ class QuantWeight:
         else:
             self.packed = packed.contiguous()
         return self
+
+    def _int4_copy(self, packed: Tensor, chunk_rows: int = 4096) -> bool:
+        """CPU: torch's int4 copy (`i4`, `i4_sz`) of an affine weight's nibble planes (4-bit:
+        its codes; 2/3/5/6/8-bit: `affine.planes`, `planes` of them), packed in row slices (an
+        8-bit LM head's int32 codes would otherwise need 8x its size of scratch); `packed` is
+        kept only where the codes cannot be decoded from it. False (nothing built) where a
+        plane's scale overflows."""
+        n, k, bits = self.out_features, self.in_features, self.spec.bits
+        parts, scales, biases = [], [], []
+        try:
+            for r in range(0, n, chunk_rows):
+                c, s, b = planes(unpack_codes(packed[r:r + chunk_rows], bits, k),
+                                 self.scales[r:r + chunk_rows], self.biases[r:r + chunk_rows],
+                                 bits)
+                parts.append(int4pack.pack(c))
+                scales.append(s)
+                biases.append(b)
+        except ValueError:
+            return False
+        self.planes = c.shape[1] // k
+        self.i4 = parts[0] if len(parts) == 1 else torch.cat(parts)
+        self.i4_sz = int4pack.scales_and_zeros(torch.cat(scales), torch.cat(biases))
+        if not (n % 64 == 0 and int4pack.layout_ok()):
+            self.packed = packed.contiguous()  # cannot decode the int4 layout: keep a copy
+        return True
 
     def add_batch_copy(self) -> int:
         """Build the copies that decode of several rows reads (`mlxr.quant.cuda`) where this
@@ -203,12 +228,14 @@ class QuantWeight:
             return self.codes[rows]
         if self.packed is not None:
             return unpack_codes(self.packed[rows], self.spec.bits, self.in_features)
-        k = self.in_features
+        k, p = self.in_features, self.planes
         if isinstance(rows, slice):
             r0, r1, _ = rows.indices(self.out_features)
             a0, a1 = r0 // 64 * 64, -(-r1 // 64) * 64
-            return int4pack.decode_rows(self.i4, k, a0, a1)[r0 - a0: r1 - a0]
-        return int4pack.decode_gather(self.i4, k, rows)
+            q = int4pack.decode_rows(self.i4, p * k, a0, a1)[r0 - a0: r1 - a0]
+        else:
+            q = int4pack.decode_gather(self.i4, p * k, rows)
+        return q if p == 1 else (q[:, :k] << (self.spec.bits - 4)) | q[:, k:]  # high, low
 
     def dequant_rows(self, rows: slice | Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """Dequantized rows [n, in] in `dtype` (default compute dtype).
