@@ -384,6 +384,33 @@ def test_other_widths_take_int4_planes_on_cpu(bits, monkeypatch):
     assert Q0.i4 is None and Q0.planes == 1
 
 
+def test_mxfp4_takes_int4_planes_on_cpu(monkeypatch):
+    """mxfp4 on the CPU (bf16): two nibble planes of 2v + 12 at scale s/2 (`fp.fp4_planes`)
+    give s v exactly for every code; the weight keeps only torch's int4 copy of them, whose
+    decoded rows dequantize to the same bits as the file's codes; a non-finite scale (E8M0
+    byte 255) keeps the tiled path; MLXR_PLANES=0 too."""
+    from mlxr.quant import fp
+
+    codes = torch.arange(16, dtype=torch.uint8).repeat(2, 2)  # [2, 32]: every code, twice
+    s = torch.tensor([[2.0**-9], [2.0**5]])
+    c, s2, b2 = fp.fp4_planes(codes, s)
+    got = s2.repeat_interleave(32, 1) * c.float() + b2.repeat_interleave(32, 1)
+    assert torch.equal(got[:, :32] + got[:, 32:], fp.E2M1[codes.long()] * s)
+    assert torch.equal(fp.fp4_codes(c[:, :32] + c[:, 32:]), torch.where(codes == 8, 0, codes))
+    Q, _, (qw, sc, _) = build("mxfp4", 4, 32, 128, 256, 7, torch.bfloat16)
+    assert Q.i4 is not None and Q.planes == 2 and Q.packed is None and Q.codes is None
+    monkeypatch.setenv("MLXR_PLANES", "0")
+    Q0, _, _ = build("mxfp4", 4, 32, 128, 256, 7, torch.bfloat16)
+    assert Q0.i4 is None
+    assert same_bits(Q.dequantize(torch.bfloat16), Q0.dequantize(torch.bfloat16))
+    monkeypatch.delenv("MLXR_PLANES")
+    bad = t(sc).clone()
+    bad[3, 2] = 255
+    Qb = QuantWeight.from_tensors(t(qw), bad, None, QuantSpec("mxfp4", 4, 32),
+                                  compute_dtype=torch.bfloat16)
+    assert Qb.i4 is None
+
+
 @pytest.mark.parametrize("cd", [torch.float32, torch.bfloat16])
 def test_tiled_path_equals_single_tile(monkeypatch, cd):
     Q, W, _ = build("affine", 3, 64, 320, 256, 2, cd)

@@ -94,3 +94,30 @@ def fp_dequantize(
     q = unpack_codes(weight, bits, scales.shape[-1] * group_size)
     return fp_dequantize_codes(q, scales, mode, group_size, global_scale=global_scale,
                                out_dtype=out_dtype)
+
+
+# E2M1 code -> 2 v + 12 in [0, 24] (v the code's value), and back (an unused entry -> 0)
+_TWICE_PLUS_12 = torch.tensor([int(2 * v) + 12 for v in _E2M1] + [12 - int(2 * v) for v in _E2M1],
+                              dtype=torch.uint8)
+_FROM_TWICE = torch.zeros(25, dtype=torch.uint8)
+_FROM_TWICE[_TWICE_PLUS_12.long().flip(0)] = torch.arange(15, -1, -1, dtype=torch.uint8)
+
+
+def fp4_planes(codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """E2M1 codes [N, K] with fp32 group scales s [N, K/G] -> two nibble planes [N, 2K] and
+    fp32 scales, biases [N, 2K/G] whose affine 4-bit GEMV over x repeated twice is the fp4
+    GEMV: w = 2v + 12 (in [0, 24]) splits into p1 = min(w, 15) and p2 = w - p1, both planes
+    at scale s / 2, the first with bias -6s: s/2 (p1 + p2) - 6s = s v. s / 2 and 6s are exact
+    for mx's power-of-two scales. Non-finite scales (E8M0 byte 255) raise ValueError."""
+    if not bool(torch.isfinite(scales).all()):
+        raise ValueError("fp4_planes: non-finite scales")
+    w = _TWICE_PLUS_12.to(codes.device)[codes.long()]
+    p1 = w.clamp(max=15)
+    half = scales / 2
+    return (torch.cat([p1, w - p1], dim=1), torch.cat([half, half], dim=1),
+            torch.cat([-6 * scales, torch.zeros_like(scales)], dim=1))
+
+
+def fp4_codes(twice_plus_12: Tensor) -> Tensor:
+    """The E2M1 codes back from p1 + p2 of `fp4_planes` (a zero comes back as +0)."""
+    return _FROM_TWICE.to(twice_plus_12.device)[twice_plus_12.long()]

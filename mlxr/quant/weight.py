@@ -43,7 +43,7 @@ from mlxr.errors import ModelFormatError
 from . import cuda, int4pack
 from .affine import PLANE_BITS, planes, planes_on, unpack_codes
 from .dequant import validate
-from .fp import code_table, fp_scales
+from .fp import code_table, fp4_codes, fp4_planes, fp_scales
 
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -121,8 +121,11 @@ class QuantWeight:
             if global_scale is not None:
                 self.global_scale = global_scale.to(dev, torch.float32).reshape(())
 
+        i4_mode = ((spec.mode == "affine" and bits == 4)
+                   or (planes_on() and (spec.mode == "mxfp4"
+                                        or (spec.mode == "affine" and bits in PLANE_BITS))))
         use_i4 = (dev.type == "cpu" and not exact and compute_dtype == torch.bfloat16
-                  and spec.mode == "affine" and (bits == 4 or (bits in PLANE_BITS and planes_on()))
+                  and i4_mode
                   and int4pack.supported(self.out_features, in_features, spec.group_size))
         if use_i4 and self._int4_copy(packed):
             pass  # torch's int4 kernel serves decode; the codes are read back from its copy
@@ -156,18 +159,21 @@ class QuantWeight:
         return self
 
     def _int4_copy(self, packed: Tensor, chunk_rows: int = 4096) -> bool:
-        """CPU: torch's int4 copy (`i4`, `i4_sz`) of an affine weight's nibble planes (4-bit:
-        its codes; 2/3/5/6/8-bit: `affine.planes`, `planes` of them), packed in row slices (an
-        8-bit LM head's int32 codes would otherwise need 8x its size of scratch); `packed` is
-        kept only where the codes cannot be decoded from it. False (nothing built) where a
-        plane's scale overflows."""
+        """CPU: torch's int4 copy (`i4`, `i4_sz`) of a weight's nibble planes (affine 4-bit:
+        its codes; 2/3/5/6/8-bit: `affine.planes`; mxfp4: `fp.fp4_planes`; `planes` of them),
+        packed in row slices (an 8-bit LM head's int32 codes would otherwise need 8x its size
+        of scratch); `packed` is kept only where the codes cannot be decoded from it. False
+        (nothing built) where a plane's scale overflows or is not finite."""
         n, k, bits = self.out_features, self.in_features, self.spec.bits
         parts, scales, biases = [], [], []
         try:
             for r in range(0, n, chunk_rows):
-                c, s, b = planes(unpack_codes(packed[r:r + chunk_rows], bits, k),
-                                 self.scales[r:r + chunk_rows], self.biases[r:r + chunk_rows],
-                                 bits)
+                q = unpack_codes(packed[r:r + chunk_rows], bits, k)
+                if self.spec.mode == "mxfp4":
+                    c, s, b = fp4_planes(q, fp_scales(self.scales[r:r + chunk_rows], "mxfp4"))
+                else:
+                    c, s, b = planes(q, self.scales[r:r + chunk_rows],
+                                     self.biases[r:r + chunk_rows], bits)
                 parts.append(int4pack.pack(c))
                 scales.append(s)
                 biases.append(b)
@@ -235,7 +241,11 @@ class QuantWeight:
             q = int4pack.decode_rows(self.i4, p * k, a0, a1)[r0 - a0: r1 - a0]
         else:
             q = int4pack.decode_gather(self.i4, p * k, rows)
-        return q if p == 1 else (q[:, :k] << (self.spec.bits - 4)) | q[:, k:]  # high, low
+        if p == 1:
+            return q
+        if self.spec.mode == "mxfp4":
+            return fp4_codes(q[:, :k] + q[:, k:])
+        return (q[:, :k] << (self.spec.bits - 4)) | q[:, k:]  # high, low
 
     def dequant_rows(self, rows: slice | Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """Dequantized rows [n, in] in `dtype` (default compute dtype).
