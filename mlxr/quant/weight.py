@@ -5,9 +5,10 @@ Storage (chosen at load time, see `from_tensors`):
   * `codes`    - uint8 codes [out, in]: a free byte view for 8-bit weights; a load-time repack
                  for 3/5/6-bit in fast mode (costs 8/bits x the packed size, saves a slow unpack
                  per call), where the int4 copy below is not built, or
-  * `i4`       - torch's packed int4 CPU tensor + bf16 scales_and_zeros (fast-mode affine: 4-bit
-                 codes; 2/3/5/6/8-bit over their nibble planes, `planes` of them, see
-                 `mlxr.quant.affine.planes`; the codes are decoded back from it).
+  * `i4`       - torch's packed int4 CPU tensor + bf16 scales_and_zeros (fast mode: affine 4-bit
+                 codes; 2/3/5/6/8-bit and mxfp4 over their nibble planes, `planes` of them, see
+                 `mlxr.quant.affine.planes` and `fp.fp4_planes`; the codes are decoded back
+                 from it).
 On CUDA `packed` is always kept; affine 4-bit adds repacks of it for decode at load: for one
 row either `tc` (`mlxr.ops.triton_q4tc`, where `cuda.q4tc_preferred`; it also serves 2-16
 rows; an MLP's gate_up gets it with gate and up rows interleaved, `tc_glu`, so `gated` runs
