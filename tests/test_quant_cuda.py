@@ -37,6 +37,62 @@ def test_dequant_kernel_matches_reference(bits, group, n):
     assert (got.float() - want32).abs().max() > 0 or bits == 8  # the test sees real rounding
 
 
+@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4", "mxfp8"])
+@pytest.mark.parametrize("n,k", [(64, 512), (24, 384)])  # whole tiles; rows and columns past
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp_dequant_kernel_matches_reference(mode, n, k, dtype):
+    """`dequant_fp` (the fp modes' prefill dequantization) against `fp.fp_dequantize`: the same
+    bits, except E4M3's NaN bytes (0x7F / 0xFF: +-480 in the kernels, as in the GEMVs)."""
+    from mlxr.ops.triton_dequant import dequant_fp
+    from mlxr.quant.fp import FP_MODES, fp_dequantize, fp_scales
+
+    bits, group = FP_MODES[mode]
+    g = torch.Generator().manual_seed(n + k + bits)
+    w = torch.randint(-(2**31), 2**31, (n, k * bits // 32), generator=g,
+                      dtype=torch.int64).to(torch.int32)
+    lo, hi = (0, 127) if mode == "nvfp4" else (110, 135)  # E4M3 / E8M0 scale bytes
+    sc = torch.randint(lo, hi, (n, k // group), generator=g, dtype=torch.uint8)
+    gs = torch.tensor(3.5e3) if mode == "nvfp4" else None
+    got = dequant_fp(w, sc, gs, mode, dtype)
+    want = fp_dequantize(w, sc, mode, global_scale=gs, out_dtype=dtype)
+    finite = torch.isfinite(want)
+    assert finite.float().mean() > 0.9
+    assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))
+    if mode == "mxfp8":  # the NaN bytes decode to +-480 x scale
+        s_el = fp_scales(sc, mode).repeat_interleave(group, 1)
+        assert bool((~finite).any())
+        assert torch.equal(got[~finite].float().abs(), (480 * s_el[~finite]).to(dtype).float())
+    with pytest.raises(ValueError, match="global scale"):
+        dequant_fp(w, sc, None if gs is not None else torch.tensor(1.0), mode, dtype)
+
+
+def test_fp_prefill_takes_dequant_when_switched_on(monkeypatch):
+    """17+ rows of an fp-mode weight take `dequant_fp` + a matmul with MLXR_FP_DEQUANT=1 (the
+    same values as the generic kernels within bf16 rounding), the generic kernels without;
+    the fused affine GEMM never takes them, whatever MLXR_PREFILL_GEMM says."""
+    from mlxr.ops import triton_dequant
+    from mlxr.quant.fp import fp_dequantize
+
+    g = torch.Generator().manual_seed(3)
+    n, k = 64, 256
+    w = torch.randint(-(2**31), 2**31, (n, k // 8), generator=g, dtype=torch.int64).to(torch.int32)
+    sc = torch.randint(118, 124, (n, k // 32), generator=g, dtype=torch.uint8)
+    qw = QuantWeight.from_tensors(w, sc, None, QuantSpec("mxfp4", 4, 32), device="cpu")
+    qw.packed, qw.codes, qw.i4 = w, None, None  # as CUDA keeps it
+    x = torch.randn(20, k, generator=g).to(torch.bfloat16)
+    assert qcuda.linear(qw, x) is None
+    calls = []
+    real = triton_dequant.dequant_fp
+    monkeypatch.setattr(triton_dequant, "dequant_fp",
+                        lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+    monkeypatch.setenv("MLXR_FP_DEQUANT", "1")
+    monkeypatch.setenv("MLXR_PREFILL_GEMM", "fused")
+    y = qcuda.linear(qw, x)
+    assert calls == ["mxfp4"] and y.shape == (20, n)
+    want = x.float() @ fp_dequantize(w, sc, "mxfp4", out_dtype=torch.float32).t()
+    assert torch.allclose(y.float(), want, rtol=2**-7, atol=2**-7 * float(want.abs().max()))
+
+
 def test_tinygemm_nibble_order():
     """tinygemm wants element 2j in the high nibble of byte j; mlx stores it in the low one."""
     codes = torch.arange(16, dtype=torch.int32).repeat(2, 4)  # [2, 64]

@@ -1,5 +1,6 @@
-"""Dequantization of MLX affine weights (2/3/4/5/6/8-bit) to a dense [N, K] matrix on the GPU:
-the prefill path's first pass (`mlxr.quant.cuda.dequantize`, then cuBLAS).
+"""Dequantization of MLX affine weights (2/3/4/5/6/8-bit) and of the fp modes (mxfp4, nvfp4,
+mxfp8: `dequant_fp`) to a dense [N, K] matrix on the GPU: the prefill path's first pass
+(`mlxr.quant.cuda.dequantize`, then cuBLAS).
 
 Bit-identical to `mlxr.quant.dequantize` in fp32, cast to the output dtype (round to nearest
 even): w = s*q + b in fp32, rounded once (`triton_qgemm._affine_tile`, the tile math the fused
@@ -22,10 +23,10 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_qcodes import _code_value, _unit_code
+    from .triton_qcodes import MODES, _code_value, _group_scale, _unit_code
     from .triton_qgemm import _affine_tile, _round
 
-__all__ = ["DEQUANT_BITS", "dequant_affine"]
+__all__ = ["DEQUANT_BITS", "dequant_affine", "dequant_fp"]
 
 DEQUANT_BITS = (2, 3, 4, 5, 6, 8)
 
@@ -174,6 +175,79 @@ if HAVE_TRITON:
                 tl.store(op, out)
             else:
                 tl.store(op, out, mask=(rn[:, None] < N) & (rk < K)[None, :])
+
+    @triton.jit
+    def _dequant_fp_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K: tl.constexpr,
+                           MODE: tl.constexpr, GROUP: tl.constexpr, HAS_GS: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                           EXACT_ROUND: tl.constexpr):
+        """out[n, k] = value(code(n, k)) * scale(n, k // G) over a [BLOCK_N, BLOCK_K] tile of
+        fp-mode words (E2M1 nibbles or E4M3 bytes, `triton_qcodes` decodes them and their
+        E8M0 / E4M3 scale bytes as the GEMVs do), in fp32, rounded once."""
+        BITS: tl.constexpr = 8 if MODE == 3 else 4
+        PER: tl.constexpr = 32 // BITS
+        KW: tl.constexpr = K // PER
+        NG: tl.constexpr = K // GROUP
+        BW: tl.constexpr = BLOCK_K // PER
+        NGT: tl.constexpr = BLOCK_K // GROUP
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = tl.program_id(1) * BLOCK_K
+        rw = k0 // PER + tl.arange(0, BW)
+        rg = k0 // GROUP + tl.arange(0, NGT)
+        rk = k0 + tl.arange(0, BLOCK_K)
+        rows = rn[:, None].to(tl.int64)
+        gs = 1.0
+        if HAS_GS:
+            gs = tl.load(gs_ptr).to(tl.float32) / 2688.0
+        if EVEN:
+            wd = tl.load(w_ptr + rows * KW + rw[None, :])
+            sraw = tl.load(s_ptr + rows * NG + rg[None, :])
+        else:
+            nmask = rn[:, None] < N
+            wd = tl.load(w_ptr + rows * KW + rw[None, :], mask=nmask & (rw < KW)[None, :],
+                         other=0)
+            sraw = tl.load(s_ptr + rows * NG + rg[None, :], mask=nmask & (rg < NG)[None, :],
+                           other=0)
+        w4 = tl.reshape(wd, [BLOCK_N, NGT, BW // NGT, 1])
+        q = (w4 >> (tl.arange(0, PER) * BITS)) & ((1 << BITS) - 1)  # [BN, NGT, WPG, PER]
+        v = _code_value(q, MODE) * _group_scale(sraw, gs, MODE)[:, :, None, None]
+        out = _round(tl.reshape(v, [BLOCK_N, BLOCK_K]), out_ptr.dtype.element_ty, EXACT_ROUND)
+        op = out_ptr + rows * K + rk[None, :]
+        if EVEN:
+            tl.store(op, out)
+        else:
+            tl.store(op, out, mask=(rn[:, None] < N) & (rk < K)[None, :])
+
+
+def dequant_fp(packed: Tensor, scales: Tensor, global_scale: Tensor | None, mode: str,
+               dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """fp-mode words int32 [N, K*bits/32] (mxfp4 / nvfp4: 4-bit E2M1 codes; mxfp8: 8-bit E4M3),
+    scale bytes uint8 [N, K/G] (E8M0; nvfp4: E4M3 times global_scale / 2688) -> [N, K] in
+    `dtype`: value * scale in fp32, rounded once (bit for bit `mlxr.quant.fp.fp_dequantize`,
+    except the E4M3 bytes 0x7F / 0xFF, NaN there and +-480 here as in the GEMVs; mlx's
+    quantizer never writes them)."""
+    from ..quant.fp import FP_MODES
+
+    if mode not in FP_MODES:
+        raise ValueError(f"dequant_fp: unknown mode {mode!r}")
+    bits, group = FP_MODES[mode]
+    n = packed.shape[0]
+    k = scales.shape[-1] * group if scales.dim() == 2 else -1
+    if (packed.dim() != 2 or scales.shape[0] != n or packed.shape[1] * 32 != k * bits
+            or scales.dtype != torch.uint8 or (mode == "nvfp4") != (global_scale is not None)):
+        raise ValueError(f"dequant_fp: {mode} words {tuple(packed.shape)}, scales "
+                         f"{tuple(scales.shape)} {scales.dtype}, global scale "
+                         f"{global_scale is not None}")
+    packed = packed.view(torch.int32) if packed.dtype == torch.uint32 else packed
+    out = torch.empty(n, k, dtype=dtype, device=packed.device)
+    bn, bk = 32, 256  # as `dequant_affine`: 16 KiB of output per program
+    grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
+    _dequant_fp_kernel[grid](packed, scales, global_scale if global_scale is not None else scales,
+                             out, n, K=k, MODE=MODES[mode], GROUP=group,
+                             HAS_GS=global_scale is not None, BLOCK_N=bn, BLOCK_K=bk,
+                             EVEN=n % bn == 0 and k % bk == 0, EXACT_ROUND=_interpret(),
+                             num_warps=4)
+    return out
 
 
 def dequant_affine(packed: Tensor, scales: Tensor, biases: Tensor, in_features: int, bits: int,

@@ -24,7 +24,8 @@
 - prefill and large decode batches (M > 16; > 32 for 4-bit), affine 2/3/4/5/6/8-bit: one
   Triton pass (`triton_dequant.dequant_affine`) dequantizes the packed words to a bf16 scratch
   matrix (4-bit: read 0.5 B, write 2 B per weight), then cuBLAS does the GEMM on tensor
-  cores. The scratch is per call, never stored.
+  cores. The scratch is per call, never stored. The fp modes likewise by `dequant_fp` with env
+  `MLXR_FP_DEQUANT=1` (opt-in until measured: `fp_dequant_on`).
 - 8-128 rows (2-128 where tinygemm's copy is absent) of a 4-bit weight of >= 4096 x 4096,
   and 8-32 rows (2-32) of an LM head of >= 65536 rows: the fused tensor-core GEMM of
   `mlxr.ops.triton_qgemm` on the packed words (no scratch). H200 sweeps (docs/perf.md): 8B
@@ -231,17 +232,31 @@ def q4gemv_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tensor,
     return triton_q4gemv.repack(packed), triton_q4gemv.pair_scales(scales, biases)
 
 
+def fp_dequant_on() -> bool:
+    """Env `MLXR_FP_DEQUANT=1` sends the fp modes' prefill (mxfp4 / nvfp4 / mxfp8, 17+ rows)
+    to `dequant_fp` + cuBLAS, as the affine widths go. Opt-in until measured on the GPU: the
+    generic Triton GEMM it replaces prefills the 8B at ~1.1k tok/s (H200, 128 tokens), the
+    affine widths' dequant + cuBLAS at ~10k with the same bytes per weight (docs/perf.md)."""
+    return os.environ.get("MLXR_FP_DEQUANT", "") == "1"
+
+
 def dequant_supported(qw) -> bool:
     sp = qw.spec
-    return sp.mode == "affine" and sp.bits in (2, 3, 4, 5, 6, 8) and qw.packed is not None
+    if qw.packed is None:
+        return False
+    if sp.mode == "affine":
+        return sp.bits in (2, 3, 4, 5, 6, 8)
+    return fp_dequant_on()
 
 
 def dequantize(qw, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """The full weight [N, K] in `dtype`, dequantized by one Triton pass (2/3/4/5/6/8-bit
-    affine)."""
-    from ..ops.triton_dequant import dequant_affine  # Triton loads only when a GPU uses it
+    affine; the fp modes)."""
+    from ..ops.triton_dequant import dequant_affine, dequant_fp  # Triton loads on first use
 
     sp = qw.spec
+    if sp.mode != "affine":
+        return dequant_fp(qw.packed, qw.scales, qw.global_scale, sp.mode, dtype)
     return dequant_affine(qw.packed, qw.scales, qw.biases, qw.in_features, sp.bits,
                           sp.group_size, dtype)
 
@@ -284,7 +299,7 @@ def fused_gemm(qw, m: int) -> bool:
     (where its copy exists) or dequant + cuBLAS (see the module docstring and the table
     above: env MLXR_PREFILL_GEMM = fused | dequant | auto). Never for widths the GEMM does
     not take."""
-    if qw.spec.bits not in FUSED_BITS:
+    if qw.spec.mode != "affine" or qw.spec.bits not in FUSED_BITS:
         return False
     mode = os.environ.get("MLXR_PREFILL_GEMM", "").lower()
     if mode in ("fused", "dequant"):
