@@ -8,6 +8,10 @@
 #   on the GPU machine, switches:      scripts/gpu_parity.sh ab       (each decode switch: are
 #       greedy tokens and logits bit-identical on and off, then decode speed on and off;
 #       AB="..." names the switches, MODELS="q06 l8" the checkpoints)
+#   on the GPU machine, other formats: scripts/gpu_parity.sh widths   (8B-shape checkpoints of
+#       each width and fp mode, WIDTHS="8 3 mxfp4 ..." to choose; decode / prefill with each
+#       one's switch on and off: MLXR_PLANES for affine 2/3/5/6/8-bit, MLXR_FP_DEQUANT for
+#       the fp modes; greedy tokens and last logits on vs off)
 #   on the GPU machine, serving:       scripts/gpu_parity.sh serve    (needs the server's
 #       packages there: carry wheels in .whl, see the device notes; a tokenizer dir in .gpu_tok)
 #
@@ -66,6 +70,24 @@ case "${1:-}" in
           "/tmp/$m-0.pt" || true)" | tee -a "$out/ab.txt"
       done
     done ;;
+  widths)
+    ws="${WIDTHS:-2 3 5 6 8 mxfp4 nvfp4 mxfp8}"
+    for w in $ws; do  # the checkpoints in parallel (CPU), each marked done when written
+      case $w in mx*|nv*) a="--mode $w" ;; *) a="--bits $w" ;; esac
+      (python3 benchmarks/make_checkpoint.py llama-3.1-8b "/tmp/l8_$w" $a >/dev/null \
+        && touch "/tmp/l8_$w.done") &
+    done
+    for w in $ws; do
+      while [ ! -f "/tmp/l8_$w.done" ]; do sleep 2; done
+      case $w in mx*|nv*) sw=MLXR_FP_DEQUANT ;; *) sw=MLXR_PLANES ;; esac
+      for v in 1 0; do
+        echo "$w $sw=$v $(env "$sw=$v" python3 -m mlxr bench "/tmp/l8_$w" -p 128 -n 64 \
+          --device cuda --repeats 2 | tail -n 1)" >> "$out/widths.txt"
+        env "$sw=$v" python3 benchmarks/gpu_ab_check.py "/tmp/l8_$w" "/tmp/l8_$w-$v.pt" >/dev/null
+      done
+      echo "$w $sw: $(python3 benchmarks/gpu_ab_check.py --compare "/tmp/l8_$w-1.pt" \
+        "/tmp/l8_$w-0.pt" || true)" | tee -a "$out/widths.txt"
+    done ;;
   serve)
     wheels
     python3 benchmarks/make_checkpoint.py qwen3-0.6b /tmp/q06 --tokenizer .gpu_tok >/dev/null
@@ -75,5 +97,5 @@ case "${1:-}" in
     done
     python3 benchmarks/serve_bench.py /tmp/q06 --null-engine --null-step-ms 7 --clients 256 \
       --tokens 128 | tee "$out/serve-null.txt" ;;
-  *) echo "usage: $0 make|run|bench|ab|serve" >&2; exit 2 ;;
+  *) echo "usage: $0 make|run|bench|ab|widths|serve" >&2; exit 2 ;;
 esac
