@@ -56,6 +56,7 @@ from torch import Tensor
 
 from . import int4pack
 from .affine import PLANE_BITS, planes, planes_on, unpack_codes
+from .fp import fp4_planes, fp_scales
 
 DECODE_MAX_M = 16
 # tinygemm beats dequant + cuBLAS up to 32 rows (H200, benchmarks/gpu_mid_m.py: 8B gate_up at
@@ -162,61 +163,83 @@ def q4tc_pack(packed: Tensor, scales: Tensor, biases: Tensor, sb: Tensor | None 
                                         if sb is None else sb)
 
 
+def fp_planes_on() -> bool:
+    """Env `MLXR_FP_PLANES=1` (at load) gives mxfp4 weights q4tc's nibble planes too
+    (`fp.fp4_planes`: two planes, twice the file's bytes). Opt-in until measured on the GPU:
+    predicted ~265 tok/s for the 8B against the Triton GEMV's 218 (docs/perf.md)."""
+    return os.environ.get("MLXR_FP_PLANES", "") == "1"
+
+
+def _plane_count(spec) -> int:
+    """Nibble planes of a weight's q4tc copy: 2 for 5/6/8-bit affine and mxfp4, else 1."""
+    return 2 if spec.bits > 4 or spec.mode == "mxfp4" else 1
+
+
 def planes_supported(qw) -> bool:
     """Whether decode (1-16 rows) of this 2/3/5/6/8-bit affine weight takes triton_q4tc over
     its nibble planes (`mlxr.quant.affine.planes`: 2/3-bit codes widened to nibbles, 5/6/8-bit
     split into two planes), a copy built at load (`planes_pack`). The Triton GEMVs that served
     these widths ran at 0.3-1.1 TB/s (docs/perf.md); q4tc reads the planes' 0.5 B per code
-    (1 B for two planes) at its 4-bit rate. Env `MLXR_PLANES=0` at load keeps them."""
+    (1 B for two planes) at its 4-bit rate. Env `MLXR_PLANES=0` at load keeps them. mxfp4
+    too with `fp_planes_on`."""
     from ..ops import triton_q4tc
 
     sp, dev = qw.spec, qw.device
-    p = 2 if sp.bits > 4 else 1
-    return (planes_on() and sp.mode == "affine" and sp.bits in PLANE_BITS
-            and qw.packed is not None and qw.biases is not None
-            and qw.scales.dtype == qw.biases.dtype == qw.compute_dtype
+    affine = (sp.mode == "affine" and sp.bits in PLANE_BITS and qw.biases is not None
+              and qw.scales.dtype == qw.biases.dtype == qw.compute_dtype)
+    return (planes_on() and (affine or (sp.mode == "mxfp4" and fp_planes_on()))
+            and qw.packed is not None
             and triton_q4tc.supported(sp.group_size, qw.out_features, qw.in_features,
                                       qw.compute_dtype)
-            and qw.out_features * qw.in_features * p // 8 < 2**31
+            and qw.out_features * qw.in_features * _plane_count(sp) // 8 < 2**31
             and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] >= 8))
 
 
 def decode_copy_bytes(spec, out: int, inp: int) -> int:
     """Bytes of the decode copy a CUDA load builds for a weight of this spec and shape: words
     at 0.5 B per code and plane and a 4-byte (scale, bias) pair per group and plane (q4tc's
-    or q4gemv's at 4-bit, the nibble planes at 2/3/5/6/8-bit); 0 for the fp modes."""
-    if spec.mode != "affine" or spec.bits not in (4, *PLANE_BITS):
+    or q4gemv's at 4-bit, the nibble planes at 2/3/5/6/8-bit and for mxfp4 if
+    `fp_planes_on`); 0 for the other fp modes."""
+    if not ((spec.mode == "affine" and spec.bits in (4, *PLANE_BITS))
+            or (spec.mode == "mxfp4" and fp_planes_on())):
         return 0
-    p = 2 if spec.bits > 4 else 1
-    return p * (out * inp // 2 + out * (inp // spec.group_size) * 4)
+    return _plane_count(spec) * (out * inp // 2 + out * (inp // spec.group_size) * 4)
 
 
 def planes_pack(qw, glu: bool = False, chunk_rows: int = 4096
                 ) -> tuple[Tensor, Tensor, int] | None:
     """q4tc's copy of a `planes_supported` weight: (lane-ordered words of its nibble planes,
-    their (scale, bias) pairs, planes), built in row slices (an 8-bit LM head's codes would
-    otherwise need ~4x its size of scratch); glu as `q4tc_pack`. None where a plane's scale
-    overflows the dtype (`planes`)."""
+    their (scale, bias) pairs in the compute dtype, planes), built in row slices (an 8-bit LM
+    head's codes would otherwise need ~4x its size of scratch); glu as `q4tc_pack`. None
+    where a plane's scale overflows the dtype (`planes`) or, for mxfp4, is not exact in it."""
     from ..ops import triton_q4gemv, triton_q4tc
     from ..ops.triton_q4tc_layout import repack_codes
 
     packed, scales, biases = qw.packed, qw.scales, qw.biases
     if glu:
         perm = triton_q4tc.glu_rows(packed.shape[0]).to(packed.device)
-        packed, scales, biases = packed[perm], scales[perm], biases[perm]
-    bits, n, k = qw.spec.bits, qw.out_features, qw.in_features
-    p = 2 if bits > 4 else 1
-    words = torch.empty(n // 16, 2 * p * k, dtype=torch.int32, device=packed.device)
+        packed, scales = packed[perm], scales[perm]
+        biases = None if biases is None else biases[perm]
+    sp, n, k = qw.spec, qw.out_features, qw.in_features
+    words = torch.empty(n // 16, 2 * _plane_count(sp) * k, dtype=torch.int32,
+                        device=packed.device)
     pairs = []
     try:
         for r in range(0, n, chunk_rows):
-            c, s, b = planes(unpack_codes(packed[r:r + chunk_rows], bits, k),
-                             scales[r:r + chunk_rows], biases[r:r + chunk_rows], bits)
+            q = unpack_codes(packed[r:r + chunk_rows], sp.bits, k)
+            if sp.mode == "mxfp4":  # fp32 s / 2 and -6s, exact in bf16 (E8M0: powers of 2)
+                c, s32, b32 = fp4_planes(q, fp_scales(scales[r:r + chunk_rows], sp.mode))
+                s, b = s32.to(qw.compute_dtype), b32.to(qw.compute_dtype)
+                if not (torch.equal(s.float(), s32) and torch.equal(b.float(), b32)):
+                    raise ValueError("mxfp4 scales not exact in the compute dtype")
+            else:
+                c, s, b = planes(q, scales[r:r + chunk_rows], biases[r:r + chunk_rows],
+                                 sp.bits)
             words[r // 16:(r + c.shape[0]) // 16] = repack_codes(c)
             pairs.append(triton_q4gemv.pair_scales(s, b))
     except ValueError:
         return None
-    return words, torch.cat(pairs), p
+    return words, torch.cat(pairs), _plane_count(sp)
 
 
 def several_rows_on() -> bool:
