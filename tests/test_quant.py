@@ -286,7 +286,7 @@ def test_linear_fast_bf16(mode, bits, group, out_f, in_f):
     if (mode, bits) == ("affine", 4) and out_f % 16 == 0:
         assert Q.i4 is not None
     g = torch.Generator().manual_seed(out_f)
-    for n in (1, 5, 64):  # 1 and 5 use int4pack where available, 64 the tiled bf16 GEMM
+    for n in (1, 5, 300):  # 1 and 5 use int4pack where available, 300 the tiled bf16 GEMM
         x = torch.randn(n, in_f, generator=g).to(torch.bfloat16)
         y = Q.linear(x)
         assert y.dtype == torch.bfloat16 and y.shape == (n, out_f)
@@ -382,6 +382,24 @@ def test_other_widths_take_int4_planes_on_cpu(bits, monkeypatch):
     monkeypatch.setenv("MLXR_PLANES", "0")
     Q0, _, _ = build("affine", bits, 64, 192, 256, 40 + bits, torch.bfloat16)
     assert Q0.i4 is None and Q0.planes == 1
+
+
+def test_cpu_rows_route_between_int4_and_tiles(monkeypatch):
+    """Prompts take torch's int4 kernel below `cpu.i4_max_m` rows (one plane: 160, two: 80,
+    mxfp4: 256), the tiles from there on."""
+    from mlxr.quant import cpu, int4pack
+
+    calls = []
+    real = int4pack.mm
+    monkeypatch.setattr(int4pack, "mm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for mode, bits, group, rows in [("affine", 4, 64, (159, 160)), ("affine", 8, 64, (79, 80)),
+                                    ("mxfp4", 4, 32, (255, 256))]:
+        Q, _, _ = build(mode, bits, group, 64, 256, 11, torch.bfloat16)
+        assert cpu.i4_max_m(Q) == rows[1]
+        for m in rows:
+            calls.clear()
+            Q.linear(torch.randn(m, 256).to(torch.bfloat16))
+            assert calls == ([m] if m < rows[1] else [])
 
 
 def test_mxfp4_takes_int4_planes_on_cpu(monkeypatch):

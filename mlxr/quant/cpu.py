@@ -1,6 +1,6 @@
 """CPU matmul strategies for `QuantWeight.linear`.
 
-* affine 4-bit, bf16, M < I4_MAX_M: torch's packed-int4 kernel (reads 0.5 B/weight); the
+* affine 4-bit, bf16, M < `i4_max_m`: torch's packed-int4 kernel (reads 0.5 B/weight); the
   other affine widths through it too, over their nibble planes (`affine.planes`: 2/3-bit
   codes as nibbles, 5/6/8-bit as two planes against x repeated twice; `MLXR_PLANES=0` at load
   keeps them on the tiles below).
@@ -16,13 +16,25 @@ from torch import Tensor
 
 from . import int4pack
 
-I4_MAX_M = 32  # at and above this many rows, tiled dequant + bf16 GEMM wins
+# Rows of x from which the tiles beat torch's int4 kernel, by its planes (mxfp4: its own). The
+# tiles pay a fixed cost per call (every code decoded from the int4 copy and dequantized), the
+# kernel a cost per row that grows with the planes. Qwen3-0.6B prefill on the 2-core box,
+# int4 vs tiles, tok/s (docs/perf.md): 4-bit 128 rows 260 vs 230, 192 rows 229 vs 296; 8-bit
+# 64 rows 152 vs 121, 96 rows 139 vs 157; mxfp4 192 rows 107 vs 51 (its tiles gather E2M1
+# values), 256 rows ~107 vs 118.
+I4_MAX_M = {1: 160, 2: 80}
+I4_MAX_M_MXFP4 = 256
+
+
+def i4_max_m(qw) -> int:
+    """Rows of x from which `linear` takes the tiles instead of the int4 kernel."""
+    return I4_MAX_M_MXFP4 if qw.spec.mode == "mxfp4" else I4_MAX_M[qw.planes]
 SMALL_BYTES = 8 << 20
 TILE_BYTES = 4 << 20
 
 
 def linear(qw, x: Tensor) -> Tensor:
-    if qw.i4 is not None and x.shape[0] < I4_MAX_M:  # two planes (5/6/8-bit) read x twice
+    if qw.i4 is not None and x.shape[0] < i4_max_m(qw):  # two planes read x twice
         x = x.contiguous() if qw.planes == 1 else x.repeat(1, qw.planes)
         return int4pack.mm(x, qw.i4, qw.spec.group_size, qw.i4_sz)
     return tiled_linear(qw, x)
