@@ -388,6 +388,10 @@ def test_decode_copy_bytes_and_the_loaders_budget(monkeypatch):
         words, pairs, _ = qcuda.planes_pack(q)
         assert qcuda.decode_copy_bytes(spec, 64, 1024) == words.nbytes + pairs.nbytes
     assert qcuda.decode_copy_bytes(QuantSpec("mxfp4", 4, 32), 64, 1024) == 0
+    monkeypatch.setenv("MLXR_PLANES", "0")  # no planes: an 8-bit weight gets no copy
+    assert qcuda.decode_copy_bytes(QuantSpec("affine", 8, 64), 64, 1024) == 0
+    assert qcuda.decode_copy_bytes(qw.spec, 64, 1024) == tc.nbytes + sb.nbytes
+    monkeypatch.delenv("MLXR_PLANES")
     asked = []
     monkeypatch.setattr(loader.QuantWeight, "from_tensors",
                         lambda *a, **kw: asked.append(kw["decode_copies"]))

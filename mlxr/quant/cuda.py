@@ -200,8 +200,9 @@ def decode_copy_bytes(spec, out: int, inp: int) -> int:
     at 0.5 B per code and plane and a 4-byte (scale, bias) pair per group and plane (q4tc's
     or q4gemv's at 4-bit, the nibble planes at 2/3/5/6/8-bit and for mxfp4 if
     `fp_planes_on`); 0 for the other fp modes."""
-    if not ((spec.mode == "affine" and spec.bits in (4, *PLANE_BITS))
-            or (spec.mode == "mxfp4" and fp_planes_on())):
+    if not ((spec.mode == "affine" and (spec.bits == 4 or (spec.bits in PLANE_BITS
+                                                            and planes_on())))
+            or (spec.mode == "mxfp4" and fp_planes_on() and planes_on())):
         return 0
     return _plane_count(spec) * (out * inp // 2 + out * (inp // spec.group_size) * 4)
 
