@@ -38,8 +38,8 @@ small programs, each with its whole tile of words in flight):
   and g + 8 are one output's gate and up. Same sums and roundings as the GEMV followed by
   `ops.gated_act`, one launch fewer (0.6B decode +4.6%, docs/perf.md).
 
-`q4tc_ref` is the plain-torch twin with the same signature (the tests' oracle); the load-time
-layouts (`repack`, `glu_rows`) are in `triton_q4tc_layout`.
+`q4tc_ref` is the plain-torch twin with the same signature (the tests' oracle); it and the
+load-time layouts (`repack`, `glu_rows`) are in `triton_q4tc_layout`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ import torch
 from torch import Tensor
 
 from .triton_fused import ACTS, HAVE_TRITON, _hopper, _interpret, pdl
-from .triton_q4tc_layout import glu_order, glu_rows, repack, unrepack  # noqa: F401 (API)
+from .triton_q4tc_layout import (  # noqa: F401 (API)
+    glu_order, glu_rows, q4tc_ref, repack, unrepack)
 
 if HAVE_TRITON:
     import triton
@@ -119,33 +120,6 @@ def default_config(n: int, k: int, m: int = 1) -> TcConfig:
     else:
         cfg = TcConfig(rt=1, u=1, num_warps=8, pf=2)
     return cfg if env is None else dataclasses.replace(cfg, stages=int(env))
-
-
-# ====================================================================== torch twin (oracle)
-def q4tc_ref(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None = None,
-             config: TcConfig | None = None, act: str | None = None, planes: int = 1
-             ) -> Tensor:
-    """y = x @ (s * q + b)^T in fp32, rounded to x.dtype: [N] for one row of x ([K] or
-    [1, K]), else [M, N]; `words` are `repack`'s output, sb = `triton_q4gemv.pair_scales(
-    scales, biases)` [N, K/group, 2]. act (silu, gelu, gelu_tanh): words and sb are a glu
-    copy (rows in `glu_rows` order) and the result is act(gate) * up, [F] or [M, F] for F =
-    N / 2, each rounded to x.dtype as `ops.gated_act` rounds. planes: words and sb hold P
-    nibble planes of another width (`triton_q4tc_layout.planes`), K = P x x's length."""
-    from .reference import gated_act
-    from .triton_qmm import dequant_f32
-
-    w = dequant_f32(unrepack(words), sb[..., 0], sb[..., 1], None, "affine", 4, group)
-    xm = x.reshape(-1, words.shape[1] // 2 // planes)
-    y = (xm.float().repeat(1, planes) @ w.t()).to(x.dtype)
-    if act is not None:
-        gate, up = glu_order(y).chunk(2, dim=-1)
-        y = gated_act(gate, up, act)
-    if xm.shape[0] == 1:
-        y = y[0]
-    if out is None:
-        return y
-    out.copy_(y)
-    return out
 
 
 # ====================================================================== Triton kernel

@@ -1,8 +1,8 @@
 """`triton_q4tc`'s load-time layouts (plain torch): the lane-ordered repack of MLX 4-bit words
-(the layout is described in `triton_q4tc`'s docstring), its inverse (also of codes:
-`repack_codes`, for the nibble planes of `mlxr.quant.affine.planes`), and the glu row order
-in which an MLP's [gate; up] weight is repacked so that the kernel's epilogue can compute
-act(gate) * up (`triton_q4tc.q4tc(act=...)`).
+(the layout is described in `triton_q4tc`'s docstring) or of codes (`repack_codes`, for the
+nibble planes of `mlxr.quant.affine.planes`), its inverse, the glu row order in which an
+MLP's [gate; up] weight is repacked so that the kernel's epilogue can compute act(gate) * up
+(`triton_q4tc.q4tc(act=...)`), and the kernel's torch twin (`q4tc_ref`).
 """
 
 from __future__ import annotations
@@ -77,3 +77,29 @@ def glu_order(y: Tensor) -> Tensor:
     n = y.shape[-1]
     return y.reshape(*y.shape[:-1], n // 16, 2, 8).transpose(-3, -2).reshape(y.shape)
 
+
+# ====================================================================== torch twin (oracle)
+def q4tc_ref(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None = None,
+             config=None, act: str | None = None, planes: int = 1) -> Tensor:
+    """y = x @ (s * q + b)^T in fp32, rounded to x.dtype: [N] for one row of x ([K] or
+    [1, K]), else [M, N]; `words` are `repack`'s output, sb = `triton_q4gemv.pair_scales(
+    scales, biases)` [N, K/group, 2]. act (silu, gelu, gelu_tanh): words and sb are a glu
+    copy (rows in `glu_rows` order) and the result is act(gate) * up, [F] or [M, F] for F =
+    N / 2, each rounded to x.dtype as `ops.gated_act` rounds. planes: words and sb hold P
+    nibble planes of another width (`mlxr.quant.affine.planes`), K = P x x's length. config
+    changes nothing here."""
+    from .reference import gated_act
+    from .triton_qmm import dequant_f32
+
+    w = dequant_f32(unrepack(words), sb[..., 0], sb[..., 1], None, "affine", 4, group)
+    xm = x.reshape(-1, words.shape[1] // 2 // planes)
+    y = (xm.float().repeat(1, planes) @ w.t()).to(x.dtype)
+    if act is not None:
+        gate, up = glu_order(y).chunk(2, dim=-1)
+        y = gated_act(gate, up, act)
+    if xm.shape[0] == 1:
+        y = y[0]
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
