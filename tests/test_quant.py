@@ -386,14 +386,14 @@ def test_other_widths_take_int4_planes_on_cpu(bits, monkeypatch):
 
 def test_cpu_rows_route_between_int4_and_tiles(monkeypatch):
     """Prompts take torch's int4 kernel below `cpu.i4_max_m` rows (one plane: 160, two: 80,
-    mxfp4: 256), the tiles from there on."""
+    mxfp4's two too), the tiles from there on."""
     from mlxr.quant import cpu, int4pack
 
     calls = []
     real = int4pack.mm
     monkeypatch.setattr(int4pack, "mm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     for mode, bits, group, rows in [("affine", 4, 64, (159, 160)), ("affine", 8, 64, (79, 80)),
-                                    ("mxfp4", 4, 32, (255, 256))]:
+                                    ("mxfp4", 4, 32, (79, 80))]:
         Q, _, _ = build(mode, bits, group, 64, 256, 11, torch.bfloat16)
         assert cpu.i4_max_m(Q) == rows[1]
         for m in rows:

@@ -16,19 +16,19 @@ from torch import Tensor
 
 from . import int4pack
 
-# Rows of x from which the tiles beat torch's int4 kernel, by its planes (mxfp4: its own). The
-# tiles pay a fixed cost per call (every code decoded from the int4 copy and dequantized), the
-# kernel a cost per row that grows with the planes. Qwen3-0.6B prefill on the 2-core box,
-# int4 vs tiles, tok/s (docs/perf.md): 4-bit 128 rows 260 vs 230, 192 rows 229 vs 296; 8-bit
-# 64 rows 152 vs 121, 96 rows 139 vs 157; mxfp4 192 rows 107 vs 51 (its tiles gather E2M1
-# values), 256 rows ~107 vs 118.
+# Rows of x from which the tiles beat torch's int4 kernel, by its planes. The tiles pay a
+# fixed cost per call (every code decoded from the int4 copy and dequantized), the kernel a
+# cost per row that grows with the planes. Qwen3-0.6B prefill on the 2-core box, int4 vs
+# tiles, tok/s (docs/perf.md): 4-bit 128 rows 260 vs 230, 192 rows 229 vs 296; 8-bit 64 rows
+# 152 vs 121, 96 rows 139 vs 157; mxfp4 (two planes) 64 rows 87 vs 97, 128 rows 115 vs 124.
 I4_MAX_M = {1: 160, 2: 80}
-I4_MAX_M_MXFP4 = 256
 
 
 def i4_max_m(qw) -> int:
     """Rows of x from which `linear` takes the tiles instead of the int4 kernel."""
-    return I4_MAX_M_MXFP4 if qw.spec.mode == "mxfp4" else I4_MAX_M[qw.planes]
+    return I4_MAX_M[qw.planes]
+
+
 SMALL_BYTES = 8 << 20
 TILE_BYTES = 4 << 20
 

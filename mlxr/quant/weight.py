@@ -235,18 +235,21 @@ class QuantWeight:
             return self.codes[rows]
         if self.packed is not None:
             return unpack_codes(self.packed[rows], self.spec.bits, self.in_features)
-        k, p = self.in_features, self.planes
-        if isinstance(rows, slice):
-            r0, r1, _ = rows.indices(self.out_features)
-            a0, a1 = r0 // 64 * 64, -(-r1 // 64) * 64
-            q = int4pack.decode_rows(self.i4, p * k, a0, a1)[r0 - a0: r1 - a0]
-        else:
-            q = int4pack.decode_gather(self.i4, p * k, rows)
-        if p == 1:
+        q, k = self._i4_rows(rows), self.in_features
+        if self.planes == 1:
             return q
         if self.spec.mode == "mxfp4":
             return fp4_codes(q[:, :k] + q[:, k:])
         return (q[:, :k] << (self.spec.bits - 4)) | q[:, k:]  # high, low
+
+    def _i4_rows(self, rows: slice | Tensor) -> Tensor:
+        """The int4 copy's nibbles of a row range or of gathered rows: uint8 [n, planes * in]."""
+        kp = self.in_features * self.planes
+        if isinstance(rows, slice):
+            r0, r1, _ = rows.indices(self.out_features)
+            a0, a1 = r0 // 64 * 64, -(-r1 // 64) * 64
+            return int4pack.decode_rows(self.i4, kp, a0, a1)[r0 - a0: r1 - a0]
+        return int4pack.decode_gather(self.i4, kp, rows)
 
     def dequant_rows(self, rows: slice | Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """Dequantized rows [n, in] in `dtype` (default compute dtype).
@@ -256,9 +259,17 @@ class QuantWeight:
         otherwise in fp32, rounded once. fp modes: exact fp32 products, rounded once.
         """
         dtype = dtype or self.compute_dtype
+        g = self.spec.group_size
+        if self.spec.mode == "mxfp4" and self.planes == 2 and self.packed is None:
+            # the int4 copy's planes sum to 2v + 12 (`fp.fp4_planes`): the values without two
+            # table gathers (same values; a -0 code comes back as +0, as from `row_codes`)
+            q = self._i4_rows(rows)
+            n, k = q.shape[0], q.shape[1] // 2
+            v = (q[:, :k] + q[:, k:]).to(torch.float32).sub_(12).mul_(0.5).view(n, k // g, g)
+            s = fp_scales(self.scales[rows], self.spec.mode, self.global_scale)
+            return v.mul_(s.unsqueeze(-1)).view(n, k).to(dtype)
         q = self.row_codes(rows)
         n, k = q.shape
-        g = self.spec.group_size
         if self.spec.mode == "affine":
             s, b = self.scales[rows], self.biases[rows]
             wd = s.dtype if s.dtype == dtype else torch.float32
