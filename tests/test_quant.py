@@ -342,6 +342,12 @@ def test_int4_block_layouts_decode(monkeypatch, blk):
     assert torch.equal(int4pack.decode_rows(packed, k, 64, 192), codes[64:])
     ids = torch.tensor([0, 15, 16, 31, 32, 63, 64, 100, 191])
     assert torch.equal(int4pack.decode_gather(packed, k, ids), codes[ids])
+    # two planes (8-bit codes as [high | low] nibbles over 2K): merged from the bytes
+    wide = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+    c = torch.cat([wide >> 4, wide & 15], 1).view(n // blk, 2, blk // 2, 2 * k)
+    packed2 = (c[:, 0] | (c[:, 1] << 4)).transpose(1, 2).contiguous()
+    got = int4pack.decode_rows_planes(packed2, k, 64, 192, lambda hi, lo: (hi << 4) | lo)
+    assert torch.equal(got, wide[64:])
 
 
 def test_int4_layout_decode_matches_codes():

@@ -56,6 +56,17 @@ def _decode_blocks(packed: Tensor, k: int, b0: int, b1: int, blk: int) -> Tensor
     return torch.cat([p & 15, p >> 4], dim=1).reshape((b1 - b0) * blk, k)
 
 
+def _decode_planes(packed: Tensor, k: int, b0: int, b1: int, blk: int, combine) -> Tensor:
+    """Codes [(b1 - b0) * blk, K] of blocks b0..b1 of a two-plane copy (codes [N, 2K]: the
+    high plane over the low one), combine(high nibbles, low nibbles) per code, taken from the
+    bytes directly: an 8-bit 3072 x 1024 slice in 1.21 ms against 1.93 for decoding [N, 2K]
+    and then combining."""
+    p = packed.view(-1, 2 * k, blk // 2)[b0:b1]
+    hi, lo = p[:, :k].transpose(1, 2), p[:, k:].transpose(1, 2)  # [nb, blk/2, K] each
+    both = torch.cat([combine(hi & 15, lo & 15), combine(hi >> 4, lo >> 4)], dim=1)
+    return both.reshape((b1 - b0) * blk, k)
+
+
 def _gather(packed: Tensor, k: int, ids: Tensor, blk: int) -> Tensor:
     p = packed.view(-1, k, blk // 2)
     c = ids % blk
@@ -92,6 +103,13 @@ def decode_rows(packed: Tensor, k: int, r0: int, r1: int) -> Tensor:
     """Codes uint8 [r1-r0, K] of rows r0..r1 (both multiples of 64)."""
     blk = block()
     return _decode_blocks(packed, k, r0 // blk, r1 // blk, blk)
+
+
+def decode_rows_planes(packed: Tensor, k: int, r0: int, r1: int, combine) -> Tensor:
+    """`decode_rows` of a two-plane copy ([N, 2K] codes), the planes' nibbles of each code
+    merged by combine(high, low) (uint8 tensors): [r1 - r0, K]."""
+    blk = block()
+    return _decode_planes(packed, k, r0 // blk, r1 // blk, blk, combine)
 
 
 def decode_gather(packed: Tensor, k: int, ids: Tensor) -> Tensor:

@@ -235,21 +235,25 @@ class QuantWeight:
             return self.codes[rows]
         if self.packed is not None:
             return unpack_codes(self.packed[rows], self.spec.bits, self.in_features)
-        q, k = self._i4_rows(rows), self.in_features
         if self.planes == 1:
-            return q
+            return self._i4_rows(rows, None)
         if self.spec.mode == "mxfp4":
-            return fp4_codes(q[:, :k] + q[:, k:])
-        return (q[:, :k] << (self.spec.bits - 4)) | q[:, k:]  # high, low
+            return fp4_codes(self._i4_rows(rows, torch.add))
+        sh = self.spec.bits - 4
+        return self._i4_rows(rows, lambda hi, lo: (hi << sh) | lo)
 
-    def _i4_rows(self, rows: slice | Tensor) -> Tensor:
-        """The int4 copy's nibbles of a row range or of gathered rows: uint8 [n, planes * in]."""
-        kp = self.in_features * self.planes
+    def _i4_rows(self, rows: slice | Tensor, combine) -> Tensor:
+        """The int4 copy's codes of a row range or of gathered rows, uint8 [n, in]; with two
+        planes each code is combine(high nibble, low nibble)."""
+        k = self.in_features
         if isinstance(rows, slice):
             r0, r1, _ = rows.indices(self.out_features)
             a0, a1 = r0 // 64 * 64, -(-r1 // 64) * 64
-            return int4pack.decode_rows(self.i4, kp, a0, a1)[r0 - a0: r1 - a0]
-        return int4pack.decode_gather(self.i4, kp, rows)
+            q = (int4pack.decode_rows(self.i4, k, a0, a1) if self.planes == 1 else
+                 int4pack.decode_rows_planes(self.i4, k, a0, a1, combine))
+            return q[r0 - a0: r1 - a0]
+        q = int4pack.decode_gather(self.i4, k * self.planes, rows)
+        return q if self.planes == 1 else combine(q[:, :k], q[:, k:])
 
     def dequant_rows(self, rows: slice | Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """Dequantized rows [n, in] in `dtype` (default compute dtype).
@@ -263,9 +267,9 @@ class QuantWeight:
         if self.spec.mode == "mxfp4" and self.planes == 2 and self.packed is None:
             # the int4 copy's planes sum to 2v + 12 (`fp.fp4_planes`): the values without two
             # table gathers (same values; a -0 code comes back as +0, as from `row_codes`)
-            q = self._i4_rows(rows)
-            n, k = q.shape[0], q.shape[1] // 2
-            v = (q[:, :k] + q[:, k:]).to(torch.float32).sub_(12).mul_(0.5).view(n, k // g, g)
+            q = self._i4_rows(rows, torch.add)
+            n, k = q.shape
+            v = q.to(torch.float32).sub_(12).mul_(0.5).view(n, k // g, g)
             s = fp_scales(self.scales[rows], self.spec.mode, self.global_scale)
             return v.mul_(s.unsqueeze(-1)).view(n, k).to(dtype)
         q = self.row_codes(rows)
