@@ -127,13 +127,28 @@ if HAVE_TRITON:
         else:
             tl.store(op, out, mask=(rn[:, None] < N) & (rk < K)[None, :])
 
+    @triton.jit
+    def _fp_tile(wd, sraw, gs, DT: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NGT: tl.constexpr,
+                 EXACT_ROUND: tl.constexpr):
+        """fp-mode words [BLOCK_N, BLOCK_K/PER] and scale bytes [BLOCK_N, NGT] -> weights
+        [BLOCK_N, BLOCK_K] in DT: value * scale in fp32 (`triton_qcodes` decodes both as the
+        GEMVs do), rounded once."""
+        PER: tl.constexpr = 32 // BITS
+        w4 = tl.reshape(wd, [BLOCK_N, NGT, BLOCK_K // PER // NGT, 1])
+        q = (w4 >> (tl.arange(0, PER) * BITS)) & ((1 << BITS) - 1)  # [BN, NGT, WPG, PER]
+        v = _code_value(q, MODE) * _group_scale(sraw, gs, MODE)[:, :, None, None]
+        return _round(tl.reshape(v, [BLOCK_N, BLOCK_K]), DT, EXACT_ROUND)
+
     @triton.jit(do_not_specialize=["stride_w"])
-    def _dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, stride_w, K: tl.constexpr,
-                        BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EVEN: tl.constexpr, EXACT_ROUND: tl.constexpr):
+    def _dequant_kernel(w_ptr, s_ptr, b_ptr, gs_ptr, out_ptr, N, stride_w, K: tl.constexpr,
+                        BITS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
+                        HAS_GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN: tl.constexpr, EXACT_ROUND: tl.constexpr):
         """out[n, k] = s[n, k // G] * code(n, k) + b[n, k // G] over a [BLOCK_N, BLOCK_K] tile:
         one 2-D word load (3/5/6-bit: `_dequant_units`), scales per group, contiguous 16-byte
-        stores."""
+        stores. MODE > 0 (`triton_qcodes.MODES`): fp codes and scale bytes (`_fp_tile`; nvfp4
+        with HAS_GS, the global scale at gs_ptr), no biases."""
         if BITS == 3 or BITS == 5 or BITS == 6:
             _dequant_units(w_ptr, s_ptr, b_ptr, out_ptr, N, K, BITS, GROUP, BLOCK_N, BLOCK_K,
                            EVEN, EXACT_ROUND)
@@ -161,62 +176,29 @@ if HAVE_TRITON:
             if EVEN:
                 wd = tl.load(w_rows + rw[None, :])
                 s = tl.load(s_ptr + rows * NG + rg[None, :])
-                b = tl.load(b_ptr + rows * NG + rg[None, :])
+                if MODE == 0:
+                    b = tl.load(b_ptr + rows * NG + rg[None, :])
             else:
                 nmask = rn[:, None] < N
                 gmask = nmask & (rg < NG)[None, :]
                 wd = tl.load(w_rows + rw[None, :], mask=nmask & (rw < KW)[None, :], other=0)
-                s = tl.load(s_ptr + rows * NG + rg[None, :], mask=gmask, other=0.0)
-                b = tl.load(b_ptr + rows * NG + rg[None, :], mask=gmask, other=0.0)
-            out = _affine_tile(wd, s, b, out_ptr.dtype.element_ty, BITS, BLOCK_N, BLOCK_K, NGT,
-                               EXACT_ROUND, N)
+                s = tl.load(s_ptr + rows * NG + rg[None, :], mask=gmask, other=0)
+                if MODE == 0:
+                    b = tl.load(b_ptr + rows * NG + rg[None, :], mask=gmask, other=0)
+            if MODE == 0:
+                out = _affine_tile(wd, s, b, out_ptr.dtype.element_ty, BITS, BLOCK_N, BLOCK_K,
+                                   NGT, EXACT_ROUND, N)
+            else:
+                gs = 1.0
+                if HAS_GS:
+                    gs = tl.load(gs_ptr).to(tl.float32) / 2688.0
+                out = _fp_tile(wd, s, gs, out_ptr.dtype.element_ty, MODE, BITS, BLOCK_N,
+                               BLOCK_K, NGT, EXACT_ROUND)
             op = out_ptr + rows * K + rk[None, :]
             if EVEN:
                 tl.store(op, out)
             else:
                 tl.store(op, out, mask=(rn[:, None] < N) & (rk < K)[None, :])
-
-    @triton.jit
-    def _dequant_fp_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K: tl.constexpr,
-                           MODE: tl.constexpr, GROUP: tl.constexpr, HAS_GS: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                           EXACT_ROUND: tl.constexpr):
-        """out[n, k] = value(code(n, k)) * scale(n, k // G) over a [BLOCK_N, BLOCK_K] tile of
-        fp-mode words (E2M1 nibbles or E4M3 bytes, `triton_qcodes` decodes them and their
-        E8M0 / E4M3 scale bytes as the GEMVs do), in fp32, rounded once."""
-        BITS: tl.constexpr = 8 if MODE == 3 else 4
-        PER: tl.constexpr = 32 // BITS
-        KW: tl.constexpr = K // PER
-        NG: tl.constexpr = K // GROUP
-        BW: tl.constexpr = BLOCK_K // PER
-        NGT: tl.constexpr = BLOCK_K // GROUP
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k0 = tl.program_id(1) * BLOCK_K
-        rw = k0 // PER + tl.arange(0, BW)
-        rg = k0 // GROUP + tl.arange(0, NGT)
-        rk = k0 + tl.arange(0, BLOCK_K)
-        rows = rn[:, None].to(tl.int64)
-        gs = 1.0
-        if HAS_GS:
-            gs = tl.load(gs_ptr).to(tl.float32) / 2688.0
-        if EVEN:
-            wd = tl.load(w_ptr + rows * KW + rw[None, :])
-            sraw = tl.load(s_ptr + rows * NG + rg[None, :])
-        else:
-            nmask = rn[:, None] < N
-            wd = tl.load(w_ptr + rows * KW + rw[None, :], mask=nmask & (rw < KW)[None, :],
-                         other=0)
-            sraw = tl.load(s_ptr + rows * NG + rg[None, :], mask=nmask & (rg < NG)[None, :],
-                           other=0)
-        w4 = tl.reshape(wd, [BLOCK_N, NGT, BW // NGT, 1])
-        q = (w4 >> (tl.arange(0, PER) * BITS)) & ((1 << BITS) - 1)  # [BN, NGT, WPG, PER]
-        v = _code_value(q, MODE) * _group_scale(sraw, gs, MODE)[:, :, None, None]
-        out = _round(tl.reshape(v, [BLOCK_N, BLOCK_K]), out_ptr.dtype.element_ty, EXACT_ROUND)
-        op = out_ptr + rows * K + rk[None, :]
-        if EVEN:
-            tl.store(op, out)
-        else:
-            tl.store(op, out, mask=(rn[:, None] < N) & (rk < K)[None, :])
 
 
 def dequant_fp(packed: Tensor, scales: Tensor, global_scale: Tensor | None, mode: str,
@@ -242,11 +224,12 @@ def dequant_fp(packed: Tensor, scales: Tensor, global_scale: Tensor | None, mode
     out = torch.empty(n, k, dtype=dtype, device=packed.device)
     bn, bk = 32, 256  # as `dequant_affine`: 16 KiB of output per program
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
-    _dequant_fp_kernel[grid](packed, scales, global_scale if global_scale is not None else scales,
-                             out, n, K=k, MODE=MODES[mode], GROUP=group,
-                             HAS_GS=global_scale is not None, BLOCK_N=bn, BLOCK_K=bk,
-                             EVEN=n % bn == 0 and k % bk == 0, EXACT_ROUND=_interpret(),
-                             num_warps=4)
+    _dequant_kernel[grid](packed, scales, scales,
+                          global_scale if global_scale is not None else scales, out, n,
+                          k * bits // 32, K=k, BITS=bits, GROUP=group, MODE=MODES[mode],
+                          HAS_GS=global_scale is not None, BLOCK_N=bn, BLOCK_K=bk,
+                          EVEN=n % bn == 0 and k % bk == 0, EXACT_ROUND=_interpret(),
+                          num_warps=4)
     return out
 
 
@@ -269,8 +252,8 @@ def dequant_affine(packed: Tensor, scales: Tensor, biases: Tensor, in_features: 
     # vectors per thread), 16 KiB of output per program; 3/5/6-bit: 8 or 16 units per row
     bn, bk = 32, 256
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
-    _dequant_kernel[grid](packed, scales, biases, out, n, k * bits // 32, K=k, BITS=bits,
-                          GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk,
-                          EVEN=n % bn == 0 and k % bk == 0, EXACT_ROUND=_interpret(),
-                          num_warps=4)
+    _dequant_kernel[grid](packed, scales, biases, scales, out, n, k * bits // 32, K=k,
+                          BITS=bits, GROUP=group_size, MODE=0, HAS_GS=False, BLOCK_N=bn,
+                          BLOCK_K=bk, EVEN=n % bn == 0 and k % bk == 0,
+                          EXACT_ROUND=_interpret(), num_warps=4)
     return out
