@@ -188,8 +188,10 @@ class _Builder:
             need = decode_copy_bytes(raw.spec, raw.weight.shape[0],
                                      raw.scales.shape[-1] * raw.spec.group_size)
             copies = need <= self.copy_budget
-            self.copy_budget -= need if copies else 0
-            self.copies_skipped += 0 if copies else 1
+            if copies:
+                self.copy_budget -= need
+            else:
+                self.copies_skipped += 1
         return QuantWeight.from_tensors(raw.weight, raw.scales, raw.biases, raw.spec,
                                         global_scale=raw.global_scale, compute_dtype=self.dtype,
                                         device=self.device, matmul=matmul, glu=glu,

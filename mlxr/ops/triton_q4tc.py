@@ -189,7 +189,7 @@ if HAVE_TRITON:
         else by register loads PF ahead. GDC: launched with PDL (`triton_fused.pdl`; register
         loads only). ACT >= 0 (`ACTS`): the rows are a glu copy (`glu_rows`) and y [M, N / 2]
         is act(gate) * up of each lane's rows g (gate) and g + 8 (up). P planes
-        (`triton_q4tc_layout.planes`): K is P x x's length, x is read P times over."""
+        (`mlxr.quant.affine.planes`): K is P x x's length, x is read P times over."""
         pid = tl.program_id(0)
         NS: tl.constexpr = WT // 128  # blocks (of 64 codes) per iteration
         NU: tl.constexpr = WT // 4  # lanes x slots
@@ -319,7 +319,7 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
     (`glu_rows`), and the result is act(gate) * up, [F] or [M, F] (F = N / 2), in the same
     launch: the same GEMV sums, rounded, then `ops.gated_act`'s arithmetic. planes (1 or 2):
     words and sb hold the nibble planes of another affine width
-    (`triton_q4tc_layout.planes`) over K = planes x x's length, x read once per plane."""
+    (`mlxr.quant.affine.planes`) over K = planes x x's length, x read once per plane."""
     nrt, k2 = words.shape
     n, k = nrt * 16, k2 // 2
     if planes not in (1, 2):

@@ -55,8 +55,7 @@ import torch
 from torch import Tensor
 
 from . import int4pack
-from .affine import PLANE_BITS, planes, planes_on, unpack_codes
-from .fp import fp4_planes, fp_scales
+from .affine import PLANE_BITS, planes_on
 
 DECODE_MAX_M = 16
 # tinygemm beats dequant + cuBLAS up to 32 rows (H200, benchmarks/gpu_mid_m.py: 8B gate_up at
@@ -157,10 +156,18 @@ def q4tc_pack(packed: Tensor, scales: Tensor, biases: Tensor, sb: Tensor | None 
     if glu:
         if sb is not None:
             raise ValueError("q4tc_pack: a glu copy cannot share q4gemv's pairs")
-        perm = triton_q4tc.glu_rows(packed.shape[0]).to(packed.device)
-        packed, scales, biases = packed[perm], scales[perm], biases[perm]
+        packed, scales, biases = _glu_order(packed, scales, biases)
     return triton_q4tc.repack(packed), (triton_q4gemv.pair_scales(scales, biases)
                                         if sb is None else sb)
+
+
+def _glu_order(packed: Tensor, scales: Tensor, biases: Tensor | None
+               ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """A stacked [gate; up] weight's rows in `triton_q4tc.glu_rows`' order."""
+    from ..ops import triton_q4tc
+
+    perm = triton_q4tc.glu_rows(packed.shape[0]).to(packed.device)
+    return packed[perm], scales[perm], None if biases is None else biases[perm]
 
 
 def fp_planes_on() -> bool:
@@ -213,29 +220,27 @@ def planes_pack(qw, glu: bool = False, chunk_rows: int = 4096
     their (scale, bias) pairs in the compute dtype, planes), built in row slices (an 8-bit LM
     head's codes would otherwise need ~4x its size of scratch); glu as `q4tc_pack`. None
     where a plane's scale overflows the dtype (`planes`) or, for mxfp4, is not exact in it."""
-    from ..ops import triton_q4gemv, triton_q4tc
+    from ..ops import triton_q4gemv
     from ..ops.triton_q4tc_layout import repack_codes
+    from .weight import nibble_planes
 
     packed, scales, biases = qw.packed, qw.scales, qw.biases
     if glu:
-        perm = triton_q4tc.glu_rows(packed.shape[0]).to(packed.device)
-        packed, scales = packed[perm], scales[perm]
-        biases = None if biases is None else biases[perm]
+        packed, scales, biases = _glu_order(packed, scales, biases)
     sp, n, k = qw.spec, qw.out_features, qw.in_features
     words = torch.empty(n // 16, 2 * _plane_count(sp) * k, dtype=torch.int32,
                         device=packed.device)
     pairs = []
     try:
         for r in range(0, n, chunk_rows):
-            q = unpack_codes(packed[r:r + chunk_rows], sp.bits, k)
-            if sp.mode == "mxfp4":  # fp32 s / 2 and -6s, exact in bf16 (E8M0: powers of 2)
-                c, s32, b32 = fp4_planes(q, fp_scales(scales[r:r + chunk_rows], sp.mode))
-                s, b = s32.to(qw.compute_dtype), b32.to(qw.compute_dtype)
-                if not (torch.equal(s.float(), s32) and torch.equal(b.float(), b32)):
-                    raise ValueError("mxfp4 scales not exact in the compute dtype")
-            else:
-                c, s, b = planes(q, scales[r:r + chunk_rows], biases[r:r + chunk_rows],
-                                 sp.bits)
+            rows = slice(r, r + chunk_rows)
+            c, s0, b0 = nibble_planes(sp, packed[rows], scales[rows],
+                                      None if biases is None else biases[rows], k)
+            # the kernel reads the pairs in the compute dtype: mxfp4's fp32 s / 2 and -6s are
+            # exact there (E8M0 scales are powers of 2); affine pairs already are in it
+            s, b = s0.to(qw.compute_dtype), b0.to(qw.compute_dtype)
+            if not (torch.equal(s.to(s0.dtype), s0) and torch.equal(b.to(b0.dtype), b0)):
+                raise ValueError("plane scales not exact in the compute dtype")
             words[r // 16:(r + c.shape[0]) // 16] = repack_codes(c)
             pairs.append(triton_q4gemv.pair_scales(s, b))
     except ValueError:

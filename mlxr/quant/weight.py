@@ -57,6 +57,17 @@ def _use_triton(qw: QuantWeight) -> bool:
     return triton_qmm.supported(qw)
 
 
+def nibble_planes(spec: QuantSpec, packed: Tensor, scales: Tensor, biases: Tensor | None,
+                  in_features: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The nibble planes of packed rows (the int4 kernels' input on both devices): affine
+    codes by `affine.planes`, mxfp4 by `fp.fp4_planes` (fp32 scales and biases). Raises
+    ValueError where a plane's scale overflows or is not finite."""
+    q = unpack_codes(packed, spec.bits, in_features)
+    if spec.mode == "mxfp4":
+        return fp4_planes(q, fp_scales(scales, spec.mode))
+    return planes(q, scales, biases, spec.bits)
+
+
 class QuantWeight:
     spec: QuantSpec
     in_features: int
@@ -132,16 +143,16 @@ class QuantWeight:
             pass  # torch's int4 kernel serves decode; the codes are read back from its copy
         elif dev.type == "cuda":
             self.packed = packed.contiguous()  # Triton kernels read the mlx words as shipped
+            glu = glu and os.environ.get("MLXR_Q4TC_GLU") != "0"
             if self.matmul and cuda.q4gemv_supported(self):  # single-request decode (M = 1)
                 if cuda.q4tc_preferred(self):  # the tensor-core GEMV
-                    self.tc_glu = glu and os.environ.get("MLXR_Q4TC_GLU") != "0"
+                    self.tc_glu = glu
                     self.tc, self.q4_sb = cuda.q4tc_pack(self.packed, self.scales, self.biases,
-                                                         glu=self.tc_glu)
+                                                         glu=glu)
                 else:
                     self.q4, self.q4_sb = cuda.q4gemv_pack(self.packed, self.scales,
                                                            self.biases)
             elif self.matmul and cuda.planes_supported(self):  # the other widths' decode
-                glu = glu and os.environ.get("MLXR_Q4TC_GLU") != "0"
                 tc = cuda.planes_pack(self, glu=glu)
                 if tc is not None:
                     self.tc, self.q4_sb, self.planes = tc
@@ -165,16 +176,13 @@ class QuantWeight:
         packed in row slices (an 8-bit LM head's int32 codes would otherwise need 8x its size
         of scratch); `packed` is kept only where the codes cannot be decoded from it. False
         (nothing built) where a plane's scale overflows or is not finite."""
-        n, k, bits = self.out_features, self.in_features, self.spec.bits
+        n, k = self.out_features, self.in_features
         parts, scales, biases = [], [], []
         try:
             for r in range(0, n, chunk_rows):
-                q = unpack_codes(packed[r:r + chunk_rows], bits, k)
-                if self.spec.mode == "mxfp4":
-                    c, s, b = fp4_planes(q, fp_scales(self.scales[r:r + chunk_rows], "mxfp4"))
-                else:
-                    c, s, b = planes(q, self.scales[r:r + chunk_rows],
-                                     self.biases[r:r + chunk_rows], bits)
+                rows = slice(r, r + chunk_rows)
+                c, s, b = nibble_planes(self.spec, packed[rows], self.scales[rows],
+                                        None if self.biases is None else self.biases[rows], k)
                 parts.append(int4pack.pack(c))
                 scales.append(s)
                 biases.append(b)
