@@ -47,7 +47,11 @@ FP_MODES = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
 def quantized(out: int, inp: int, bits: int, group: int, mode: str, g: torch.Generator) -> dict:
     words = inp * bits // 32
     w = torch.randint(-(2**31), 2**31, (out, words), dtype=torch.int64, generator=g)
-    t = {"weight": w.to(torch.int32).view(torch.uint32)}
+    w = w.to(torch.int32)
+    if mode == "mxfp8":  # E4M3 bytes 0x7F / 0xFF are NaN, which mlx's quantizer never writes
+        b = w.view(torch.uint8)
+        b[(b & 0x7F) == 0x7F] -= 1
+    t = {"weight": w.view(torch.uint32)}
     if mode == "affine":
         # w = s*q + b with q uniform in [0, 2^bits): centre on zero, std ~ 0.02/sqrt(in/1024)
         s = (0.04 / (2**bits) * (1024 / inp) ** 0.5) * (1 + 0.1 * torch.rand(out, inp // group,

@@ -37,22 +37,25 @@ def test_dequant_kernel_matches_reference(bits, group, n):
     assert (got.float() - want32).abs().max() > 0 or bits == 8  # the test sees real rounding
 
 
-@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4", "mxfp8"])
+@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4", "nvfp4-nogs", "mxfp8"])
 @pytest.mark.parametrize("n,k", [(64, 512), (24, 384)])  # whole tiles; rows and columns past
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp_dequant_kernel_matches_reference(mode, n, k, dtype):
     """`dequant_fp` (the fp modes' prefill dequantization) against `fp.fp_dequantize`: the same
-    bits, except E4M3's NaN bytes (0x7F / 0xFF: +-480 in the kernels, as in the GEMVs)."""
+    bits, except E4M3's NaN bytes (0x7F / 0xFF: +-480 in the kernels, as in the GEMVs).
+    nvfp4's global scale is optional (the 8B nvfp4 checkpoint has none); only nvfp4 takes
+    one."""
     from mlxr.ops.triton_dequant import dequant_fp
     from mlxr.quant.fp import FP_MODES, fp_dequantize, fp_scales
 
+    gs = torch.tensor(3.5e3) if mode == "nvfp4" else None
+    mode = mode.removesuffix("-nogs")
     bits, group = FP_MODES[mode]
     g = torch.Generator().manual_seed(n + k + bits)
     w = torch.randint(-(2**31), 2**31, (n, k * bits // 32), generator=g,
                       dtype=torch.int64).to(torch.int32)
     lo, hi = (0, 127) if mode == "nvfp4" else (110, 135)  # E4M3 / E8M0 scale bytes
     sc = torch.randint(lo, hi, (n, k // group), generator=g, dtype=torch.uint8)
-    gs = torch.tensor(3.5e3) if mode == "nvfp4" else None
     got = dequant_fp(w, sc, gs, mode, dtype)
     want = fp_dequantize(w, sc, mode, global_scale=gs, out_dtype=dtype)
     finite = torch.isfinite(want)
@@ -62,13 +65,14 @@ def test_fp_dequant_kernel_matches_reference(mode, n, k, dtype):
         s_el = fp_scales(sc, mode).repeat_interleave(group, 1)
         assert bool((~finite).any())
         assert torch.equal(got[~finite].float().abs(), (480 * s_el[~finite]).to(dtype).float())
-    with pytest.raises(ValueError, match="global scale"):
-        dequant_fp(w, sc, None if gs is not None else torch.tensor(1.0), mode, dtype)
+    if mode != "nvfp4":
+        with pytest.raises(ValueError, match="global scale"):
+            dequant_fp(w, sc, torch.tensor(1.0), mode, dtype)
 
 
-def test_fp_prefill_takes_dequant_when_switched_on(monkeypatch):
-    """17+ rows of an fp-mode weight take `dequant_fp` + a matmul with MLXR_FP_DEQUANT=1 (the
-    same values as the generic kernels within bf16 rounding), the generic kernels without;
+def test_fp_prefill_takes_dequant(monkeypatch):
+    """17+ rows of an fp-mode weight take `dequant_fp` + a matmul (the same values as the
+    generic kernels within bf16 rounding), the generic kernels with MLXR_FP_DEQUANT=0;
     the fused affine GEMM never takes them, whatever MLXR_PREFILL_GEMM says."""
     from mlxr.ops import triton_dequant
     from mlxr.quant.fp import fp_dequantize
@@ -80,12 +84,13 @@ def test_fp_prefill_takes_dequant_when_switched_on(monkeypatch):
     qw = QuantWeight.from_tensors(w, sc, None, QuantSpec("mxfp4", 4, 32), device="cpu")
     qw.packed, qw.codes, qw.i4 = w, None, None  # as CUDA keeps it
     x = torch.randn(20, k, generator=g).to(torch.bfloat16)
+    monkeypatch.setenv("MLXR_FP_DEQUANT", "0")
     assert qcuda.linear(qw, x) is None
+    monkeypatch.delenv("MLXR_FP_DEQUANT")
     calls = []
     real = triton_dequant.dequant_fp
     monkeypatch.setattr(triton_dequant, "dequant_fp",
                         lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
-    monkeypatch.setenv("MLXR_FP_DEQUANT", "1")
     monkeypatch.setenv("MLXR_PREFILL_GEMM", "fused")
     y = qcuda.linear(qw, x)
     assert calls == ["mxfp4"] and y.shape == (20, n)

@@ -204,7 +204,7 @@ if HAVE_TRITON:
 def dequant_fp(packed: Tensor, scales: Tensor, global_scale: Tensor | None, mode: str,
                dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """fp-mode words int32 [N, K*bits/32] (mxfp4 / nvfp4: 4-bit E2M1 codes; mxfp8: 8-bit E4M3),
-    scale bytes uint8 [N, K/G] (E8M0; nvfp4: E4M3 times global_scale / 2688) -> [N, K] in
+    scale bytes uint8 [N, K/G] (E8M0; nvfp4: E4M3, times global_scale / 2688 if given) -> [N, K] in
     `dtype`: value * scale in fp32, rounded once (bit for bit `mlxr.quant.fp.fp_dequantize`,
     except the E4M3 bytes 0x7F / 0xFF, NaN there and +-480 here as in the GEMVs; mlx's
     quantizer never writes them)."""
@@ -216,7 +216,7 @@ def dequant_fp(packed: Tensor, scales: Tensor, global_scale: Tensor | None, mode
     n = packed.shape[0]
     k = scales.shape[-1] * group if scales.dim() == 2 else -1
     if (packed.dim() != 2 or scales.shape[0] != n or packed.shape[1] * 32 != k * bits
-            or scales.dtype != torch.uint8 or (mode == "nvfp4") != (global_scale is not None)):
+            or scales.dtype != torch.uint8 or (mode != "nvfp4" and global_scale is not None)):
         raise ValueError(f"dequant_fp: {mode} words {tuple(packed.shape)}, scales "
                          f"{tuple(scales.shape)} {scales.dtype}, global scale "
                          f"{global_scale is not None}")

@@ -24,8 +24,8 @@
 - prefill and large decode batches (M > 16; > 32 for 4-bit), affine 2/3/4/5/6/8-bit: one
   Triton pass (`triton_dequant.dequant_affine`) dequantizes the packed words to a bf16 scratch
   matrix (4-bit: read 0.5 B, write 2 B per weight), then cuBLAS does the GEMM on tensor
-  cores. The scratch is per call, never stored. The fp modes likewise by `dequant_fp` with env
-  `MLXR_FP_DEQUANT=1` (opt-in until measured: `fp_dequant_on`).
+  cores. The scratch is per call, never stored. The fp modes likewise by `dequant_fp`
+  (`fp_dequant_on`; env `MLXR_FP_DEQUANT=0` keeps the generic Triton GEMM).
 - 8-128 rows (2-128 where tinygemm's copy is absent) of a 4-bit weight of >= 4096 x 4096,
   and 8-32 rows (2-32) of an LM head of >= 65536 rows: the fused tensor-core GEMM of
   `mlxr.ops.triton_qgemm` on the packed words (no scratch). H200 sweeps (docs/perf.md): 8B
@@ -262,11 +262,11 @@ def q4gemv_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tensor,
 
 
 def fp_dequant_on() -> bool:
-    """Env `MLXR_FP_DEQUANT=1` sends the fp modes' prefill (mxfp4 / nvfp4 / mxfp8, 17+ rows)
-    to `dequant_fp` + cuBLAS, as the affine widths go. Opt-in until measured on the GPU: the
-    generic Triton GEMM it replaces prefills the 8B at ~1.1k tok/s (H200, 128 tokens), the
-    affine widths' dequant + cuBLAS at ~10k with the same bytes per weight (docs/perf.md)."""
-    return os.environ.get("MLXR_FP_DEQUANT", "") == "1"
+    """The fp modes' prefill (mxfp4 / nvfp4 / mxfp8, 17+ rows) goes to `dequant_fp` +
+    cuBLAS, as the affine widths go: H200, 8B shape, 128 tokens, 11.7k (mxfp4) and 10.9k
+    (mxfp8) tok/s against the generic Triton GEMM's 1.1k, greedy tokens identical
+    (docs/perf.md). Env `MLXR_FP_DEQUANT=0` keeps the generic GEMM."""
+    return os.environ.get("MLXR_FP_DEQUANT", "") != "0"
 
 
 def dequant_supported(qw) -> bool:
