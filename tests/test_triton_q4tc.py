@@ -277,3 +277,38 @@ def test_q4tc_planes(bits, group, m, dtype, n, k, cfg):
     assert (y.float() - twin.float()).abs().max() <= 2**-6 * twin.float().abs().max()
     with pytest.raises(ValueError, match="x must be"):  # x of the planes' length
         T.q4tc(x.repeat(1, p + 1).to(DEV), words.to(DEV), sb.to(DEV), group=group, planes=p)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("glu", [False, True])
+def test_copy_dequant_is_dequant_affine(bits, glu):
+    """`dequant_copy` (prefill from the q4tc copy, so the MLX words can go) gives
+    `dequant_affine`'s values bit for bit, from 4-bit's repack or the other widths' nibble
+    planes, in either row order; its torch twin too. K = 640 leaves a partial column tile."""
+    from mlxr.config import QuantSpec
+    from mlxr.ops.triton_dequant import dequant_affine, dequant_copy
+    from mlxr.ops.triton_q4tc_layout import dequant_copy_ref, repack_codes
+    from mlxr.quant.weight import nibble_planes
+
+    group = (32, 64, 128)[bits % 3] if bits != 4 else 64
+    n, k, dtype = 48, 640 if group != 128 else 768, torch.bfloat16 if bits % 2 else torch.float16
+    g = torch.Generator().manual_seed(100 * bits + glu)
+    w = torch.randint(-(2**31), 2**31, (n, k * bits // 32), generator=g,
+                      dtype=torch.int64).to(torch.int32)
+    s = (torch.rand(n, k // group, generator=g) * 0.04 / 2**bits + 1e-4).to(dtype)
+    b = (torch.randn(n, k // group, generator=g) * 0.05).to(dtype)
+    perm = T.glu_rows(n) if glu else torch.arange(n)
+    if bits == 4:
+        copy, p = T.repack(w[perm]), 1
+    else:
+        c = nibble_planes(QuantSpec("affine", bits, group), w[perm], s[perm], b[perm], k)[0]
+        copy, p = repack_codes(c), c.shape[1] // k
+    assert p == (2 if bits > 4 else 1)
+    want = dequant_affine(w.to(DEV), s.to(DEV), b.to(DEV), k, bits, group, dtype).cpu()
+    got = dequant_copy(copy.to(DEV), s.to(DEV), b.to(DEV), bits, group, p, glu, dtype).cpu()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    twin = dequant_copy_ref(copy, s, b, bits, group, p, glu, dtype)
+    assert torch.equal(twin.view(torch.int16), want.view(torch.int16))
+    assert want.float().abs().min() >= 0 and len(set(want[0].tolist())) > 4  # real values
+    with pytest.raises(ValueError, match="dequant_copy"):
+        dequant_copy(copy.to(DEV), s.to(DEV), b.to(DEV), bits, group, 3 - p, glu, dtype)

@@ -26,7 +26,7 @@ if HAVE_TRITON:
     from .triton_qcodes import MODES, _code_value, _group_scale, _unit_code
     from .triton_qgemm import _affine_tile, _round
 
-__all__ = ["DEQUANT_BITS", "dequant_affine", "dequant_fp"]
+__all__ = ["DEQUANT_BITS", "dequant_affine", "dequant_copy", "dequant_fp"]
 
 DEQUANT_BITS = (2, 3, 4, 5, 6, 8)
 
@@ -139,6 +139,74 @@ if HAVE_TRITON:
         q = (w4 >> (tl.arange(0, PER) * BITS)) & ((1 << BITS) - 1)  # [BN, NGT, WPG, PER]
         v = _code_value(q, MODE) * _group_scale(sraw, gs, MODE)[:, :, None, None]
         return _round(tl.reshape(v, [BLOCK_N, BLOCK_K]), DT, EXACT_ROUND)
+
+    @triton.jit
+    def _nib(w, SH: tl.constexpr, h4):
+        """The nibble at bit SH + h4 (h4 [BN]: 4h, each row's h) of words [BN, NC]."""
+        return (w >> (h4[:, None] + SH)) & 15
+
+    @triton.jit
+    def _plane_code(w, l, SH: tl.constexpr, h4, R: tl.constexpr, P: tl.constexpr):
+        """Code SH of the words w (one plane) or h * R + l (two planes: `affine.planes`), as
+        an exact fp32 (2^23 + q with the exponent bits OR'ed in, minus 2^23: no int->float
+        conversion)."""
+        q = _nib(w, SH, h4)
+        if P == 2:
+            q = q * R + _nib(l, SH, h4)
+        return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _copy_dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K: tl.constexpr,
+                             GROUP: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
+                             GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             EXACT_ROUND: tl.constexpr):
+        """out[n, k] = s[n, k // G] * q(n, k) + b[n, k // G] from q4tc's lane-ordered copy
+        [N / 16, 2PK] (`triton_q4tc` docstring): a thread takes 8 codes of a copy row, which
+        are two adjacent words of its row tile (nibbles h, h + 4, h + 2, h + 6 of each, h =
+        row // 8 in the tile), and stores them as one 16-byte vector of its original row
+        (`glu_rows` undone for GLU)."""
+        NC: tl.constexpr = BLOCK_K // 8
+        NG: tl.constexpr = K // GROUP
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # copy rows
+        c = tl.program_id(1) * NC + tl.arange(0, NC)  # chunks of 8 codes along k
+        ri = rn % 16
+        h4 = (ri // 8) * 4
+        g = ri % 8
+        if GLU:  # copy row 16t + j: gate row 8t + j (j < 8), up row F + 8t + j - 8
+            orig = (rn // 16) * 8 + g + (ri // 8) * (N // 2)
+        else:
+            orig = rn
+        # chunk c: block c // 8, lane 4g + c % 4, mma steps 2((c % 8) // 4) and + 1
+        wo = ((rn // 16).to(tl.int64) * (2 * P * K) + 16 * g)[:, None] + (
+            (c // 8) * 128 + 4 * (c % 4) + 2 * ((c % 8) // 4))[None, :]
+        m = (rn < N)[:, None] & (c < K // 8)[None, :]
+        w0 = tl.load(w_ptr + wo, mask=m, other=0)
+        w1 = tl.load(w_ptr + wo + 1, mask=m, other=0)
+        l0 = w0
+        l1 = w1
+        if P == 2:  # the second plane's blocks follow the first's: 2K words on
+            l0 = tl.load(w_ptr + wo + 2 * K, mask=m, other=0)
+            l1 = tl.load(w_ptr + wo + 2 * K + 1, mask=m, other=0)
+        gi = (c * 8) // GROUP
+        so = orig.to(tl.int64)[:, None] * NG + gi[None, :]
+        s = tl.load(s_ptr + so, mask=m, other=0).to(tl.float32)
+        b = tl.load(b_ptr + so, mask=m, other=0).to(tl.float32)
+        # codes k = 8c + j, j = 0..7: word j // 4, nibble (h + 2m) + 4hi for j % 4 = 2m + hi
+        v0 = _plane_code(w0, l0, 0, h4, R, P) * s + b
+        v1 = _plane_code(w0, l0, 16, h4, R, P) * s + b
+        v2 = _plane_code(w0, l0, 8, h4, R, P) * s + b
+        v3 = _plane_code(w0, l0, 24, h4, R, P) * s + b
+        v4 = _plane_code(w1, l1, 0, h4, R, P) * s + b
+        v5 = _plane_code(w1, l1, 16, h4, R, P) * s + b
+        v6 = _plane_code(w1, l1, 8, h4, R, P) * s + b
+        v7 = _plane_code(w1, l1, 24, h4, R, P) * s + b
+        # joined so that the last dim is the lowest bit of j: a row-major reshape is k order
+        v = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)),
+                    tl.join(tl.join(v1, v5), tl.join(v3, v7)))  # [BN, NC, 2, 2, 2]
+        out = _round(tl.reshape(v, [BLOCK_N, BLOCK_K]), out_ptr.dtype.element_ty, EXACT_ROUND)
+        rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + orig.to(tl.int64)[:, None] * K + rk[None, :], out,
+                 mask=(rn < N)[:, None] & (rk < K)[None, :])
 
     @triton.jit(do_not_specialize=["stride_w"])
     def _dequant_kernel(w_ptr, s_ptr, b_ptr, gs_ptr, out_ptr, N, stride_w, K: tl.constexpr,
@@ -256,4 +324,31 @@ def dequant_affine(packed: Tensor, scales: Tensor, biases: Tensor, in_features: 
                           BITS=bits, GROUP=group_size, MODE=0, HAS_GS=False, BLOCK_N=bn,
                           BLOCK_K=bk, EVEN=n % bn == 0 and k % bk == 0,
                           EXACT_ROUND=_interpret(), num_warps=4)
+    return out
+
+
+def dequant_copy(words: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int,
+                 planes: int = 1, glu: bool = False, dtype: torch.dtype = torch.bfloat16
+                 ) -> Tensor:
+    """`dequant_affine` from a weight's q4tc copy instead of its MLX words: words = the
+    lane-ordered nibbles [N/16, 2PK] (`triton_q4tc.repack`; P = planes of
+    `mlxr.quant.affine.planes` for 2/3/5/6/8-bit, rows in `glu_rows` order if glu), scales /
+    biases the file's [N, K/G] -> [N, K] in `dtype`, bit for bit `dequant_affine`'s (the same
+    codes: q = h * 2^(bits - 4) + l over two planes; the same s * q + b in fp32). Lets a
+    loaded weight drop its MLX words (`QuantWeight.drop_words`)."""
+    rt, k2 = words.shape
+    n, k = rt * 16, k2 // 2 // planes
+    if (planes not in (1, 2) or (planes == 2) != (bits > 4) or k2 != 2 * planes * k
+            or k % 64 or k % group_size or scales.shape != (n, k // group_size)
+            or biases.shape != scales.shape or words.dtype != torch.int32):
+        raise ValueError(f"dequant_copy: words {tuple(words.shape)} {words.dtype}, scales "
+                         f"{tuple(scales.shape)}, biases {tuple(biases.shape)}, {bits}-bit "
+                         f"g{group_size}, planes {planes}")
+    out = torch.empty(n, k, dtype=dtype, device=words.device)
+    bn, bk = 32, 256  # as `dequant_affine`: 16 KiB of output per program
+    grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
+    _copy_dequant_kernel[grid](words, scales.contiguous(), biases.contiguous(), out, n, K=k,
+                               GROUP=group_size, P=planes,
+                               R=1 << max(0, bits - 4), GLU=glu, BLOCK_N=bn, BLOCK_K=bk,
+                               EXACT_ROUND=_interpret(), num_warps=4)
     return out

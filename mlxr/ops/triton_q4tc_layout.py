@@ -60,6 +60,24 @@ def unrepack(words: Tensor) -> Tensor:
     return (q << shifts).sum(-1, dtype=torch.int32)
 
 
+def dequant_copy_ref(words: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int,
+                     planes: int = 1, glu: bool = False, dtype: torch.dtype = torch.bfloat16
+                     ) -> Tensor:
+    """`triton_dequant.dequant_copy`'s torch twin: the weight [N, K] in `dtype` from its q4tc
+    copy (P planes, `glu_rows` order if glu) and the file's scales and biases, s * q + b in
+    fp32 rounded once, q = h * 2^(bits - 4) + l over two planes."""
+    q = _codes(unrepack(words))  # [N, PK] in the copy's row order
+    k = q.shape[1] // planes
+    if planes == 2:
+        q = (q[:, :k] << (bits - 4)) | q[:, k:]
+    if glu:
+        q = q[torch.argsort(glu_rows(q.shape[0]).to(q.device))]
+    n = q.shape[0]
+    w = (q.float().view(n, k // group_size, group_size) * scales.float().unsqueeze(-1)
+         + biases.float().unsqueeze(-1))
+    return w.view(n, k).to(dtype)
+
+
 def glu_rows(n: int) -> Tensor:
     """The row order of a glu copy of an MLP's [gate; up] weight (N = 2F rows, gate first):
     row 16t + j of the copy is gate row 8t + j for j < 8, up row 8t + j - 8 for j >= 8, so a
