@@ -109,6 +109,22 @@ def test_bf16_graph_decode_close_to_reference(case):
     assert ours_err <= 1.5 * mlx_err + 0.01, f"{ours_err:.3f} vs mlx-lm bf16 {mlx_err:.3f}"
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("qwen3_wide")])
+def test_dropped_words_match_kept_on_gpu(case, monkeypatch):
+    """MLXR_WORDS=drop (weights with a q4tc copy keep only it; prefill dequantizes from the
+    copy) gives the default load's prompt logits bit for bit with fewer weight bytes."""
+    path, ref = _load(case)
+    kept = _model(path)
+    seq = [int(i) for i in ref["prompt"]] + [int(i) for i in ref["greedy"]]
+    monkeypatch.setenv("MLXR_WORDS", "drop")
+    dropped = mlxr.load(path, device="cuda")
+    assert len(seq) > 16  # the prefill path, not the decode GEMV
+    assert torch.equal(dropped.logits(seq), kept.logits(seq))
+    held = [sum(w.nbytes for w in m.decoder.quant_weights()) for m in (kept, dropped)]
+    assert held[1] < 0.8 * held[0], held  # 2-bit: 40 vs 56 bytes per 64 codes
+    assert any(w.packed is None for w in dropped.decoder.quant_weights())
+
+
 FUSED = [c for c in CASES if any(q in c for q in ("q2g", "q4g", "q8g"))]  # affine 2/4/8-bit
 
 

@@ -4,6 +4,8 @@ within one bf16 ulp (2^-7 relative) of the fp32 reference (the interpreter trunc
 GPU rounds to nearest, so equality is not expected here)."""
 
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -398,17 +400,82 @@ def test_decode_copy_bytes_and_the_loaders_budget(monkeypatch):
     assert qcuda.decode_copy_bytes(qw.spec, 64, 1024) == tc.nbytes + sb.nbytes
     monkeypatch.delenv("MLXR_PLANES")
     asked = []
-    monkeypatch.setattr(loader.QuantWeight, "from_tensors",
-                        lambda *a, **kw: asked.append(kw["decode_copies"]))
-    builder = _Builder(None, None, torch.bfloat16, "cpu")
+
+    def built(*a, **kw):  # what from_tensors was asked for; the words go where it may drop
+        asked.append((kw["decode_copies"], kw["keep_words"]))
+        return SimpleNamespace(packed=a[0] if kw["keep_words"] else None, tc=1)
+
+    monkeypatch.setattr(loader.QuantWeight, "from_tensors", built)
     need = qcuda.decode_copy_bytes(qw.spec, 64, 1024)
-    builder.copy_budget = 2 * need + 1
     raw = RawQuant(w, s, b, qw.spec, None)
-    for _ in range(3):
-        builder.quant(raw)
-    builder.quant(raw, matmul=False)
-    assert asked == [True, True, False, True] and builder.copies_skipped == 1
-    assert builder.copy_budget == 1
+    yes, no = (True, True), (True, False)  # copies with the words, copies instead of them
+    for words, want, left in [("keep", [yes, yes, (False, True), yes], 1),
+                              ("auto", [yes, yes, no, no, yes], 1 - 2 * (need - w.nbytes)),
+                              ("drop", [no, yes, yes], 1 + w.nbytes)]:
+        monkeypatch.setenv("MLXR_WORDS", words)
+        builder = _Builder(None, None, torch.bfloat16, "cpu")
+        builder.copy_budget = 2 * need + 1
+        asked.clear()
+        for _ in range(len(want) - 1 - (words == "drop")):
+            builder.quant(raw)
+        if words == "drop":
+            builder.quant(raw, gathered=True)  # a tied embedding keeps its words
+        builder.quant(raw, matmul=False)
+        assert asked == want, words
+        assert builder.copy_budget == left, words
+        assert builder.copies_skipped == (words == "keep")
+        assert builder.words_dropped == sum(not k for _, k in want)
+    monkeypatch.setenv("MLXR_WORDS", "sometimes")
+    with pytest.raises(ValueError, match="MLXR_WORDS"):
+        _Builder(None, None, torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize("bits,glu", [(4, False), (4, True), (8, False), (3, True)])
+def test_dropped_words_serve_from_the_copy(bits, glu, monkeypatch):
+    """A weight whose MLX words were dropped (`drop_words`, the loader under memory pressure
+    or MLXR_WORDS=drop) gives the same results as with them: 1-4 rows by q4tc on the copy,
+    17+ rows by `dequant_copy` + the matmul (never the fused GEMM, which reads the words),
+    its codes and dequantization from the copy."""
+    from mlxr.ops import triton_dequant
+
+    g = torch.Generator().manual_seed(20 + bits)
+    n, k, group = 64, 1024, 64
+    w = torch.randint(-(2**31), 2**31, (n, k * bits // 32), generator=g,
+                      dtype=torch.int64).to(torch.int32)
+    s = (torch.rand(n, k // group, generator=g) * 0.04 / 2**bits + 1e-4).to(torch.bfloat16)
+    b = (torch.randn(n, k // group, generator=g) * 0.05).to(torch.bfloat16)
+    spec = QuantSpec("affine", bits, group)
+
+    def weight():
+        qw = QuantWeight.from_tensors(w, s, b, spec, compute_dtype=torch.bfloat16,
+                                      device="cpu")
+        qw.packed, qw.codes, qw.i4, qw.i4_sz = w, None, None, None  # the CUDA layout
+        if bits == 4:
+            qw.tc, qw.q4_sb = qcuda.q4tc_pack(w, s, b, glu=glu)
+        else:
+            qw.tc, qw.q4_sb, qw.planes = qcuda.planes_pack(qw, glu=glu)
+        qw.tc_glu = glu
+        return qw
+
+    kept, dropped = weight(), weight()
+    assert dropped.drop_words() == w.nbytes and dropped.packed is None
+    assert dropped.drop_words() == 0
+    calls = []
+    real = triton_dequant.dequant_copy
+    monkeypatch.setattr(triton_dequant, "dequant_copy",
+                        lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+    monkeypatch.setenv("MLXR_PREFILL_GEMM", "fused")
+    x = torch.randn(20, k, generator=g).to(torch.bfloat16)
+    for m in (1, 4):
+        assert torch.equal(qcuda.linear(dropped, x[:m]), qcuda.linear(kept, x[:m]))
+    assert calls == []
+    monkeypatch.setenv("MLXR_PREFILL_GEMM", "dequant")
+    want = qcuda.linear(kept, x)
+    monkeypatch.setenv("MLXR_PREFILL_GEMM", "fused")
+    assert torch.equal(qcuda.linear(dropped, x), want) and calls == [bits]
+    assert torch.equal(dropped.dequantize(torch.float32), kept.dequantize(torch.float32))
+    rows = torch.tensor([n - 1, 0, 9, n // 2 + 3, 9])
+    assert torch.equal(dropped.row_codes(rows), kept.row_codes(rows))
 
 
 def test_gated_falls_back_off_the_glu_copy():

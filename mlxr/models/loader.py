@@ -8,6 +8,7 @@ mode come from the config's per-module entry or, failing that, from the tensor s
 from __future__ import annotations
 
 import logging
+import os
 from typing import NamedTuple
 
 import torch
@@ -94,7 +95,14 @@ class _Builder:
         # twice it) that still fit on the GPU beside the whole file; weights past it load
         # without (slower decode, no out-of-memory at load)
         self.copy_budget: int | None = None
-        self.copies_skipped = 0
+        self.copies_skipped = self.words_dropped = 0
+        # where a weight's copy does not fit beside its MLX words, the copy replaces them
+        # (`QuantWeight.drop_words`: ~ the same bytes, prefill dequantizes from the copy);
+        # env MLXR_WORDS = auto (that) | drop (always: least memory) | keep (never: weights
+        # past the budget load without copies)
+        self.words = os.environ.get("MLXR_WORDS", "auto").lower()
+        if self.words not in ("auto", "drop", "keep"):
+            raise ValueError(f"MLXR_WORDS={self.words!r}: expected auto, drop or keep")
         if not dry_run and torch.device(device).type == "cuda":
             free, total = torch.cuda.mem_get_info(torch.device(device))
             files = sum(i.nbytes for i in ckpt.tensors.values())
@@ -179,30 +187,42 @@ class _Builder:
         return RawQuant(self.load(path + ".weight"), self.load(path + ".scales"),
                         biases, spec, gscale)
 
-    def quant(self, raw: RawQuant, matmul: bool = True,
-              glu: bool = False) -> QuantWeight | RawQuant:
+    def quant(self, raw: RawQuant, matmul: bool = True, glu: bool = False,
+              gathered: bool = False) -> QuantWeight | RawQuant:
+        """A QuantWeight within the GPU budget: its decode copies if they fit beside the MLX
+        words, else (affine, not `gathered`: an embedding's rows are read from the words) the
+        copy in place of the words, else (MLXR_WORDS=keep) no copies."""
         if self.dry_run:
             return raw
-        copies = True
-        if self.copy_budget is not None and matmul:
+        copies, keep, need = True, True, 0
+        budget = self.copy_budget is not None and matmul
+        if budget:
             need = decode_copy_bytes(raw.spec, raw.weight.shape[0],
                                      raw.scales.shape[-1] * raw.spec.group_size)
-            copies = need <= self.copy_budget
-            if copies:
-                self.copy_budget -= need
-            else:
+            short = need > self.copy_budget
+            keep = not (need and not gathered and raw.spec.mode == "affine" and (
+                self.words == "drop" or (self.words == "auto" and short)))
+            if keep and short:
+                copies = False
                 self.copies_skipped += 1
-        return QuantWeight.from_tensors(raw.weight, raw.scales, raw.biases, raw.spec,
-                                        global_scale=raw.global_scale, compute_dtype=self.dtype,
-                                        device=self.device, matmul=matmul, glu=glu,
-                                        decode_copies=copies)
+        qw = QuantWeight.from_tensors(raw.weight, raw.scales, raw.biases, raw.spec,
+                                      global_scale=raw.global_scale, compute_dtype=self.dtype,
+                                      device=self.device, matmul=matmul, glu=glu,
+                                      decode_copies=copies, keep_words=keep)
+        if budget and copies:
+            self.copy_budget -= need
+            if qw.packed is None and qw.tc is not None:  # the words went
+                self.copy_budget += raw.weight.numel() * raw.weight.element_size()
+                self.words_dropped += 1
+        return qw
 
     def linear(self, parts: list[tuple[str, int, int, bool]], matmul: bool = True,
-               glu: bool = False) -> Linear:
+               glu: bool = False, gathered: bool = False) -> Linear:
         """One Linear for projections of the same input, stacked along the output dim (one
         matmul instead of several) when they share a storage format. `matmul=False`: only
         gathered (an untied embedding; see QuantWeight.from_tensors). `glu`: an MLP's gate
-        over its up (`QuantWeight.from_tensors(glu=True)`)."""
+        over its up (`QuantWeight.from_tensors(glu=True)`). `gathered`: its rows are also
+        read as an embedding (a tied one), so it keeps its MLX words."""
         ws = [self.weight(path, out, inp) for path, out, inp, _ in parts]
         bs: list = [None] * len(parts)
         if any(p[3] for p in parts):  # a part without a bias contributes zeros
@@ -212,7 +232,7 @@ class _Builder:
         bias = None if bs[0] is None else torch.cat(bs)
         if len(ws) == 1:
             return Linear(ws[0] if isinstance(ws[0], torch.Tensor) else
-                          self.quant(ws[0], matmul, glu), bias)
+                          self.quant(ws[0], matmul, glu, gathered), bias)
         if all(isinstance(w, torch.Tensor) for w in ws):
             return Linear(torch.cat(ws), bias)
         if all(isinstance(w, RawQuant) and w.spec == ws[0].spec and w.global_scale is None
@@ -245,8 +265,9 @@ def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
     table = module_table(c, tied)
     b = _Builder(ckpt, c, dtype, device, dry_run)
 
-    def linear(*paths: str, matmul: bool = True, glu: bool = False) -> Linear | Fused:
-        return b.linear([(p, *table[p][1:]) for p in paths], matmul, glu)
+    def linear(*paths: str, matmul: bool = True, glu: bool = False,
+               gathered: bool = False) -> Linear | Fused:
+        return b.linear([(p, *table[p][1:]) for p in paths], matmul, glu, gathered)
 
     def norm(path: str) -> torch.Tensor:
         return b.float_tensor(path + ".weight", (table[path][1],))
@@ -271,7 +292,7 @@ def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
             post_attn_norm=norm(p + "post_attention_layernorm") if sandwich else None,
             post_mlp_norm=norm(p + "post_feedforward_layernorm") if sandwich else None,
         ))
-    embed = linear("model.embed_tokens", matmul=tied)
+    embed = linear("model.embed_tokens", matmul=tied, gathered=True)
     lm_head = None if tied else linear("lm_head")
     final_norm = norm("model.norm")
     unexpected = sorted(names - b.used - ignored)
@@ -282,6 +303,11 @@ def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
             f"{', '.join(unexpected[:5])}{more}")
     if dry_run:
         return None
+    if b.words_dropped:
+        (log.info if b.words == "drop" else log.warning)(
+            "GPU memory: %d weights keep only their decode copies, not the file's words "
+            "(prefill dequantizes from the copies; prompts of 8-128 tokens lose the fused "
+            "GEMM there)", b.words_dropped)
     if b.copies_skipped:
         log.warning("GPU memory: %d weights load without their decode copies (their decode "
                     "runs the slower generic kernels)", b.copies_skipped)

@@ -66,16 +66,29 @@ def dequant_copy_ref(words: Tensor, scales: Tensor, biases: Tensor, bits: int, g
     """`triton_dequant.dequant_copy`'s torch twin: the weight [N, K] in `dtype` from its q4tc
     copy (P planes, `glu_rows` order if glu) and the file's scales and biases, s * q + b in
     fp32 rounded once, q = h * 2^(bits - 4) + l over two planes."""
-    q = _codes(unrepack(words))  # [N, PK] in the copy's row order
-    k = q.shape[1] // planes
+    q = copy_codes(words)  # [N, PK] in the copy's row order
+    n, k = q.shape[0], q.shape[1] // planes
+    q = q[copy_row(torch.arange(n, device=q.device), n, glu)]
     if planes == 2:
         q = (q[:, :k] << (bits - 4)) | q[:, k:]
-    if glu:
-        q = q[torch.argsort(glu_rows(q.shape[0]).to(q.device))]
-    n = q.shape[0]
     w = (q.float().view(n, k // group_size, group_size) * scales.float().unsqueeze(-1)
          + biases.float().unsqueeze(-1))
     return w.view(n, k).to(dtype)
+
+
+def copy_codes(words: Tensor) -> Tensor:
+    """The codes [16 R, K] int32 of lane-ordered words [R, 2K] (rows in the copy's order)."""
+    return _codes(unrepack(words))
+
+
+def copy_row(rows: Tensor, n: int, glu: bool) -> Tensor:
+    """The copy row of each original row of an N-row weight (`glu_rows` inverted if glu)."""
+    if not glu:
+        return rows
+    f = n // 2
+    up = (rows >= f).to(rows.dtype)
+    r = rows - up * f
+    return (r // 8) * 16 + r % 8 + up * 8
 
 
 def glu_rows(n: int) -> Tensor:

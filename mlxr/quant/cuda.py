@@ -271,8 +271,8 @@ def fp_dequant_on() -> bool:
 
 def dequant_supported(qw) -> bool:
     sp = qw.spec
-    if qw.packed is None:
-        return False
+    if qw.packed is None:  # words dropped: from the q4tc copy (`QuantWeight.drop_words`)
+        return qw.tc is not None and sp.mode == "affine"
     if sp.mode == "affine":
         return sp.bits in (2, 3, 4, 5, 6, 8)
     return fp_dequant_on()
@@ -281,9 +281,12 @@ def dequant_supported(qw) -> bool:
 def dequantize(qw, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """The full weight [N, K] in `dtype`, dequantized by one Triton pass (2/3/4/5/6/8-bit
     affine; the fp modes)."""
-    from ..ops.triton_dequant import dequant_affine, dequant_fp  # Triton loads on first use
+    from ..ops.triton_dequant import dequant_affine, dequant_copy, dequant_fp  # on first use
 
     sp = qw.spec
+    if qw.packed is None:
+        return dequant_copy(qw.tc, qw.scales, qw.biases, sp.bits, sp.group_size, qw.planes,
+                            qw.tc_glu, dtype)
     if sp.mode != "affine":
         return dequant_fp(qw.packed, qw.scales, qw.global_scale, sp.mode, dtype)
     return dequant_affine(qw.packed, qw.scales, qw.biases, qw.in_features, sp.bits,
@@ -328,7 +331,7 @@ def fused_gemm(qw, m: int) -> bool:
     (where its copy exists) or dequant + cuBLAS (see the module docstring and the table
     above: env MLXR_PREFILL_GEMM = fused | dequant | auto). Never for widths the GEMM does
     not take."""
-    if qw.spec.mode != "affine" or qw.spec.bits not in FUSED_BITS:
+    if qw.spec.mode != "affine" or qw.spec.bits not in FUSED_BITS or qw.packed is None:
         return False
     mode = os.environ.get("MLXR_PREFILL_GEMM", "").lower()
     if mode in ("fused", "dequant"):
@@ -343,8 +346,8 @@ def fused_gemm(qw, m: int) -> bool:
 
 
 def _gemv_v2(qw, m: int) -> bool:
-    return m <= DECODE_MAX_M and (os.environ.get("MLXR_GEMV", "").lower() == "triton"
-                                  or gemv_v2_default(qw, m))
+    return m <= DECODE_MAX_M and qw.packed is not None and (
+        os.environ.get("MLXR_GEMV", "").lower() == "triton" or gemv_v2_default(qw, m))
 
 
 def _one_row(m: int) -> bool:

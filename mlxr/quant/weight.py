@@ -54,7 +54,7 @@ def _use_triton(qw: QuantWeight) -> bool:
     if os.environ.get("MLXR_KERNELS", "").lower() == "torch":
         return False
     from mlxr.ops import triton_qmm
-    return triton_qmm.supported(qw)
+    return triton_qmm.supported(qw) or (qw.packed is None and qw.tc is not None)
 
 
 def nibble_planes(spec: QuantSpec, packed: Tensor, scales: Tensor, biases: Tensor | None,
@@ -97,7 +97,7 @@ class QuantWeight:
         cls, weight: Tensor, scales: Tensor, biases: Tensor | None, spec: QuantSpec, *,
         global_scale: Tensor | None = None, compute_dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu", name: str = "weight", matmul: bool = True,
-        glu: bool = False, decode_copies: bool = True,
+        glu: bool = False, decode_copies: bool = True, keep_words: bool = True,
     ) -> QuantWeight:
         """`matmul=False`: the weight is only gathered (an untied embedding), so no decode
         copies are built for it on CUDA (`linear` still works, by the generic kernels).
@@ -105,7 +105,9 @@ class QuantWeight:
         is built at load it interleaves them (`tc_glu`), so `gated` computes act(gate) * up in
         the GEMV's launch. Env `MLXR_Q4TC_GLU=0` (at load) keeps the plain order.
         `decode_copies=False`: none either (the loader's GPU memory budget), not even the
-        batching engine's (`add_batch_copy`)."""
+        batching engine's (`add_batch_copy`). `keep_words=False` (CUDA, the loader's budget or
+        env `MLXR_WORDS=drop`): where q4tc's copy is built, the MLX words are dropped and
+        prefill dequantizes from the copy (`drop_words`)."""
         in_features = validate(weight, scales, biases, spec, global_scale, name)
         if weight.dim() != 2:
             raise ModelFormatError(
@@ -162,6 +164,8 @@ class QuantWeight:
             one_row = self.q4 is not None or self.tc is not None
             if self.matmul and (not one_row or os.environ.get("MLXR_Q4GEMV") == "0"):
                 self.add_batch_copy()
+            if not keep_words:
+                self.drop_words()
         elif bits == 8:
             self.codes = packed.contiguous().view(torch.uint8)  # [out, in], zero-copy
         elif bits in (3, 5, 6) and not exact:
@@ -194,6 +198,17 @@ class QuantWeight:
         if not (n % 64 == 0 and int4pack.layout_ok()):
             self.packed = packed.contiguous()  # cannot decode the int4 layout: keep a copy
         return True
+
+    def drop_words(self) -> int:
+        """Drop the MLX words of a weight that has q4tc's copy (affine; CUDA): decode reads the
+        copy anyway, and prefill dequantizes from it (`triton_dequant.dequant_copy`, the same
+        values) instead of taking the fused GEMM at 8-128 rows, so a weight is held once, not
+        twice (4-bit: -0.5 B per weight). Returns the bytes freed (0 where kept)."""
+        if self.packed is None or self.tc is None or self.spec.mode != "affine":
+            return 0
+        freed = self.packed.numel() * self.packed.element_size()
+        self.packed = None
+        return freed
 
     def add_batch_copy(self) -> int:
         """Build the copies that decode of several rows reads (`mlxr.quant.cuda`) where this
@@ -243,12 +258,29 @@ class QuantWeight:
             return self.codes[rows]
         if self.packed is not None:
             return unpack_codes(self.packed[rows], self.spec.bits, self.in_features)
+        if self.tc is not None:
+            return self._copy_codes(rows)
         if self.planes == 1:
             return self._i4_rows(rows, None)
         if self.spec.mode == "mxfp4":
             return fp4_codes(self._i4_rows(rows, torch.add))
         sh = self.spec.bits - 4
         return self._i4_rows(rows, lambda hi, lo: (hi << sh) | lo)
+
+    def _copy_codes(self, rows: slice | Tensor) -> Tensor:
+        """Codes uint8 [n, in] of original rows from q4tc's copy (a weight whose words were
+        dropped): each row tile needed decoded once, two planes merged as `affine.planes`
+        split them."""
+        from ..ops.triton_q4tc_layout import copy_codes, copy_row
+
+        n, k = self.out_features, self.in_features
+        idx = torch.arange(n, device=self.tc.device)[rows] if isinstance(rows, slice) else rows
+        r = copy_row(idx.to(self.tc.device), n, self.tc_glu)
+        tiles, inv = torch.unique(r // 16, return_inverse=True)
+        q = copy_codes(self.tc[tiles]).view(tiles.numel(), 16, -1)[inv, r % 16]
+        if self.planes == 2:
+            q = (q[:, :k] << (self.spec.bits - 4)) | q[:, k:]
+        return q.to(torch.uint8)
 
     def _i4_rows(self, rows: slice | Tensor, combine) -> Tensor:
         """The int4 copy's codes of a row range or of gathered rows, uint8 [n, in]; with two
