@@ -141,19 +141,36 @@ if HAVE_TRITON:
         return _round(tl.reshape(v, [BLOCK_N, BLOCK_K]), DT, EXACT_ROUND)
 
     @triton.jit
-    def _nib(w, SH: tl.constexpr, h4):
-        """The nibble at bit SH + h4 (h4 [BN]: 4h, each row's h) of words [BN, NC]."""
-        return (w >> (h4[:, None] + SH)) & 15
+    def _nib_f32(w, w9, SH: tl.constexpr):
+        """The code at bits SH..SH+3 (SH in 0, 8, 16, 24) of words w (w9 = w >> 9) as an exact
+        fp32: masked in place and OR'ed with the exponent of 2^(23 - SH), that float is
+        2^(23 - SH) + q, and one subtraction leaves q (`triton_qgemm._affine_tile`'s trick:
+        no shift, no int -> float conversion)."""
+        if SH == 24:  # past the mantissa: from the word shifted by 9 (bits 15..18)
+            f = ((w9 & (15 << 15)) | (135 << 23)).to(tl.float32, bitcast=True)
+            return f - 256.0
+        f = ((w & (15 << SH)) | ((150 - SH) << 23)).to(tl.float32, bitcast=True)
+        return f - (8388608.0 / (1 << SH))
 
     @triton.jit
-    def _plane_code(w, l, SH: tl.constexpr, h4, R: tl.constexpr, P: tl.constexpr):
-        """Code SH of the words w (one plane) or h * R + l (two planes: `affine.planes`), as
-        an exact fp32 (2^23 + q with the exponent bits OR'ed in, minus 2^23: no int->float
-        conversion)."""
-        q = _nib(w, SH, h4)
+    def _copy_codes4(w, l, h4, R: tl.constexpr, P: tl.constexpr):
+        """The 4 codes of lane-ordered words w that are consecutive in k for a row with h4 =
+        4h (nibbles h, h + 4, h + 2, h + 6: bits 0, 16, 8, 24 of w >> h4) as exact fp32; with
+        two planes h * R + l (`affine.planes`), l the second plane's words."""
+        ws = w >> h4
+        ws9 = ws >> 9
+        c0 = _nib_f32(ws, ws9, 0)
+        c1 = _nib_f32(ws, ws9, 16)
+        c2 = _nib_f32(ws, ws9, 8)
+        c3 = _nib_f32(ws, ws9, 24)
         if P == 2:
-            q = q * R + _nib(l, SH, h4)
-        return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            ls = l >> h4
+            ls9 = ls >> 9
+            c0 = c0 * R + _nib_f32(ls, ls9, 0)
+            c1 = c1 * R + _nib_f32(ls, ls9, 16)
+            c2 = c2 * R + _nib_f32(ls, ls9, 8)
+            c3 = c3 * R + _nib_f32(ls, ls9, 24)
+        return c0, c1, c2, c3
 
     @triton.jit
     def _copy_dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K: tl.constexpr,
@@ -164,22 +181,25 @@ if HAVE_TRITON:
         [N / 16, 2PK] (`triton_q4tc` docstring): a thread takes 8 codes of a copy row, which
         are two adjacent words of its row tile (nibbles h, h + 4, h + 2, h + 6 of each, h =
         row // 8 in the tile), and stores them as one 16-byte vector of its original row
-        (`glu_rows` undone for GLU)."""
-        NC: tl.constexpr = BLOCK_K // 8
+        (`glu_rows` undone for GLU). The tile is [BLOCK_N, NGT groups, CPG chunks of 8]:
+        scales and biases loaded once per group."""
         NG: tl.constexpr = K // GROUP
+        NGT: tl.constexpr = BLOCK_K // GROUP
+        CPG: tl.constexpr = GROUP // 8
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # copy rows
-        c = tl.program_id(1) * NC + tl.arange(0, NC)  # chunks of 8 codes along k
+        rg = tl.program_id(1) * NGT + tl.arange(0, NGT)  # groups
+        c = rg[:, None] * CPG + tl.arange(0, CPG)[None, :]  # [NGT, CPG] chunks of 8 codes
         ri = rn % 16
-        h4 = (ri // 8) * 4
+        h4 = ((ri // 8) * 4)[:, None, None]
         g = ri % 8
         if GLU:  # copy row 16t + j: gate row 8t + j (j < 8), up row F + 8t + j - 8
             orig = (rn // 16) * 8 + g + (ri // 8) * (N // 2)
         else:
             orig = rn
         # chunk c: block c // 8, lane 4g + c % 4, mma steps 2((c % 8) // 4) and + 1
-        wo = ((rn // 16).to(tl.int64) * (2 * P * K) + 16 * g)[:, None] + (
-            (c // 8) * 128 + 4 * (c % 4) + 2 * ((c % 8) // 4))[None, :]
-        m = (rn < N)[:, None] & (c < K // 8)[None, :]
+        wo = ((rn // 16).to(tl.int64) * (2 * P * K) + 16 * g)[:, None, None] + (
+            (c // 8) * 128 + 4 * (c % 4) + 2 * ((c % 8) // 4))[None]
+        m = (rn < N)[:, None, None] & (rg < NG)[None, :, None]
         w0 = tl.load(w_ptr + wo, mask=m, other=0)
         w1 = tl.load(w_ptr + wo + 1, mask=m, other=0)
         l0 = w0
@@ -187,22 +207,16 @@ if HAVE_TRITON:
         if P == 2:  # the second plane's blocks follow the first's: 2K words on
             l0 = tl.load(w_ptr + wo + 2 * K, mask=m, other=0)
             l1 = tl.load(w_ptr + wo + 2 * K + 1, mask=m, other=0)
-        gi = (c * 8) // GROUP
-        so = orig.to(tl.int64)[:, None] * NG + gi[None, :]
-        s = tl.load(s_ptr + so, mask=m, other=0).to(tl.float32)
-        b = tl.load(b_ptr + so, mask=m, other=0).to(tl.float32)
-        # codes k = 8c + j, j = 0..7: word j // 4, nibble (h + 2m) + 4hi for j % 4 = 2m + hi
-        v0 = _plane_code(w0, l0, 0, h4, R, P) * s + b
-        v1 = _plane_code(w0, l0, 16, h4, R, P) * s + b
-        v2 = _plane_code(w0, l0, 8, h4, R, P) * s + b
-        v3 = _plane_code(w0, l0, 24, h4, R, P) * s + b
-        v4 = _plane_code(w1, l1, 0, h4, R, P) * s + b
-        v5 = _plane_code(w1, l1, 16, h4, R, P) * s + b
-        v6 = _plane_code(w1, l1, 8, h4, R, P) * s + b
-        v7 = _plane_code(w1, l1, 24, h4, R, P) * s + b
+        so = orig.to(tl.int64)[:, None] * NG + rg[None, :]
+        gm = (rn < N)[:, None] & (rg < NG)[None, :]
+        s = tl.load(s_ptr + so, mask=gm, other=0).to(tl.float32)[:, :, None]
+        b = tl.load(b_ptr + so, mask=gm, other=0).to(tl.float32)[:, :, None]
+        # codes k = 8c + j, j = 0..7: word j // 4
+        q0, q1, q2, q3 = _copy_codes4(w0, l0, h4, R, P)
+        q4, q5, q6, q7 = _copy_codes4(w1, l1, h4, R, P)
         # joined so that the last dim is the lowest bit of j: a row-major reshape is k order
-        v = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)),
-                    tl.join(tl.join(v1, v5), tl.join(v3, v7)))  # [BN, NC, 2, 2, 2]
+        v = tl.join(tl.join(tl.join(q0 * s + b, q4 * s + b), tl.join(q2 * s + b, q6 * s + b)),
+                    tl.join(tl.join(q1 * s + b, q5 * s + b), tl.join(q3 * s + b, q7 * s + b)))
         out = _round(tl.reshape(v, [BLOCK_N, BLOCK_K]), out_ptr.dtype.element_ty, EXACT_ROUND)
         rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         tl.store(out_ptr + orig.to(tl.int64)[:, None] * K + rk[None, :], out,
@@ -345,7 +359,7 @@ def dequant_copy(words: Tensor, scales: Tensor, biases: Tensor, bits: int, group
                          f"{tuple(scales.shape)}, biases {tuple(biases.shape)}, {bits}-bit "
                          f"g{group_size}, planes {planes}")
     out = torch.empty(n, k, dtype=dtype, device=words.device)
-    bn, bk = 32, 256  # as `dequant_affine`: 16 KiB of output per program
+    bn, bk = 32, max(256, group_size)  # as `dequant_affine`: 16 KiB of output per program
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     _copy_dequant_kernel[grid](words, scales.contiguous(), biases.contiguous(), out, n, K=k,
                                GROUP=group_size, P=planes,
