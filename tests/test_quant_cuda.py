@@ -280,6 +280,24 @@ def test_glu_copy_serves_gated_and_linear(monkeypatch):
         qcuda.q4tc_pack(w, s, b, plain.q4_sb, glu=True)
 
 
+def _affine_words(g, n, k, bits, group):
+    """Random MLX words of a b-bit weight with bf16 scales and biases drawn from g, and its
+    spec."""
+    w = torch.randint(-(2**31), 2**31, (n, k * bits // 32), generator=g,
+                      dtype=torch.int64).to(torch.int32)
+    s = (torch.rand(n, k // group, generator=g) * 0.04 / 2**bits + 1e-4).to(torch.bfloat16)
+    b = (torch.randn(n, k // group, generator=g) * 0.05).to(torch.bfloat16)
+    return w, s, b, QuantSpec("affine", bits, group)
+
+
+def _cuda_layout(w, s, b, spec):
+    """A bf16 QuantWeight as CUDA holds it after load (the MLX words as shipped, none of the
+    CPU's copies), built on the CPU; its decode copies are the caller's."""
+    qw = QuantWeight.from_tensors(w, s, b, spec, compute_dtype=torch.bfloat16, device="cpu")
+    qw.packed, qw.codes, qw.i4, qw.i4_sz = w, None, None, None
+    return qw
+
+
 @pytest.mark.parametrize("bits", [2, 3, 5, 6, 8])
 def test_other_widths_decode_through_planes(bits, monkeypatch):
     """A 2/3/5/6/8-bit weight's decode copy (`planes_pack`, what the CUDA load builds): 1-8
@@ -293,17 +311,10 @@ def test_other_widths_decode_through_planes(bits, monkeypatch):
 
     g = torch.Generator().manual_seed(bits)
     n, k, group = 64, 1024, 64
-    w = torch.randint(-(2**31), 2**31, (n, k * bits // 32), generator=g,
-                      dtype=torch.int64).to(torch.int32)
-    s = (torch.rand(n, k // group, generator=g) * 0.04 / 2**bits + 1e-4).to(torch.bfloat16)
-    b = (torch.randn(n, k // group, generator=g) * 0.05).to(torch.bfloat16)
-    spec = QuantSpec("affine", bits, group)
+    w, s, b, spec = _affine_words(g, n, k, bits, group)
 
     def weight():
-        qw = QuantWeight.from_tensors(w, s, b, spec, compute_dtype=torch.bfloat16,
-                                      device="cpu")
-        qw.packed, qw.codes = w, None  # the CUDA layout: the mlx words as shipped
-        return qw
+        return _cuda_layout(w, s, b, spec)
 
     qw, glu = weight(), weight()
     assert qcuda.planes_supported(qw)
@@ -440,16 +451,10 @@ def test_dropped_words_serve_from_the_copy(bits, glu, monkeypatch):
 
     g = torch.Generator().manual_seed(20 + bits)
     n, k, group = 64, 1024, 64
-    w = torch.randint(-(2**31), 2**31, (n, k * bits // 32), generator=g,
-                      dtype=torch.int64).to(torch.int32)
-    s = (torch.rand(n, k // group, generator=g) * 0.04 / 2**bits + 1e-4).to(torch.bfloat16)
-    b = (torch.randn(n, k // group, generator=g) * 0.05).to(torch.bfloat16)
-    spec = QuantSpec("affine", bits, group)
+    w, s, b, spec = _affine_words(g, n, k, bits, group)
 
     def weight():
-        qw = QuantWeight.from_tensors(w, s, b, spec, compute_dtype=torch.bfloat16,
-                                      device="cpu")
-        qw.packed, qw.codes, qw.i4, qw.i4_sz = w, None, None, None  # the CUDA layout
+        qw = _cuda_layout(w, s, b, spec)
         if bits == 4:
             qw.tc, qw.q4_sb = qcuda.q4tc_pack(w, s, b, glu=glu)
         else:
