@@ -65,20 +65,26 @@ def dequant_copy_ref(words: Tensor, scales: Tensor, biases: Tensor, bits: int, g
                      ) -> Tensor:
     """`triton_dequant.dequant_copy`'s torch twin: the weight [N, K] in `dtype` from its q4tc
     copy (P planes, `glu_rows` order if glu) and the file's scales and biases, s * q + b in
-    fp32 rounded once, q = h * 2^(bits - 4) + l over two planes."""
-    q = copy_codes(words)  # [N, PK] in the copy's row order
-    n, k = q.shape[0], q.shape[1] // planes
-    q = q[copy_row(torch.arange(n, device=q.device), n, glu)]
-    if planes == 2:
-        q = (q[:, :k] << (bits - 4)) | q[:, k:]
+    fp32 rounded once."""
+    n = words.shape[0] * 16
+    q = copy_rows_codes(words, torch.arange(n, device=words.device), planes, bits, glu)
+    k = q.shape[1]
     w = (q.float().view(n, k // group_size, group_size) * scales.float().unsqueeze(-1)
          + biases.float().unsqueeze(-1))
     return w.view(n, k).to(dtype)
 
 
-def copy_codes(words: Tensor) -> Tensor:
-    """The codes [16 R, K] int32 of lane-ordered words [R, 2K] (rows in the copy's order)."""
-    return _codes(unrepack(words))
+def copy_rows_codes(words: Tensor, rows: Tensor, planes: int, bits: int, glu: bool) -> Tensor:
+    """The b-bit codes int32 [len(rows), K] of original rows of a weight from its q4tc copy
+    (P planes: q = h * 2^(bits - 4) + l, `affine.planes`; `glu_rows` order if glu), each row
+    tile needed decoded once."""
+    r = copy_row(rows.to(words.device), words.shape[0] * 16, glu)
+    tiles, inv = torch.unique(r // 16, return_inverse=True)
+    q = _codes(unrepack(words[tiles])).view(tiles.numel(), 16, -1)[inv, r % 16]
+    if planes == 2:
+        k = q.shape[1] // 2
+        q = (q[:, :k] << (bits - 4)) | q[:, k:]
+    return q
 
 
 def copy_row(rows: Tensor, n: int, glu: bool) -> Tensor:

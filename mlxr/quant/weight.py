@@ -269,18 +269,13 @@ class QuantWeight:
 
     def _copy_codes(self, rows: slice | Tensor) -> Tensor:
         """Codes uint8 [n, in] of original rows from q4tc's copy (a weight whose words were
-        dropped): each row tile needed decoded once, two planes merged as `affine.planes`
-        split them."""
-        from ..ops.triton_q4tc_layout import copy_codes, copy_row
+        dropped)."""
+        from ..ops.triton_q4tc_layout import copy_rows_codes
 
-        n, k = self.out_features, self.in_features
-        idx = torch.arange(n, device=self.tc.device)[rows] if isinstance(rows, slice) else rows
-        r = copy_row(idx.to(self.tc.device), n, self.tc_glu)
-        tiles, inv = torch.unique(r // 16, return_inverse=True)
-        q = copy_codes(self.tc[tiles]).view(tiles.numel(), 16, -1)[inv, r % 16]
-        if self.planes == 2:
-            q = (q[:, :k] << (self.spec.bits - 4)) | q[:, k:]
-        return q.to(torch.uint8)
+        idx = (torch.arange(self.out_features, device=self.tc.device)[rows]
+               if isinstance(rows, slice) else rows)
+        return copy_rows_codes(self.tc, idx, self.planes, self.spec.bits,
+                               self.tc_glu).to(torch.uint8)
 
     def _i4_rows(self, rows: slice | Tensor, combine) -> Tensor:
         """The int4 copy's codes of a row range or of gathered rows, uint8 [n, in]; with two
