@@ -3,7 +3,7 @@ mxfp8: `dequant_fp`) to a dense [N, K] matrix on the GPU: the prefill path's fir
 (`mlxr.quant.cuda.dequantize`, then cuBLAS).
 
 Bit-identical to `mlxr.quant.dequantize` in fp32, cast to the output dtype (round to nearest
-even): w = s*q + b in fp32, rounded once (`triton_qgemm._affine_tile`, the tile math the fused
+even): w = s*q + b in fp32, rounded once (`triton_tiles._affine_tile`, the tile math the fused
 GEMM feeds tl.dot). 2/4/8-bit: one 2-D word load per [BLOCK_N, BLOCK_K] tile, scales per group,
 contiguous 16-byte stores. 3/5/6-bit codes straddle words: the row is cut into units of 32
 codes (3 or 5 words) or 16 6-bit codes (3 words), a thread loads a unit's words and extracts
@@ -24,7 +24,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .triton_qcodes import MODES, _code_value, _group_scale, _unit_code
-    from .triton_qgemm import _affine_tile, _round
+    from .triton_tiles import _affine_tile, _copy_orig, _copy_tile, _round
 
 __all__ = ["DEQUANT_BITS", "dequant_affine", "dequant_copy", "dequant_fp"]
 
@@ -141,86 +141,28 @@ if HAVE_TRITON:
         return _round(tl.reshape(v, [BLOCK_N, BLOCK_K]), DT, EXACT_ROUND)
 
     @triton.jit
-    def _nib_f32(w, w9, SH: tl.constexpr):
-        """The code at bits SH..SH+3 (SH in 0, 8, 16, 24) of words w (w9 = w >> 9) as an exact
-        fp32: masked in place and OR'ed with the exponent of 2^(23 - SH), that float is
-        2^(23 - SH) + q, and one subtraction leaves q (`triton_qgemm._affine_tile`'s trick:
-        no shift, no int -> float conversion)."""
-        if SH == 24:  # past the mantissa: from the word shifted by 9 (bits 15..18)
-            f = ((w9 & (15 << 15)) | (135 << 23)).to(tl.float32, bitcast=True)
-            return f - 256.0
-        f = ((w & (15 << SH)) | ((150 - SH) << 23)).to(tl.float32, bitcast=True)
-        return f - (8388608.0 / (1 << SH))
-
-    @triton.jit
-    def _copy_codes4(w, l, h4, R: tl.constexpr, P: tl.constexpr):
-        """The 4 codes of lane-ordered words w that are consecutive in k for a row with h4 =
-        4h (nibbles h, h + 4, h + 2, h + 6: bits 0, 16, 8, 24 of w >> h4) as exact fp32; with
-        two planes h * R + l (`affine.planes`), l the second plane's words."""
-        ws = w >> h4
-        ws9 = ws >> 9
-        c0 = _nib_f32(ws, ws9, 0)
-        c1 = _nib_f32(ws, ws9, 16)
-        c2 = _nib_f32(ws, ws9, 8)
-        c3 = _nib_f32(ws, ws9, 24)
-        if P == 2:
-            ls = l >> h4
-            ls9 = ls >> 9
-            c0 = c0 * R + _nib_f32(ls, ls9, 0)
-            c1 = c1 * R + _nib_f32(ls, ls9, 16)
-            c2 = c2 * R + _nib_f32(ls, ls9, 8)
-            c3 = c3 * R + _nib_f32(ls, ls9, 24)
-        return c0, c1, c2, c3
-
-    @triton.jit
     def _copy_dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K: tl.constexpr,
                              GROUP: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
                              GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              EXACT_ROUND: tl.constexpr):
         """out[n, k] = s[n, k // G] * q(n, k) + b[n, k // G] from q4tc's lane-ordered copy
-        [N / 16, 2PK] (`triton_q4tc` docstring): a thread takes 8 codes of a copy row, which
-        are two adjacent words of its row tile (nibbles h, h + 4, h + 2, h + 6 of each, h =
-        row // 8 in the tile), and stores them as one 16-byte vector of its original row
-        (`glu_rows` undone for GLU). The tile is [BLOCK_N, NGT groups, CPG chunks of 8]:
-        scales and biases loaded once per group."""
+        (`triton_tiles._copy_tile`), each row stored at its original index (`glu_rows`
+        undone for GLU): a thread's 8 codes are one 16-byte store."""
         NG: tl.constexpr = K // GROUP
         NGT: tl.constexpr = BLOCK_K // GROUP
-        CPG: tl.constexpr = GROUP // 8
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # copy rows
         rg = tl.program_id(1) * NGT + tl.arange(0, NGT)  # groups
-        c = rg[:, None] * CPG + tl.arange(0, CPG)[None, :]  # [NGT, CPG] chunks of 8 codes
-        ri = rn % 16
-        h4 = ((ri // 8) * 4)[:, None, None]
-        g = ri % 8
-        if GLU:  # copy row 16t + j: gate row 8t + j (j < 8), up row F + 8t + j - 8
-            orig = (rn // 16) * 8 + g + (ri // 8) * (N // 2)
-        else:
-            orig = rn
-        # chunk c: block c // 8, lane 4g + c % 4, mma steps 2((c % 8) // 4) and + 1
-        wo = ((rn // 16).to(tl.int64) * (2 * P * K) + 16 * g)[:, None, None] + (
-            (c // 8) * 128 + 4 * (c % 4) + 2 * ((c % 8) // 4))[None]
-        m = (rn < N)[:, None, None] & (rg < NG)[None, :, None]
-        w0 = tl.load(w_ptr + wo, mask=m, other=0)
-        w1 = tl.load(w_ptr + wo + 1, mask=m, other=0)
-        l0 = w0
-        l1 = w1
-        if P == 2:  # the second plane's blocks follow the first's: 2K words on
-            l0 = tl.load(w_ptr + wo + 2 * K, mask=m, other=0)
-            l1 = tl.load(w_ptr + wo + 2 * K + 1, mask=m, other=0)
+        nmask = rn < N
+        orig = _copy_orig(rn, N, GLU)
         so = orig.to(tl.int64)[:, None] * NG + rg[None, :]
-        gm = (rn < N)[:, None] & (rg < NG)[None, :]
-        s = tl.load(s_ptr + so, mask=gm, other=0).to(tl.float32)[:, :, None]
-        b = tl.load(b_ptr + so, mask=gm, other=0).to(tl.float32)[:, :, None]
-        # codes k = 8c + j, j = 0..7: word j // 4
-        q0, q1, q2, q3 = _copy_codes4(w0, l0, h4, R, P)
-        q4, q5, q6, q7 = _copy_codes4(w1, l1, h4, R, P)
-        # joined so that the last dim is the lowest bit of j: a row-major reshape is k order
-        v = tl.join(tl.join(tl.join(q0 * s + b, q4 * s + b), tl.join(q2 * s + b, q6 * s + b)),
-                    tl.join(tl.join(q1 * s + b, q5 * s + b), tl.join(q3 * s + b, q7 * s + b)))
-        out = _round(tl.reshape(v, [BLOCK_N, BLOCK_K]), out_ptr.dtype.element_ty, EXACT_ROUND)
+        gm = nmask[:, None] & (rg < NG)[None, :]
+        s = tl.load(s_ptr + so, mask=gm, other=0)
+        b = tl.load(b_ptr + so, mask=gm, other=0)
+        out = _copy_tile(w_ptr, rn, tl.program_id(1) * BLOCK_K, s, b, nmask, K, P, R, BLOCK_N,
+                         BLOCK_K, NGT, out_ptr.dtype.element_ty, EXACT_ROUND)
         rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         tl.store(out_ptr + orig.to(tl.int64)[:, None] * K + rk[None, :], out,
-                 mask=(rn < N)[:, None] & (rk < K)[None, :])
+                 mask=nmask[:, None] & (rk < K)[None, :])
 
     @triton.jit(do_not_specialize=["stride_w"])
     def _dequant_kernel(w_ptr, s_ptr, b_ptr, gs_ptr, out_ptr, N, stride_w, K: tl.constexpr,

@@ -25,7 +25,7 @@ divisor of the group size, so a tile holds whole groups or lies in one):
     and x the shared-memory "B" one, whose N side may be as small as 8 (small M).
   Optional split-K writes fp32 partials [S, M, N], summed in a fixed order by one small
   kernel (small-M shapes whose output tiles cannot fill the GPU).
-`mlxr.ops.triton_dequant.dequant_affine` writes the same weights (this module's `_affine_tile`)
+`mlxr.ops.triton_dequant.dequant_affine` writes the same weights (`triton_tiles._affine_tile`)
 to an [N, K] matrix for cuBLAS.
 
 Under TRITON_INTERPRET (CPU tests) the interpreter's bf16 dot is broken and its fp32 -> bf16
@@ -48,6 +48,8 @@ from .triton_qmm import HAVE_TRITON, _check, _interpret, _sm_count, qgemm_ref
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from .triton_tiles import _affine_tile, _copy_orig, _copy_tile, _round
 
 __all__ = ["QgemmConfig", "default_config", "qgemm", "qgemm_ref"]
 
@@ -129,46 +131,6 @@ def fill_split(cfg: QgemmConfig, m: int, n: int, k: int, group: int,
 if HAVE_TRITON:
 
     @triton.jit
-    def _round(v, DT: tl.constexpr, EXACT_ROUND: tl.constexpr):
-        """fp32 -> DT, round to nearest even. EXACT_ROUND (interpreter, bf16 only): with integer
-        ops, because the interpreter's cast truncates."""
-        if EXACT_ROUND and DT == tl.bfloat16:  # (NaN/inf never occur here)
-            u = v.to(tl.uint32, bitcast=True)
-            u = u + 0x7FFF + ((u >> 16) & 1)
-            r = (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            r = v.to(DT)
-        return r
-
-    @triton.jit
-    def _affine_tile(wd, s, b, DT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, NGT: tl.constexpr, EXACT_ROUND: tl.constexpr, opaque):
-        """words [BLOCK_N, BLOCK_K/PER] int32, scales/biases [BLOCK_N, NGT] (NGT groups in the
-        tile) -> weights [BLOCK_N, BLOCK_K] in DT: w = s*q + b in fp32, rounded once.
-        opaque: any runtime int >= 0 (see below)."""
-        PER: tl.constexpr = 32 // BITS
-        WPG: tl.constexpr = BLOCK_K // PER // NGT  # words per group inside the tile
-        w4 = tl.reshape(wd, [BLOCK_N, NGT, WPG, 1])
-        # code j sits at bits [SH, SH + BITS), SH = j*BITS. If SH + BITS <= 23 it is masked in
-        # place and OR'ed with the exponent of 2^(23-SH): that fp32 is exactly 2^(23-SH) + q, and
-        # one subtraction leaves q (no shift, no int->float conversion). Higher codes do the same
-        # from the word shifted right by 9 (one shift per word, shared by them).
-        sh = tl.arange(0, PER) * BITS  # [PER], constants per register after layout
-        hi = sh + BITS > 23
-        sh = tl.where(hi, sh - 9, sh)
-        src = tl.where(hi[None, None, None, :], w4 >> 9, w4)  # [BN, NGT, WPG, PER]
-        # fp32 bits of 2^(23-SH), made opaque to the compiler (a select on a runtime value that
-        # is always true): held in registers, so ptxas fuses mask-and-or into ONE lop3 (which
-        # takes a single immediate; with two literal constants it emits two)
-        expo = tl.where(opaque >= 0, (150 - sh) << 23, 0)
-        f = ((src & (((1 << BITS) - 1) << sh)) | expo).to(tl.float32, bitcast=True)
-        qf = f - expo.to(tl.float32, bitcast=True)
-        sf = s.to(tl.float32)[:, :, None, None]
-        bf = b.to(tl.float32)[:, :, None, None]
-        v = tl.reshape(qf * sf + bf, [BLOCK_N, BLOCK_K])
-        return _round(v, DT, EXACT_ROUND)
-
-    @triton.jit
     def _load_groups(s_ptr, b_ptr, sp, g, nmask, valid, NG: tl.constexpr, EVEN: tl.constexpr):
         """scales and biases [BN, NGT] at offsets sp [BN, NGT] (groups g [NGT] of rows nmask
         [BN]); valid: scalar, False -> nothing is read (a prefetch past the split's last tile)."""
@@ -188,7 +150,10 @@ if HAVE_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, W_AS_A: tl.constexpr, SPLIT_K: tl.constexpr,
         EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
+        COPY: tl.constexpr = 0, R: tl.constexpr = 1, GLU: tl.constexpr = False,
     ):
+        """COPY = P > 0: w is q4tc's copy of P planes (`triton_tiles._copy_tile`), output
+        column n is copy row n (glu order if GLU: its scales are those of the original row)."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         # grouped order: GROUP_M row tiles x every column tile, row tile fastest, so programs
@@ -229,7 +194,7 @@ if HAVE_TRITON:
         # are prefetched into registers while this tile is computed. sp: int32 offsets of the
         # current tile's groups, advanced by NGT per tile (or by one every GROUP/BLOCK_K tiles)
         g = (pid_k * TPS * BLOCK_K) // GROUP + rg  # [NGT]
-        sp = rn[:, None] * NG + g[None, :]  # [BN, NGT]
+        sp = _copy_orig(rn, N, GLU)[:, None] * NG + g[None, :]  # [BN, NGT]
         s, b = _load_groups(s_ptr, b_ptr, sp, g, nmask, pid_k * TPS < NT, NG,
                             EVEN_N and EVEN_K)
         for t in range(TPS):
@@ -246,14 +211,20 @@ if HAVE_TRITON:
             wp = w_row + (k0 // PER + rw)[None, :]  # [BN, BW]
             if EVEN_K:
                 xt = tl.load(xp)
-                if EVEN_N:
-                    wd = tl.load(wp)
-                else:
-                    wd = tl.load(wp, mask=nmask[:, None], other=0)
             else:  # ragged K (whole groups) or a split past the end: masked words and x
                 xt = tl.load(xp, mask=(k0 + rk < K)[None, :], other=0.0)
-                wd = tl.load(wp, mask=nmask[:, None] & (k0 // PER + rw < KW)[None, :], other=0)
-            wt = _affine_tile(wd, s, b, DT, BITS, BLOCK_N, BLOCK_K, NGT, INTERPRET, N)  # [BN, BK]
+            if COPY > 0:  # [BN, BK]
+                wt = _copy_tile(w_ptr, rn, k0, s, b, nmask, K, COPY, R, BLOCK_N, BLOCK_K,
+                                NGT, DT, INTERPRET)
+            else:
+                if EVEN_K and EVEN_N:
+                    wd = tl.load(wp)
+                elif EVEN_K:
+                    wd = tl.load(wp, mask=nmask[:, None], other=0)
+                else:
+                    wd = tl.load(wp, mask=nmask[:, None] & (k0 // PER + rw < KW)[None, :],
+                                 other=0)
+                wt = _affine_tile(wd, s, b, DT, BITS, BLOCK_N, BLOCK_K, NGT, INTERPRET, N)
             if INTERPRET:  # exact bf16 values, fp32 products (the interpreter's bf16 dot)
                 if W_AS_A:
                     acc = tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)), acc,
@@ -303,14 +274,28 @@ def _validate(x: Tensor | None, w: Tensor, s: Tensor, b: Tensor, bits: int, grou
 
 def qgemm(x: Tensor, w: Tensor, s: Tensor, b: Tensor, *, bits: int, group: int,
           out_dtype: torch.dtype | None = None, config: QgemmConfig | None = None,
-          warmup: bool = False) -> Tensor | None:
+          warmup: bool = False, planes: int = 0, glu: bool = False) -> Tensor | None:
     """y [M, N] = x [M, K] (bf16/fp16) @ W^T for affine words w int32 [N, K*bits/32] and
     scales/biases [N, K/G]; output in out_dtype (default x.dtype). config: launch override
-    (default: `default_config`). warmup: compile only (returns None)."""
-    k = _validate(x, w, s, b, bits, group)
+    (default: `default_config`). warmup: compile only (returns None). planes > 0: w is
+    instead the weight's q4tc copy [N/16, 2 planes K] (`triton_q4tc.repack`, or the nibble
+    planes of 2/3/5/6/8-bit: `affine.planes`; rows in `glu_rows` order if glu, and y's
+    columns then too), read by `triton_tiles._copy_tile` (the same weights, so the same y
+    up to nothing: the same tiles and sums)."""
+    if planes:
+        k = s.shape[1] * group if s.dim() == 2 else -1
+        if (planes not in (1, 2) or (planes == 2) != (bits > 4) or w.dim() != 2
+                or w.shape[1] != 2 * planes * k or w.shape[0] * 16 != s.shape[0]
+                or b is None or b.shape != s.shape or k % 64 or x.shape[-1] != k):
+            raise ValueError(f"triton_qgemm: copy {tuple(w.shape)}, scales {tuple(s.shape)}, "
+                             f"x {tuple(x.shape)}, {bits}-bit g{group}, planes {planes}")
+        n = s.shape[0]
+    else:
+        k = _validate(x, w, s, b, bits, group)
+        n = w.shape[0]
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"triton_qgemm.qgemm takes bf16/fp16 activations, not {x.dtype}")
-    m, n = x.shape[0], w.shape[0]
+    m = x.shape[0]
     if m == 0:
         return torch.empty(0, n, device=x.device, dtype=out_dtype or x.dtype)
     x = x.contiguous()
@@ -329,10 +314,11 @@ def qgemm(x: Tensor, w: Tensor, s: Tensor, b: Tensor, *, bits: int, group: int,
         y, ys = torch.empty(split, m, n, device=x.device, dtype=torch.float32), m * n
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
     args = (x, w, s, b, y, m, n, x.stride(0), n, ys)
-    kw = {"K": k, "BITS": bits, "GROUP": group, "BLOCK_M": cfg.block_m,
+    kw = {"K": k, "BITS": 4 if planes else bits, "GROUP": group, "BLOCK_M": cfg.block_m,
           "BLOCK_N": cfg.block_n, "BLOCK_K": bk, "GROUP_M": cfg.group_m, "W_AS_A": cfg.w_as_a,
           "SPLIT_K": split, "EVEN_N": n % cfg.block_n == 0,
           "EVEN_K": k % bk == 0 and tps * split == nt, "INTERPRET": _interpret(),
+          "COPY": planes, "R": 1 << max(0, bits - 4), "GLU": glu,  # (a copy's BITS: unused)
           "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.maxnreg and not _interpret():
         kw["maxnreg"] = cfg.maxnreg

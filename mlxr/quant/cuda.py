@@ -330,8 +330,16 @@ def fused_gemm(qw, m: int) -> bool:
     """Whether a call of m (>= 2) rows takes triton_qgemm's fused GEMM instead of tinygemm
     (where its copy exists) or dequant + cuBLAS (see the module docstring and the table
     above: env MLXR_PREFILL_GEMM = fused | dequant | auto). Never for widths the GEMM does
-    not take."""
-    if qw.spec.mode != "affine" or qw.spec.bits not in FUSED_BITS or qw.packed is None:
+    not take. A weight whose words were dropped (`QuantWeight.drop_words`) takes it on its
+    q4tc copy (`triton_qgemm.qgemm(planes=...)`, the same weights) with env
+    `MLXR_COPY_GEMM=1`, by the same rules: built and interpreter-tested, not yet timed on a
+    GPU; else dequant + cuBLAS from the copy."""
+    if qw.spec.mode != "affine":
+        return False
+    if qw.packed is None:  # words dropped: on the q4tc copy, opt-in until measured
+        if qw.tc is None or os.environ.get("MLXR_COPY_GEMM", "") != "1":
+            return False
+    elif qw.spec.bits not in FUSED_BITS:
         return False
     mode = os.environ.get("MLXR_PREFILL_GEMM", "").lower()
     if mode in ("fused", "dequant"):
@@ -408,9 +416,13 @@ def linear(qw, x: Tensor) -> Tensor | None:
     if ((m > DECODE_MAX_M or (m > 1 and decode_copy)) and qw.compute_dtype != torch.float32
             and dequant_supported(qw)):
         if fused_gemm(qw, m):
-            from ..ops import triton_qgemm
+            from ..ops import triton_q4tc, triton_qgemm
 
             sp = qw.spec
+            if qw.packed is None:  # columns in the copy's row order
+                y = triton_qgemm.qgemm(x, qw.tc, qw.scales, qw.biases, bits=sp.bits,
+                                       group=sp.group_size, planes=qw.planes, glu=qw.tc_glu)
+                return triton_q4tc.glu_order(y) if qw.tc_glu else y
             return triton_qgemm.qgemm(x, qw.packed, qw.scales, qw.biases, bits=sp.bits,
                                       group=sp.group_size)
         return x @ dequantize(qw, x.dtype).t()
