@@ -215,7 +215,7 @@ if HAVE_TRITON:
                 xt = tl.load(xp, mask=(k0 + rk < K)[None, :], other=0.0)
             if COPY > 0:  # [BN, BK]
                 wt = _copy_tile(w_ptr, rn, k0, s, b, nmask, K, COPY, R, BLOCK_N, BLOCK_K,
-                                NGT, DT, INTERPRET)
+                                NGT, DT, INTERPRET, True)
             else:
                 if EVEN_K and EVEN_N:
                     wd = tl.load(wp)
