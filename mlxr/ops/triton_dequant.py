@@ -301,7 +301,7 @@ def dequant_copy(words: Tensor, scales: Tensor, biases: Tensor, bits: int, group
                          f"{tuple(scales.shape)}, biases {tuple(biases.shape)}, {bits}-bit "
                          f"g{group_size}, planes {planes}")
     out = torch.empty(n, k, dtype=dtype, device=words.device)
-    bn, bk = 32, max(256, group_size)  # as `dequant_affine`: 16 KiB of output per program
+    bn, bk = 32, 256  # as `dequant_affine`: 16 KiB of output per program (whole groups)
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     _copy_dequant_kernel[grid](words, scales.contiguous(), biases.contiguous(), out, n, K=k,
                                GROUP=group_size, P=planes,
