@@ -19,6 +19,16 @@ from mlxr.quant.dequant import dequantize as ref_dequantize
 INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU
 
 
+def _spy(monkeypatch, module, name, record):
+    """Replace module.name by a wrapper that still calls it and appends record(args, kwargs)
+    of each call to the returned list."""
+    calls = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name,
+                        lambda *a, **kw: calls.append(record(a, kw)) or real(*a, **kw))
+    return calls
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("n", [24, 67])
@@ -89,10 +99,7 @@ def test_fp_prefill_takes_dequant(monkeypatch):
     monkeypatch.setenv("MLXR_FP_DEQUANT", "0")
     assert qcuda.linear(qw, x) is None
     monkeypatch.delenv("MLXR_FP_DEQUANT")
-    calls = []
-    real = triton_dequant.dequant_fp
-    monkeypatch.setattr(triton_dequant, "dequant_fp",
-                        lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+    calls = _spy(monkeypatch, triton_dequant, "dequant_fp", lambda a, kw: a[3])
     monkeypatch.setenv("MLXR_PREFILL_GEMM", "fused")
     y = qcuda.linear(qw, x)
     assert calls == ["mxfp4"] and y.shape == (20, n)
@@ -149,10 +156,7 @@ def test_single_row_decode_takes_q4gemv(monkeypatch):
     # the generic per-row-block kernels (None); without the q4 repack they stay generic
     from mlxr.ops import triton_dequant
 
-    calls = []
-    real = triton_dequant.dequant_affine
-    monkeypatch.setattr(triton_dequant, "dequant_affine",
-                        lambda *a, **kw: calls.append(a[4]) or real(*a, **kw))
+    calls = _spy(monkeypatch, triton_dequant, "dequant_affine", lambda a, kw: a[4])
     x8 = torch.randn(8, k, generator=g).to(torch.bfloat16)
     y8 = qcuda.linear(qw, x8)
     want8 = x8.float() @ ref_dequantize(w, s.float(), b.float(), spec, dtype=torch.float32).t()
@@ -179,9 +183,7 @@ def test_single_row_decode_takes_q4tc_where_preferred(monkeypatch):
     spec = qw.spec
     assert qcuda.q4tc_preferred(qw)
     qw.tc, qw.q4_sb = qcuda.q4tc_pack(w, s, b)
-    calls = []
-    real = triton_q4tc.q4tc
-    monkeypatch.setattr(triton_q4tc, "q4tc", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = _spy(monkeypatch, triton_q4tc, "q4tc", lambda a, kw: 1)
     x = torch.randn(1, k, generator=g).to(torch.bfloat16)
     y = qcuda.linear(qw, x)
     want = x.float() @ ref_dequantize(w, s.float(), b.float(), spec, dtype=torch.float32).t()
@@ -259,10 +261,7 @@ def test_glu_copy_serves_gated_and_linear(monkeypatch):
     qw.tc, qw.q4_sb = qcuda.q4tc_pack(w, s, b, glu=True)
     qw.tc_glu = True
     assert not torch.equal(qw.tc, plain.tc)
-    launches = []
-    real = triton_q4tc.q4tc
-    monkeypatch.setattr(triton_q4tc, "q4tc",
-                        lambda *a, **kw: launches.append(kw.get("act")) or real(*a, **kw))
+    launches = _spy(monkeypatch, triton_q4tc, "q4tc", lambda a, kw: kw.get("act"))
     x = torch.randn(5, k, generator=g).to(torch.bfloat16)
     for m in (1, 5):
         gate, up = qcuda.linear(plain, x[:m]).chunk(2, dim=-1)
@@ -323,10 +322,7 @@ def test_other_widths_decode_through_planes(bits, monkeypatch):
     glu.tc_glu = True
     assert qw.planes == (2 if bits > 4 else 1)
     assert not qcuda.gemv_v2_default(qw, 1)
-    launches = []
-    real = triton_q4tc.q4tc
-    monkeypatch.setattr(triton_q4tc, "q4tc",
-                        lambda *a, **kw: launches.append(kw["planes"]) or real(*a, **kw))
+    launches = _spy(monkeypatch, triton_q4tc, "q4tc", lambda a, kw: kw["planes"])
     x = torch.randn(4, k, generator=g).to(torch.bfloat16)
     wd = ref_dequantize(w, s.float(), b.float(), spec, dtype=torch.float64)
     for m in (1, 4):
@@ -465,10 +461,7 @@ def test_dropped_words_serve_from_the_copy(bits, glu, monkeypatch):
     kept, dropped = weight(), weight()
     assert dropped.drop_words() == w.nbytes and dropped.packed is None
     assert dropped.drop_words() == 0
-    calls = []
-    real = triton_dequant.dequant_copy
-    monkeypatch.setattr(triton_dequant, "dequant_copy",
-                        lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+    calls = _spy(monkeypatch, triton_dequant, "dequant_copy", lambda a, kw: a[3])
     monkeypatch.setenv("MLXR_PREFILL_GEMM", "fused")
     x = torch.randn(20, k, generator=g).to(torch.bfloat16)
     for m in (1, 4):
@@ -480,10 +473,7 @@ def test_dropped_words_serve_from_the_copy(bits, glu, monkeypatch):
     assert torch.equal(qcuda.linear(dropped, x), want) and calls == [bits]
     from mlxr.ops import triton_qgemm  # MLXR_COPY_GEMM=1: the fused GEMM on the copy
 
-    gemms = []
-    real_gemm = triton_qgemm.qgemm
-    monkeypatch.setattr(triton_qgemm, "qgemm",
-                        lambda *a, **kw: gemms.append(kw.get("planes")) or real_gemm(*a, **kw))
+    gemms = _spy(monkeypatch, triton_qgemm, "qgemm", lambda a, kw: kw.get("planes"))
     monkeypatch.setenv("MLXR_COPY_GEMM", "1")
     y = qcuda.linear(dropped, x)
     assert gemms == [dropped.planes] and y.shape == want.shape
