@@ -106,8 +106,9 @@ class QuantWeight:
         the GEMV's launch. Env `MLXR_Q4TC_GLU=0` (at load) keeps the plain order.
         `decode_copies=False`: none either (the loader's GPU memory budget), not even the
         batching engine's (`add_batch_copy`). `keep_words=False` (CUDA, the loader's budget or
-        env `MLXR_WORDS=drop`): where q4tc's copy is built, the MLX words are dropped and
-        prefill dequantizes from the copy (`drop_words`)."""
+        env `MLXR_WORDS=drop`): q4tc's copy is built wherever it can serve the weight (also
+        where q4gemv would), the MLX words are dropped and prefill dequantizes from the copy
+        (`drop_words`)."""
         in_features = validate(weight, scales, biases, spec, global_scale, name)
         if weight.dim() != 2:
             raise ModelFormatError(
@@ -147,7 +148,10 @@ class QuantWeight:
             self.packed = packed.contiguous()  # Triton kernels read the mlx words as shipped
             glu = glu and os.environ.get("MLXR_Q4TC_GLU") != "0"
             if self.matmul and cuda.q4gemv_supported(self):  # single-request decode (M = 1)
-                if cuda.q4tc_preferred(self):  # the tensor-core GEMV
+                # the tensor-core GEMV; also where q4gemv was measured faster if the words
+                # are to go (prefill can dequantize from q4tc's layout only; 0.6B o: 3.0 vs
+                # 2.7 us)
+                if cuda.q4tc_preferred(self) or (not keep_words and cuda.q4tc_supported(self)):
                     self.tc_glu = glu
                     self.tc, self.q4_sb = cuda.q4tc_pack(self.packed, self.scales, self.biases,
                                                          glu=glu)
