@@ -15,7 +15,8 @@
 #   on the GPU machine, GPU memory:    scripts/gpu_parity.sh memory   (the copy dequantizer
 #       and the fused GEMM on the copy against the words, then the 8B with its words kept,
 #       dropped, and dropped with MLXR_COPY_GEMM=1: prefill 128 / 512, decode, peak memory;
-#       greedy tokens and last logits kept vs dropped after a 100-token prompt: the fused GEMMs)
+#       greedy tokens and last logits kept vs dropped after a 100-token prompt: the fused GEMMs;
+#       the GPU parity test of dropped words first, if .gpu_fixtures is carried)
 #   on the GPU machine, serving:       scripts/gpu_parity.sh serve    (needs the server's
 #       packages there: carry wheels in .whl, see the device notes; a tokenizer dir in .gpu_tok)
 #
@@ -93,7 +94,13 @@ case "${1:-}" in
         "/tmp/l8_$w-0.pt" || true)" | tee -a "$out/widths.txt"
     done ;;
   memory)
-    python3 benchmarks/make_checkpoint.py llama-3.1-8b /tmp/l8 >/dev/null
+    python3 benchmarks/make_checkpoint.py llama-3.1-8b /tmp/l8 >/dev/null &
+    if [ -d .gpu_fixtures ]; then  # the dropped-words parity test (with .gpu_fixtures carried)
+      MLXR_GPU_FIXTURES=.gpu_fixtures python3 -m pytest -q -rf tests/test_gpu.py -k dropped \
+        > "$out/dropped-parity.txt" 2>&1 || true
+      tail -n 1 "$out/dropped-parity.txt"
+    fi
+    wait
     python3 benchmarks/gpu_dequant_copy.py 4 | tee "$out/dequant-copy.txt"
     for arm in "MLXR_WORDS=keep" "MLXR_WORDS=drop" "MLXR_WORDS=drop MLXR_COPY_GEMM=1"; do
       for p in 128 512; do
