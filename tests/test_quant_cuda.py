@@ -466,6 +466,10 @@ def test_dropped_words_serve_from_the_copy(bits, glu, monkeypatch):
     x = torch.randn(20, k, generator=g).to(torch.bfloat16)
     for m in (1, 4):
         assert torch.equal(qcuda.linear(dropped, x[:m]), qcuda.linear(kept, x[:m]))
+    one = qcuda.linear(dropped, x[:1])
+    monkeypatch.setenv("MLXR_Q4GEMV", "0")  # an A/B switch: the copy still serves one row
+    assert torch.equal(qcuda.linear(dropped, x[:1]), one)
+    monkeypatch.delenv("MLXR_Q4GEMV")
     assert calls == []
     monkeypatch.setenv("MLXR_PREFILL_GEMM", "dequant")
     want = qcuda.linear(kept, x)

@@ -364,8 +364,9 @@ def _one_row(m: int) -> bool:
 
 def _takes_q4tc(qw, m: int) -> bool:
     """Whether `linear` sends m rows to triton_q4tc (after triton_gemv and q4gemv decline)."""
+    one = _one_row(m) or (m == 1 and qw.packed is None)  # the copy is all a dropped weight has
     return (not _gemv_v2(qw, m) and not (_one_row(m) and qw.q4 is not None)
-            and ((_one_row(m) and qw.tc is not None) or q4tc_rows(qw, m)))
+            and ((one and qw.tc is not None) or q4tc_rows(qw, m)))
 
 
 def _q4tc(qw, x: Tensor, act: str | None = None) -> Tensor:
