@@ -410,7 +410,8 @@ def test_decode_copy_bytes_and_the_loaders_budget(monkeypatch):
 
     def built(*a, **kw):  # what from_tensors was asked for; the words go where it may drop
         asked.append((kw["decode_copies"], kw["keep_words"]))
-        return SimpleNamespace(packed=a[0] if kw["keep_words"] else None, tc=1)
+        return SimpleNamespace(packed=a[0] if kw["keep_words"] else None, tc=1,
+                               words_dropped=not kw["keep_words"])
 
     monkeypatch.setattr(loader.QuantWeight, "from_tensors", built)
     need = qcuda.decode_copy_bytes(qw.spec, 64, 1024)

@@ -316,6 +316,8 @@ def test_auto_prefill_gemm_rule(monkeypatch):
             self.i4 = None  # no tinygemm copy (a single request)
             self.packed, self.tc = "words", None  # the MLX words (a stand-in), no q4tc copy
 
+        words_dropped = property(lambda self: self.packed is None and self.tc is not None)
+
     assert qcuda.fused_gemm(W(4, 28672, 4096), 128)
     dropped = W(4, 28672, 4096)
     dropped.packed, dropped.tc = None, "copy"  # words dropped: on the copy only if asked

@@ -211,7 +211,7 @@ class _Builder:
                                       decode_copies=copies, keep_words=keep)
         if budget and copies:
             self.copy_budget -= need
-            if qw.packed is None and qw.tc is not None:  # the words went
+            if qw.words_dropped:
                 self.copy_budget += raw.weight.numel() * raw.weight.element_size()
                 self.words_dropped += 1
         return qw

@@ -82,8 +82,10 @@ def copy_rows_codes(words: Tensor, rows: Tensor, planes: int, bits: int, glu: bo
     tiles, inv = torch.unique(r // 16, return_inverse=True)
     q = _codes(unrepack(words[tiles])).view(tiles.numel(), 16, -1)[inv, r % 16]
     if planes == 2:
+        from ..quant.affine import merge_planes
+
         k = q.shape[1] // 2
-        q = (q[:, :k] << (bits - 4)) | q[:, k:]
+        q = merge_planes(q[:, :k], q[:, k:], bits)
     return q
 
 

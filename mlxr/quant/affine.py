@@ -131,3 +131,8 @@ def planes(codes: Tensor, scales: Tensor, biases: Tensor, bits: int
         raise ValueError(f"planes: scales x {1 << sh} overflow {scales.dtype}")
     return (torch.cat([q >> sh, q & ((1 << sh) - 1)], dim=1), torch.cat([s_hi, scales], dim=1),
             torch.cat([biases, torch.zeros_like(biases)], dim=1))
+
+
+def merge_planes(hi: Tensor, lo: Tensor, bits: int) -> Tensor:
+    """The b-bit codes (b = 5, 6, 8) from `planes`' high and low nibble planes: 2^(b-4) h + l."""
+    return (hi << (bits - 4)) | lo

@@ -271,8 +271,8 @@ def fp_dequant_on() -> bool:
 
 def dequant_supported(qw) -> bool:
     sp = qw.spec
-    if qw.packed is None:  # words dropped: from the q4tc copy (`QuantWeight.drop_words`)
-        return qw.tc is not None and sp.mode == "affine"
+    if qw.packed is None:  # from the q4tc copy if the words were dropped
+        return qw.words_dropped and sp.mode == "affine"
     if sp.mode == "affine":
         return sp.bits in (2, 3, 4, 5, 6, 8)
     return fp_dequant_on()
@@ -284,7 +284,7 @@ def dequantize(qw, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     from ..ops.triton_dequant import dequant_affine, dequant_copy, dequant_fp  # on first use
 
     sp = qw.spec
-    if qw.packed is None:
+    if qw.words_dropped:
         return dequant_copy(qw.tc, qw.scales, qw.biases, sp.bits, sp.group_size, qw.planes,
                             qw.tc_glu, dtype)
     if sp.mode != "affine":
@@ -336,8 +336,8 @@ def fused_gemm(qw, m: int) -> bool:
     GPU; else dequant + cuBLAS from the copy."""
     if qw.spec.mode != "affine":
         return False
-    if qw.packed is None:  # words dropped: on the q4tc copy, opt-in until measured
-        if qw.tc is None or os.environ.get("MLXR_COPY_GEMM", "") != "1":
+    if qw.packed is None:  # on the q4tc copy if the words were dropped, opt-in until timed
+        if not qw.words_dropped or os.environ.get("MLXR_COPY_GEMM", "") != "1":
             return False
     elif qw.spec.bits not in FUSED_BITS:
         return False
@@ -364,7 +364,7 @@ def _one_row(m: int) -> bool:
 
 def _takes_q4tc(qw, m: int) -> bool:
     """Whether `linear` sends m rows to triton_q4tc (after triton_gemv and q4gemv decline)."""
-    one = _one_row(m) or (m == 1 and qw.packed is None)  # the copy is all a dropped weight has
+    one = _one_row(m) or (m == 1 and qw.words_dropped)  # the copy is all such a weight has
     return (not _gemv_v2(qw, m) and not (_one_row(m) and qw.q4 is not None)
             and ((one and qw.tc is not None) or q4tc_rows(qw, m)))
 
@@ -420,7 +420,7 @@ def linear(qw, x: Tensor) -> Tensor | None:
             from ..ops import triton_q4tc, triton_qgemm
 
             sp = qw.spec
-            if qw.packed is None:  # columns in the copy's row order
+            if qw.words_dropped:  # columns in the copy's row order
                 y = triton_qgemm.qgemm(x, qw.tc, qw.scales, qw.biases, bits=sp.bits,
                                        group=sp.group_size, planes=qw.planes, glu=qw.tc_glu)
                 return triton_q4tc.glu_order(y) if qw.tc_glu else y

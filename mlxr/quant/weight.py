@@ -9,7 +9,8 @@ Storage (chosen at load time, see `from_tensors`):
                  codes; 2/3/5/6/8-bit and mxfp4 over their nibble planes, `planes` of them, see
                  `mlxr.quant.affine.planes` and `fp.fp4_planes`; the codes are decoded back
                  from it).
-On CUDA `packed` is always kept; affine 4-bit adds repacks of it for decode at load: for one
+On CUDA `packed` is kept unless the loader drops it (`drop_words`: prefill then reads the
+`tc` copy); affine 4-bit adds repacks of it for decode at load: for one
 row either `tc` (`mlxr.ops.triton_q4tc`, where `cuda.q4tc_preferred`; it also serves 2-16
 rows; an MLP's gate_up gets it with gate and up rows interleaved, `tc_glu`, so `gated` runs
 the activation in its epilogue) or `q4` (`mlxr.ops.triton_q4gemv`), each with `q4_sb` (scale,
@@ -42,7 +43,7 @@ from mlxr.config import QuantSpec
 from mlxr.errors import ModelFormatError
 
 from . import cuda, int4pack
-from .affine import PLANE_BITS, planes, planes_on, unpack_codes
+from .affine import PLANE_BITS, merge_planes, planes, planes_on, unpack_codes
 from .dequant import validate
 from .fp import code_table, fp4_codes, fp4_planes, fp_scales
 
@@ -54,7 +55,7 @@ def _use_triton(qw: QuantWeight) -> bool:
     if os.environ.get("MLXR_KERNELS", "").lower() == "torch":
         return False
     from mlxr.ops import triton_qmm
-    return triton_qmm.supported(qw) or (qw.packed is None and qw.tc is not None)
+    return triton_qmm.supported(qw) or qw.words_dropped
 
 
 def nibble_planes(spec: QuantSpec, packed: Tensor, scales: Tensor, biases: Tensor | None,
@@ -206,8 +207,8 @@ class QuantWeight:
     def drop_words(self) -> int:
         """Drop the MLX words of a weight that has q4tc's copy (affine; CUDA): decode reads the
         copy anyway, and prefill dequantizes from it (`triton_dequant.dequant_copy`, the same
-        values) instead of taking the fused GEMM at 8-128 rows, so a weight is held once, not
-        twice (4-bit: -0.5 B per weight). Returns the bytes freed (0 where kept)."""
+        values; the fused GEMM on the copy only with `MLXR_COPY_GEMM=1`), so a weight is held
+        once, not twice (4-bit: -0.5 B per weight). Returns the bytes freed (0 where kept)."""
         if self.packed is None or self.tc is None or self.spec.mode != "affine":
             return 0
         freed = self.packed.numel() * self.packed.element_size()
@@ -247,6 +248,11 @@ class QuantWeight:
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     @property
+    def words_dropped(self) -> bool:
+        """The MLX words went (`drop_words`): q4tc's copy is all the kernels can read."""
+        return self.packed is None and self.tc is not None
+
+    @property
     def exact(self) -> bool:
         return self.compute_dtype == torch.float32
 
@@ -268,8 +274,7 @@ class QuantWeight:
             return self._i4_rows(rows, None)
         if self.spec.mode == "mxfp4":
             return fp4_codes(self._i4_rows(rows, torch.add))
-        sh = self.spec.bits - 4
-        return self._i4_rows(rows, lambda hi, lo: (hi << sh) | lo)
+        return self._i4_rows(rows, lambda hi, lo: merge_planes(hi, lo, self.spec.bits))
 
     def _copy_codes(self, rows: slice | Tensor) -> Tensor:
         """Codes uint8 [n, in] of original rows from q4tc's copy (a weight whose words were
