@@ -309,6 +309,6 @@ def test_copy_dequant_is_dequant_affine(bits, glu):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     twin = dequant_copy_ref(copy, s, b, bits, group, p, glu, dtype)
     assert torch.equal(twin.view(torch.int16), want.view(torch.int16))
-    assert want.float().abs().min() >= 0 and len(set(want[0].tolist())) > 4  # real values
+    assert len(set(want[0].tolist())) > 4  # real, varied values (not an all-zero row)
     with pytest.raises(ValueError, match="dequant_copy"):
         dequant_copy(copy.to(DEV), s.to(DEV), b.to(DEV), bits, group, 3 - p, glu, dtype)
