@@ -1,9 +1,7 @@
-"""Prefill from the q4tc copy (what a weight whose MLX words were dropped runs) against the
-words, per 8B / 0.6B projection and width: `triton_dequant.dequant_copy` against
-`dequant_affine` (us per call, CUDA graphs over copies larger than the L2, median; the output's
-bf16 GB/s: each writes 2 B per weight and reads 0.5 B per code and plane), then for 4-bit the
-fused GEMM (`triton_qgemm.qgemm`, its default launch) on the copy (`planes=1`, what
-`MLXR_COPY_GEMM=1` routes) against the words at 32 and 128 rows of x.
+"""Prefill's dequantization from the q4tc copy (`triton_dequant.dequant_copy`, what a weight
+whose MLX words were dropped runs) against the words' own (`dequant_affine`), per 8B / 0.6B
+projection and width: us per call (CUDA graphs over copies larger than the L2, median) and the
+output's bf16 GB/s (each writes 2 B per weight; they read 0.5 B per code and plane).
 
     python benchmarks/gpu_dequant_copy.py            # 4-bit and 8-bit (two planes)
     python benchmarks/gpu_dequant_copy.py 4 3        # the widths to time
@@ -22,7 +20,6 @@ from mlxr.config import QuantSpec  # noqa: E402
 from mlxr.ops.triton_dequant import dequant_affine, dequant_copy  # noqa: E402
 from mlxr.ops.triton_q4tc import repack  # noqa: E402
 from mlxr.ops.triton_q4tc_layout import repack_codes  # noqa: E402
-from mlxr.ops.triton_qgemm import qgemm  # noqa: E402
 from mlxr.quant.weight import nibble_planes  # noqa: E402
 
 SHAPES = {"8b_qkv": (6144, 4096), "8b_o": (4096, 4096), "8b_gate_up": (28672, 4096),
@@ -59,17 +56,6 @@ def main(widths: list[int]) -> None:
             print(f"{bits}-bit {name:13s} words {ta:7.1f} us ({gb / ta:5.0f} GB/s)  copy "
                   f"{tc:7.1f} us ({gb / tc:5.0f} GB/s)  x{tc / ta:.2f}  bit-identical {same}",
                   flush=True)
-            if bits != 4 or name.startswith("0.6b"):
-                continue
-            for m in (32, 128):
-                x = torch.randn(m, k, generator=g, device=dev).bfloat16()
-                same = torch.equal(qgemm(x, w, s, b, bits=4, group=group),
-                                   qgemm(x, copy, s, b, bits=4, group=group, planes=1))
-                ta = graph_time_us([lambda: qgemm(x, w, s, b, bits=4, group=group)])
-                tc = graph_time_us([lambda: qgemm(x, copy, s, b, bits=4, group=group,
-                                                  planes=1)])
-                print(f"  fused GEMM M={m:3d}: words {ta:7.1f} us  copy {tc:7.1f} us  "
-                      f"x{tc / ta:.2f}  bit-identical {same}", flush=True)
 
 
 if __name__ == "__main__":

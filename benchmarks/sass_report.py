@@ -4,11 +4,10 @@ code of the program's tile, load widths, barriers, and the layout conversions Tr
 
     PYTHONPATH=. python benchmarks/sass_report.py q4gemv K GROUP BLOCK_N WT [PRO]
     PYTHONPATH=. python benchmarks/sass_report.py gemv K BITS GROUP BLOCK_N GT [num_warps]
-    PYTHONPATH=. python benchmarks/sass_report.py qgemm M N K [COPY] [GLU]
+    PYTHONPATH=. python benchmarks/sass_report.py qgemm M N K
 
 (PRO: q4gemv's prologue, 0 none, 1 rms_norm(h + r), 2 silu(gate) * up. qgemm: the fused
-prefill GEMM's default launch for M rows of a 4-bit g64 weight N x K, on the MLX words, or
-with COPY = 1 on the q4tc copy, GLU = 1 a glu copy.)
+prefill GEMM's default launch for M rows of a 4-bit g64 weight N x K.)
 
 Pointer arguments are compiled as 16-byte aligned, as Triton specializes them at a real launch
 (without that, no load is vectorized and the report misleads). Uses the ptxas/cuobjdump that
@@ -100,7 +99,6 @@ def main(argv: list[str]) -> None:
         from mlxr.ops import triton_qgemm as Q
 
         m, n, k = args[:3]
-        copy = args[3] if len(args) > 3 else 0
         cfg = Q.default_config(m, n, k, 4, 64)
         sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16",
                "y_ptr": "*bf16", "M": "i32", "N": "i32", "stride_xm": "i32",
@@ -108,8 +106,7 @@ def main(argv: list[str]) -> None:
         const = {"K": k, "BITS": 4, "GROUP": 64, "BLOCK_M": cfg.block_m,
                  "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
                  "W_AS_A": cfg.w_as_a, "SPLIT_K": cfg.split_k, "EVEN_N": True, "EVEN_K": True,
-                 "INTERPRET": False, "COPY": copy, "R": 1,
-                 "GLU": bool(args[4]) if len(args) > 4 else False}
+                 "INTERPRET": False}
         print(cfg.label())
         report(compile_sm90(Q._qgemm_kernel, sig, const, cfg.num_warps, cfg.num_stages),
                cfg.block_n * cfg.block_k * (k // cfg.block_k // cfg.split_k)

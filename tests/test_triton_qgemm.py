@@ -85,40 +85,6 @@ def test_ragged_k_and_splits(cfg):
     run(8, 64, 40, 320, (5,), replace(cfg, split_k=3), 4, torch.float16, torch.float16)
 
 
-@pytest.mark.parametrize("bits,group,glu", [(4, 64, False), (4, 32, True), (8, 64, True),
-                                             (2, 128, False), (3, 32, True), (6, 64, False)])
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.label())
-def test_qgemm_reads_the_copy(bits, group, glu, cfg):
-    """planes > 0: the GEMM on a weight's q4tc copy (its words dropped: 4-bit's repack, the
-    nibble planes of the other widths, rows in glu order or not) is within the reference's
-    bound, and for 2/4/8-bit in checkpoint order bit for bit the GEMM on the words (the same
-    bf16 tiles and sums; a glu copy's tiles hold other rows, and the interpreter's fp32 dot
-    may then sum in another order); a copy of the wrong planes is refused. N = 48, K = 384,
-    M = 20."""
-    from mlxr.ops.triton_q4tc_layout import glu_order, glu_rows, repack, repack_codes
-    from mlxr.quant.weight import nibble_planes
-
-    n, k, m = 48, 384, 20
-    w, s, b, _ = random_weight("affine", bits, group, n, k, 7 * bits + group + glu)
-    perm = glu_rows(n) if glu else torch.arange(n)
-    if bits == 4:
-        copy, p = repack(w[perm]), 1
-    else:
-        c = nibble_planes(QuantSpec("affine", bits, group), w[perm], s[perm], b[perm], k)[0]
-        copy, p = repack_codes(c), c.shape[1] // k
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(bits)).to(torch.bfloat16)
-    got = Q.qgemm(x, copy, s, b, bits=bits, group=group, out_dtype=torch.float32, config=cfg,
-                  planes=p, glu=glu)
-    got = glu_order(got) if glu else got
-    check(got, x, w, s, b, bits, group)
-    if bits in Q.BITS and not glu:
-        want = Q.qgemm(x, w, s, b, bits=bits, group=group, out_dtype=torch.float32,
-                       config=cfg)
-        assert torch.equal(got, want)
-    with pytest.raises(ValueError, match="copy"):
-        Q.qgemm(x, copy, s, b, bits=bits, group=group, config=cfg, planes=3 - p, glu=glu)
-
-
 def test_default_config_and_bf16_output():
     """No config: default_config's launch (split-K for the small grid); bf16 output within one
     rounding of the fp32 result."""
@@ -320,11 +286,8 @@ def test_auto_prefill_gemm_rule(monkeypatch):
 
     assert qcuda.fused_gemm(W(4, 28672, 4096), 128)
     dropped = W(4, 28672, 4096)
-    dropped.packed, dropped.tc = None, "copy"  # words dropped: on the copy only if asked
+    dropped.packed, dropped.tc = None, "copy"  # words dropped: dequantized from the copy
     assert not qcuda.fused_gemm(dropped, 128)
-    monkeypatch.setenv("MLXR_COPY_GEMM", "1")
-    assert qcuda.fused_gemm(dropped, 128) and not qcuda.fused_gemm(dropped, 129)
-    monkeypatch.delenv("MLXR_COPY_GEMM")
     assert qcuda.fused_gemm(W(4, 4096, 4096), 33)
     assert qcuda.fused_gemm(W(4, 4096, 4096), 2)  # no tinygemm copy: from 2 rows
     batch = W(4, 4096, 4096)

@@ -159,7 +159,7 @@ if HAVE_TRITON:
         s = tl.load(s_ptr + so, mask=gm, other=0)
         b = tl.load(b_ptr + so, mask=gm, other=0)
         out = _copy_tile(w_ptr, rn, tl.program_id(1) * BLOCK_K, s, b, nmask, K, P, R, BLOCK_N,
-                         BLOCK_K, NGT, out_ptr.dtype.element_ty, EXACT_ROUND, False)
+                         BLOCK_K, NGT, out_ptr.dtype.element_ty, EXACT_ROUND)
         rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         tl.store(out_ptr + orig.to(tl.int64)[:, None] * K + rk[None, :], out,
                  mask=nmask[:, None] & (rk < K)[None, :])

@@ -49,7 +49,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_tiles import _affine_tile, _copy_orig, _copy_tile, _round
+    from .triton_tiles import _affine_tile, _round
 
 __all__ = ["QgemmConfig", "default_config", "qgemm", "qgemm_ref"]
 
@@ -150,10 +150,7 @@ if HAVE_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, W_AS_A: tl.constexpr, SPLIT_K: tl.constexpr,
         EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
-        COPY: tl.constexpr = 0, R: tl.constexpr = 1, GLU: tl.constexpr = False,
     ):
-        """COPY = P > 0: w is q4tc's copy of P planes (`triton_tiles._copy_tile`), output
-        column n is copy row n (glu order if GLU: its scales are those of the original row)."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         # grouped order: GROUP_M row tiles x every column tile, row tile fastest, so programs
@@ -194,7 +191,7 @@ if HAVE_TRITON:
         # are prefetched into registers while this tile is computed. sp: int32 offsets of the
         # current tile's groups, advanced by NGT per tile (or by one every GROUP/BLOCK_K tiles)
         g = (pid_k * TPS * BLOCK_K) // GROUP + rg  # [NGT]
-        sp = _copy_orig(rn, N, GLU)[:, None] * NG + g[None, :]  # [BN, NGT]
+        sp = rn[:, None] * NG + g[None, :]  # [BN, NGT]
         s, b = _load_groups(s_ptr, b_ptr, sp, g, nmask, pid_k * TPS < NT, NG,
                             EVEN_N and EVEN_K)
         for t in range(TPS):
@@ -211,20 +208,14 @@ if HAVE_TRITON:
             wp = w_row + (k0 // PER + rw)[None, :]  # [BN, BW]
             if EVEN_K:
                 xt = tl.load(xp)
+                if EVEN_N:
+                    wd = tl.load(wp)
+                else:
+                    wd = tl.load(wp, mask=nmask[:, None], other=0)
             else:  # ragged K (whole groups) or a split past the end: masked words and x
                 xt = tl.load(xp, mask=(k0 + rk < K)[None, :], other=0.0)
-            if COPY > 0:  # [BN, BK]
-                wt = _copy_tile(w_ptr, rn, k0, s, b, nmask, K, COPY, R, BLOCK_N, BLOCK_K,
-                                NGT, DT, INTERPRET, True)
-            else:
-                if EVEN_K and EVEN_N:
-                    wd = tl.load(wp)
-                elif EVEN_K:
-                    wd = tl.load(wp, mask=nmask[:, None], other=0)
-                else:
-                    wd = tl.load(wp, mask=nmask[:, None] & (k0 // PER + rw < KW)[None, :],
-                                 other=0)
-                wt = _affine_tile(wd, s, b, DT, BITS, BLOCK_N, BLOCK_K, NGT, INTERPRET, N)
+                wd = tl.load(wp, mask=nmask[:, None] & (k0 // PER + rw < KW)[None, :], other=0)
+            wt = _affine_tile(wd, s, b, DT, BITS, BLOCK_N, BLOCK_K, NGT, INTERPRET, N)  # [BN, BK]
             if INTERPRET:  # exact bf16 values, fp32 products (the interpreter's bf16 dot)
                 if W_AS_A:
                     acc = tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)), acc,
@@ -274,28 +265,14 @@ def _validate(x: Tensor | None, w: Tensor, s: Tensor, b: Tensor, bits: int, grou
 
 def qgemm(x: Tensor, w: Tensor, s: Tensor, b: Tensor, *, bits: int, group: int,
           out_dtype: torch.dtype | None = None, config: QgemmConfig | None = None,
-          warmup: bool = False, planes: int = 0, glu: bool = False) -> Tensor | None:
+          warmup: bool = False) -> Tensor | None:
     """y [M, N] = x [M, K] (bf16/fp16) @ W^T for affine words w int32 [N, K*bits/32] and
     scales/biases [N, K/G]; output in out_dtype (default x.dtype). config: launch override
-    (default: `default_config`). warmup: compile only (returns None). planes > 0: w is
-    instead the weight's q4tc copy [N/16, 2 planes K] (`triton_q4tc.repack`, or the nibble
-    planes of 2/3/5/6/8-bit: `affine.planes`; rows in `glu_rows` order if glu, and y's
-    columns then too), read by `triton_tiles._copy_tile` (the same weights, so the same y
-    up to nothing: the same tiles and sums)."""
-    if planes:
-        k = s.shape[1] * group if s.dim() == 2 else -1
-        if (planes not in (1, 2) or (planes == 2) != (bits > 4) or w.dim() != 2
-                or w.shape[1] != 2 * planes * k or w.shape[0] * 16 != s.shape[0]
-                or b is None or b.shape != s.shape or k % 64 or x.shape[-1] != k):
-            raise ValueError(f"triton_qgemm: copy {tuple(w.shape)}, scales {tuple(s.shape)}, "
-                             f"x {tuple(x.shape)}, {bits}-bit g{group}, planes {planes}")
-        n = s.shape[0]
-    else:
-        k = _validate(x, w, s, b, bits, group)
-        n = w.shape[0]
+    (default: `default_config`). warmup: compile only (returns None)."""
+    k = _validate(x, w, s, b, bits, group)
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"triton_qgemm.qgemm takes bf16/fp16 activations, not {x.dtype}")
-    m = x.shape[0]
+    m, n = x.shape[0], w.shape[0]
     if m == 0:
         return torch.empty(0, n, device=x.device, dtype=out_dtype or x.dtype)
     x = x.contiguous()
@@ -314,11 +291,10 @@ def qgemm(x: Tensor, w: Tensor, s: Tensor, b: Tensor, *, bits: int, group: int,
         y, ys = torch.empty(split, m, n, device=x.device, dtype=torch.float32), m * n
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
     args = (x, w, s, b, y, m, n, x.stride(0), n, ys)
-    kw = {"K": k, "BITS": 4 if planes else bits, "GROUP": group, "BLOCK_M": cfg.block_m,
+    kw = {"K": k, "BITS": bits, "GROUP": group, "BLOCK_M": cfg.block_m,
           "BLOCK_N": cfg.block_n, "BLOCK_K": bk, "GROUP_M": cfg.group_m, "W_AS_A": cfg.w_as_a,
           "SPLIT_K": split, "EVEN_N": n % cfg.block_n == 0,
           "EVEN_K": k % bk == 0 and tps * split == nt, "INTERPRET": _interpret(),
-          "COPY": planes, "R": 1 << max(0, bits - 4), "GLU": glu,  # (a copy's BITS: unused)
           "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.maxnreg and not _interpret():
         kw["maxnreg"] = cfg.maxnreg

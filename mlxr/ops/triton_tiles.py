@@ -1,9 +1,10 @@
 """Weight-tile math shared by the prefill GEMM (`triton_qgemm`) and the dequantizers
 (`triton_dequant`): a [BLOCK_N, BLOCK_K] tile of w = s * q + b in fp32, rounded once to the
-compute dtype, from the MLX words (`_affine_tile`) or from q4tc's lane-ordered decode copy
-(`_copy_tile`, for weights whose words were dropped: `QuantWeight.drop_words`). Both give the
-same values for the same weight, so every prefill path feeds the tensor cores the same bf16
-matrix.
+compute dtype, from the MLX words (`_affine_tile`, both) or from q4tc's lane-ordered decode
+copy (`_copy_tile`, the dequantizer of weights whose words were dropped:
+`QuantWeight.drop_words`). Both give the same values for the same weight, so every prefill
+path feeds the tensor cores the same bf16 matrix. (A fused GEMM built on `_copy_tile` was
+measured 1.4-2.2x slower than the words' and removed: docs/perf.md.)
 """
 
 from __future__ import annotations
@@ -89,8 +90,7 @@ if HAVE_TRITON:
     @triton.jit
     def _copy_tile(w_ptr, rn, k0, s, b, nmask, K: tl.constexpr, P: tl.constexpr,
                    R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   NGT: tl.constexpr, DT: tl.constexpr, EXACT_ROUND: tl.constexpr,
-                   KMAJOR: tl.constexpr):
+                   NGT: tl.constexpr, DT: tl.constexpr, EXACT_ROUND: tl.constexpr):
         """Weights [BLOCK_N, BLOCK_K] in DT of copy rows rn [BN] (nmask: rn < N) and codes
         k0 .. k0 + BLOCK_K from q4tc's lane-ordered copy [N / 16, 2PK] (`triton_q4tc`
         docstring), scales and biases s, b [BN, NGT] (NGT groups in the tile, the rows' own):
@@ -98,29 +98,17 @@ if HAVE_TRITON:
         `affine.planes`). The 8 codes 8c .. 8c + 7 of a row are two adjacent words of its row
         tile (block c // 8, lane 4g + c % 4, mma steps 2((c % 8) // 4) and + 1), nibbles h,
         h + 4, h + 2, h + 6 of each (h = the row's half of its tile): a thread's 16-byte run of
-        output is two word loads (four with two planes), no gather across threads.
-        KMAJOR: the work is laid out [chunks, rows] instead of [rows, chunks]. No dim has
-        contiguous addresses, so Triton's coalescing orders the dims as given: rows first
-        (the dequantizer, measured) puts a row per thread; chunks first (the GEMM) makes the
-        chunks vary fastest across threads, so its tile reaches shared memory K-major in
-        16-byte stores (rows first: N-major, 2-byte stores; docs/perf.md)."""
+        output is two word loads (four with two planes), no gather across threads."""
         CPG: tl.constexpr = BLOCK_K // 8 // NGT  # chunks of 8 codes per group in the tile
         c = k0 // 8 + tl.arange(0, NGT)[:, None] * CPG + tl.arange(0, CPG)[None, :]
         ri = rn % 16
         cw = (c // 8) * 128 + 4 * (c % 4) + 2 * ((c % 8) // 4)  # [NGT, CPG]
         rw = (rn // 16).to(tl.int64) * (2 * P * K) + 16 * (ri % 8)  # [BN]
-        if KMAJOR:  # [NGT, CPG, BN]
-            h4 = ((ri // 8) * 4)[None, None, :]
-            wo = cw[:, :, None] + rw[None, None, :]
-            m = (c < K // 8)[:, :, None] & nmask[None, None, :]
-            sf = tl.trans(s.to(tl.float32))[:, None, :]
-            bf = tl.trans(b.to(tl.float32))[:, None, :]
-        else:  # [BN, NGT, CPG]
-            h4 = ((ri // 8) * 4)[:, None, None]
-            wo = rw[:, None, None] + cw[None]
-            m = nmask[:, None, None] & (c < K // 8)[None]
-            sf = s.to(tl.float32)[:, :, None]
-            bf = b.to(tl.float32)[:, :, None]
+        h4 = ((ri // 8) * 4)[:, None, None]  # [BN, NGT, CPG]
+        wo = rw[:, None, None] + cw[None]
+        m = nmask[:, None, None] & (c < K // 8)[None]
+        sf = s.to(tl.float32)[:, :, None]
+        bf = b.to(tl.float32)[:, :, None]
         w0 = tl.load(w_ptr + wo, mask=m, other=0)
         w1 = tl.load(w_ptr + wo + 1, mask=m, other=0)
         l0 = w0
@@ -136,8 +124,6 @@ if HAVE_TRITON:
                             tl.join(q2 * sf + bf, q6 * sf + bf)),
                     tl.join(tl.join(q1 * sf + bf, q5 * sf + bf),
                             tl.join(q3 * sf + bf, q7 * sf + bf)))
-        if KMAJOR:
-            v = tl.permute(v, (2, 0, 1, 3, 4, 5))
         return _round(tl.reshape(v, [BLOCK_N, BLOCK_K]), DT, EXACT_ROUND)
 
     @triton.jit

@@ -330,16 +330,10 @@ def fused_gemm(qw, m: int) -> bool:
     """Whether a call of m (>= 2) rows takes triton_qgemm's fused GEMM instead of tinygemm
     (where its copy exists) or dequant + cuBLAS (see the module docstring and the table
     above: env MLXR_PREFILL_GEMM = fused | dequant | auto). Never for widths the GEMM does
-    not take. A weight whose words were dropped (`QuantWeight.drop_words`) takes it on its
-    q4tc copy (`triton_qgemm.qgemm(planes=...)`, the same weights) with env
-    `MLXR_COPY_GEMM=1`, by the same rules: built and interpreter-tested, not yet timed on a
-    GPU; else dequant + cuBLAS from the copy."""
-    if qw.spec.mode != "affine":
-        return False
-    if qw.packed is None:  # on the q4tc copy if the words were dropped, opt-in until timed
-        if not qw.words_dropped or os.environ.get("MLXR_COPY_GEMM", "") != "1":
-            return False
-    elif qw.spec.bits not in FUSED_BITS:
+    not take, nor for a weight whose words were dropped (`QuantWeight.drop_words`): it
+    dequantizes from its copy (the fused GEMM built on the copy's tiles measured 1.4-2.2x
+    the words' GEMM and slower than dequant + cuBLAS, docs/perf.md)."""
+    if qw.spec.mode != "affine" or qw.spec.bits not in FUSED_BITS or qw.packed is None:
         return False
     mode = os.environ.get("MLXR_PREFILL_GEMM", "").lower()
     if mode in ("fused", "dequant"):
@@ -417,13 +411,9 @@ def linear(qw, x: Tensor) -> Tensor | None:
     if ((m > DECODE_MAX_M or (m > 1 and decode_copy)) and qw.compute_dtype != torch.float32
             and dequant_supported(qw)):
         if fused_gemm(qw, m):
-            from ..ops import triton_q4tc, triton_qgemm
+            from ..ops import triton_qgemm
 
             sp = qw.spec
-            if qw.words_dropped:  # columns in the copy's row order
-                y = triton_qgemm.qgemm(x, qw.tc, qw.scales, qw.biases, bits=sp.bits,
-                                       group=sp.group_size, planes=qw.planes, glu=qw.tc_glu)
-                return triton_q4tc.glu_order(y) if qw.tc_glu else y
             return triton_qgemm.qgemm(x, qw.packed, qw.scales, qw.biases, bits=sp.bits,
                                       group=sp.group_size)
         return x @ dequantize(qw, x.dtype).t()

@@ -207,8 +207,8 @@ class QuantWeight:
     def drop_words(self) -> int:
         """Drop the MLX words of a weight that has q4tc's copy (affine; CUDA): decode reads the
         copy anyway, and prefill dequantizes from it (`triton_dequant.dequant_copy`, the same
-        values; the fused GEMM on the copy only with `MLXR_COPY_GEMM=1`), so a weight is held
-        once, not twice (4-bit: -0.5 B per weight). Returns the bytes freed (0 where kept)."""
+        values), so a weight is held once, not twice (4-bit: -0.5 B per weight). Returns the
+        bytes freed (0 where kept)."""
         if self.packed is None or self.tc is None or self.spec.mode != "affine":
             return 0
         freed = self.packed.numel() * self.packed.element_size()
