@@ -312,3 +312,102 @@ def test_copy_dequant_is_dequant_affine(bits, glu):
     assert len(set(want[0].tolist())) > 4  # real, varied values (not an all-zero row)
     with pytest.raises(ValueError, match="dequant_copy"):
         dequant_copy(copy.to(DEV), s.to(DEV), b.to(DEV), bits, group, 3 - p, glu, dtype)
+
+
+def _fp4(g, n, k, group=32):
+    """Random mxfp4 weight: codes [N, K] (all 16 E2M1 codes, -0 and the subnormal +-0.5
+    among them), its MLX words, E8M0 scales [N, K/G] and the values' fp64 weight."""
+    from mlxr.quant.fp import code_table
+
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    e8 = torch.randint(116, 126, (n, k // group), generator=g, dtype=torch.int32)
+    packed = (codes.view(n, k // 8, 8) << torch.arange(0, 32, 4)).sum(-1, dtype=torch.int32)
+    w = (code_table("mxfp4", torch.device("cpu"))[codes.long()].double().view(n, -1, group)
+         * torch.exp2(e8.double() - 127)[..., None]).view(n, k)
+    return codes, packed, e8, w
+
+
+def _fp4_pairs(e8):
+    """q4tc's pairs for E8M0 scales: (2^(e - 127) in bf16, 0)."""
+    s = torch.exp2(e8.float() - 127).to(torch.bfloat16)
+    return pair_scales(s, torch.zeros_like(s))
+
+
+def test_fp4_bits_round_trip_and_extraction():
+    """`fp4_bits` moves each code's bits within its word and `fp4_unbits` undoes it; the
+    kernel's extraction (the masks and shifts of its PTX, here in torch) gives every nibble's
+    E2M1 value x 2^-126 as bf16 bits, the subnormal +-0.5 included."""
+    from mlxr.ops.triton_q4tc_layout import fp4_unbits
+    from mlxr.quant.fp import code_table
+
+    w = torch.randint(-2**31, 2**31 - 1, (4096,), dtype=torch.int32,
+                      generator=torch.Generator().manual_seed(5))
+    f = T.fp4_bits(w)
+    assert f.dtype == torch.int32 and torch.equal(fp4_unbits(f), w) and not torch.equal(f, w)
+    u = f.long() & 0xFFFFFFFF
+    m = 0x81C081C0
+    regs = [u & m, (u << 3) & m, (u << 6) & m,
+            ((u << 1) & 0x80008000) | ((u >> 3) & 0x01800180) | ((u >> 7) & 0x00400040)]
+    table = code_table("mxfp4", torch.device("cpu")).double()
+    for j in range(8):
+        half = (regs[j % 4] >> (16 * (j // 4))) & 0xFFFF
+        v = (half << 16).to(torch.int32).view(torch.float32).double() * 2.0**126
+        code = (w.long() >> (4 * j)) & 15
+        assert torch.equal(v, table[code]), j
+
+
+@pytest.mark.parametrize("m,act,n,k,cfg", [
+    (1, None, 32, 512, None),
+    (1, None, 48, 1536, T.TcConfig(rt=2, u=1, num_warps=2)),  # rows past N, windows of 4
+    (1, None, 16, 3584, T.TcConfig(rt=1, u=1, num_warps=4, pf=2, unroll=2)),
+    (1, None, 32, 2048, T.TcConfig(rt=1, u=1, num_warps=4, pf=2, stages=3)),  # GPU: TMA
+    (3, None, 32, 1024, None),
+    (4, "silu", 64, 1024, None),
+    (1, "silu", 64, 1536, T.TcConfig(rt=2, u=1, num_warps=2)),
+    (9, None, 32, 512, None),  # launches of 4 rows (group 32) and a one-row launch
+])
+def test_q4tc_fp4(m, act, n, k, cfg):
+    """mxfp4 weights through their fp4 copy (`q4tc(fp4=True)`): within rounding of fp64
+    x @ W^T (the E2M1 values times exact E8M0 scales, so only the fp32 summation order and
+    the output rounding differ), and of the torch twin; with a glu copy, act(gate) * up
+    exactly as the plain launch followed by `gated_act`."""
+    from mlxr.ops.triton_fused import gated_act
+
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    _, packed, e8, w = _fp4(g, n, k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    words, sb = T.fp4_bits(T.repack(packed)), _fp4_pairs(e8)
+    y = T.q4tc(x.to(DEV), words.to(DEV), sb.to(DEV), group=32, config=cfg, fp4=True).cpu()
+    assert y.shape == ((n,) if m == 1 else (m, n))
+    exact, scale = x.double() @ w.t(), x.double().abs() @ w.abs().t()
+    err = (y.double() - exact).abs()
+    assert bool((err <= 2**-7 * exact.abs() + 1e-5 * scale).all()), float((err / scale).max())
+    twin = T.q4tc_ref(x, words, sb, group=32, fp4=True)
+    assert (y.float() - twin.float()).abs().max() <= 2**-6 * twin.float().abs().max()
+    if act is not None:
+        perm = T.glu_rows(n)
+        gw, gsb = T.fp4_bits(T.repack(packed[perm])), _fp4_pairs(e8[perm])
+        yg = T.q4tc(x.to(DEV), gw.to(DEV), gsb.to(DEV), group=32, config=cfg, act=act,
+                    fp4=True).cpu()
+        gate, up = y.reshape(m, n).chunk(2, dim=-1)
+        assert torch.equal(yg.reshape(m, -1), gated_act(gate, up, act))
+    with pytest.raises(ValueError, match="fp4"):
+        T.q4tc(x.half().to(DEV), words.to(DEV), sb.half().to(DEV), group=32, fp4=True)
+
+
+def test_q4tc_fp4_sees_every_code_position():
+    """One-hot x at k: y[row] = value(code[row, k]) * 2^(e - 127) exactly, for each of a
+    block's 64 positions and some later ones: a misplaced bit in `fp4_bits` or the
+    extraction would show as a wrong value at its position."""
+    n, k = 32, 1024
+    codes, packed, e8, w = _fp4(torch.Generator().manual_seed(2), n, k)
+    e8 = torch.full_like(e8, 127)
+    from mlxr.quant.fp import code_table
+
+    table = code_table("mxfp4", torch.device("cpu"))
+    words, sb = T.fp4_bits(T.repack(packed)).to(DEV), _fp4_pairs(e8).to(DEV)
+    for kk in list(range(64)) + [64, 300, 1023]:
+        x = torch.zeros(k, dtype=torch.bfloat16)
+        x[kk] = 1
+        y = T.q4tc(x.to(DEV), words, sb, group=32, fp4=True).cpu().float()
+        assert torch.equal(y, table[codes[:, kk].long()].float()), kk

@@ -38,6 +38,12 @@ small programs, each with its whole tile of words in flight):
   and g + 8 are one output's gate and up. Same sums and roundings as the GEMV followed by
   `ops.gated_act`, one launch fewer (0.6B decode +4.6%, docs/perf.md).
 
+* mxfp4 (`fp4=True`, bf16): the copy holds E2M1 codes, each code's bits moved within its word
+  at load (`fp4_bits`) so that a fragment register's two values x 2^-126 come out by masks
+  and shifts (1-6 per register, `triton_q4tc_ptx`) and one exact bf16x2 multiply by 2^126;
+  the E8M0 scale multiplies each group's sum at the flush, and there are no x sums (no bias).
+  Same bytes as the file's codes, at the 4-bit kernel's speed (docs/perf.md).
+
 `q4tc_ref` is the plain-torch twin with the same signature (the tests' oracle); it and the
 load-time layouts (`repack`, `glu_rows`) are in `triton_q4tc_layout`.
 """
@@ -53,7 +59,7 @@ from torch import Tensor
 
 from .triton_fused import ACTS, HAVE_TRITON, _hopper, _interpret, pdl
 from .triton_q4tc_layout import (  # noqa: F401 (API)
-    glu_order, glu_rows, q4tc_ref, repack, unrepack)
+    fp4_bits, glu_order, glu_rows, q4tc_ref, repack, unrepack)
 
 if HAVE_TRITON:
     import triton
@@ -166,8 +172,11 @@ if HAVE_TRITON:
         return a, a, a, a, s, s
 
     @triton.jit
-    def _scaled(sbv, acc, xs, OFF: tl.constexpr, F16: tl.constexpr):
-        """s * (acc - OFF * xs) + b * xs for the packed (scale, bias) pairs sbv."""
+    def _scaled(sbv, acc, xs, OFF: tl.constexpr, F16: tl.constexpr, FP4: tl.constexpr):
+        """s * (acc - OFF * xs) + b * xs for the packed (scale, bias) pairs sbv; FP4 (bf16):
+        s * acc (the sums are of the values themselves, no bias)."""
+        if FP4:
+            return (sbv << 16).to(tl.float32, bitcast=True) * acc
         if F16:
             s = (sbv & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             b = (sbv >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -181,7 +190,8 @@ if HAVE_TRITON:
                      K: tl.constexpr, GROUP: tl.constexpr, RT: tl.constexpr, WT: tl.constexpr,
                      PF: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
                      M: tl.constexpr, ACT: tl.constexpr, P: tl.constexpr,
-                     F16: tl.constexpr, GDC: tl.constexpr, INTERP: tl.constexpr):
+                     F16: tl.constexpr, GDC: tl.constexpr, INTERP: tl.constexpr,
+                     FP4: tl.constexpr):
         """y [M, N] for row tiles pid * RT .. + RT (16 rows each) of x [M, K] (M = 1, 2, 4, 8:
         the B columns are M rows of x x GPW = 8 / M group slots, so a window holds GPW
         slots). STAGES > 0: the word tiles come through shared memory by TMA (w_desc over the
@@ -189,7 +199,8 @@ if HAVE_TRITON:
         else by register loads PF ahead. GDC: launched with PDL (`triton_fused.pdl`; register
         loads only). ACT >= 0 (`ACTS`): the rows are a glu copy (`glu_rows`) and y [M, N / 2]
         is act(gate) * up of each lane's rows g (gate) and g + 8 (up). P planes
-        (`mlxr.quant.affine.planes`): K is P x x's length, x is read P times over."""
+        (`mlxr.quant.affine.planes`): K is P x x's length, x is read P times over. FP4: the
+        words are E2M1 codes (`fp4_bits`, bf16): no x sums, y = s * sum(value * x)."""
         pid = tl.program_id(0)
         NS: tl.constexpr = WT // 128  # blocks (of 64 codes) per iteration
         NU: tl.constexpr = WT // 4  # lanes x slots
@@ -247,8 +258,9 @@ if HAVE_TRITON:
                                   (ls == jn + CPB - 1) & ok, INTERP, GDC)
             q0, q1, q2, q3 = _split4(w, NU)
             a0, a1, a2, a3 = _mma4(q0, q1, q2, q3, x0, x1, x2, x3, a0, a1, a2, a3, RT, NU,
-                                   F16, INTERP)
-            s0, s1 = _ones4(x0, x1, x2, x3, s0, s1, NU, F16, INTERP)
+                                   F16, INTERP, FP4)
+            if not FP4:
+                s0, s1 = _ones4(x0, x1, x2, x3, s0, s1, NU, F16, INTERP)
             if STAGES == 0:
                 if PF == 2:
                     w, w1 = w1, wn
@@ -257,13 +269,15 @@ if HAVE_TRITON:
             x0, x1, x2, x3 = n0, n1, n2, n3
             if (j == W - 1) | (it == NT - 1):  # flush the window's columns
                 if M == 8:
-                    y0 += _scaled(sb0, a0, s0, OFF, F16)  # row g, x row 2tig
-                    y2 += _scaled(sb1, a1, s1, OFF, F16)  # row g, x row 2tig + 1
-                    y1 += _scaled(sb2, a2, s0, OFF, F16)  # row g + 8
-                    y3 += _scaled(sb3, a3, s1, OFF, F16)
+                    y0 += _scaled(sb0, a0, s0, OFF, F16, FP4)  # row g, x row 2tig
+                    y2 += _scaled(sb1, a1, s1, OFF, F16, FP4)  # row g, x row 2tig + 1
+                    y1 += _scaled(sb2, a2, s0, OFF, F16, FP4)  # row g + 8
+                    y3 += _scaled(sb3, a3, s1, OFF, F16, FP4)
                 else:  # row g (y0), g + 8 (y1); both columns belong to x row 2tig // GPW
-                    y0 += _scaled(sb0, a0, s0, OFF, F16) + _scaled(sb1, a1, s1, OFF, F16)
-                    y1 += _scaled(sb2, a2, s0, OFF, F16) + _scaled(sb3, a3, s1, OFF, F16)
+                    y0 += (_scaled(sb0, a0, s0, OFF, F16, FP4)
+                           + _scaled(sb1, a1, s1, OFF, F16, FP4))
+                    y1 += (_scaled(sb2, a2, s0, OFF, F16, FP4)
+                           + _scaled(sb3, a3, s1, OFF, F16, FP4))
                 a0, a1, a2, a3, s0, s1 = _window(RT, NU)
                 sb0, sb1, sb2, sb3 = _sb4(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it + 1, NT, NS,
                                           CPB, GROUP, NG, GPW, INTERP)
@@ -311,7 +325,8 @@ def max_rows(group: int) -> int:
 
 
 def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None = None,
-         config: TcConfig | None = None, act: str | None = None, planes: int = 1) -> Tensor:
+         config: TcConfig | None = None, act: str | None = None, planes: int = 1,
+         fp4: bool = False) -> Tensor:
     """See `q4tc_ref` (same results up to fp32 summation order). x [K] or [M, K], contiguous
     and 16-byte aligned (one launch per `max_rows` rows; a launch's rows are padded to 2, 4
     or 8); words = `repack(packed)`; sb = `pair_scales(scales, biases)`. Returns [N] for one
@@ -319,11 +334,13 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
     (`glu_rows`), and the result is act(gate) * up, [F] or [M, F] (F = N / 2), in the same
     launch: the same GEMV sums, rounded, then `ops.gated_act`'s arithmetic. planes (1 or 2):
     words and sb hold the nibble planes of another affine width
-    (`mlxr.quant.affine.planes`) over K = planes x x's length, x read once per plane."""
+    (`mlxr.quant.affine.planes`) over K = planes x x's length, x read once per plane. fp4:
+    words are `fp4_bits(repack(packed))` of mxfp4's E2M1 codes and sb pairs each group's
+    scale (bf16) with an unused bias; bf16 x, one plane."""
     nrt, k2 = words.shape
     n, k = nrt * 16, k2 // 2
-    if planes not in (1, 2):
-        raise ValueError(f"q4tc: planes = {planes} (1 or 2)")
+    if planes not in (1, 2) or (fp4 and (planes != 1 or x.dtype != torch.bfloat16)):
+        raise ValueError(f"q4tc: planes = {planes} (1 or 2; fp4: 1 and bf16 x), {x.dtype}")
     kx = k // planes  # x's length
     xm = x.reshape(-1, kx) if x.dim() <= 2 and x.shape[-1] == kx else None
     if (xm is None or not supported(group, n, kx, x.dtype) or not xm.is_contiguous()
@@ -351,7 +368,7 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
         for i in range(0, m, max_rows(group)):
             part = y[i:i + max_rows(group)]
             q4tc(xm[i:i + max_rows(group)], words, sb, group=group, config=config, act=act,
-                 out=part.view(n_out) if part.shape[0] == 1 else part, planes=planes)
+                 out=part.view(n_out) if part.shape[0] == 1 else part, planes=planes, fp4=fp4)
         return y
     mp = 1 << (m - 1).bit_length()  # the kernel's 1, 2, 4 or 8 rows: pad with zero rows
     if mp != m:
@@ -370,7 +387,7 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
         xm, words, desc, sb, y, xm.data_ptr(), sb.data_ptr(), nrt, K=k, GROUP=group,
         RT=cfg.rt, WT=cfg.wt, PF=cfg.pf, STAGES=stages, UNROLL=cfg.unroll, M=mp,
         ACT=-1 if act is None else ACTS[act], P=planes, F16=x.dtype == torch.float16, GDC=gdc,
-        INTERP=_interpret(), num_warps=cfg.num_warps, num_stages=max(stages, 1),
+        INTERP=_interpret(), FP4=fp4, num_warps=cfg.num_warps, num_stages=max(stages, 1),
         **({"launch_pdl": True} if gdc else {}),
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not _interpret() else {}))
     if mp != m:

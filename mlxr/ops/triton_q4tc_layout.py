@@ -49,6 +49,47 @@ def _repack_rows(rows, n: int, k: int, device, chunk_rows: int) -> Tensor:
     return out
 
 
+# E2M1 codes (sign, e1, e0, m) in a word of the fp4 copy (`fp4_bits`): (sign, em) bit positions
+# of the code in fragment register i's low half (its high half: + 16), chosen so that register
+# i's two bf16 values (x 2^-126: em lands on the exponent's low two bits and the mantissa's top
+# bit) come out of the word by one AND (i = 0), a shift and an AND (i = 1, 2) or three shifts
+# and three ANDs (i = 3: no layout gives all four registers one shift, see docs/perf.md)
+FP4_SIGN = (15, 12, 9, 14)
+FP4_EM = (6, 3, 0, None)  # register 3: e1 e0 at bits 11, 10 and m at bit 13
+
+
+def fp4_bits(words: Tensor) -> Tensor:
+    """`repack`'s words of E2M1 codes (mxfp4) -> the fp4 copy that `triton_q4tc.q4tc(fp4=True)`
+    reads: the same words, each code's bits moved within its word (nibble i + 4 hi, register
+    i's value hi, to `FP4_SIGN` / `FP4_EM` + 16 hi)."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros_like(w)
+    for j in range(8):
+        c = (w >> (4 * j)) & 15
+        i, base = j % 4, 16 * (j // 4)
+        out |= (c >> 3) << (FP4_SIGN[i] + base)
+        if FP4_EM[i] is None:
+            out |= (((c >> 1) & 3) << (10 + base)) | ((c & 1) << (13 + base))
+        else:
+            out |= (c & 7) << (FP4_EM[i] + base)
+    return (out - (out >> 31 << 32)).to(torch.int32)
+
+
+def fp4_unbits(words: Tensor) -> Tensor:
+    """Inverse of `fp4_bits` (tests, reference)."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros_like(w)
+    for j in range(8):
+        i, base = j % 4, 16 * (j // 4)
+        c = ((w >> (FP4_SIGN[i] + base)) & 1) << 3
+        if FP4_EM[i] is None:
+            c |= (((w >> (10 + base)) & 3) << 1) | ((w >> (13 + base)) & 1)
+        else:
+            c |= (w >> (FP4_EM[i] + base)) & 7
+        out |= c << (4 * j)
+    return (out - (out >> 31 << 32)).to(torch.int32)
+
+
 def unrepack(words: Tensor) -> Tensor:
     """Inverse of `repack`: back to MLX words [N, K/8] (tests, reference)."""
     rt, k2 = words.shape
@@ -119,18 +160,28 @@ def glu_order(y: Tensor) -> Tensor:
 
 # ====================================================================== torch twin (oracle)
 def q4tc_ref(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None = None,
-             config=None, act: str | None = None, planes: int = 1) -> Tensor:
+             config=None, act: str | None = None, planes: int = 1, fp4: bool = False
+             ) -> Tensor:
     """y = x @ (s * q + b)^T in fp32, rounded to x.dtype: [N] for one row of x ([K] or
     [1, K]), else [M, N]; `words` are `repack`'s output, sb = `triton_q4gemv.pair_scales(
     scales, biases)` [N, K/group, 2]. act (silu, gelu, gelu_tanh): words and sb are a glu
     copy (rows in `glu_rows` order) and the result is act(gate) * up, [F] or [M, F] for F =
     N / 2, each rounded to x.dtype as `ops.gated_act` rounds. planes: words and sb hold P
-    nibble planes of another width (`mlxr.quant.affine.planes`), K = P x x's length. config
+    nibble planes of another width (`mlxr.quant.affine.planes`), K = P x x's length. fp4:
+    words are `fp4_bits` of E2M1 codes (mxfp4) and w = s * value (sb's biases unused). config
     changes nothing here."""
     from .reference import gated_act
     from .triton_qmm import dequant_f32
 
-    w = dequant_f32(unrepack(words), sb[..., 0], sb[..., 1], None, "affine", 4, group)
+    if fp4:  # the pairs' scales are the E8M0 scales in x's dtype (exact)
+        from ..quant.fp import code_table
+
+        q = _codes(unrepack(fp4_unbits(words)))
+        n, k = q.shape
+        w = (code_table("mxfp4", q.device)[q.to(torch.int64)].view(n, k // group, group)
+             * sb[..., 0].float().unsqueeze(-1)).view(n, k)
+    else:
+        w = dequant_f32(unrepack(words), sb[..., 0], sb[..., 1], None, "affine", 4, group)
     xm = x.reshape(-1, words.shape[1] // 2 // planes)
     y = (xm.float().repeat(1, planes) @ w.t()).to(x.dtype)
     if act is not None:

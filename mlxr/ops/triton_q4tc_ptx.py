@@ -32,6 +32,29 @@ mov.b64 {{b0, b1}}, {x};
 mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32
   {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{b0, b1}}, {{$0, $1, $2, $3}};
 """
+# The same chain over E2M1 codes (`triton_q4tc_layout.fp4_bits`, bf16 only): register i's two
+# values x 2^-126 by masks and shifts, then one bf16x2 multiply by 2^126 (exact, also for the
+# subnormal +-0.5 codes; an fma with -0 addend, which sm_80 has too)
+_STEP_FP4 = """
+shl.b32 t0, {w}, 3;
+shl.b32 t1, {w}, 6;
+shl.b32 t2, {w}, 1;
+shr.u32 t3, {w}, 3;
+shr.u32 t4, {w}, 7;
+and.b32 a0, {w}, 0x81C081C0;
+and.b32 a1, t0, 0x81C081C0;
+and.b32 a2, t1, 0x81C081C0;
+and.b32 a3, t2, 0x80008000;
+lop3.b32 a3, t3, 0x01800180, a3, 0xEA;
+lop3.b32 a3, t4, 0x00400040, a3, 0xEA;
+fma.rn.bf16x2 a0, a0, 0x7E807E80, 0x80008000;
+fma.rn.bf16x2 a1, a1, 0x7E807E80, 0x80008000;
+fma.rn.bf16x2 a2, a2, 0x7E807E80, 0x80008000;
+fma.rn.bf16x2 a3, a3, 0x7E807E80, 0x80008000;
+mov.b64 {{b0, b1}}, {x};
+mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
+  {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{b0, b1}}, {{$0, $1, $2, $3}};
+"""
 # _ONES4: the column sums of the masked x over the 4 steps (A = 1): $0-1 out (columns 2tig,
 # 2tig + 1), $2-5 x, $6-7 C.
 _ONES = """
@@ -46,6 +69,13 @@ def _asm_mma4(ty: str) -> str:
     body = "".join(_STEP.format(w=f"${4 + s}", x=f"${8 + s}", magic=magic, ty=ty)
                    for s in range(4))
     return ("{\n.reg .b32 t0, t1, t2, a0, a1, a2, a3, b0, b1;\n"
+            "mov.f32 $0, $12;\nmov.f32 $1, $13;\nmov.f32 $2, $14;\nmov.f32 $3, $15;\n"
+            + body + "}")
+
+
+def _asm_mma4_fp4() -> str:
+    body = "".join(_STEP_FP4.format(w=f"${4 + s}", x=f"${8 + s}") for s in range(4))
+    return ("{\n.reg .b32 t0, t1, t2, t3, t4, a0, a1, a2, a3, b0, b1;\n"
             "mov.f32 $0, $12;\nmov.f32 $1, $13;\nmov.f32 $2, $14;\nmov.f32 $3, $15;\n"
             + body + "}")
 
@@ -84,6 +114,7 @@ if HAVE_TRITON:
     # the PTX as constexpr globals (a jit function reads no other globals)
     MMA4_BF16 = tl.constexpr(_asm_mma4("bf16"))
     MMA4_F16 = tl.constexpr(_asm_mma4("f16"))
+    MMA4_FP4 = tl.constexpr(_asm_mma4_fp4())
     ONES4_BF16 = tl.constexpr(_asm_ones4("bf16"))
     ONES4_F16 = tl.constexpr(_asm_ones4("f16"))
     LDX = tl.constexpr(_LDX.format(nc="nc"))
@@ -123,16 +154,36 @@ if HAVE_TRITON:
         return tl.reshape(b, [NS, 8, 64])
 
     @triton.jit
+    def _fp4_values(w):
+        """Interpreter: the 8 E2M1 values of each word of an fp4 copy (`fp4_bits`) [..., 8] in
+        nibble order (register i's value hi at i + 4 hi), as the PTX extracts them."""
+        j = tl.arange(0, 8)
+        i = (j % 4)[None, None, :]
+        w3 = w[:, :, None]
+        m = -2118090304  # 0x81C081C0 as int32 (and below 0x80008000), so the math stays int32
+        r3 = (((w3 << 1) & -2147450880) | ((w3 >> 3) & 0x01800180)
+              | ((w3 >> 7) & 0x00400040))
+        r = tl.where(i == 0, w3 & m, tl.where(i == 1, (w3 << 3) & m,
+                                              tl.where(i == 2, (w3 << 6) & m, r3)))
+        h = (r >> (16 * (j // 4))[None, None, :]) & 0xFFFF
+        return (h << 16).to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+
+    @triton.jit
     def _mma4(w0, w1, w2, w3, x0, x1, x2, x3, c0, c1, c2, c3, RT: tl.constexpr,
-              NU: tl.constexpr, F16: tl.constexpr, INTERP: tl.constexpr):
+              NU: tl.constexpr, F16: tl.constexpr, INTERP: tl.constexpr,
+              FP4: tl.constexpr = False):
         """c + the D fragments of each lane's 4-step mma chain: words w [RT, NU] and masked x
-        [NU] per step; returns the 4 fragment values [RT, NU]."""
+        [NU] per step; returns the 4 fragment values [RT, NU]. FP4: the words are an fp4 copy
+        (E2M1 values, bf16 only) instead of affine codes (MAGIC + q)."""
         if INTERP:
             NS: tl.constexpr = NU // 32
             OFF: tl.constexpr = 1024.0 if F16 else 128.0
             w = tl.reshape(_join4(w0, w1, w2, w3), [RT, 4 * NU])
-            sh = tl.arange(0, 8) * 4
-            q = ((w[:, :, None] >> sh[None, None, :]) & 15).to(tl.float32) + OFF
+            if FP4:
+                q = _fp4_values(w)
+            else:
+                sh = tl.arange(0, 8) * 4
+                q = ((w[:, :, None] >> sh[None, None, :]) & 15).to(tl.float32) + OFF
             # [RT, NS, g, tig, sh, sl, hi, m, h] -> [RT, NS, g, h, (tig, sh, sl, m, hi)]
             q = tl.reshape(q, [RT, NS, 8, 4, 2, 2, 2, 2, 2])
             q = tl.permute(q, [0, 1, 2, 8, 3, 4, 5, 7, 6])
@@ -145,7 +196,8 @@ if HAVE_TRITON:
             return c0 + d0, c1 + d1, c2 + d2, c3 + d3
         else:
             return tl.inline_asm_elementwise(
-                MMA4_F16 if F16 else MMA4_BF16, "=f,=f,=f,=f,r,r,r,r,l,l,l,l,f,f,f,f",
+                MMA4_FP4 if FP4 else MMA4_F16 if F16 else MMA4_BF16,
+                "=f,=f,=f,=f,r,r,r,r,l,l,l,l,f,f,f,f",
                 [w0, w1, w2, w3, x0, x1, x2, x3, c0, c1, c2, c3],
                 dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
 
