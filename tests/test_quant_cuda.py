@@ -364,9 +364,9 @@ def test_mxfp4_decodes_through_planes_when_switched_on(monkeypatch):
         return qw
 
     qw, glu = weight(), weight()
-    assert not qcuda.planes_supported(qw) and qcuda.decode_copy_bytes(spec, n, k) == 0
+    assert not qcuda.planes_supported(qw) and qcuda.fp4_tc_supported(qw)
     monkeypatch.setenv("MLXR_FP_PLANES", "1")
-    assert qcuda.planes_supported(qw)
+    assert qcuda.planes_supported(qw) and not qcuda.fp4_tc_supported(qw)
     qw.tc, qw.q4_sb, qw.planes = qcuda.planes_pack(qw)
     glu.tc, glu.q4_sb, glu.planes = qcuda.planes_pack(glu, glu=True)
     glu.tc_glu = True
@@ -380,6 +380,53 @@ def test_mxfp4_decodes_through_planes_when_switched_on(monkeypatch):
         assert bool(((y.double() - exact).abs() <= 2**-7 * exact.abs() + 1e-5 * scale).all())
         gate, up = y.chunk(2, dim=-1)
         assert torch.equal(qcuda.gated(glu, x[:m], "silu"), gated_act(gate, up, "silu"))
+
+
+def test_mxfp4_decodes_through_its_fp4_copy(monkeypatch):
+    """An mxfp4 weight's fp4 copy (`fp4_tc_pack`, what the CUDA load builds by default): 1 and
+    4 rows take q4tc with fp4=True, within rounding of fp64 over mlx's dequantization; a glu
+    copy's act epilogue is linear + `gated_act`; the copy's bytes are `decode_copy_bytes`
+    (the file's codes and a 4-byte pair per group); MLXR_FP4_TC=0 builds none, nor does a
+    NaN scale (E8M0 255)."""
+    from mlxr.ops import triton_q4tc
+    from mlxr.ops.triton_fused import gated_act
+    from mlxr.quant.fp import fp_dequantize
+
+    g = torch.Generator().manual_seed(14)
+    n, k = 64, 1024
+    w = torch.randint(-(2**31), 2**31, (n, k // 8), generator=g, dtype=torch.int64).to(torch.int32)
+    sc = torch.randint(115, 125, (n, k // 32), generator=g, dtype=torch.uint8)
+    spec = QuantSpec("mxfp4", 4, 32)
+
+    def weight(scales=sc):
+        qw = QuantWeight.from_tensors(w, scales, None, spec, device="cpu")
+        qw.packed, qw.codes, qw.i4, qw.planes = w, None, None, 1  # as CUDA keeps it
+        return qw
+
+    qw, glu = weight(), weight()
+    assert qcuda.fp4_tc_supported(qw)
+    qw.tc, qw.q4_sb = qcuda.fp4_tc_pack(qw, chunk_rows=32)
+    glu.tc, glu.q4_sb = qcuda.fp4_tc_pack(glu, glu=True)
+    glu.tc_glu = True
+    assert qw.tc_fp4 and glu.tc_fp4
+    assert qcuda.decode_copy_bytes(spec, n, k) == qw.tc.nbytes + qw.q4_sb.nbytes
+    launches = _spy(monkeypatch, triton_q4tc, "q4tc", lambda a, kw: kw["fp4"])
+    wd = fp_dequantize(w, sc, "mxfp4", out_dtype=torch.float32).double()
+    x = torch.randn(4, k, generator=g).to(torch.bfloat16)
+    for m in (1, 4):
+        launches.clear()
+        y = qcuda.linear(qw, x[:m])
+        assert launches == [True] and y.shape == (m, n)
+        exact, scale = x[:m].double() @ wd.t(), x[:m].double().abs() @ wd.abs().t()
+        assert bool(((y.double() - exact).abs() <= 2**-7 * exact.abs() + 1e-5 * scale).all())
+        gate, up = y.chunk(2, dim=-1)
+        assert torch.equal(qcuda.gated(glu, x[:m], "silu"), gated_act(gate, up, "silu"))
+    monkeypatch.setenv("MLXR_FP4_TC", "0")
+    assert not qcuda.fp4_tc_supported(weight())
+    monkeypatch.delenv("MLXR_FP4_TC")
+    nan = sc.clone()
+    nan[3, 5] = 255
+    assert qcuda.fp4_tc_pack(weight(nan)) is None
 
 
 def test_decode_copy_bytes_and_the_loaders_budget(monkeypatch):
@@ -401,7 +448,11 @@ def test_decode_copy_bytes_and_the_loaders_budget(monkeypatch):
         q.packed = pw
         words, pairs, _ = qcuda.planes_pack(q)
         assert qcuda.decode_copy_bytes(spec, 64, 1024) == words.nbytes + pairs.nbytes
-    assert qcuda.decode_copy_bytes(QuantSpec("mxfp4", 4, 32), 64, 1024) == 0
+    fp4 = QuantSpec("mxfp4", 4, 32)
+    assert qcuda.decode_copy_bytes(fp4, 64, 1024) == 64 * 1024 // 2 + 64 * 32 * 4
+    monkeypatch.setenv("MLXR_FP4_TC", "0")
+    assert qcuda.decode_copy_bytes(fp4, 64, 1024) == 0
+    monkeypatch.delenv("MLXR_FP4_TC")
     monkeypatch.setenv("MLXR_PLANES", "0")  # no planes: an 8-bit weight gets no copy
     assert qcuda.decode_copy_bytes(QuantSpec("affine", 8, 64), 64, 1024) == 0
     assert qcuda.decode_copy_bytes(qw.spec, 64, 1024) == tc.nbytes + sb.nbytes

@@ -170,6 +170,47 @@ def _glu_order(packed: Tensor, scales: Tensor, biases: Tensor | None
     return packed[perm], scales[perm], None if biases is None else biases[perm]
 
 
+def fp4_tc_supported(qw) -> bool:
+    """Whether decode (1-16 rows) of this mxfp4 weight takes triton_q4tc over its fp4 copy
+    (`fp4_tc_pack`: the file's codes, bits moved within each word, at the 4-bit kernel's
+    speed; the Triton GEMV served them at ~1 TB/s, docs/perf.md): bf16 compute, q4tc's
+    shapes, sm_80+. Env `MLXR_FP4_TC=0` at load keeps the Triton GEMV; `MLXR_FP_PLANES=1`
+    takes the two-plane copy instead (for A/B runs)."""
+    from ..ops import triton_q4tc
+
+    sp, dev = qw.spec, qw.device
+    return (os.environ.get("MLXR_FP4_TC", "") != "0" and not fp_planes_on()
+            and sp.mode == "mxfp4" and qw.packed is not None
+            and qw.compute_dtype == torch.bfloat16
+            and triton_q4tc.supported(sp.group_size, qw.out_features, qw.in_features,
+                                      torch.bfloat16)
+            and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] >= 8))
+
+
+def fp4_tc_pack(qw, glu: bool = False, chunk_rows: int = 4096
+                ) -> tuple[Tensor, Tensor] | None:
+    """q4tc's fp4 copy of an `fp4_tc_supported` weight: (`triton_q4tc.fp4_bits` of the
+    lane-ordered words, pairs of each group's E8M0 scale in bf16 (exact) and 0), built in row
+    slices (bounded scratch); glu as `q4tc_pack`. None where a scale is not finite (E8M0's
+    NaN code)."""
+    from ..ops import triton_q4gemv, triton_q4tc
+    from .fp import fp_scales
+
+    packed, scales = qw.packed, qw.scales
+    if glu:
+        packed, scales, _ = _glu_order(packed, scales, None)
+    s = fp_scales(scales, "mxfp4", None)
+    sb = s.to(torch.bfloat16)
+    if not bool(torch.isfinite(sb).all()) or not torch.equal(sb.float(), s.float()):
+        return None
+    n, k = qw.out_features, qw.in_features
+    words = torch.empty(n // 16, 2 * k, dtype=torch.int32, device=packed.device)
+    for r in range(0, n, chunk_rows):
+        words[r // 16:(r + chunk_rows) // 16] = triton_q4tc.fp4_bits(
+            triton_q4tc.repack(packed[r:r + chunk_rows]))
+    return words, triton_q4gemv.pair_scales(sb, torch.zeros_like(sb))
+
+
 def fp_planes_on() -> bool:
     """Env `MLXR_FP_PLANES=1` (at load) gives mxfp4 weights q4tc's nibble planes too
     (`fp.fp4_planes`: two planes, twice the file's bytes). Opt-in until measured on the GPU:
@@ -205,13 +246,15 @@ def planes_supported(qw) -> bool:
 def decode_copy_bytes(spec, out: int, inp: int) -> int:
     """Bytes of the decode copy a CUDA load builds for a weight of this spec and shape: words
     at 0.5 B per code and plane and a 4-byte (scale, bias) pair per group and plane (q4tc's
-    or q4gemv's at 4-bit, the nibble planes at 2/3/5/6/8-bit and for mxfp4 if
-    `fp_planes_on`); 0 for the other fp modes."""
+    or q4gemv's at 4-bit, the nibble planes at 2/3/5/6/8-bit, mxfp4's fp4 copy or with
+    `fp_planes_on` its two planes); 0 for the other fp modes."""
     if not ((spec.mode == "affine" and (spec.bits == 4 or (spec.bits in PLANE_BITS
                                                             and planes_on())))
-            or (spec.mode == "mxfp4" and fp_planes_on() and planes_on())):
+            or (spec.mode == "mxfp4" and fp_planes_on() and planes_on())
+            or (spec.mode == "mxfp4" and os.environ.get("MLXR_FP4_TC", "") != "0")):
         return 0
-    return _plane_count(spec) * (out * inp // 2 + out * (inp // spec.group_size) * 4)
+    planes = 1 if spec.mode == "mxfp4" and not fp_planes_on() else _plane_count(spec)
+    return planes * (out * inp // 2 + out * (inp // spec.group_size) * 4)
 
 
 def planes_pack(qw, glu: bool = False, chunk_rows: int = 4096
@@ -369,7 +412,7 @@ def _q4tc(qw, x: Tensor, act: str | None = None) -> Tensor:
     if x.data_ptr() % 16 or not x.is_contiguous():  # its 16-byte x loads: a fresh copy
         x = x.clone(memory_format=torch.contiguous_format)
     return triton_q4tc.q4tc(x, qw.tc, qw.q4_sb, group=qw.spec.group_size, act=act,
-                            planes=qw.planes).view(x.shape[0], -1)
+                            planes=qw.planes, fp4=qw.tc_fp4).view(x.shape[0], -1)
 
 
 def gated(qw, x: Tensor, act: str) -> Tensor | None:

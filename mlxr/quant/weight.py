@@ -16,7 +16,8 @@ rows; an MLP's gate_up gets it with gate and up rows interleaved, `tc_glu`, so `
 the activation in its epilogue) or `q4` (`mlxr.ops.triton_q4gemv`), each with `q4_sb` (scale,
 bias pairs); and
 `i4`/`i4_sz` (tinygemm, 2-32 rows) only where neither applies. Affine 2/3/5/6/8-bit weights
-get `tc` too, over nibble planes (`planes`: 1, or 2 for 5/6/8-bit; `cuda.planes_pack`).
+get `tc` too, over nibble planes (`planes`: 1, or 2 for 5/6/8-bit; `cuda.planes_pack`), and
+mxfp4 weights an fp4 `tc` of their E2M1 codes (`tc_fp4`, `cuda.fp4_tc_pack`).
 The batching engine asks for the several-row copy (`add_batch_copy`): `tc` where a `q4`
 weight lacks it, else tinygemm's.
 Scales/biases stay in their file dtype, except in exact mode (compute_dtype float32) where they
@@ -159,6 +160,11 @@ class QuantWeight:
                 else:
                     self.q4, self.q4_sb = cuda.q4gemv_pack(self.packed, self.scales,
                                                            self.biases)
+            elif self.matmul and cuda.fp4_tc_supported(self):  # mxfp4 decode
+                tc = cuda.fp4_tc_pack(self, glu=glu)
+                if tc is not None:
+                    self.tc, self.q4_sb = tc
+                    self.tc_glu = glu
             elif self.matmul and cuda.planes_supported(self):  # the other widths' decode
                 tc = cuda.planes_pack(self, glu=glu)
                 if tc is not None:
@@ -251,6 +257,11 @@ class QuantWeight:
     def words_dropped(self) -> bool:
         """The MLX words went (`drop_words`): q4tc's copy is all the kernels can read."""
         return self.packed is None and self.tc is not None
+
+    @property
+    def tc_fp4(self) -> bool:
+        """q4tc's copy holds mxfp4's E2M1 codes (`cuda.fp4_tc_pack`), not affine nibbles."""
+        return self.tc is not None and self.spec.mode == "mxfp4" and self.planes == 1
 
     @property
     def exact(self) -> bool:
