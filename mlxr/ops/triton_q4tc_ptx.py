@@ -34,7 +34,8 @@ mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32
 """
 # The same chain over E2M1 codes (`triton_q4tc_layout.fp4_bits`, bf16 only): register i's two
 # values x 2^-126 by masks and shifts, then one bf16x2 multiply by 2^126 (exact, also for the
-# subnormal +-0.5 codes; an fma with -0 addend, which sm_80 has too)
+# subnormal +-0.5 codes; an fma with -0 addend, which sm_80 has too; its operands must be
+# registers: k126 = (2^126, 2^126), nz = (-0, -0))
 _STEP_FP4 = """
 shl.b32 t0, {w}, 3;
 shl.b32 t1, {w}, 6;
@@ -47,10 +48,10 @@ and.b32 a2, t1, 0x81C081C0;
 and.b32 a3, t2, 0x80008000;
 lop3.b32 a3, t3, 0x01800180, a3, 0xEA;
 lop3.b32 a3, t4, 0x00400040, a3, 0xEA;
-fma.rn.bf16x2 a0, a0, 0x7E807E80, 0x80008000;
-fma.rn.bf16x2 a1, a1, 0x7E807E80, 0x80008000;
-fma.rn.bf16x2 a2, a2, 0x7E807E80, 0x80008000;
-fma.rn.bf16x2 a3, a3, 0x7E807E80, 0x80008000;
+fma.rn.bf16x2 a0, a0, k126, nz;
+fma.rn.bf16x2 a1, a1, k126, nz;
+fma.rn.bf16x2 a2, a2, k126, nz;
+fma.rn.bf16x2 a3, a3, k126, nz;
 mov.b64 {{b0, b1}}, {x};
 mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
   {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{b0, b1}}, {{$0, $1, $2, $3}};
@@ -75,7 +76,8 @@ def _asm_mma4(ty: str) -> str:
 
 def _asm_mma4_fp4() -> str:
     body = "".join(_STEP_FP4.format(w=f"${4 + s}", x=f"${8 + s}") for s in range(4))
-    return ("{\n.reg .b32 t0, t1, t2, t3, t4, a0, a1, a2, a3, b0, b1;\n"
+    return ("{\n.reg .b32 t0, t1, t2, t3, t4, a0, a1, a2, a3, b0, b1, k126, nz;\n"
+            "mov.b32 k126, 0x7E807E80;\nmov.b32 nz, 0x80008000;\n"
             "mov.f32 $0, $12;\nmov.f32 $1, $13;\nmov.f32 $2, $14;\nmov.f32 $3, $15;\n"
             + body + "}")
 
