@@ -344,44 +344,6 @@ def test_other_widths_decode_through_planes(bits, monkeypatch):
         assert qcuda.planes_supported(big) and qcuda.planes_pack(big) is None
 
 
-def test_mxfp4_decodes_through_planes_when_switched_on(monkeypatch):
-    """With MLXR_FP_PLANES=1 an mxfp4 weight gets q4tc's two nibble planes of 2v + 12
-    (`fp.fp4_planes`, pairs s/2 and -6s exact in bf16): 1 and 4 rows within rounding of
-    fp64 over mlx's dequantization, a glu copy's act epilogue as linear + `gated_act`; the
-    copy's bytes are `decode_copy_bytes`; off by default."""
-    from mlxr.ops.triton_fused import gated_act
-    from mlxr.quant.fp import fp_dequantize
-
-    g = torch.Generator().manual_seed(4)
-    n, k = 64, 1024
-    w = torch.randint(-(2**31), 2**31, (n, k // 8), generator=g, dtype=torch.int64).to(torch.int32)
-    sc = torch.randint(115, 125, (n, k // 32), generator=g, dtype=torch.uint8)
-    spec = QuantSpec("mxfp4", 4, 32)
-
-    def weight():
-        qw = QuantWeight.from_tensors(w, sc, None, spec, device="cpu")
-        qw.packed, qw.codes, qw.i4 = w, None, None  # as CUDA keeps it
-        return qw
-
-    qw, glu = weight(), weight()
-    assert not qcuda.planes_supported(qw) and qcuda.fp4_tc_supported(qw)
-    monkeypatch.setenv("MLXR_FP_PLANES", "1")
-    assert qcuda.planes_supported(qw) and not qcuda.fp4_tc_supported(qw)
-    qw.tc, qw.q4_sb, qw.planes = qcuda.planes_pack(qw)
-    glu.tc, glu.q4_sb, glu.planes = qcuda.planes_pack(glu, glu=True)
-    glu.tc_glu = True
-    assert qw.planes == 2
-    assert qcuda.decode_copy_bytes(spec, n, k) == qw.tc.nbytes + qw.q4_sb.nbytes
-    wd = fp_dequantize(w, sc, "mxfp4", out_dtype=torch.float32).double()
-    x = torch.randn(4, k, generator=g).to(torch.bfloat16)
-    for m in (1, 4):
-        y = qcuda.linear(qw, x[:m])
-        exact, scale = x[:m].double() @ wd.t(), x[:m].double().abs() @ wd.abs().t()
-        assert bool(((y.double() - exact).abs() <= 2**-7 * exact.abs() + 1e-5 * scale).all())
-        gate, up = y.chunk(2, dim=-1)
-        assert torch.equal(qcuda.gated(glu, x[:m], "silu"), gated_act(gate, up, "silu"))
-
-
 def test_mxfp4_decodes_through_its_fp4_copy(monkeypatch):
     """An mxfp4 weight's fp4 copy (`fp4_tc_pack`, what the CUDA load builds by default): 1 and
     4 rows take q4tc with fp4=True, within rounding of fp64 over mlx's dequantization; a glu

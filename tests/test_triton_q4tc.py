@@ -389,8 +389,8 @@ def test_q4tc_fp4(m, act, n, k, cfg):
         gw, gsb = T.fp4_bits(T.repack(packed[perm])), _fp4_pairs(e8[perm])
         yg = T.q4tc(x.to(DEV), gw.to(DEV), gsb.to(DEV), group=32, config=cfg, act=act,
                     fp4=True).cpu()
-        gate, up = y.reshape(m, n).chunk(2, dim=-1)
-        assert torch.equal(yg.reshape(m, -1), gated_act(gate, up, act))
+        gate, up = y.reshape(m, n).to(DEV).chunk(2, dim=-1)
+        assert torch.equal(yg.reshape(m, -1), gated_act(gate, up, act).cpu())
     with pytest.raises(ValueError, match="fp4"):
         T.q4tc(x.half().to(DEV), words.to(DEV), sb.half().to(DEV), group=32, fp4=True)
 

@@ -174,14 +174,14 @@ def fp4_tc_supported(qw) -> bool:
     """Whether decode (1-16 rows) of this mxfp4 weight takes triton_q4tc over its fp4 copy
     (`fp4_tc_pack`: the file's codes, bits moved within each word, at the 4-bit kernel's
     speed; the Triton GEMV served them at ~1 TB/s, docs/perf.md): bf16 compute, q4tc's
-    shapes, sm_80+. Env `MLXR_FP4_TC=0` at load keeps the Triton GEMV; `MLXR_FP_PLANES=1`
-    takes the two-plane copy instead (for A/B runs)."""
+    shapes, sm_80+. Env `MLXR_FP4_TC=0` at load keeps the Triton GEMV (for A/B runs). (Two
+    affine nibble planes of 2v + 12 were the first way onto q4tc: 263 tok/s on the 8B
+    against this copy's 421, at twice its bytes; removed, docs/perf.md.)"""
     from ..ops import triton_q4tc
 
     sp, dev = qw.spec, qw.device
-    return (os.environ.get("MLXR_FP4_TC", "") != "0" and not fp_planes_on()
-            and sp.mode == "mxfp4" and qw.packed is not None
-            and qw.compute_dtype == torch.bfloat16
+    return (os.environ.get("MLXR_FP4_TC", "") != "0" and sp.mode == "mxfp4"
+            and qw.packed is not None and qw.compute_dtype == torch.bfloat16
             and triton_q4tc.supported(sp.group_size, qw.out_features, qw.in_features,
                                       torch.bfloat16)
             and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] >= 8))
@@ -211,16 +211,9 @@ def fp4_tc_pack(qw, glu: bool = False, chunk_rows: int = 4096
     return words, triton_q4gemv.pair_scales(sb, torch.zeros_like(sb))
 
 
-def fp_planes_on() -> bool:
-    """Env `MLXR_FP_PLANES=1` (at load) gives mxfp4 weights q4tc's nibble planes too
-    (`fp.fp4_planes`: two planes, twice the file's bytes). Opt-in until measured on the GPU:
-    predicted ~265 tok/s for the 8B against the Triton GEMV's 218 (docs/perf.md)."""
-    return os.environ.get("MLXR_FP_PLANES", "") == "1"
-
-
 def _plane_count(spec) -> int:
-    """Nibble planes of a weight's q4tc copy: 2 for 5/6/8-bit affine and mxfp4, else 1."""
-    return 2 if spec.bits > 4 or spec.mode == "mxfp4" else 1
+    """Nibble planes of a weight's q4tc copy: 2 for 5/6/8-bit affine, else 1."""
+    return 2 if spec.mode == "affine" and spec.bits > 4 else 1
 
 
 def planes_supported(qw) -> bool:
@@ -228,15 +221,13 @@ def planes_supported(qw) -> bool:
     its nibble planes (`mlxr.quant.affine.planes`: 2/3-bit codes widened to nibbles, 5/6/8-bit
     split into two planes), a copy built at load (`planes_pack`). The Triton GEMVs that served
     these widths ran at 0.3-1.1 TB/s (docs/perf.md); q4tc reads the planes' 0.5 B per code
-    (1 B for two planes) at its 4-bit rate. Env `MLXR_PLANES=0` at load keeps them. mxfp4
-    too with `fp_planes_on`."""
+    (1 B for two planes) at its 4-bit rate. Env `MLXR_PLANES=0` at load keeps them."""
     from ..ops import triton_q4tc
 
     sp, dev = qw.spec, qw.device
     affine = (sp.mode == "affine" and sp.bits in PLANE_BITS and qw.biases is not None
               and qw.scales.dtype == qw.biases.dtype == qw.compute_dtype)
-    return (planes_on() and (affine or (sp.mode == "mxfp4" and fp_planes_on()))
-            and qw.packed is not None
+    return (planes_on() and affine and qw.packed is not None
             and triton_q4tc.supported(sp.group_size, qw.out_features, qw.in_features,
                                       qw.compute_dtype)
             and qw.out_features * qw.in_features * _plane_count(sp) // 8 < 2**31
@@ -246,15 +237,13 @@ def planes_supported(qw) -> bool:
 def decode_copy_bytes(spec, out: int, inp: int) -> int:
     """Bytes of the decode copy a CUDA load builds for a weight of this spec and shape: words
     at 0.5 B per code and plane and a 4-byte (scale, bias) pair per group and plane (q4tc's
-    or q4gemv's at 4-bit, the nibble planes at 2/3/5/6/8-bit, mxfp4's fp4 copy or with
-    `fp_planes_on` its two planes); 0 for the other fp modes."""
+    or q4gemv's at 4-bit, the nibble planes at 2/3/5/6/8-bit, mxfp4's fp4 copy); 0 for the
+    other fp modes."""
     if not ((spec.mode == "affine" and (spec.bits == 4 or (spec.bits in PLANE_BITS
                                                             and planes_on())))
-            or (spec.mode == "mxfp4" and fp_planes_on() and planes_on())
             or (spec.mode == "mxfp4" and os.environ.get("MLXR_FP4_TC", "") != "0")):
         return 0
-    planes = 1 if spec.mode == "mxfp4" and not fp_planes_on() else _plane_count(spec)
-    return planes * (out * inp // 2 + out * (inp // spec.group_size) * 4)
+    return _plane_count(spec) * (out * inp // 2 + out * (inp // spec.group_size) * 4)
 
 
 def planes_pack(qw, glu: bool = False, chunk_rows: int = 4096
@@ -262,7 +251,8 @@ def planes_pack(qw, glu: bool = False, chunk_rows: int = 4096
     """q4tc's copy of a `planes_supported` weight: (lane-ordered words of its nibble planes,
     their (scale, bias) pairs in the compute dtype, planes), built in row slices (an 8-bit LM
     head's codes would otherwise need ~4x its size of scratch); glu as `q4tc_pack`. None
-    where a plane's scale overflows the dtype (`planes`) or, for mxfp4, is not exact in it."""
+    where a plane's scale overflows the dtype (`planes`); the pairs are in the scales' dtype,
+    the compute dtype (`planes_supported`)."""
     from ..ops import triton_q4gemv
     from ..ops.triton_q4tc_layout import repack_codes
     from .weight import nibble_planes
@@ -277,13 +267,7 @@ def planes_pack(qw, glu: bool = False, chunk_rows: int = 4096
     try:
         for r in range(0, n, chunk_rows):
             rows = slice(r, r + chunk_rows)
-            c, s0, b0 = nibble_planes(sp, packed[rows], scales[rows],
-                                      None if biases is None else biases[rows], k)
-            # the kernel reads the pairs in the compute dtype: mxfp4's fp32 s / 2 and -6s are
-            # exact there (E8M0 scales are powers of 2); affine pairs already are in it
-            s, b = s0.to(qw.compute_dtype), b0.to(qw.compute_dtype)
-            if not (torch.equal(s.to(s0.dtype), s0) and torch.equal(b.to(b0.dtype), b0)):
-                raise ValueError("plane scales not exact in the compute dtype")
+            c, s, b = nibble_planes(sp, packed[rows], scales[rows], biases[rows], k)
             words[r // 16:(r + c.shape[0]) // 16] = repack_codes(c)
             pairs.append(triton_q4gemv.pair_scales(s, b))
     except ValueError:
