@@ -1,10 +1,10 @@
-"""mxfp4 single-row decode on q4tc's fp4 copy (`q4tc(fp4=True)`) against affine 4-bit g32 on
-q4tc (the same bytes per code, the same launch) and against the generic Triton GEMV that
-served mxfp4 before (`triton_qmm.qgemv` on the MLX words), per 8B / 0.6B projection: us per
-call (CUDA graphs rotating through copies larger than the L2, median) and GB/s of the bytes
-each reads (codes + scales: mxfp4 1 B, affine g32 4 B of pairs per 32 codes).
+"""mxfp4 / nvfp4 single-row decode on q4tc's fp4 copy (`q4tc(fp4=True)`) against affine 4-bit
+of the same group on q4tc (the same bytes per code, the same launch; none for group 16) and
+against the generic Triton GEMV that served them before (`triton_qmm.qgemv` on the MLX
+words), per 8B / 0.6B projection: us per call (CUDA graphs rotating through copies larger
+than the L2, median) and GB/s of the file's bytes (codes + 1-byte scales).
 
-    python benchmarks/gpu_q4tc_fp4.py
+    python benchmarks/gpu_q4tc_fp4.py [mxfp4] [nvfp4]
 """
 
 from __future__ import annotations
@@ -17,41 +17,48 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gpu_timing import L2_BYTES, graph_time_us  # noqa: E402
 
 from mlxr.ops.triton_q4gemv import pair_scales  # noqa: E402
-from mlxr.ops.triton_q4tc import fp4_bits, q4tc, q4tc_ref, repack  # noqa: E402
+from mlxr.ops.triton_q4tc import GROUPS, fp4_bits, q4tc, q4tc_ref, repack  # noqa: E402
 from mlxr.ops.triton_qmm import qgemv  # noqa: E402
+from mlxr.quant.fp import scale_table  # noqa: E402
 
 SHAPES = {"8b_qkv": (6144, 4096), "8b_o": (4096, 4096), "8b_gate_up": (28672, 4096),
           "8b_down": (4096, 14336), "8b_head": (128256, 4096), "0.6b_qkv": (4096, 1024),
           "0.6b_o": (1024, 2048), "0.6b_gate_up": (6144, 1024), "0.6b_down": (1024, 3072)}
 
 
-def main() -> None:
-    dev, group = "cuda", 32
+def main(modes: list[str]) -> None:
+    dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
-    for name, (n, k) in SHAPES.items():
-        nrot = max(1, -(-2 * L2_BYTES // (n * k // 2)))
-        x = torch.randn(k, generator=g, device=dev).bfloat16()
-        words = [torch.randint(-(2**31), 2**31, (n, k // 8), generator=g, device=dev,
-                               dtype=torch.int64).to(torch.int32) for _ in range(nrot)]
-        e8 = [torch.randint(118, 126, (n, k // group), generator=g, device=dev,
-                            dtype=torch.int32).to(torch.uint8) for _ in range(nrot)]
-        s = [torch.exp2(e.float() - 127).bfloat16() for e in e8]
-        fp4 = [(fp4_bits(repack(w)), pair_scales(si, torch.zeros_like(si)))
-               for w, si in zip(words, s)]
-        aff = [(repack(w), pair_scales(si, (si * -8).bfloat16())) for w, si in zip(words, s)]
-        y = q4tc(x, *fp4[0], group=group, fp4=True)
-        twin = q4tc_ref(x, *fp4[0], group=group, fp4=True)
-        err = float((y.float() - twin.float()).abs().max() / twin.float().abs().max())
-        t_fp4 = graph_time_us([lambda c=c: q4tc(x, *c, group=group, fp4=True) for c in fp4])
-        t_aff = graph_time_us([lambda c=c: q4tc(x, *c, group=group) for c in aff])
-        t_gen = graph_time_us([lambda w=w, e=e: qgemv(x[None], w, e, None, None, mode="mxfp4",
-                                                       bits=4, group=group)
-                               for w, e in zip(words, e8)])
-        gb_fp4, gb_aff = n * k * (0.5 + 1 / 32) / 1e3, n * k * (0.5 + 4 / 32) / 1e3
-        print(f"{name:12s} fp4 q4tc {t_fp4:7.1f} us ({gb_fp4 / t_fp4:5.0f} GB/s)  affine g32 "
-              f"q4tc {t_aff:7.1f} us ({gb_aff / t_aff:5.0f} GB/s)  generic mxfp4 GEMV "
-              f"{t_gen:7.1f} us  fp4 vs twin {err:.1e}", flush=True)
-
+    for mode in modes:
+        group = 32 if mode == "mxfp4" else 16
+        gs = 0.75 if mode == "nvfp4" else None  # nvfp4 with a global scale (the GEMV's too)
+        for name, (n, k) in SHAPES.items():
+            nrot = max(1, -(-2 * L2_BYTES // (n * k // 2)))
+            x = torch.randn(k, generator=g, device=dev).bfloat16()
+            words = [torch.randint(-(2**31), 2**31, (n, k // 8), generator=g, device=dev,
+                                   dtype=torch.int64).to(torch.int32) for _ in range(nrot)]
+            lo, hi = (118, 126) if mode == "mxfp4" else (0x30, 0x50)
+            sbytes = [torch.randint(lo, hi, (n, k // group), generator=g, device=dev,
+                                    dtype=torch.int32).to(torch.uint8) for _ in range(nrot)]
+            s = [scale_table(mode, dev)[b.long()].bfloat16() for b in sbytes]
+            fp4 = [(fp4_bits(repack(w)), pair_scales(si, torch.zeros_like(si)))
+                   for w, si in zip(words, s)]
+            aff = [(repack(w), pair_scales(si, (si * -8).bfloat16())) for w, si in zip(words, s)]
+            y = q4tc(x, *fp4[0], group=group, fp4=True, gs=gs)
+            twin = q4tc_ref(x, *fp4[0], group=group, fp4=True, gs=gs)
+            err = float((y.float() - twin.float()).abs().max() / twin.float().abs().max())
+            t_fp4 = graph_time_us([lambda c=c: q4tc(x, *c, group=group, fp4=True, gs=gs)
+                                   for c in fp4])
+            t_aff = (graph_time_us([lambda c=c: q4tc(x, *c, group=group) for c in aff])
+                     if group in GROUPS else float("nan"))
+            gst = None if gs is None else torch.tensor(gs * 2688.0, device=dev)
+            t_gen = graph_time_us([lambda w=w, e=e: qgemv(x[None], w, e, None, gst, mode=mode,
+                                                           bits=4, group=group)
+                                   for w, e in zip(words, sbytes)])
+            gb_fp4 = n * k * (0.5 + 1 / group) / 1e3
+            print(f"{mode} {name:12s} fp4 q4tc {t_fp4:7.1f} us ({gb_fp4 / t_fp4:5.0f} GB/s)  "
+                  f"affine g{group} q4tc {t_aff:7.1f} us  generic {mode} GEMV {t_gen:7.1f} us"
+                  f"  fp4 vs twin {err:.1e}", flush=True)
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:] or ["mxfp4", "nvfp4"])

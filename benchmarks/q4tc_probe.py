@@ -64,9 +64,9 @@ def offline(k: int, group: int, rt: int, u: int, nw: int, pf: int, stages: int,
     cfg = T.TcConfig(rt=rt, u=u, num_warps=nw, pf=pf, stages=stages, unroll=unroll)
     desc = f"tensordesc<i32[{rt}, {cfg.wt // 256}, 256]>" if stages else "constexpr"
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "w_desc": desc, "sb_ptr": "*bf16",
-           "y_ptr": "*bf16", "xaddr": "i64", "sbaddr": "i64", "NRT": "i32"}
+           "y_ptr": "*bf16", "xaddr": "i64", "sbaddr": "i64", "NRT": "i32", "gs": "fp32"}
     const = dict(K=k, GROUP=group, RT=rt, WT=cfg.wt, PF=pf, STAGES=stages, UNROLL=unroll,
-                 M=1, ACT=-1, P=1, F16=False, GDC=gdc, INTERP=False, FP4=fp4)
+                 M=1, ACT=-1, P=1, F16=False, GDC=gdc, INTERP=False, FP4=fp4, HAS_GS=False)
     if not stages:
         const["w_desc"] = None
     ck = compile_sm90(T._q4tc_kernel, sig, const, nw, max(stages, 1))

@@ -344,38 +344,45 @@ def test_other_widths_decode_through_planes(bits, monkeypatch):
         assert qcuda.planes_supported(big) and qcuda.planes_pack(big) is None
 
 
-def test_mxfp4_decodes_through_its_fp4_copy(monkeypatch):
-    """An mxfp4 weight's fp4 copy (`fp4_tc_pack`, what the CUDA load builds by default): 1 and
-    4 rows take q4tc with fp4=True, within rounding of fp64 over mlx's dequantization; a glu
-    copy's act epilogue is linear + `gated_act`; the copy's bytes are `decode_copy_bytes`
-    (the file's codes and a 4-byte pair per group); MLXR_FP4_TC=0 builds none, nor does a
-    NaN scale (E8M0 255)."""
+@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4", "nvfp4-nogs"])
+def test_fp4_decodes_through_its_fp4_copy(mode, monkeypatch):
+    """An mxfp4 / nvfp4 weight's fp4 copy (`fp4_tc_pack`, what the CUDA load builds by
+    default): 1 and the most rows one launch takes go to q4tc with fp4=True, within rounding
+    of fp64 over mlx's dequantization (nvfp4: with its global scale); a glu copy's act
+    epilogue is linear + `gated_act`; the copy's bytes are `decode_copy_bytes` (the file's
+    codes and a 4-byte pair per group); MLXR_FP4_TC=0 builds none, nor does a NaN scale
+    (E8M0 255, E4M3 0x7F)."""
     from mlxr.ops import triton_q4tc
     from mlxr.ops.triton_fused import gated_act
     from mlxr.quant.fp import fp_dequantize
 
     g = torch.Generator().manual_seed(14)
     n, k = 64, 1024
+    fmt = mode.split("-")[0]
+    group = 32 if fmt == "mxfp4" else 16
     w = torch.randint(-(2**31), 2**31, (n, k // 8), generator=g, dtype=torch.int64).to(torch.int32)
-    sc = torch.randint(115, 125, (n, k // 32), generator=g, dtype=torch.uint8)
-    spec = QuantSpec("mxfp4", 4, 32)
+    lo, hi = (115, 125) if fmt == "mxfp4" else (1, 0x60)
+    sc = torch.randint(lo, hi, (n, k // group), generator=g, dtype=torch.uint8)
+    gsc = torch.tensor(3.5) if mode == "nvfp4" else None
+    spec = QuantSpec(fmt, 4, group, global_scale=gsc is not None)
 
     def weight(scales=sc):
-        qw = QuantWeight.from_tensors(w, scales, None, spec, device="cpu")
+        qw = QuantWeight.from_tensors(w, scales, None, spec, global_scale=gsc, device="cpu")
         qw.packed, qw.codes, qw.i4, qw.planes = w, None, None, 1  # as CUDA keeps it
         return qw
 
     qw, glu = weight(), weight()
     assert qcuda.fp4_tc_supported(qw)
-    qw.tc, qw.q4_sb = qcuda.fp4_tc_pack(qw, chunk_rows=32)
-    glu.tc, glu.q4_sb = qcuda.fp4_tc_pack(glu, glu=True)
+    qw.tc, qw.q4_sb, qw.tc_gs = qcuda.fp4_tc_pack(qw, chunk_rows=32)
+    glu.tc, glu.q4_sb, glu.tc_gs = qcuda.fp4_tc_pack(glu, glu=True)
     glu.tc_glu = True
-    assert qw.tc_fp4 and glu.tc_fp4
+    assert qw.tc_fp4 and glu.tc_fp4 and (qw.tc_gs is None) == (gsc is None)
     assert qcuda.decode_copy_bytes(spec, n, k) == qw.tc.nbytes + qw.q4_sb.nbytes
     launches = _spy(monkeypatch, triton_q4tc, "q4tc", lambda a, kw: kw["fp4"])
-    wd = fp_dequantize(w, sc, "mxfp4", out_dtype=torch.float32).double()
-    x = torch.randn(4, k, generator=g).to(torch.bfloat16)
-    for m in (1, 4):
+    wd = fp_dequantize(w, sc, fmt, global_scale=gsc, out_dtype=torch.float32).double()
+    most = triton_q4tc.max_rows(group)
+    x = torch.randn(most, k, generator=g).to(torch.bfloat16)
+    for m in (1, most):
         launches.clear()
         y = qcuda.linear(qw, x[:m])
         assert launches == [True] and y.shape == (m, n)
@@ -387,7 +394,7 @@ def test_mxfp4_decodes_through_its_fp4_copy(monkeypatch):
     assert not qcuda.fp4_tc_supported(weight())
     monkeypatch.delenv("MLXR_FP4_TC")
     nan = sc.clone()
-    nan[3, 5] = 255
+    nan[3, 5] = 255 if fmt == "mxfp4" else 0x7F
     assert qcuda.fp4_tc_pack(weight(nan)) is None
 
 

@@ -315,22 +315,28 @@ def test_copy_dequant_is_dequant_affine(bits, glu):
 
 
 def _fp4(g, n, k, group=32):
-    """Random mxfp4 weight: codes [N, K] (all 16 E2M1 codes, -0 and the subnormal +-0.5
-    among them), its MLX words, E8M0 scales [N, K/G] and the values' fp64 weight."""
-    from mlxr.quant.fp import code_table
+    """Random mxfp4 (group 32: E8M0 scales) or nvfp4 (group 16: E4M3 scales, subnormal ones
+    among them) weight: codes [N, K] (all 16 E2M1 codes, -0 and the subnormal +-0.5 among
+    them), its MLX words, the scales' fp32 values [N, K/G] and the fp64 weight."""
+    from mlxr.quant.fp import code_table, scale_table
 
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
-    e8 = torch.randint(116, 126, (n, k // group), generator=g, dtype=torch.int32)
+    if group == 32:
+        sbytes = torch.randint(116, 126, (n, k // group), generator=g)
+    else:  # E4M3 bytes 1..0x5F: 2^-9 .. 16 (0x7F is NaN)
+        sbytes = torch.randint(1, 0x60, (n, k // group), generator=g)
+    s = scale_table("mxfp4" if group == 32 else "nvfp4", torch.device("cpu"))[sbytes]
     packed = (codes.view(n, k // 8, 8) << torch.arange(0, 32, 4)).sum(-1, dtype=torch.int32)
     w = (code_table("mxfp4", torch.device("cpu"))[codes.long()].double().view(n, -1, group)
-         * torch.exp2(e8.double() - 127)[..., None]).view(n, k)
-    return codes, packed, e8, w
+         * s.double()[..., None]).view(n, k)
+    return codes, packed, s, w
 
 
-def _fp4_pairs(e8):
-    """q4tc's pairs for E8M0 scales: (2^(e - 127) in bf16, 0)."""
-    s = torch.exp2(e8.float() - 127).to(torch.bfloat16)
-    return pair_scales(s, torch.zeros_like(s))
+def _fp4_pairs(s):
+    """q4tc's pairs for fp4 scales: (the scale in bf16, exact, and 0)."""
+    sb = s.to(torch.bfloat16)
+    assert torch.equal(sb.float(), s)
+    return pair_scales(sb, torch.zeros_like(sb))
 
 
 def test_fp4_bits_round_trip_and_extraction():
@@ -356,58 +362,68 @@ def test_fp4_bits_round_trip_and_extraction():
         assert torch.equal(v, table[code]), j
 
 
-@pytest.mark.parametrize("m,act,n,k,cfg", [
-    (1, None, 32, 512, None),
-    (1, None, 48, 1536, T.TcConfig(rt=2, u=1, num_warps=2)),  # rows past N, windows of 4
-    (1, None, 16, 3584, T.TcConfig(rt=1, u=1, num_warps=4, pf=2, unroll=2)),
-    (1, None, 32, 2048, T.TcConfig(rt=1, u=1, num_warps=4, pf=2, stages=3)),  # GPU: TMA
-    (3, None, 32, 1024, None),
-    (4, "silu", 64, 1024, None),
-    (1, "silu", 64, 1536, T.TcConfig(rt=2, u=1, num_warps=2)),
-    (9, None, 32, 512, None),  # launches of 4 rows (group 32) and a one-row launch
+@pytest.mark.parametrize("m,act,group,gs,n,k,cfg", [
+    (1, None, 32, None, 32, 512, None),
+    (1, None, 32, None, 48, 1536, T.TcConfig(rt=2, u=1, num_warps=2)),  # rows past N, windows
+    (1, None, 32, None, 16, 3584, T.TcConfig(rt=1, u=1, num_warps=4, pf=2, unroll=2)),
+    (1, None, 32, None, 32, 2048, T.TcConfig(rt=1, u=1, num_warps=4, pf=2, stages=3)),  # TMA
+    (3, None, 32, None, 32, 1024, None),
+    (4, "silu", 32, None, 64, 1024, None),
+    (1, "silu", 32, None, 64, 1536, T.TcConfig(rt=2, u=1, num_warps=2)),
+    (9, None, 32, None, 32, 512, None),  # launches of 4 rows (group 32) and a one-row launch
+    (1, None, 16, 0.75, 32, 512, None),  # nvfp4: 4 columns per block, windows of 2
+    (1, None, 16, None, 48, 1536, T.TcConfig(rt=2, u=1, num_warps=2)),
+    (1, "silu", 16, 3.0, 32, 3584, T.TcConfig(rt=1, u=1, num_warps=4, pf=2, unroll=2)),
+    (2, None, 16, 0.5, 32, 1024, None),  # two rows: x rows in columns 0-3 and 4-7
+    (5, "gelu", 16, 1.5, 64, 1024, None),  # launches of 2 rows and a one-row launch
 ])
-def test_q4tc_fp4(m, act, n, k, cfg):
-    """mxfp4 weights through their fp4 copy (`q4tc(fp4=True)`): within rounding of fp64
-    x @ W^T (the E2M1 values times exact E8M0 scales, so only the fp32 summation order and
-    the output rounding differ), and of the torch twin; with a glu copy, act(gate) * up
-    exactly as the plain launch followed by `gated_act`."""
+def test_q4tc_fp4(m, act, group, gs, n, k, cfg):
+    """mxfp4 / nvfp4 weights through their fp4 copy (`q4tc(fp4=True)`): within rounding of
+    fp64 x @ W^T (the E2M1 values times exact scales, times the global scale gs, so only the
+    fp32 summation order and the output rounding differ), and of the torch twin; with a glu
+    copy, act(gate) * up exactly as the plain launch followed by `gated_act`."""
     from mlxr.ops.triton_fused import gated_act
 
-    g = torch.Generator().manual_seed(m * 1000 + n + k)
-    _, packed, e8, w = _fp4(g, n, k)
+    g = torch.Generator().manual_seed(m * 1000 + n + k + group)
+    _, packed, s, w = _fp4(g, n, k, group)
+    w = w * (1.0 if gs is None else gs)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    words, sb = T.fp4_bits(T.repack(packed)), _fp4_pairs(e8)
-    y = T.q4tc(x.to(DEV), words.to(DEV), sb.to(DEV), group=32, config=cfg, fp4=True).cpu()
+    words, sb = T.fp4_bits(T.repack(packed)), _fp4_pairs(s)
+    y = T.q4tc(x.to(DEV), words.to(DEV), sb.to(DEV), group=group, config=cfg, fp4=True,
+               gs=gs).cpu()
     assert y.shape == ((n,) if m == 1 else (m, n))
     exact, scale = x.double() @ w.t(), x.double().abs() @ w.abs().t()
     err = (y.double() - exact).abs()
     assert bool((err <= 2**-7 * exact.abs() + 1e-5 * scale).all()), float((err / scale).max())
-    twin = T.q4tc_ref(x, words, sb, group=32, fp4=True)
+    twin = T.q4tc_ref(x, words, sb, group=group, fp4=True, gs=gs)
     assert (y.float() - twin.float()).abs().max() <= 2**-6 * twin.float().abs().max()
     if act is not None:
         perm = T.glu_rows(n)
-        gw, gsb = T.fp4_bits(T.repack(packed[perm])), _fp4_pairs(e8[perm])
-        yg = T.q4tc(x.to(DEV), gw.to(DEV), gsb.to(DEV), group=32, config=cfg, act=act,
-                    fp4=True).cpu()
+        gw, gsb = T.fp4_bits(T.repack(packed[perm])), _fp4_pairs(s[perm])
+        yg = T.q4tc(x.to(DEV), gw.to(DEV), gsb.to(DEV), group=group, config=cfg, act=act,
+                    fp4=True, gs=gs).cpu()
         gate, up = y.reshape(m, n).to(DEV).chunk(2, dim=-1)
         assert torch.equal(yg.reshape(m, -1), gated_act(gate, up, act).cpu())
     with pytest.raises(ValueError, match="fp4"):
-        T.q4tc(x.half().to(DEV), words.to(DEV), sb.half().to(DEV), group=32, fp4=True)
+        T.q4tc(x.half().to(DEV), words.to(DEV), sb.half().to(DEV), group=group, fp4=True)
+    with pytest.raises(ValueError, match="global scale"):
+        T.q4tc(x.to(DEV), words.to(DEV), sb.to(DEV), group=group, gs=2.0)
 
 
-def test_q4tc_fp4_sees_every_code_position():
-    """One-hot x at k: y[row] = value(code[row, k]) * 2^(e - 127) exactly, for each of a
+@pytest.mark.parametrize("group", [32, 16])
+def test_q4tc_fp4_sees_every_code_position(group):
+    """One-hot x at k: y[row] = value(code[row, k]) exactly (unit scales), for each of a
     block's 64 positions and some later ones: a misplaced bit in `fp4_bits` or the
-    extraction would show as a wrong value at its position."""
+    extraction, or a lane's x in the wrong group column (nvfp4's 16-code groups), would show
+    as a wrong value at its position."""
     n, k = 32, 1024
-    codes, packed, e8, w = _fp4(torch.Generator().manual_seed(2), n, k)
-    e8 = torch.full_like(e8, 127)
+    codes, packed, s, w = _fp4(torch.Generator().manual_seed(2), n, k, group)
     from mlxr.quant.fp import code_table
 
     table = code_table("mxfp4", torch.device("cpu"))
-    words, sb = T.fp4_bits(T.repack(packed)).to(DEV), _fp4_pairs(e8).to(DEV)
+    words, sb = T.fp4_bits(T.repack(packed)).to(DEV), _fp4_pairs(torch.ones_like(s)).to(DEV)
     for kk in list(range(64)) + [64, 300, 1023]:
         x = torch.zeros(k, dtype=torch.bfloat16)
         x[kk] = 1
-        y = T.q4tc(x.to(DEV), words, sb, group=32, fp4=True).cpu().float()
+        y = T.q4tc(x.to(DEV), words, sb, group=group, fp4=True).cpu().float()
         assert torch.equal(y, table[codes[:, kk].long()].float()), kk

@@ -65,7 +65,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-GROUPS = (32, 64, 128)
+GROUPS = (32, 64, 128)  # affine; the fp4 copy also takes 16 (nvfp4)
 
 
 @dataclass(frozen=True)
@@ -91,10 +91,11 @@ class TcConfig:
                 + (f"_r{self.maxnreg}" if self.maxnreg else ""))
 
 
-def supported(group: int, n: int, k: int, dtype: torch.dtype) -> bool:
-    """Affine 4-bit, group 32/64/128, N a multiple of 16, K a multiple of 512, bf16/fp16."""
-    return (group in GROUPS and n % 16 == 0 and k % 512 == 0
-            and dtype in (torch.bfloat16, torch.float16))
+def supported(group: int, n: int, k: int, dtype: torch.dtype, fp4: bool = False) -> bool:
+    """Affine 4-bit, group 32/64/128, N a multiple of 16, K a multiple of 512, bf16/fp16; fp4
+    (`fp4_bits`): groups 16/32/64/128, bf16."""
+    return ((group in GROUPS or (fp4 and group == 16)) and n % 16 == 0 and k % 512 == 0
+            and dtype in ((torch.bfloat16,) if fp4 else (torch.bfloat16, torch.float16)))
 
 
 def default_config(n: int, k: int, m: int = 1) -> TcConfig:
@@ -139,13 +140,13 @@ if HAVE_TRITON:
             GPW: tl.constexpr, INTERP: tl.constexpr):
         """The (scale, bias) pair of fragment value E of every lane for the window starting at
         iteration it0: row 16 rt + g + 8 (E // 2), column 2tig + E % 2, whose group slot
-        (column % GPW) is iteration it0 + slot // CPB, half slot % CPB of its block (0 past
+        (column % GPW) is iteration it0 + slot // CPB, part slot % CPB of its block (0 past
         K)."""
         col = 2 * tig + E % 2
         if GPW < 8:  # several rows of x: the column's slot among its row's GPW
             col = col % GPW
         itc = it0 + col // CPB
-        grp = ((itc * NS + slot) * 64 + (col % CPB) * 32) // GROUP
+        grp = ((itc * NS + slot) * 64 + (col % CPB) * (64 // CPB)) // GROUP
         row = rt[:, None] * 16 + (lg + 8 * (E // 2))[None, :]
         return _ld32(sb_ptr, sbaddr, row * NG + grp[None, :], rm & (itc < NT)[None, :], INTERP)
 
@@ -186,12 +187,12 @@ if HAVE_TRITON:
         return s * (acc - OFF * xs[None, :]) + b * xs[None, :]
 
     @triton.jit
-    def _q4tc_kernel(x_ptr, w_ptr, w_desc, sb_ptr, y_ptr, xaddr, sbaddr, NRT,
+    def _q4tc_kernel(x_ptr, w_ptr, w_desc, sb_ptr, y_ptr, xaddr, sbaddr, NRT, gs,
                      K: tl.constexpr, GROUP: tl.constexpr, RT: tl.constexpr, WT: tl.constexpr,
                      PF: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
                      M: tl.constexpr, ACT: tl.constexpr, P: tl.constexpr,
                      F16: tl.constexpr, GDC: tl.constexpr, INTERP: tl.constexpr,
-                     FP4: tl.constexpr):
+                     FP4: tl.constexpr, HAS_GS: tl.constexpr):
         """y [M, N] for row tiles pid * RT .. + RT (16 rows each) of x [M, K] (M = 1, 2, 4, 8:
         the B columns are M rows of x x GPW = 8 / M group slots, so a window holds GPW
         slots). STAGES > 0: the word tiles come through shared memory by TMA (w_desc over the
@@ -200,13 +201,16 @@ if HAVE_TRITON:
         loads only). ACT >= 0 (`ACTS`): the rows are a glu copy (`glu_rows`) and y [M, N / 2]
         is act(gate) * up of each lane's rows g (gate) and g + 8 (up). P planes
         (`mlxr.quant.affine.planes`): K is P x x's length, x is read P times over. FP4: the
-        words are E2M1 codes (`fp4_bits`, bf16): no x sums, y = s * sum(value * x)."""
+        words are E2M1 codes (`fp4_bits`, bf16): no x sums, y = s * sum(value * x), times
+        the fp32 global scale gs if HAS_GS (nvfp4). Group 16 (nvfp4): 4 columns per block;
+        a lane's x of steps (0, 1) is codes 8 tig .. + 7 of the block, i.e. 16-group tig // 2,
+        so its column mask depends on tig (for 32 / 64 / 128 it does not)."""
         pid = tl.program_id(0)
         NS: tl.constexpr = WT // 128  # blocks (of 64 codes) per iteration
         NU: tl.constexpr = WT // 4  # lanes x slots
         NT: tl.constexpr = K // 64 // NS  # iterations
         NTP: tl.constexpr = NT // P  # iterations per plane (x's period)
-        CPB: tl.constexpr = 2 if GROUP == 32 else 1  # mma chains (columns) per block
+        CPB: tl.constexpr = 64 // GROUP if GROUP < 64 else 1  # columns per block
         GPW: tl.constexpr = 8 // M  # group slots (columns) per row of x in a window
         W: tl.constexpr = GPW // CPB  # iterations per window
         NG: tl.constexpr = K // GROUP
@@ -226,6 +230,12 @@ if HAVE_TRITON:
         else:  # column lg: row lg // GPW of x, slot lg % GPW
             ls = lg % GPW
             xo += (lg // GPW) * (K // P // 4)
+        # the column of a block's first group that carries a lane's x for steps (0, 1) is
+        # jn + t2, for steps (2, 3) jn + CPB // 2 + t2 (jn: the block's first column)
+        if CPB == 4:
+            t2 = tig // 2
+        else:
+            t2 = 0
         # loads run ahead of their use: words PF iterations, x one iteration, the (scale,
         # bias) pairs one window (8 columns)
         if STAGES == 0:
@@ -237,7 +247,7 @@ if HAVE_TRITON:
         if GDC:  # launched early (PDL): the weights above stream in while the previous grid
             # finishes; x and the output are touched only after it completed
             tl.extra.cuda.gdc_wait()
-        x0, x1, x2, x3 = _ldx(x_ptr, xaddr, xo, ls == 0, ls == CPB - 1, INTERP, GDC)
+        x0, x1, x2, x3 = _ldx(x_ptr, xaddr, xo, ls == t2, ls == CPB // 2 + t2, INTERP, GDC)
         a0, a1, a2, a3, s0, s1 = _window(RT, NU)
         y0 = tl.zeros([RT, NU], dtype=tl.float32)
         y1 = tl.zeros([RT, NU], dtype=tl.float32)
@@ -254,8 +264,8 @@ if HAVE_TRITON:
             jn = ((it + 1) % W) * CPB
             ok = it + 1 < NT
             itx = it + 1 if P == 1 else (it + 1) % NTP  # x's block of the next iteration
-            n0, n1, n2, n3 = _ldx(x_ptr, xaddr, xo + itx * (NS * 16), (ls == jn) & ok,
-                                  (ls == jn + CPB - 1) & ok, INTERP, GDC)
+            n0, n1, n2, n3 = _ldx(x_ptr, xaddr, xo + itx * (NS * 16), (ls == jn + t2) & ok,
+                                  (ls == jn + CPB // 2 + t2) & ok, INTERP, GDC)
             q0, q1, q2, q3 = _split4(w, NU)
             a0, a1, a2, a3 = _mma4(q0, q1, q2, q3, x0, x1, x2, x3, a0, a1, a2, a3, RT, NU,
                                    F16, INTERP, FP4)
@@ -281,6 +291,12 @@ if HAVE_TRITON:
                 a0, a1, a2, a3, s0, s1 = _window(RT, NU)
                 sb0, sb1, sb2, sb3 = _sb4(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it + 1, NT, NS,
                                           CPB, GROUP, NG, GPW, INTERP)
+        if HAS_GS:
+            y0 = y0 * gs
+            y1 = y1 * gs
+            if M == 8:
+                y2 = y2 * gs
+                y3 = y3 * gs
         # lane (slot, g, tig): rows 16 rt + g (y0) and + 8 (y1), x row (2tig + e2) // GPW
         dt = y_ptr.dtype.element_ty
         if M == 1:
@@ -319,14 +335,14 @@ if HAVE_TRITON:
 
 
 def max_rows(group: int) -> int:
-    """Rows of x one launch takes: 8, or 4 for group 32 (two columns per row and block).
-    `q4tc` takes more in launches of this many."""
-    return 4 if group == 32 else 8
+    """Rows of x one launch takes: 8, 4 for group 32 (two columns per row and block), 2 for
+    group 16 (four). `q4tc` takes more in launches of this many."""
+    return {16: 2, 32: 4}.get(group, 8)
 
 
 def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None = None,
          config: TcConfig | None = None, act: str | None = None, planes: int = 1,
-         fp4: bool = False) -> Tensor:
+         fp4: bool = False, gs: float | None = None) -> Tensor:
     """See `q4tc_ref` (same results up to fp32 summation order). x [K] or [M, K], contiguous
     and 16-byte aligned (one launch per `max_rows` rows; a launch's rows are padded to 2, 4
     or 8); words = `repack(packed)`; sb = `pair_scales(scales, biases)`. Returns [N] for one
@@ -335,15 +351,18 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
     launch: the same GEMV sums, rounded, then `ops.gated_act`'s arithmetic. planes (1 or 2):
     words and sb hold the nibble planes of another affine width
     (`mlxr.quant.affine.planes`) over K = planes x x's length, x read once per plane. fp4:
-    words are `fp4_bits(repack(packed))` of mxfp4's E2M1 codes and sb pairs each group's
-    scale (bf16) with an unused bias; bf16 x, one plane."""
+    words are `fp4_bits(repack(packed))` of mxfp4's / nvfp4's E2M1 codes and sb pairs each
+    group's scale (bf16) with an unused bias; bf16 x, one plane; gs: nvfp4's global scale (a
+    Python float: it is a launch argument, so graph capture reads no device value)."""
     nrt, k2 = words.shape
     n, k = nrt * 16, k2 // 2
-    if planes not in (1, 2) or (fp4 and (planes != 1 or x.dtype != torch.bfloat16)):
-        raise ValueError(f"q4tc: planes = {planes} (1 or 2; fp4: 1 and bf16 x), {x.dtype}")
+    if (planes not in (1, 2) or (fp4 and (planes != 1 or x.dtype != torch.bfloat16))
+            or (gs is not None and not fp4)):
+        raise ValueError(f"q4tc: planes = {planes} (1 or 2; fp4: 1 and bf16 x), {x.dtype}, "
+                         f"global scale {gs} (fp4 only)")
     kx = k // planes  # x's length
     xm = x.reshape(-1, kx) if x.dim() <= 2 and x.shape[-1] == kx else None
-    if (xm is None or not supported(group, n, kx, x.dtype) or not xm.is_contiguous()
+    if (xm is None or not supported(group, n, kx, x.dtype, fp4) or not xm.is_contiguous()
             or xm.data_ptr() % 16 or kx * planes != k):
         raise ValueError(f"q4tc: x {tuple(x.shape)} ({x.dtype}), words {tuple(words.shape)}, "
                          f"group {group}: x must be [K] or [M, K], contiguous, 16-byte aligned")
@@ -368,7 +387,8 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
         for i in range(0, m, max_rows(group)):
             part = y[i:i + max_rows(group)]
             q4tc(xm[i:i + max_rows(group)], words, sb, group=group, config=config, act=act,
-                 out=part.view(n_out) if part.shape[0] == 1 else part, planes=planes, fp4=fp4)
+                 out=part.view(n_out) if part.shape[0] == 1 else part, planes=planes, fp4=fp4,
+                 gs=gs)
         return y
     mp = 1 << (m - 1).bit_length()  # the kernel's 1, 2, 4 or 8 rows: pad with zero rows
     if mp != m:
@@ -384,10 +404,12 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
                                 [k2, 256, 1], [cfg.rt, cfg.wt // 256, 256])
     gdc = not stages and pdl(x.device)  # opt-in MLXR_PDL=1: the word tiles before the wait
     _q4tc_kernel[(triton.cdiv(nrt, cfg.rt),)](
-        xm, words, desc, sb, y, xm.data_ptr(), sb.data_ptr(), nrt, K=k, GROUP=group,
+        xm, words, desc, sb, y, xm.data_ptr(), sb.data_ptr(), nrt, 1.0 if gs is None else gs,
+        K=k, GROUP=group,
         RT=cfg.rt, WT=cfg.wt, PF=cfg.pf, STAGES=stages, UNROLL=cfg.unroll, M=mp,
         ACT=-1 if act is None else ACTS[act], P=planes, F16=x.dtype == torch.float16, GDC=gdc,
-        INTERP=_interpret(), FP4=fp4, num_warps=cfg.num_warps, num_stages=max(stages, 1),
+        INTERP=_interpret(), FP4=fp4, HAS_GS=gs is not None, num_warps=cfg.num_warps,
+        num_stages=max(stages, 1),
         **({"launch_pdl": True} if gdc else {}),
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not _interpret() else {}))
     if mp != m:

@@ -160,16 +160,16 @@ def glu_order(y: Tensor) -> Tensor:
 
 # ====================================================================== torch twin (oracle)
 def q4tc_ref(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None = None,
-             config=None, act: str | None = None, planes: int = 1, fp4: bool = False
-             ) -> Tensor:
+             config=None, act: str | None = None, planes: int = 1, fp4: bool = False,
+             gs: float | None = None) -> Tensor:
     """y = x @ (s * q + b)^T in fp32, rounded to x.dtype: [N] for one row of x ([K] or
     [1, K]), else [M, N]; `words` are `repack`'s output, sb = `triton_q4gemv.pair_scales(
     scales, biases)` [N, K/group, 2]. act (silu, gelu, gelu_tanh): words and sb are a glu
     copy (rows in `glu_rows` order) and the result is act(gate) * up, [F] or [M, F] for F =
     N / 2, each rounded to x.dtype as `ops.gated_act` rounds. planes: words and sb hold P
     nibble planes of another width (`mlxr.quant.affine.planes`), K = P x x's length. fp4:
-    words are `fp4_bits` of E2M1 codes (mxfp4) and w = s * value (sb's biases unused). config
-    changes nothing here."""
+    words are `fp4_bits` of E2M1 codes (mxfp4, nvfp4) and w = s * value (sb's biases unused),
+    times gs (nvfp4's global scale) if given. config changes nothing here."""
     from .reference import gated_act
     from .triton_qmm import dequant_f32
 
@@ -179,7 +179,7 @@ def q4tc_ref(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | 
         q = _codes(unrepack(fp4_unbits(words)))
         n, k = q.shape
         w = (code_table("mxfp4", q.device)[q.to(torch.int64)].view(n, k // group, group)
-             * sb[..., 0].float().unsqueeze(-1)).view(n, k)
+             * sb[..., 0].float().unsqueeze(-1)).view(n, k) * (1.0 if gs is None else gs)
     else:
         w = dequant_f32(unrepack(words), sb[..., 0], sb[..., 1], None, "affine", 4, group)
     xm = x.reshape(-1, words.shape[1] // 2 // planes)

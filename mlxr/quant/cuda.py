@@ -170,36 +170,43 @@ def _glu_order(packed: Tensor, scales: Tensor, biases: Tensor | None
     return packed[perm], scales[perm], None if biases is None else biases[perm]
 
 
+FP4_TC_MODES = ("mxfp4", "nvfp4")  # E2M1 codes: q4tc's fp4 copy
+
+
 def fp4_tc_supported(qw) -> bool:
-    """Whether decode (1-16 rows) of this mxfp4 weight takes triton_q4tc over its fp4 copy
+    """Whether decode (1-16 rows) of this mxfp4 / nvfp4 weight takes triton_q4tc over its fp4
+    copy
     (`fp4_tc_pack`: the file's codes, bits moved within each word, at the 4-bit kernel's
     speed; the Triton GEMV served them at ~1 TB/s, docs/perf.md): bf16 compute, q4tc's
-    shapes, sm_80+. Env `MLXR_FP4_TC=0` at load keeps the Triton GEMV (for A/B runs). (Two
+    shapes (nvfp4's group 16 too), a scalar global scale, sm_80+. Env `MLXR_FP4_TC=0` at load
+    keeps the Triton GEMV (for A/B runs). (Two
     affine nibble planes of 2v + 12 were the first way onto q4tc: 263 tok/s on the 8B
     against this copy's 421, at twice its bytes; removed, docs/perf.md.)"""
     from ..ops import triton_q4tc
 
     sp, dev = qw.spec, qw.device
-    return (os.environ.get("MLXR_FP4_TC", "") != "0" and sp.mode == "mxfp4"
+    return (os.environ.get("MLXR_FP4_TC", "") != "0" and sp.mode in FP4_TC_MODES
             and qw.packed is not None and qw.compute_dtype == torch.bfloat16
+            and (qw.global_scale is None or qw.global_scale.numel() == 1)
             and triton_q4tc.supported(sp.group_size, qw.out_features, qw.in_features,
-                                      torch.bfloat16)
+                                      torch.bfloat16, fp4=True)
             and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] >= 8))
 
 
 def fp4_tc_pack(qw, glu: bool = False, chunk_rows: int = 4096
-                ) -> tuple[Tensor, Tensor] | None:
+                ) -> tuple[Tensor, Tensor, float | None] | None:
     """q4tc's fp4 copy of an `fp4_tc_supported` weight: (`triton_q4tc.fp4_bits` of the
-    lane-ordered words, pairs of each group's E8M0 scale in bf16 (exact) and 0), built in row
-    slices (bounded scratch); glu as `q4tc_pack`. None where a scale is not finite (E8M0's
-    NaN code)."""
+    lane-ordered words, pairs of each group's E8M0 / E4M3 scale in bf16 (exact) and 0, the
+    global scale / 2688 as a float or None: `fp.fp_scales`' factor, which the kernel applies
+    to its fp32 sums), built in row slices (bounded scratch); glu as `q4tc_pack`. None where
+    a scale is not finite (the formats' NaN codes)."""
     from ..ops import triton_q4gemv, triton_q4tc
     from .fp import fp_scales
 
     packed, scales = qw.packed, qw.scales
     if glu:
         packed, scales, _ = _glu_order(packed, scales, None)
-    s = fp_scales(scales, "mxfp4", None)
+    s = fp_scales(scales, qw.spec.mode, None)
     sb = s.to(torch.bfloat16)
     if not bool(torch.isfinite(sb).all()) or not torch.equal(sb.float(), s.float()):
         return None
@@ -208,7 +215,8 @@ def fp4_tc_pack(qw, glu: bool = False, chunk_rows: int = 4096
     for r in range(0, n, chunk_rows):
         words[r // 16:(r + chunk_rows) // 16] = triton_q4tc.fp4_bits(
             triton_q4tc.repack(packed[r:r + chunk_rows]))
-    return words, triton_q4gemv.pair_scales(sb, torch.zeros_like(sb))
+    gs = None if qw.global_scale is None else float(qw.global_scale.float() / 2688.0)
+    return words, triton_q4gemv.pair_scales(sb, torch.zeros_like(sb)), gs
 
 
 def _plane_count(spec) -> int:
@@ -237,11 +245,11 @@ def planes_supported(qw) -> bool:
 def decode_copy_bytes(spec, out: int, inp: int) -> int:
     """Bytes of the decode copy a CUDA load builds for a weight of this spec and shape: words
     at 0.5 B per code and plane and a 4-byte (scale, bias) pair per group and plane (q4tc's
-    or q4gemv's at 4-bit, the nibble planes at 2/3/5/6/8-bit, mxfp4's fp4 copy); 0 for the
-    other fp modes."""
+    or q4gemv's at 4-bit, the nibble planes at 2/3/5/6/8-bit, mxfp4's and nvfp4's fp4 copy);
+    0 for mxfp8."""
     if not ((spec.mode == "affine" and (spec.bits == 4 or (spec.bits in PLANE_BITS
                                                             and planes_on())))
-            or (spec.mode == "mxfp4" and os.environ.get("MLXR_FP4_TC", "") != "0")):
+            or (spec.mode in FP4_TC_MODES and os.environ.get("MLXR_FP4_TC", "") != "0")):
         return 0
     return _plane_count(spec) * (out * inp // 2 + out * (inp // spec.group_size) * 4)
 
@@ -396,7 +404,7 @@ def _q4tc(qw, x: Tensor, act: str | None = None) -> Tensor:
     if x.data_ptr() % 16 or not x.is_contiguous():  # its 16-byte x loads: a fresh copy
         x = x.clone(memory_format=torch.contiguous_format)
     return triton_q4tc.q4tc(x, qw.tc, qw.q4_sb, group=qw.spec.group_size, act=act,
-                            planes=qw.planes, fp4=qw.tc_fp4).view(x.shape[0], -1)
+                            planes=qw.planes, fp4=qw.tc_fp4, gs=qw.tc_gs).view(x.shape[0], -1)
 
 
 def gated(qw, x: Tensor, act: str) -> Tensor | None:

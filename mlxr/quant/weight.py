@@ -17,7 +17,7 @@ the activation in its epilogue) or `q4` (`mlxr.ops.triton_q4gemv`), each with `q
 bias pairs); and
 `i4`/`i4_sz` (tinygemm, 2-32 rows) only where neither applies. Affine 2/3/5/6/8-bit weights
 get `tc` too, over nibble planes (`planes`: 1, or 2 for 5/6/8-bit; `cuda.planes_pack`), and
-mxfp4 weights an fp4 `tc` of their E2M1 codes (`tc_fp4`, `cuda.fp4_tc_pack`).
+mxfp4 / nvfp4 weights an fp4 `tc` of their E2M1 codes (`tc_fp4`, `cuda.fp4_tc_pack`).
 The batching engine asks for the several-row copy (`add_batch_copy`): `tc` where a `q4`
 weight lacks it, else tinygemm's.
 Scales/biases stay in their file dtype, except in exact mode (compute_dtype float32) where they
@@ -85,6 +85,7 @@ class QuantWeight:
         self.q4: Tensor | None = None
         self.tc: Tensor | None = None
         self.tc_glu = False  # tc (and q4_sb) in triton_q4tc.glu_rows' order (`gated`)
+        self.tc_gs: float | None = None  # an nvfp4 fp4 copy's global scale / 2688
         self.planes = 1  # tc / i4 hold this many nibble planes of the codes (`affine.planes`)
         self.q4_sb: Tensor | None = None
         self.matmul = True
@@ -160,10 +161,10 @@ class QuantWeight:
                 else:
                     self.q4, self.q4_sb = cuda.q4gemv_pack(self.packed, self.scales,
                                                            self.biases)
-            elif self.matmul and cuda.fp4_tc_supported(self):  # mxfp4 decode
+            elif self.matmul and cuda.fp4_tc_supported(self):  # mxfp4 / nvfp4 decode
                 tc = cuda.fp4_tc_pack(self, glu=glu)
                 if tc is not None:
-                    self.tc, self.q4_sb = tc
+                    self.tc, self.q4_sb, self.tc_gs = tc
                     self.tc_glu = glu
             elif self.matmul and cuda.planes_supported(self):  # the other widths' decode
                 tc = cuda.planes_pack(self, glu=glu)
@@ -260,8 +261,9 @@ class QuantWeight:
 
     @property
     def tc_fp4(self) -> bool:
-        """q4tc's copy holds mxfp4's E2M1 codes (`cuda.fp4_tc_pack`), not affine nibbles."""
-        return self.tc is not None and self.spec.mode == "mxfp4" and self.planes == 1
+        """q4tc's copy holds mxfp4's / nvfp4's E2M1 codes (`cuda.fp4_tc_pack`), not affine
+        nibbles."""
+        return self.tc is not None and self.spec.mode in ("mxfp4", "nvfp4")
 
     @property
     def exact(self) -> bool:
