@@ -59,9 +59,9 @@ FP4_EM = (6, 3, 0, None)  # register 3: e1 e0 at bits 11, 10 and m at bit 13
 
 
 def fp4_bits(words: Tensor) -> Tensor:
-    """`repack`'s words of E2M1 codes (mxfp4) -> the fp4 copy that `triton_q4tc.q4tc(fp4=True)`
-    reads: the same words, each code's bits moved within its word (nibble i + 4 hi, register
-    i's value hi, to `FP4_SIGN` / `FP4_EM` + 16 hi)."""
+    """`repack`'s words of E2M1 codes (mxfp4, nvfp4) -> the fp4 copy that
+    `triton_q4tc.q4tc(fp4=True)` reads: the same words, each code's bits moved within its word
+    (nibble i + 4 hi, register i's value hi, to `FP4_SIGN` / `FP4_EM` + 16 hi)."""
     w = words.to(torch.int64) & 0xFFFFFFFF
     out = torch.zeros_like(w)
     for j in range(8):
@@ -173,7 +173,7 @@ def q4tc_ref(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | 
     from .reference import gated_act
     from .triton_qmm import dequant_f32
 
-    if fp4:  # the pairs' scales are the E8M0 scales in x's dtype (exact)
+    if fp4:  # the pairs' scales: the E8M0 / E4M3 scales in x's dtype (exact)
         from ..quant.fp import code_table
 
         q = _codes(unrepack(fp4_unbits(words)))

@@ -175,13 +175,12 @@ FP4_TC_MODES = ("mxfp4", "nvfp4")  # E2M1 codes: q4tc's fp4 copy
 
 def fp4_tc_supported(qw) -> bool:
     """Whether decode (1-16 rows) of this mxfp4 / nvfp4 weight takes triton_q4tc over its fp4
-    copy
-    (`fp4_tc_pack`: the file's codes, bits moved within each word, at the 4-bit kernel's
-    speed; the Triton GEMV served them at ~1 TB/s, docs/perf.md): bf16 compute, q4tc's
-    shapes (nvfp4's group 16 too), a scalar global scale, sm_80+. Env `MLXR_FP4_TC=0` at load
-    keeps the Triton GEMV (for A/B runs). (Two
-    affine nibble planes of 2v + 12 were the first way onto q4tc: 263 tok/s on the 8B
-    against this copy's 421, at twice its bytes; removed, docs/perf.md.)"""
+    copy (`fp4_tc_pack`: the file's codes, bits moved within each word, at about the 4-bit
+    kernel's speed; the Triton GEMV served them at ~1 TB/s, docs/perf.md): bf16 compute,
+    q4tc's shapes (nvfp4's group 16 too), a scalar global scale, sm_80+. Env
+    `MLXR_FP4_TC=0` at load keeps the Triton GEMV (for A/B runs). (Two affine nibble planes
+    of 2v + 12 were the first way onto q4tc: 263 tok/s on the 8B against this copy's 421,
+    at twice its bytes; removed, docs/perf.md.)"""
     from ..ops import triton_q4tc
 
     sp, dev = qw.spec, qw.device

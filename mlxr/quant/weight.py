@@ -263,7 +263,7 @@ class QuantWeight:
     def tc_fp4(self) -> bool:
         """q4tc's copy holds mxfp4's / nvfp4's E2M1 codes (`cuda.fp4_tc_pack`), not affine
         nibbles."""
-        return self.tc is not None and self.spec.mode in ("mxfp4", "nvfp4")
+        return self.tc is not None and self.spec.mode in cuda.FP4_TC_MODES
 
     @property
     def exact(self) -> bool:
