@@ -435,6 +435,62 @@ def test_mxfp4_takes_int4_planes_on_cpu(monkeypatch):
     assert Qb.i4 is None
 
 
+@pytest.mark.parametrize("mode,bits,group", [("nvfp4", 4, 16), ("mxfp8", 8, 32)])
+def test_dense_copy_on_cpu(mode, bits, group, monkeypatch):
+    """nvfp4 / mxfp8 on the CPU (bf16) keep `dequant_rows`' values once (`dense`): `linear`,
+    `embed` and `dequant_rows` give bit for bit what the tiles give without it (MLXR_DENSE=0),
+    mlx's own dequantization rounded to bf16 included; `dense_bytes` is its size; the
+    float32 exact mode and an only-gathered weight (matmul=False) build none."""
+    from mlxr.quant.weight import dense_bytes
+
+    Q, W, (qw, s, _) = build(mode, bits, group, 96, 256, 11, torch.bfloat16)
+    assert Q.dense is not None and Q.dense.dtype == torch.bfloat16
+    assert Q.dense.nbytes == dense_bytes(Q.spec, 96, 256, torch.bfloat16) == 96 * 256 * 2
+    assert same_bits(Q.dense, W.to(torch.bfloat16))  # v * s is exact in bf16
+    monkeypatch.setenv("MLXR_DENSE", "0")
+    T, _, _ = build(mode, bits, group, 96, 256, 11, torch.bfloat16)
+    monkeypatch.delenv("MLXR_DENSE")
+    assert T.dense is None and dense_bytes(Q.spec, 96, 256, torch.float32) == 0
+    g = torch.Generator().manual_seed(bits)
+    for n in (1, 7):
+        x = torch.randn(n, 256, generator=g).to(torch.bfloat16)
+        assert torch.equal(Q.linear(x), T.linear(x))
+    ids = torch.tensor([[0, 95, 17]])
+    assert torch.equal(Q.embed(ids), T.embed(ids))
+    assert same_bits(Q.dequantize(), T.dequantize())  # fp32 requests bypass the copy
+    assert build(mode, bits, group, 96, 256, 11, torch.float32)[0].dense is None
+    only = QuantWeight.from_tensors(t(qw), t(s), None, Q.spec, compute_dtype=torch.bfloat16,
+                                    matmul=False)
+    assert only.dense is None
+
+
+def test_loader_budgets_dense_copies_on_cpu(monkeypatch):
+    """The loader's RAM budget on the CPU: nvfp4 / mxfp8 weights get their dense copy while it
+    fits (`dense_bytes` each), the rest load without (decode_copies=False) and are counted."""
+    from types import SimpleNamespace
+
+    from mlxr.models import loader
+    from mlxr.models.loader import RawQuant, _Builder
+
+    asked = []
+    monkeypatch.setattr(loader.QuantWeight, "from_tensors",
+                        lambda *a, **kw: asked.append(kw["decode_copies"])
+                        or SimpleNamespace(words_dropped=False))
+    spec = QuantSpec("nvfp4", 4, 16)
+    raw = RawQuant(torch.zeros(64, 32, dtype=torch.int32), torch.zeros(64, 16, dtype=torch.uint8),
+                   None, spec, None)
+    need = 64 * 256 * 2
+    b = _Builder(None, None, torch.bfloat16, "cpu", dry_run=True)
+    b.dry_run, b.copy_budget = False, 2 * need + 5
+    for _ in range(3):
+        b.quant(raw)
+    assert asked == [True, True, False] and b.copy_budget == 5 and b.copies_skipped == 1
+    b.quant(RawQuant(raw.weight, torch.zeros(64, 4, dtype=torch.bfloat16),
+                     torch.zeros(64, 4, dtype=torch.bfloat16), QuantSpec("affine", 4, 64), None))
+    assert asked[-1] and b.copy_budget == 5  # affine on the CPU: no dense copy to pay for
+    assert loader._ram()[0] > 0
+
+
 @pytest.mark.parametrize("cd", [torch.float32, torch.bfloat16])
 def test_tiled_path_equals_single_tile(monkeypatch, cd):
     Q, W, _ = build("affine", 3, 64, 320, 256, 2, cd)

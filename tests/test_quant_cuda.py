@@ -441,8 +441,8 @@ def test_decode_copy_bytes_and_the_loaders_budget(monkeypatch):
                               ("auto", [yes, yes, no, no, yes], 1 - 2 * (need - w.nbytes)),
                               ("drop", [no, yes, yes], 1 + w.nbytes)]:
         monkeypatch.setenv("MLXR_WORDS", words)
-        builder = _Builder(None, None, torch.bfloat16, "cpu")
-        builder.copy_budget = 2 * need + 1
+        builder = _Builder(None, None, torch.bfloat16, "cuda", dry_run=True)
+        builder.dry_run, builder.copy_budget = False, 2 * need + 1
         asked.clear()
         for _ in range(len(want) - 1 - (words == "drop")):
             builder.quant(raw)
@@ -455,7 +455,7 @@ def test_decode_copy_bytes_and_the_loaders_budget(monkeypatch):
         assert builder.words_dropped == sum(not k for _, k in want)
     monkeypatch.setenv("MLXR_WORDS", "sometimes")
     with pytest.raises(ValueError, match="MLXR_WORDS"):
-        _Builder(None, None, torch.bfloat16, "cpu")
+        _Builder(None, None, torch.bfloat16, "cpu", dry_run=True)
 
 
 @pytest.mark.parametrize("bits,glu", [(4, False), (4, True), (8, False), (3, True)])

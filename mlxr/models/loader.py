@@ -19,6 +19,7 @@ from ..errors import ModelFormatError
 from ..layers import Embedding, Linear
 from ..quant import QuantWeight
 from ..quant.cuda import decode_copy_bytes
+from ..quant.weight import dense_bytes
 from .decoder import Decoder, Fused, Layer
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,18 @@ class RawQuant(NamedTuple):
         return self.weight.shape[0]
 
 
+def _ram() -> tuple[int, int]:
+    """(available, total) bytes of RAM: /proc/meminfo's MemAvailable (page cache counts as
+    free), else the free pages sysconf reports."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f if ":" in ln}
+        return info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
 class _Builder:
     """Reads and checks module tensors. With dry_run, tensors are shape-only ("meta") so a
     directory can be validated without reading its weights."""
@@ -92,8 +105,9 @@ class _Builder:
         self.dry_run = dry_run
         self.used: set[str] = set()
         # bytes of decode copies (QuantWeight's load-time repacks, ~ the weight's own size or
-        # twice it) that still fit on the GPU beside the whole file; weights past it load
-        # without (slower decode, no out-of-memory at load)
+        # twice it; on the CPU the dense nvfp4 / mxfp8 weights, 2 B per weight) that still
+        # fit in the device's memory beside the whole file; weights past it load without
+        # (slower decode, no out-of-memory at load)
         self.copy_budget: int | None = None
         self.copies_skipped = self.words_dropped = 0
         # where a weight's copy does not fit beside its MLX words, the copy replaces them
@@ -103,8 +117,10 @@ class _Builder:
         self.words = os.environ.get("MLXR_WORDS", "auto").lower()
         if self.words not in ("auto", "drop", "keep"):
             raise ValueError(f"MLXR_WORDS={self.words!r}: expected auto, drop or keep")
-        if not dry_run and torch.device(device).type == "cuda":
-            free, total = torch.cuda.mem_get_info(torch.device(device))
+        self.cuda = torch.device(device).type == "cuda"
+        if not dry_run:
+            free, total = (torch.cuda.mem_get_info(torch.device(device)) if self.cuda
+                           else _ram())
             files = sum(i.nbytes for i in ckpt.tensors.values())
             self.copy_budget = free - files - max(COPY_RESERVE, total // 10)
 
@@ -197,8 +213,8 @@ class _Builder:
         copies, keep, need = True, True, 0
         budget = self.copy_budget is not None and matmul
         if budget:
-            need = decode_copy_bytes(raw.spec, raw.weight.shape[0],
-                                     raw.scales.shape[-1] * raw.spec.group_size)
+            shape = (raw.spec, raw.weight.shape[0], raw.scales.shape[-1] * raw.spec.group_size)
+            need = decode_copy_bytes(*shape) if self.cuda else dense_bytes(*shape, self.dtype)
             short = need > self.copy_budget
             keep = not (need and not gathered and raw.spec.mode == "affine" and (
                 self.words == "drop" or (self.words == "auto" and short)))
@@ -309,6 +325,7 @@ def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
             "(prefill dequantizes from the copies; prompts of 8-128 tokens lose the fused "
             "GEMM there)", b.words_dropped)
     if b.copies_skipped:
-        log.warning("GPU memory: %d weights load without their decode copies (their decode "
-                    "runs the slower generic kernels)", b.copies_skipped)
+        log.warning("%s memory: %d weights load without their decode copies (their decode "
+                    "runs the slower generic kernels)", "GPU" if b.cuda else "CPU",
+                    b.copies_skipped)
     return Decoder(c, Embedding(embed.weight), layers, final_norm, lm_head, dtype, device)

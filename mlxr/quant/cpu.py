@@ -4,6 +4,8 @@
   other affine widths through it too, over their nibble planes (`affine.planes`: 2/3-bit
   codes as nibbles, 5/6/8-bit as two planes against x repeated twice; `MLXR_PLANES=0` at load
   keeps them on the tiles below).
+* nvfp4 and mxfp8 (no int4 form), bf16/fp16: a dense copy dequantized once at load
+  (`QuantWeight.dense`, 2 B/weight, within the loader's RAM budget).
 * everything else: dequantize tiles of output rows to the compute dtype and matmul them
   (bf16 GEMM is ~2x faster than the int4 kernel for prefill). Small matrices (< SMALL_BYTES
   dequantized) are done in one tile. The full dequantized matrix is never held otherwise.
@@ -34,6 +36,8 @@ TILE_BYTES = 4 << 20
 
 
 def linear(qw, x: Tensor) -> Tensor:
+    if qw.dense is not None:  # nvfp4 / mxfp8: the weight dequantized once, at load
+        return x @ qw.dense.t()
     if qw.i4 is not None and x.shape[0] < i4_max_m(qw):  # two planes read x twice
         x = x.contiguous() if qw.planes == 1 else x.repeat(1, qw.planes)
         return int4pack.mm(x, qw.i4, qw.spec.group_size, qw.i4_sz)

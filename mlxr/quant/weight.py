@@ -70,6 +70,26 @@ def nibble_planes(spec: QuantSpec, packed: Tensor, scales: Tensor, biases: Tenso
     return planes(q, scales, biases, spec.bits)
 
 
+DENSE_MODES = ("nvfp4", "mxfp8")  # fp modes torch's int4 kernel cannot take (group 16, 8-bit)
+
+
+def dense_supported(spec: QuantSpec, compute_dtype: torch.dtype) -> bool:
+    """Whether a CPU weight of this spec keeps a dense copy (`dense`: `dequant_rows`' values
+    in the compute dtype, 2 B per weight) for `linear`: nvfp4 and mxfp8 in bf16/fp16 (not the
+    float32 exact mode). They have no int4 form, and dequantizing every tile on every call
+    decoded a Qwen3-0.6B at 0.2-0.8 tok/s (docs/perf.md). Env `MLXR_DENSE=0` keeps the
+    tiles."""
+    return (spec.mode in DENSE_MODES and compute_dtype != torch.float32
+            and os.environ.get("MLXR_DENSE", "") != "0")
+
+
+def dense_bytes(spec: QuantSpec, out: int, inp: int, compute_dtype: torch.dtype) -> int:
+    """RAM the dense copy of such a weight takes on the CPU (0 where none is built)."""
+    if not dense_supported(spec, compute_dtype):
+        return 0
+    return out * inp * torch.empty((), dtype=compute_dtype).element_size()
+
+
 class QuantWeight:
     spec: QuantSpec
     in_features: int
@@ -86,6 +106,7 @@ class QuantWeight:
         self.tc: Tensor | None = None
         self.tc_glu = False  # tc (and q4_sb) in triton_q4tc.glu_rows' order (`gated`)
         self.tc_gs: float | None = None  # an nvfp4 fp4 copy's global scale / 2688
+        self.dense: Tensor | None = None  # CPU nvfp4 / mxfp8: dequant_rows' result, cached
         self.planes = 1  # tc / i4 hold this many nibble planes of the codes (`affine.planes`)
         self.q4_sb: Tensor | None = None
         self.matmul = True
@@ -107,11 +128,11 @@ class QuantWeight:
         `glu=True`: the rows stack an MLP's gate over its up (F rows each); where q4tc's copy
         is built at load it interleaves them (`tc_glu`), so `gated` computes act(gate) * up in
         the GEMV's launch. Env `MLXR_Q4TC_GLU=0` (at load) keeps the plain order.
-        `decode_copies=False`: none either (the loader's GPU memory budget), not even the
-        batching engine's (`add_batch_copy`). `keep_words=False` (CUDA, the loader's budget or
-        env `MLXR_WORDS=drop`): q4tc's copy is built wherever it can serve the weight (also
-        where q4gemv would), the MLX words are dropped and prefill dequantizes from the copy
-        (`drop_words`)."""
+        `decode_copies=False`: none either (the loader's GPU memory budget, or on the CPU its
+        RAM budget for `dense`), not even the batching engine's (`add_batch_copy`).
+        `keep_words=False` (CUDA, the loader's budget or env `MLXR_WORDS=drop`): q4tc's copy is
+        built wherever it can serve the weight (also where q4gemv would), the MLX words are
+        dropped and prefill dequantizes from the copy (`drop_words`)."""
         in_features = validate(weight, scales, biases, spec, global_scale, name)
         if weight.dim() != 2:
             raise ModelFormatError(
@@ -147,6 +168,12 @@ class QuantWeight:
                   and int4pack.supported(self.out_features, in_features, spec.group_size))
         if use_i4 and self._int4_copy(packed):
             pass  # torch's int4 kernel serves decode; the codes are read back from its copy
+        elif dev.type == "cpu" and self.matmul and dense_supported(spec, compute_dtype):
+            if bits == 8:
+                self.codes = packed.contiguous().view(torch.uint8)  # [out, in], zero-copy
+            else:
+                self.packed = packed.contiguous()
+            self.dense = self._dense_copy()
         elif dev.type == "cuda":
             self.packed = packed.contiguous()  # Triton kernels read the mlx words as shipped
             glu = glu and os.environ.get("MLXR_Q4TC_GLU") != "0"
@@ -222,6 +249,15 @@ class QuantWeight:
         self.packed = None
         return freed
 
+    def _dense_copy(self, chunk_rows: int = 4096) -> Tensor:
+        """The whole weight in the compute dtype, `dequant_rows`' values (built in row slices:
+        its fp32 scratch stays bounded)."""
+        n = self.out_features
+        out = torch.empty(n, self.in_features, dtype=self.compute_dtype)
+        for r in range(0, n, chunk_rows):
+            out[r:r + chunk_rows] = self.dequant_rows(slice(r, min(r + chunk_rows, n)))
+        return out
+
     def add_batch_copy(self) -> int:
         """Build the copies that decode of several rows reads (`mlxr.quant.cuda`) where this
         weight takes them and has none; returns the bytes added. Where triton_q4tc serves the
@@ -251,6 +287,7 @@ class QuantWeight:
     @property
     def nbytes(self) -> int:
         ts = (self.packed, self.codes, self.i4, self.i4_sz, self.q4, self.tc, self.q4_sb,
+              self.dense,
               self.scales, self.biases, self.global_scale)
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
@@ -320,6 +357,8 @@ class QuantWeight:
         otherwise in fp32, rounded once. fp modes: exact fp32 products, rounded once.
         """
         dtype = dtype or self.compute_dtype
+        if self.dense is not None and dtype == self.compute_dtype:
+            return self.dense[rows]
         g = self.spec.group_size
         if self.spec.mode == "mxfp4" and self.planes == 2 and self.packed is None:
             # the int4 copy's planes sum to 2v + 12 (`fp.fp4_planes`): the values without two
