@@ -59,8 +59,10 @@ def quantized(out: int, inp: int, bits: int, group: int, mode: str, g: torch.Gen
         t["scales"] = s.to(torch.bfloat16)
         t["biases"] = (-s * (2**bits - 1) / 2).to(torch.bfloat16)
     else:
-        # E8M0 (mx) or E4M3 (nv) scale bytes giving element magnitudes ~0.01
-        byte = 127 - 9 if mode != "nvfp4" else 0x08
+        # E8M0 (mx: 2^-9) or E4M3 (nv: 0x02, 2^-8) scale bytes giving element magnitudes
+        # ~0.01 (E2M1 values average 2.25; nvfp4 had 0x08, 2^-6, which made the 8B's random
+        # activations grow until its bf16 logits were noise: docs/perf.md)
+        byte = 127 - 9 if mode != "nvfp4" else 0x02
         t["scales"] = torch.full((out, inp // group), byte, dtype=torch.uint8)
     return t
 
