@@ -485,9 +485,10 @@ def test_loader_budgets_dense_copies_on_cpu(monkeypatch):
     for _ in range(3):
         b.quant(raw)
     assert asked == [True, True, False] and b.copy_budget == 5 and b.copies_skipped == 1
+    b.copy_budget = -10  # less RAM than the file: still no affine weight is "skipped"
     b.quant(RawQuant(raw.weight, torch.zeros(64, 4, dtype=torch.bfloat16),
                      torch.zeros(64, 4, dtype=torch.bfloat16), QuantSpec("affine", 4, 64), None))
-    assert asked[-1] and b.copy_budget == 5  # affine on the CPU: no dense copy to pay for
+    assert asked[-1] and b.copy_budget == -10 and b.copies_skipped == 1  # no copy to pay for
     assert loader._ram()[0] > 0
 
 
