@@ -20,7 +20,8 @@
 #       kernel tests and the fp4 GPU parity cases (carry .gpu_fixtures), the per-projection
 #       workbench, then 8B-shape checkpoints of each mode: decode with the copy and with
 #       MLXR_FP4_TC=0, greedy tokens and last logits on vs off, and where they part, the
-#       candidates' gaps on each path and on the float32 model)
+#       candidates' gaps on each path and on the float32 model; then MLXR_WORDS=drop: prefill
+#       512 / decode / peak memory, and kept vs dropped tokens and logits)
 #   on the GPU machine, serving:       scripts/gpu_parity.sh serve    (needs the server's
 #       packages there: carry wheels in .whl, see the device notes; a tokenizer dir in .gpu_tok)
 #
@@ -140,6 +141,16 @@ case "${1:-}" in
         python3 benchmarks/gpu_ab_logits.py "/tmp/l8_$m" MLXR_FP4_TC 1 0 300 60 \
           | tee -a "$out/fp4.txt"
       fi
+      # the words dropped for the copy (prefill by dequant_copy from it): speed, memory, and
+      # greedy tokens / last logits after a 100-token prompt against the words kept
+      echo "$m MLXR_WORDS=drop $(MLXR_WORDS=drop python3 -m mlxr bench "/tmp/l8_$m" -p 512 \
+        -n 32 --device cuda --repeats 2 | tail -n 1)" | tee -a "$out/fp4.txt"
+      for w in keep drop; do
+        MLXR_WORDS=$w python3 benchmarks/gpu_ab_check.py "/tmp/l8_$m" "/tmp/l8_$m-$w.pt" 100 \
+          >/dev/null
+      done
+      python3 benchmarks/gpu_ab_check.py --compare "/tmp/l8_$m-keep.pt" "/tmp/l8_$m-drop.pt" \
+        | tee -a "$out/fp4.txt" || true
     done ;;
   serve)
     wheels

@@ -110,10 +110,11 @@ def test_bf16_graph_decode_close_to_reference(case):
     assert ours_err <= 1.5 * mlx_err + 0.01, f"{ours_err:.3f} vs mlx-lm bf16 {mlx_err:.3f}"
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("qwen3_wide") and "fp" not in c])
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("qwen3_wide")])
 def test_dropped_words_match_kept_on_gpu(case, monkeypatch):
-    """MLXR_WORDS=drop (affine weights with a q4tc copy keep only it; prefill dequantizes from
-    the copy) gives the default load's prompt logits bit for bit with fewer weight bytes."""
+    """MLXR_WORDS=drop (weights with a q4tc copy, affine or fp4, keep only it; prefill
+    dequantizes from the copy) gives the default load's prompt logits bit for bit with fewer
+    weight bytes."""
     path, ref = _load(case)
     kept = _model(path)
     seq = [int(i) for i in ref["prompt"]] + [int(i) for i in ref["greedy"]]

@@ -396,6 +396,39 @@ def test_fp4_decodes_through_its_fp4_copy(mode, monkeypatch):
     nan = sc.clone()
     nan[3, 5] = 255 if fmt == "mxfp4" else 0x7F
     assert qcuda.fp4_tc_pack(weight(nan)) is None
+    # the words dropped (MLXR_WORDS=drop): decode on the copy, prefill by `dequant_copy`
+    # from it, the same results and codes as with the words
+    dropped = weight()
+    dropped.tc, dropped.q4_sb, dropped.tc_gs = qcuda.fp4_tc_pack(dropped)
+    assert dropped.drop_words() == w.nbytes and dropped.words_dropped
+    x20 = torch.randn(20, k, generator=g).to(torch.bfloat16)
+    for xs in (x[:1], x20):
+        assert torch.equal(qcuda.linear(dropped, xs), qcuda.linear(qw, xs))
+    assert torch.equal(dropped.row_codes(slice(0, n)), qw.row_codes(slice(0, n)))
+
+
+def test_fp4_words_go_only_when_asked(monkeypatch):
+    """The loader drops an mxfp4 / nvfp4 weight's words for its fp4 copy only under
+    MLXR_WORDS=drop (prefill from the fp4 copy has not run on a GPU yet); under memory
+    pressure (auto) it keeps the words and skips the copy, as before."""
+    from types import SimpleNamespace
+
+    from mlxr.models import loader
+    from mlxr.models.loader import RawQuant, _Builder
+
+    asked = []
+    monkeypatch.setattr(loader.QuantWeight, "from_tensors",
+                        lambda *a, **kw: asked.append((kw["decode_copies"], kw["keep_words"]))
+                        or SimpleNamespace(words_dropped=not kw["keep_words"]))
+    spec = QuantSpec("nvfp4", 4, 16)
+    raw = RawQuant(torch.zeros(64, 128, dtype=torch.int32),
+                   torch.zeros(64, 64, dtype=torch.uint8), None, spec, None)
+    for words, want in [("drop", (True, False)), ("auto", (False, True))]:
+        monkeypatch.setenv("MLXR_WORDS", words)
+        b = _Builder(None, None, torch.bfloat16, "cuda", dry_run=True)
+        b.dry_run, b.copy_budget = False, 10  # short
+        b.quant(raw)
+        assert asked[-1] == want, words
 
 
 def test_decode_copy_bytes_and_the_loaders_budget(monkeypatch):

@@ -427,3 +427,35 @@ def test_q4tc_fp4_sees_every_code_position(group):
         x[kk] = 1
         y = T.q4tc(x.to(DEV), words, sb, group=group, fp4=True).cpu().float()
         assert torch.equal(y, table[codes[:, kk].long()].float()), kk
+
+
+@pytest.mark.parametrize("mode,gs", [("mxfp4", None), ("nvfp4", None), ("nvfp4", 3.5)])
+@pytest.mark.parametrize("glu", [False, True])
+def test_copy_dequant_of_fp4_is_dequant_fp(mode, gs, glu):
+    """`dequant_copy(mode=...)` from an fp4 copy gives `dequant_fp`'s values from the MLX
+    words bit for bit (E2M1 value x scale in fp32, nvfp4 times its global scale / 2688), in
+    either row order; its torch twin too; the copy's codes come back as the words' codes.
+    K = 640 leaves a partial column tile."""
+    from mlxr.ops.triton_dequant import dequant_copy, dequant_fp
+    from mlxr.ops.triton_q4tc_layout import copy_rows_codes, dequant_copy_ref
+
+    group = 32 if mode == "mxfp4" else 16
+    n, k = 48, 640
+    g = torch.Generator().manual_seed(len(mode) + glu + int(gs or 0))
+    codes, packed, _, _ = _fp4(g, n, k, group)
+    lo, hi = (116, 126) if mode == "mxfp4" else (1, 0x60)
+    sc = torch.randint(lo, hi, (n, k // group), generator=g).to(torch.uint8)
+    gst = None if gs is None else torch.tensor(gs)
+    perm = T.glu_rows(n) if glu else torch.arange(n)
+    copy = T.fp4_bits(T.repack(packed[perm]))
+    want = dequant_fp(packed.to(DEV), sc.to(DEV), None if gst is None else gst.to(DEV), mode)
+    got = dequant_copy(copy.to(DEV), sc.to(DEV), None, 4, group, 1, glu, mode=mode,
+                       global_scale=None if gst is None else gst.to(DEV))
+    assert torch.equal(got.cpu().view(torch.int16), want.cpu().view(torch.int16))
+    twin = dequant_copy_ref(copy, sc, None, 4, group, 1, glu, mode=mode, global_scale=gst)
+    assert torch.equal(twin.view(torch.int16), want.cpu().view(torch.int16))
+    assert len(set(want[0].tolist())) > 4
+    rows = torch.tensor([n - 1, 0, 9, n // 2 + 3])
+    assert torch.equal(copy_rows_codes(copy, rows, 1, 4, glu, fp4=True), codes[rows])
+    with pytest.raises(ValueError, match="dequant_copy"):
+        dequant_copy(copy.to(DEV), sc.to(DEV), None, 4, 64 if group == 32 else 32, mode=mode)

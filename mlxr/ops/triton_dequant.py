@@ -141,13 +141,16 @@ if HAVE_TRITON:
         return _round(tl.reshape(v, [BLOCK_N, BLOCK_K]), DT, EXACT_ROUND)
 
     @triton.jit
-    def _copy_dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K: tl.constexpr,
+    def _copy_dequant_kernel(w_ptr, s_ptr, b_ptr, gs_ptr, out_ptr, N, K: tl.constexpr,
                              GROUP: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
                              GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             EXACT_ROUND: tl.constexpr):
+                             EXACT_ROUND: tl.constexpr, MODE: tl.constexpr = 0,
+                             HAS_GS: tl.constexpr = False):
         """out[n, k] = s[n, k // G] * q(n, k) + b[n, k // G] from q4tc's lane-ordered copy
         (`triton_tiles._copy_tile`), each row stored at its original index (`glu_rows`
-        undone for GLU): a thread's 8 codes are one 16-byte store."""
+        undone for GLU): a thread's 8 codes are one 16-byte store. MODE > 0 (mxfp4 / nvfp4):
+        an fp4 copy, s the file's scale bytes, value * scale as `dequant_fp` (nvfp4 with
+        HAS_GS: times the global scale at gs_ptr / 2688)."""
         NG: tl.constexpr = K // GROUP
         NGT: tl.constexpr = BLOCK_K // GROUP
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # copy rows
@@ -157,9 +160,16 @@ if HAVE_TRITON:
         so = orig.to(tl.int64)[:, None] * NG + rg[None, :]
         gm = nmask[:, None] & (rg < NG)[None, :]
         s = tl.load(s_ptr + so, mask=gm, other=0)
-        b = tl.load(b_ptr + so, mask=gm, other=0)
+        if MODE > 0:
+            gs = 1.0
+            if HAS_GS:
+                gs = tl.load(gs_ptr).to(tl.float32) / 2688.0
+            s = _group_scale(s, gs, MODE)
+            b = s
+        else:
+            b = tl.load(b_ptr + so, mask=gm, other=0)
         out = _copy_tile(w_ptr, rn, tl.program_id(1) * BLOCK_K, s, b, nmask, K, P, R, BLOCK_N,
-                         BLOCK_K, NGT, out_ptr.dtype.element_ty, EXACT_ROUND)
+                         BLOCK_K, NGT, out_ptr.dtype.element_ty, EXACT_ROUND, MODE)
         rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         tl.store(out_ptr + orig.to(tl.int64)[:, None] * K + rk[None, :], out,
                  mask=nmask[:, None] & (rk < K)[None, :])
@@ -283,28 +293,40 @@ def dequant_affine(packed: Tensor, scales: Tensor, biases: Tensor, in_features: 
     return out
 
 
-def dequant_copy(words: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int,
-                 planes: int = 1, glu: bool = False, dtype: torch.dtype = torch.bfloat16
-                 ) -> Tensor:
+def dequant_copy(words: Tensor, scales: Tensor, biases: Tensor | None, bits: int,
+                 group_size: int, planes: int = 1, glu: bool = False,
+                 dtype: torch.dtype = torch.bfloat16, mode: str = "affine",
+                 global_scale: Tensor | None = None) -> Tensor:
     """`dequant_affine` from a weight's q4tc copy instead of its MLX words: words = the
     lane-ordered nibbles [N/16, 2PK] (`triton_q4tc.repack`; P = planes of
     `mlxr.quant.affine.planes` for 2/3/5/6/8-bit, rows in `glu_rows` order if glu), scales /
     biases the file's [N, K/G] -> [N, K] in `dtype`, bit for bit `dequant_affine`'s (the same
     codes: q = h * 2^(bits - 4) + l over two planes; the same s * q + b in fp32). Lets a
-    loaded weight drop its MLX words (`QuantWeight.drop_words`)."""
+    loaded weight drop its MLX words (`QuantWeight.drop_words`). mode mxfp4 / nvfp4: words
+    are an fp4 copy (`triton_q4tc.fp4_bits`), scales the file's bytes, no biases: bit for bit
+    `dequant_fp`'s."""
     rt, k2 = words.shape
     n, k = rt * 16, k2 // 2 // planes
+    fp4 = mode in ("mxfp4", "nvfp4")
     if (planes not in (1, 2) or (planes == 2) != (bits > 4) or k2 != 2 * planes * k
             or k % 64 or k % group_size or scales.shape != (n, k // group_size)
-            or biases.shape != scales.shape or words.dtype != torch.int32):
+            or (fp4 and (planes != 1 or scales.dtype != torch.uint8 or biases is not None
+                         or (mode == "mxfp4") != (group_size == 32)))
+            or (not fp4 and (mode != "affine" or biases is None or biases.shape != scales.shape
+                             or global_scale is not None))
+            or (global_scale is not None and mode != "nvfp4") or words.dtype != torch.int32):
         raise ValueError(f"dequant_copy: words {tuple(words.shape)} {words.dtype}, scales "
-                         f"{tuple(scales.shape)}, biases {tuple(biases.shape)}, {bits}-bit "
-                         f"g{group_size}, planes {planes}")
+                         f"{tuple(scales.shape)} {scales.dtype}, biases "
+                         f"{None if biases is None else tuple(biases.shape)}, {mode} "
+                         f"{bits}-bit g{group_size}, planes {planes}")
     out = torch.empty(n, k, dtype=dtype, device=words.device)
     bn, bk = 32, 256  # as `dequant_affine`: 16 KiB of output per program (whole groups)
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
-    _copy_dequant_kernel[grid](words, scales.contiguous(), biases.contiguous(), out, n, K=k,
-                               GROUP=group_size, P=planes,
+    scales = scales.contiguous()
+    gs = global_scale if global_scale is not None else scales
+    _copy_dequant_kernel[grid](words, scales, scales if fp4 else biases.contiguous(), gs, out,
+                               n, K=k, GROUP=group_size, P=planes,
                                R=1 << max(0, bits - 4), GLU=glu, BLOCK_N=bn, BLOCK_K=bk,
-                               EXACT_ROUND=_interpret(), num_warps=4)
+                               EXACT_ROUND=_interpret(), MODE=MODES[mode] if fp4 else 0,
+                               HAS_GS=global_scale is not None, num_warps=4)
     return out

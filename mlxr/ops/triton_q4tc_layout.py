@@ -101,27 +101,37 @@ def unrepack(words: Tensor) -> Tensor:
     return (q << shifts).sum(-1, dtype=torch.int32)
 
 
-def dequant_copy_ref(words: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int,
-                     planes: int = 1, glu: bool = False, dtype: torch.dtype = torch.bfloat16
-                     ) -> Tensor:
+def dequant_copy_ref(words: Tensor, scales: Tensor, biases: Tensor | None, bits: int,
+                     group_size: int, planes: int = 1, glu: bool = False,
+                     dtype: torch.dtype = torch.bfloat16, mode: str = "affine",
+                     global_scale: Tensor | None = None) -> Tensor:
     """`triton_dequant.dequant_copy`'s torch twin: the weight [N, K] in `dtype` from its q4tc
     copy (P planes, `glu_rows` order if glu) and the file's scales and biases, s * q + b in
-    fp32 rounded once."""
+    fp32 rounded once; mxfp4 / nvfp4: from an fp4 copy, value * scale (`fp.fp_scales`)."""
     n = words.shape[0] * 16
-    q = copy_rows_codes(words, torch.arange(n, device=words.device), planes, bits, glu)
+    fp4 = mode != "affine"
+    q = copy_rows_codes(words, torch.arange(n, device=words.device), planes, bits, glu, fp4)
     k = q.shape[1]
-    w = (q.float().view(n, k // group_size, group_size) * scales.float().unsqueeze(-1)
-         + biases.float().unsqueeze(-1))
+    if fp4:
+        from ..quant.fp import code_table, fp_scales
+
+        v = code_table(mode, q.device)[q.to(torch.int64)].view(n, k // group_size, group_size)
+        w = v * fp_scales(scales, mode, global_scale).unsqueeze(-1)
+    else:
+        w = (q.float().view(n, k // group_size, group_size) * scales.float().unsqueeze(-1)
+             + biases.float().unsqueeze(-1))
     return w.view(n, k).to(dtype)
 
 
-def copy_rows_codes(words: Tensor, rows: Tensor, planes: int, bits: int, glu: bool) -> Tensor:
+def copy_rows_codes(words: Tensor, rows: Tensor, planes: int, bits: int, glu: bool,
+                    fp4: bool = False) -> Tensor:
     """The b-bit codes int32 [len(rows), K] of original rows of a weight from its q4tc copy
-    (P planes: q = h * 2^(bits - 4) + l, `affine.planes`; `glu_rows` order if glu), each row
-    tile needed decoded once."""
+    (P planes: q = h * 2^(bits - 4) + l, `affine.planes`; `glu_rows` order if glu; fp4: an
+    fp4 copy's E2M1 codes), each row tile needed decoded once."""
     r = copy_row(rows.to(words.device), words.shape[0] * 16, glu)
     tiles, inv = torch.unique(r // 16, return_inverse=True)
-    q = _codes(unrepack(words[tiles])).view(tiles.numel(), 16, -1)[inv, r % 16]
+    tw = words[tiles]
+    q = _codes(unrepack(fp4_unbits(tw) if fp4 else tw)).view(tiles.numel(), 16, -1)[inv, r % 16]
     if planes == 2:
         from ..quant.affine import merge_planes
 

@@ -15,6 +15,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .triton_qcodes import _code_value
+
     @triton.jit
     def _round(v, DT: tl.constexpr, EXACT_ROUND: tl.constexpr):
         """fp32 -> DT, round to nearest even. EXACT_ROUND (interpreter, bf16 only): with integer
@@ -88,9 +90,25 @@ if HAVE_TRITON:
         return c0, c1, c2, c3
 
     @triton.jit
+    def _fp4_codes4(w, hh):
+        """The 4 E2M1 codes (int32) of an fp4 copy's words w (`triton_q4tc_layout.fp4_bits`)
+        that `_copy_codes4` would take from a plain copy (nibbles h, h + 4, h + 2, h + 6 for
+        hh = h, the row's half): fragment register h's values 0, 1 and register h + 2's."""
+        a0 = tl.where(hh == 0, ((w >> 15) & 1) << 3 | ((w >> 6) & 7),
+                      ((w >> 12) & 1) << 3 | ((w >> 3) & 7))
+        a1 = tl.where(hh == 0, ((w >> 31) & 1) << 3 | ((w >> 22) & 7),
+                      ((w >> 28) & 1) << 3 | ((w >> 19) & 7))
+        b0 = tl.where(hh == 0, ((w >> 9) & 1) << 3 | (w & 7),
+                      ((w >> 14) & 1) << 3 | ((w >> 9) & 6) | ((w >> 13) & 1))
+        b1 = tl.where(hh == 0, ((w >> 25) & 1) << 3 | ((w >> 16) & 7),
+                      ((w >> 30) & 1) << 3 | ((w >> 25) & 6) | ((w >> 29) & 1))
+        return a0, a1, b0, b1
+
+    @triton.jit
     def _copy_tile(w_ptr, rn, k0, s, b, nmask, K: tl.constexpr, P: tl.constexpr,
                    R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   NGT: tl.constexpr, DT: tl.constexpr, EXACT_ROUND: tl.constexpr):
+                   NGT: tl.constexpr, DT: tl.constexpr, EXACT_ROUND: tl.constexpr,
+                   MODE: tl.constexpr = 0):
         """Weights [BLOCK_N, BLOCK_K] in DT of copy rows rn [BN] (nmask: rn < N) and codes
         k0 .. k0 + BLOCK_K from q4tc's lane-ordered copy [N / 16, 2PK] (`triton_q4tc`
         docstring), scales and biases s, b [BN, NGT] (NGT groups in the tile, the rows' own):
@@ -98,7 +116,9 @@ if HAVE_TRITON:
         `affine.planes`). The 8 codes 8c .. 8c + 7 of a row are two adjacent words of its row
         tile (block c // 8, lane 4g + c % 4, mma steps 2((c % 8) // 4) and + 1), nibbles h,
         h + 4, h + 2, h + 6 of each (h = the row's half of its tile): a thread's 16-byte run of
-        output is two word loads (four with two planes), no gather across threads."""
+        output is two word loads (four with two planes), no gather across threads.
+        MODE > 0 (mxfp4 / nvfp4, `triton_qcodes.MODES`): the copy is an fp4 copy, s the
+        groups' `_group_scale` multipliers (fp32), b unused: w = value * s, as `dequant_fp`."""
         CPG: tl.constexpr = BLOCK_K // 8 // NGT  # chunks of 8 codes per group in the tile
         c = k0 // 8 + tl.arange(0, NGT)[:, None] * CPG + tl.arange(0, CPG)[None, :]
         ri = rn % 16
@@ -111,6 +131,15 @@ if HAVE_TRITON:
         bf = b.to(tl.float32)[:, :, None]
         w0 = tl.load(w_ptr + wo, mask=m, other=0)
         w1 = tl.load(w_ptr + wo + 1, mask=m, other=0)
+        if MODE > 0:
+            hh = (ri // 8)[:, None, None]
+            q0, q1, q2, q3 = _fp4_codes4(w0, hh)
+            q4, q5, q6, q7 = _fp4_codes4(w1, hh)
+            v = tl.join(tl.join(tl.join(_code_value(q0, MODE) * sf, _code_value(q4, MODE) * sf),
+                                tl.join(_code_value(q2, MODE) * sf, _code_value(q6, MODE) * sf)),
+                        tl.join(tl.join(_code_value(q1, MODE) * sf, _code_value(q5, MODE) * sf),
+                                tl.join(_code_value(q3, MODE) * sf, _code_value(q7, MODE) * sf)))
+            return _round(tl.reshape(v, [BLOCK_N, BLOCK_K]), DT, EXACT_ROUND)
         l0 = w0
         l1 = w1
         if P == 2:  # the second plane's blocks follow the first's: 2K words on

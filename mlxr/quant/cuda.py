@@ -306,7 +306,7 @@ def fp_dequant_on() -> bool:
 def dequant_supported(qw) -> bool:
     sp = qw.spec
     if qw.packed is None:  # from the q4tc copy if the words were dropped
-        return qw.words_dropped and sp.mode == "affine"
+        return qw.words_dropped and (sp.mode == "affine" or qw.tc_fp4)
     if sp.mode == "affine":
         return sp.bits in (2, 3, 4, 5, 6, 8)
     return fp_dequant_on()
@@ -320,7 +320,7 @@ def dequantize(qw, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     sp = qw.spec
     if qw.words_dropped:
         return dequant_copy(qw.tc, qw.scales, qw.biases, sp.bits, sp.group_size, qw.planes,
-                            qw.tc_glu, dtype)
+                            qw.tc_glu, dtype, sp.mode, qw.global_scale)
     if sp.mode != "affine":
         return dequant_fp(qw.packed, qw.scales, qw.global_scale, sp.mode, dtype)
     return dequant_affine(qw.packed, qw.scales, qw.biases, qw.in_features, sp.bits,

@@ -239,11 +239,12 @@ class QuantWeight:
         return True
 
     def drop_words(self) -> int:
-        """Drop the MLX words of a weight that has q4tc's copy (affine; CUDA): decode reads the
-        copy anyway, and prefill dequantizes from it (`triton_dequant.dequant_copy`, the same
-        values), so a weight is held once, not twice (4-bit: -0.5 B per weight). Returns the
-        bytes freed (0 where kept)."""
-        if self.packed is None or self.tc is None or self.spec.mode != "affine":
+        """Drop the MLX words of a weight that has q4tc's copy (affine, or mxfp4 / nvfp4's fp4
+        copy; CUDA): decode reads the copy anyway, and prefill dequantizes from it
+        (`triton_dequant.dequant_copy`, the same values), so a weight is held once, not twice
+        (4-bit: -0.5 B per weight). Returns the bytes freed (0 where kept)."""
+        if (self.packed is None or self.tc is None
+                or not (self.spec.mode == "affine" or self.tc_fp4)):
             return 0
         freed = self.packed.numel() * self.packed.element_size()
         self.packed = None
@@ -333,8 +334,8 @@ class QuantWeight:
 
         idx = (torch.arange(self.out_features, device=self.tc.device)[rows]
                if isinstance(rows, slice) else rows)
-        return copy_rows_codes(self.tc, idx, self.planes, self.spec.bits,
-                               self.tc_glu).to(torch.uint8)
+        return copy_rows_codes(self.tc, idx, self.planes, self.spec.bits, self.tc_glu,
+                               self.tc_fp4).to(torch.uint8)
 
     def _i4_rows(self, rows: slice | Tensor, combine) -> Tensor:
         """The int4 copy's codes of a row range or of gathered rows, uint8 [n, in]; with two
