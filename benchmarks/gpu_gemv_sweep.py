@@ -81,7 +81,7 @@ def rel_err(y, ref) -> float:
 
 
 def run_case(label, n, k, bits, m, dev, gen, smoke, rows, best):
-    from mlxr.quant import cuda as qcuda
+    from mlxr.quant import cuda_copies as qcopies
 
     w, s, b = make_weight(n, k, bits, dev, gen)
     nbytes = sum(t.numel() * t.element_size() for t in (w, s, b))
@@ -98,7 +98,7 @@ def run_case(label, n, k, bits, m, dev, gen, smoke, rows, best):
     qmm = T.qgemv if m <= T.gemv_max_m() else T.qgemm
     cands.append(("qmm", lambda x, c, **o: qmm(x, *c, None, **kw, **o)))
     if bits == 4 and not smoke and hasattr(torch, "_weight_int4pack_mm"):
-        packs = {id(c[0]): qcuda.tinygemm_pack(*c) for c in copies}  # (int4pack, s+z)
+        packs = {id(c[0]): qcopies.tinygemm_pack(*c) for c in copies}  # (int4pack, s+z)
         cands.append(("tinygemm", lambda x, c, **o: torch._weight_int4pack_mm(
             x, packs[id(c[0])][0], GROUP, packs[id(c[0])][1])))
     case = {}

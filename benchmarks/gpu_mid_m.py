@@ -16,7 +16,7 @@ from gpu_timing import graph_time_us
 
 from mlxr.ops.triton_dequant import dequant_affine
 from mlxr.ops.triton_qgemm import qgemm
-from mlxr.quant.cuda import tinygemm_pack
+from mlxr.quant.cuda_copies import tinygemm_pack
 
 SHAPES = {"0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024),
           "0.6b down": (1024, 3072), "0.6b head": (151936, 1024), "8b qkv": (6144, 4096),

@@ -21,7 +21,7 @@ import torch
 from gpu_timing import L2_BYTES, graph_time_us
 
 from mlxr.ops import triton_q4gemv as Q
-from mlxr.quant import cuda as qcuda
+from mlxr.quant import cuda_copies as qcopies
 
 SHAPES = {
     "8B": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -115,7 +115,7 @@ def sweep(shapes: list[str], budget_s: float, only: str | None = None) -> list[d
         x = torch.randn(k, device="cuda").to(torch.bfloat16)
         row = {"model": model, "shape": name, "n": n, "k": k, "mb": round(nbytes / 1e6, 2),
                "check": check(n, k, *ws[0], x)}
-        packs = [qcuda.tinygemm_pack(w, s, b) for w, s, b in ws]
+        packs = [qcopies.tinygemm_pack(w, s, b) for w, s, b in ws]
         x2 = x.view(1, -1)
         tg = graph_time_us([lambda p=p, x2=x2: torch._weight_int4pack_mm(x2, p[0], GROUP, p[1])
                             for p in packs])

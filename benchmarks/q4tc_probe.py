@@ -168,7 +168,7 @@ def rows(ms: list[int], only: str = "") -> None:
 
     from mlxr.ops.triton_qgemm import qgemm
     from mlxr.ops.triton_qmm import dequant_f32
-    from mlxr.quant.cuda import tinygemm_pack
+    from mlxr.quant.cuda_copies import tinygemm_pack
 
     g = 64
     for name, (n, k) in SHAPES.items():

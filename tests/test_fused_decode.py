@@ -24,7 +24,7 @@ from mlxr.layers import Embedding, Linear
 from mlxr.models import fused_decode
 from mlxr.models.decoder import Decoder, Layer
 from mlxr.quant import QuantWeight
-from mlxr.quant import cuda as qcuda
+from mlxr.quant import cuda_copies as qcopies
 
 
 def quantized_decoder(kind: str, dtype=torch.float16, group: int = 64,
@@ -56,7 +56,7 @@ def quantized_decoder(kind: str, dtype=torch.float16, group: int = 64,
             qw = QuantWeight.from_tensors(w, s, b, QuantSpec("affine", 4, group),
                                           compute_dtype=dtype, device=device)
         if device == "cpu":
-            qw.q4, qw.q4_sb = qcuda.q4gemv_pack(w, s, b)
+            qw.q4, qw.q4_sb = qcopies.q4gemv_pack(w, s, b)
         assert qw.q4 is not None
         assert device == "cpu" or qw.i4 is None  # CUDA: tinygemm's copy only on demand
         return qw

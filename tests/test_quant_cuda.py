@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 from mlxr.config import QuantSpec
 from mlxr.quant import QuantWeight
 from mlxr.quant import cuda as qcuda
+from mlxr.quant import cuda_copies as qcopies
 from mlxr.quant.dequant import dequantize as ref_dequantize
 
 INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU
@@ -143,7 +144,7 @@ def test_single_row_decode_takes_q4gemv(monkeypatch):
     w, s, b, qw = _q4_weight(g, n, k, group)  # the CUDA layout, without tinygemm's copy
     spec = qw.spec
     assert qcuda.q4gemv_supported(qw)
-    qw.q4, qw.q4_sb = qcuda.q4gemv_pack(w, s, b)
+    qw.q4, qw.q4_sb = qcopies.q4gemv_pack(w, s, b)
     x = torch.randn(1, k, generator=g).to(torch.bfloat16)
     y = qcuda.linear(qw, x)
     want = x.float() @ ref_dequantize(w, s.float(), b.float(), spec, dtype=torch.float32).t()
@@ -182,7 +183,7 @@ def test_single_row_decode_takes_q4tc_where_preferred(monkeypatch):
     w, s, b, qw = _q4_weight(g, n, k, group)  # the CUDA layout, without tinygemm's copy
     spec = qw.spec
     assert qcuda.q4tc_preferred(qw)
-    qw.tc, qw.q4_sb = qcuda.q4tc_pack(w, s, b)
+    qw.tc, qw.q4_sb = qcopies.q4tc_pack(w, s, b)
     calls = _spy(monkeypatch, triton_q4tc, "q4tc", lambda a, kw: 1)
     x = torch.randn(1, k, generator=g).to(torch.bfloat16)
     y = qcuda.linear(qw, x)
@@ -212,7 +213,7 @@ def test_several_rows_take_q4tc(monkeypatch):
     n, k = 32, 1024
     for group, most in ((64, 16), (32, 8)):
         w, s, b, qw = _q4_weight(g, n, k, group)
-        qw.tc, qw.q4_sb = qcuda.q4tc_pack(w, s, b)
+        qw.tc, qw.q4_sb = qcopies.q4tc_pack(w, s, b)
         monkeypatch.setattr(qw, "out_features", 4112)  # counts as tall (N > 4096)
         launches = []
         real = triton_q4tc._q4tc_kernel
@@ -256,9 +257,9 @@ def test_glu_copy_serves_gated_and_linear(monkeypatch):
     g = torch.Generator().manual_seed(31)
     n, k, group = 64, 1024, 64
     w, s, b, plain = _q4_weight(g, n, k, group)
-    plain.tc, plain.q4_sb = qcuda.q4tc_pack(w, s, b)
+    plain.tc, plain.q4_sb = qcopies.q4tc_pack(w, s, b)
     _, _, _, qw = _q4_weight(torch.Generator().manual_seed(31), n, k, group)
-    qw.tc, qw.q4_sb = qcuda.q4tc_pack(w, s, b, glu=True)
+    qw.tc, qw.q4_sb = qcopies.q4tc_pack(w, s, b, glu=True)
     qw.tc_glu = True
     assert not torch.equal(qw.tc, plain.tc)
     launches = _spy(monkeypatch, triton_q4tc, "q4tc", lambda a, kw: kw.get("act"))
@@ -276,7 +277,7 @@ def test_glu_copy_serves_gated_and_linear(monkeypatch):
     monkeypatch.delenv("MLXR_Q4GEMV")
     assert qcuda.gated(plain, x[:1], "silu") is None
     with pytest.raises(ValueError, match="glu"):
-        qcuda.q4tc_pack(w, s, b, plain.q4_sb, glu=True)
+        qcopies.q4tc_pack(w, s, b, plain.q4_sb, glu=True)
 
 
 def _affine_words(g, n, k, bits, group):
@@ -317,8 +318,8 @@ def test_other_widths_decode_through_planes(bits, monkeypatch):
 
     qw, glu = weight(), weight()
     assert qcuda.planes_supported(qw)
-    qw.tc, qw.q4_sb, qw.planes = qcuda.planes_pack(qw, chunk_rows=32)
-    glu.tc, glu.q4_sb, glu.planes = qcuda.planes_pack(glu, glu=True)
+    qw.tc, qw.q4_sb, qw.planes = qcopies.planes_pack(qw, chunk_rows=32)
+    glu.tc, glu.q4_sb, glu.planes = qcopies.planes_pack(glu, glu=True)
     glu.tc_glu = True
     assert qw.planes == (2 if bits > 4 else 1)
     assert not qcuda.gemv_v2_default(qw, 1)
@@ -341,7 +342,7 @@ def test_other_widths_decode_through_planes(bits, monkeypatch):
         big = QuantWeight.from_tensors(w, torch.full_like(s, 60000.0, dtype=torch.float16),
                                        b.half(), spec, compute_dtype=torch.float16, device="cpu")
         big.packed = w
-        assert qcuda.planes_supported(big) and qcuda.planes_pack(big) is None
+        assert qcuda.planes_supported(big) and qcopies.planes_pack(big) is None
 
 
 @pytest.mark.parametrize("mode", ["mxfp4", "nvfp4", "nvfp4-nogs"])
@@ -373,11 +374,11 @@ def test_fp4_decodes_through_its_fp4_copy(mode, monkeypatch):
 
     qw, glu = weight(), weight()
     assert qcuda.fp4_tc_supported(qw)
-    qw.tc, qw.q4_sb, qw.tc_gs = qcuda.fp4_tc_pack(qw, chunk_rows=32)
-    glu.tc, glu.q4_sb, glu.tc_gs = qcuda.fp4_tc_pack(glu, glu=True)
+    qw.tc, qw.q4_sb, qw.tc_gs = qcopies.fp4_tc_pack(qw, chunk_rows=32)
+    glu.tc, glu.q4_sb, glu.tc_gs = qcopies.fp4_tc_pack(glu, glu=True)
     glu.tc_glu = True
     assert qw.tc_fp4 and glu.tc_fp4 and (qw.tc_gs is None) == (gsc is None)
-    assert qcuda.decode_copy_bytes(spec, n, k) == qw.tc.nbytes + qw.q4_sb.nbytes
+    assert qcopies.decode_copy_bytes(spec, n, k) == qw.tc.nbytes + qw.q4_sb.nbytes
     launches = _spy(monkeypatch, triton_q4tc, "q4tc", lambda a, kw: kw["fp4"])
     wd = fp_dequantize(w, sc, fmt, global_scale=gsc, out_dtype=torch.float32).double()
     most = triton_q4tc.max_rows(group)
@@ -395,11 +396,11 @@ def test_fp4_decodes_through_its_fp4_copy(mode, monkeypatch):
     monkeypatch.delenv("MLXR_FP4_TC")
     nan = sc.clone()
     nan[3, 5] = 255 if fmt == "mxfp4" else 0x7F
-    assert qcuda.fp4_tc_pack(weight(nan)) is None
+    assert qcopies.fp4_tc_pack(weight(nan)) is None
     # the words dropped (MLXR_WORDS=drop): decode on the copy, prefill by `dequant_copy`
     # from it, the same results and codes as with the words
     dropped = weight()
-    dropped.tc, dropped.q4_sb, dropped.tc_gs = qcuda.fp4_tc_pack(dropped)
+    dropped.tc, dropped.q4_sb, dropped.tc_gs = qcopies.fp4_tc_pack(dropped)
     assert dropped.drop_words() == w.nbytes and dropped.words_dropped
     x20 = torch.randn(20, k, generator=g).to(torch.bfloat16)
     for xs in (x[:1], x20):
@@ -440,24 +441,24 @@ def test_decode_copy_bytes_and_the_loaders_budget(monkeypatch):
 
     g = torch.Generator().manual_seed(5)
     w, s, b, qw = _q4_weight(g, 64, 1024, 64)
-    tc, sb = qcuda.q4tc_pack(w, s, b)
-    assert qcuda.decode_copy_bytes(qw.spec, 64, 1024) == tc.nbytes + sb.nbytes
+    tc, sb = qcopies.q4tc_pack(w, s, b)
+    assert qcopies.decode_copy_bytes(qw.spec, 64, 1024) == tc.nbytes + sb.nbytes
     for bits in (3, 8):
         pw = torch.randint(-(2**31), 2**31, (64, 1024 * bits // 32), generator=g,
                            dtype=torch.int64).to(torch.int32)
         spec = QuantSpec("affine", bits, 64)
         q = QuantWeight.from_tensors(pw, s, b, spec, device="cpu")
         q.packed = pw
-        words, pairs, _ = qcuda.planes_pack(q)
-        assert qcuda.decode_copy_bytes(spec, 64, 1024) == words.nbytes + pairs.nbytes
+        words, pairs, _ = qcopies.planes_pack(q)
+        assert qcopies.decode_copy_bytes(spec, 64, 1024) == words.nbytes + pairs.nbytes
     fp4 = QuantSpec("mxfp4", 4, 32)
-    assert qcuda.decode_copy_bytes(fp4, 64, 1024) == 64 * 1024 // 2 + 64 * 32 * 4
+    assert qcopies.decode_copy_bytes(fp4, 64, 1024) == 64 * 1024 // 2 + 64 * 32 * 4
     monkeypatch.setenv("MLXR_FP4_TC", "0")
-    assert qcuda.decode_copy_bytes(fp4, 64, 1024) == 0
+    assert qcopies.decode_copy_bytes(fp4, 64, 1024) == 0
     monkeypatch.delenv("MLXR_FP4_TC")
     monkeypatch.setenv("MLXR_PLANES", "0")  # no planes: an 8-bit weight gets no copy
-    assert qcuda.decode_copy_bytes(QuantSpec("affine", 8, 64), 64, 1024) == 0
-    assert qcuda.decode_copy_bytes(qw.spec, 64, 1024) == tc.nbytes + sb.nbytes
+    assert qcopies.decode_copy_bytes(QuantSpec("affine", 8, 64), 64, 1024) == 0
+    assert qcopies.decode_copy_bytes(qw.spec, 64, 1024) == tc.nbytes + sb.nbytes
     monkeypatch.delenv("MLXR_PLANES")
     asked = []
 
@@ -467,7 +468,7 @@ def test_decode_copy_bytes_and_the_loaders_budget(monkeypatch):
                                words_dropped=not kw["keep_words"])
 
     monkeypatch.setattr(loader.QuantWeight, "from_tensors", built)
-    need = qcuda.decode_copy_bytes(qw.spec, 64, 1024)
+    need = qcopies.decode_copy_bytes(qw.spec, 64, 1024)
     raw = RawQuant(w, s, b, qw.spec, None)
     yes, no = (True, True), (True, False)  # copies with the words, copies instead of them
     for words, want, left in [("keep", [yes, yes, (False, True), yes], 1),
@@ -506,9 +507,9 @@ def test_dropped_words_serve_from_the_copy(bits, glu, monkeypatch):
     def weight():
         qw = _cuda_layout(w, s, b, spec)
         if bits == 4:
-            qw.tc, qw.q4_sb = qcuda.q4tc_pack(w, s, b, glu=glu)
+            qw.tc, qw.q4_sb = qcopies.q4tc_pack(w, s, b, glu=glu)
         else:
-            qw.tc, qw.q4_sb, qw.planes = qcuda.planes_pack(qw, glu=glu)
+            qw.tc, qw.q4_sb, qw.planes = qcopies.planes_pack(qw, glu=glu)
         qw.tc_glu = glu
         return qw
 
@@ -566,14 +567,14 @@ def test_batch_copy_is_built_on_demand(monkeypatch):
 
     i4_bytes = n * k // 2 + (k // group) * n * 2 * 4
     monkeypatch.setattr(qcuda, "tinygemm_supported", lambda qw: True)
-    monkeypatch.setattr(qcuda, "tinygemm_pack", fake_pack)
+    monkeypatch.setattr(qcopies, "tinygemm_pack", fake_pack)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
     assert qw.add_batch_copy() == 0 and qw.tc is None and qw.i4 is None  # not a CUDA weight
     monkeypatch.setattr(qw, "device", torch.device("cuda"))
     qw.q4_sb = sb = torch.zeros(n, k // group, 2, dtype=torch.bfloat16)  # q4gemv's pairs
     assert qcuda.q4tc_supported(qw) and qcuda.tinygemm_rows(qw)  # a small squarish weight
     assert qw.add_batch_copy() == n * k // 2 + i4_bytes and qw.q4_sb is sb
-    assert torch.equal(qw.tc, qcuda.q4tc_pack(w, s, b)[0]) and calls == [(n, k // 8)]
+    assert torch.equal(qw.tc, qcopies.q4tc_pack(w, s, b)[0]) and calls == [(n, k // 8)]
     assert qw.add_batch_copy() == 0 and len(calls) == 1  # once
     qw.tc = qw.q4_sb = qw.i4 = None
     monkeypatch.setattr(qcuda, "tinygemm_rows", lambda qw: False)  # a tall one: q4tc only

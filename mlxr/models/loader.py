@@ -18,7 +18,7 @@ from ..config import QuantSpec, ModelConfig
 from ..errors import ModelFormatError
 from ..layers import Embedding, Linear
 from ..quant import QuantWeight
-from ..quant.cuda import FP4_TC_MODES, decode_copy_bytes
+from ..quant.cuda_copies import FP4_TC_MODES, decode_copy_bytes
 from ..quant.weight import dense_bytes
 from .decoder import Decoder, Fused, Layer
 

@@ -42,6 +42,10 @@
   nibbles, 5/6/8-bit split into a high and a low plane read against the same x). Env
   `MLXR_PLANES=0` at load keeps the paths below: affine 2/3-bit at M = 1 (bf16/fp16) then
   use `mlxr.ops.triton_gemv` (measured faster than `triton_qmm`'s GEMV).
+- decode (1-16 rows) of mxfp4 / nvfp4 weights (bf16): `triton_q4tc` over their fp4 copy
+  (`fp4_tc_supported`; the file's E2M1 codes, each code's bits moved within its word), 1.8-1.9x
+  the generic GEMV on the 8B. Env `MLXR_FP4_TC=0` at load keeps the generic GEMV.
+The copies are built at load by `mlxr.quant.cuda_copies`.
 Env `MLXR_GEMV=triton` (read at every call, so A/B runs need no reload) routes decode (M <= 16)
 of every format, affine 4-bit included, to the GEMV of `mlxr.ops.triton_gemv` instead of tinygemm
 / `triton_qmm` (benchmarks/gpu_gemv_sweep.py measures both).
@@ -54,14 +58,13 @@ import os
 import torch
 from torch import Tensor
 
-from . import int4pack
 from .affine import PLANE_BITS, planes_on
+from .cuda_copies import FP4_TC_MODES, INNER_K_TILES, plane_count
 
 DECODE_MAX_M = 16
 # tinygemm beats dequant + cuBLAS up to 32 rows (H200, benchmarks/gpu_mid_m.py: 8B gate_up at
 # M=32 268 vs 630 us, 0.6B o 12 vs 17 us; at 64 rows the 0.6B shapes already favour cuBLAS)
 TINYGEMM_MAX_M = 32
-INNER_K_TILES = 8
 
 
 def tinygemm_supported(qw) -> bool:
@@ -69,14 +72,6 @@ def tinygemm_supported(qw) -> bool:
     return (hasattr(torch, "_weight_int4pack_mm") and sp.mode == "affine" and sp.bits == 4
             and qw.compute_dtype == torch.bfloat16 and sp.group_size in (32, 64, 128, 256)
             and qw.out_features % 8 == 0 and qw.in_features % (INNER_K_TILES * 16) == 0)
-
-
-def tinygemm_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tensor, Tensor]:
-    """mlx 4-bit words [N, K/8] -> (torch int4pack tensor, scales_and_zeros [K/G, N, 2])."""
-    b = packed.contiguous().view(torch.uint8)  # element 2j in the low nibble of byte j
-    swapped = ((b << 4) | (b >> 4)).contiguous()  # torch wants element 2j in the high nibble
-    w = torch._convert_weight_to_int4pack(swapped, INNER_K_TILES)
-    return w, int4pack.scales_and_zeros(scales, biases)  # same (q - 8) * s + z form as the CPU
 
 
 def q4gemv_supported(qw) -> bool:
@@ -146,33 +141,6 @@ def tinygemm_rows(qw) -> bool:
     return qw.out_features <= 4096 and min(qw.out_features, qw.in_features) < FUSED_MIN_DIM
 
 
-def q4tc_pack(packed: Tensor, scales: Tensor, biases: Tensor, sb: Tensor | None = None,
-              glu: bool = False) -> tuple[Tensor, Tensor]:
-    """The load-time copies triton_q4tc reads: lane-ordered words, (scale, bias) pairs (`sb`
-    where the weight already has q4gemv's: the same pairs). glu: the rows stack an MLP's gate
-    over its up, and both copies take `triton_q4tc.glu_rows`' order (so `gated` can run)."""
-    from ..ops import triton_q4gemv, triton_q4tc
-
-    if glu:
-        if sb is not None:
-            raise ValueError("q4tc_pack: a glu copy cannot share q4gemv's pairs")
-        packed, scales, biases = _glu_order(packed, scales, biases)
-    return triton_q4tc.repack(packed), (triton_q4gemv.pair_scales(scales, biases)
-                                        if sb is None else sb)
-
-
-def _glu_order(packed: Tensor, scales: Tensor, biases: Tensor | None
-               ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """A stacked [gate; up] weight's rows in `triton_q4tc.glu_rows`' order."""
-    from ..ops import triton_q4tc
-
-    perm = triton_q4tc.glu_rows(packed.shape[0]).to(packed.device)
-    return packed[perm], scales[perm], None if biases is None else biases[perm]
-
-
-FP4_TC_MODES = ("mxfp4", "nvfp4")  # E2M1 codes: q4tc's fp4 copy
-
-
 def fp4_tc_supported(qw) -> bool:
     """Whether decode (1-16 rows) of this mxfp4 / nvfp4 weight takes triton_q4tc over its fp4
     copy (`fp4_tc_pack`: the file's codes, bits moved within each word, at about the 4-bit
@@ -192,37 +160,6 @@ def fp4_tc_supported(qw) -> bool:
             and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] >= 8))
 
 
-def fp4_tc_pack(qw, glu: bool = False, chunk_rows: int = 4096
-                ) -> tuple[Tensor, Tensor, float | None] | None:
-    """q4tc's fp4 copy of an `fp4_tc_supported` weight: (`triton_q4tc.fp4_bits` of the
-    lane-ordered words, pairs of each group's E8M0 / E4M3 scale in bf16 (exact) and 0, the
-    global scale / 2688 as a float or None: `fp.fp_scales`' factor, which the kernel applies
-    to its fp32 sums), built in row slices (bounded scratch); glu as `q4tc_pack`. None where
-    a scale is not finite (the formats' NaN codes)."""
-    from ..ops import triton_q4gemv, triton_q4tc
-    from .fp import fp_scales
-
-    packed, scales = qw.packed, qw.scales
-    if glu:
-        packed, scales, _ = _glu_order(packed, scales, None)
-    s = fp_scales(scales, qw.spec.mode, None)
-    sb = s.to(torch.bfloat16)
-    if not bool(torch.isfinite(sb).all()) or not torch.equal(sb.float(), s.float()):
-        return None
-    n, k = qw.out_features, qw.in_features
-    words = torch.empty(n // 16, 2 * k, dtype=torch.int32, device=packed.device)
-    for r in range(0, n, chunk_rows):
-        words[r // 16:(r + chunk_rows) // 16] = triton_q4tc.fp4_bits(
-            triton_q4tc.repack(packed[r:r + chunk_rows]))
-    gs = None if qw.global_scale is None else float(qw.global_scale.float() / 2688.0)
-    return words, triton_q4gemv.pair_scales(sb, torch.zeros_like(sb)), gs
-
-
-def _plane_count(spec) -> int:
-    """Nibble planes of a weight's q4tc copy: 2 for 5/6/8-bit affine, else 1."""
-    return 2 if spec.mode == "affine" and spec.bits > 4 else 1
-
-
 def planes_supported(qw) -> bool:
     """Whether decode (1-16 rows) of this 2/3/5/6/8-bit affine weight takes triton_q4tc over
     its nibble planes (`mlxr.quant.affine.planes`: 2/3-bit codes widened to nibbles, 5/6/8-bit
@@ -237,62 +174,14 @@ def planes_supported(qw) -> bool:
     return (planes_on() and affine and qw.packed is not None
             and triton_q4tc.supported(sp.group_size, qw.out_features, qw.in_features,
                                       qw.compute_dtype)
-            and qw.out_features * qw.in_features * _plane_count(sp) // 8 < 2**31
+            and qw.out_features * qw.in_features * plane_count(sp) // 8 < 2**31
             and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] >= 8))
-
-
-def decode_copy_bytes(spec, out: int, inp: int) -> int:
-    """Bytes of the decode copy a CUDA load builds for a weight of this spec and shape: words
-    at 0.5 B per code and plane and a 4-byte (scale, bias) pair per group and plane (q4tc's
-    or q4gemv's at 4-bit, the nibble planes at 2/3/5/6/8-bit, mxfp4's and nvfp4's fp4 copy);
-    0 for mxfp8."""
-    if not ((spec.mode == "affine" and (spec.bits == 4 or (spec.bits in PLANE_BITS
-                                                            and planes_on())))
-            or (spec.mode in FP4_TC_MODES and os.environ.get("MLXR_FP4_TC", "") != "0")):
-        return 0
-    return _plane_count(spec) * (out * inp // 2 + out * (inp // spec.group_size) * 4)
-
-
-def planes_pack(qw, glu: bool = False, chunk_rows: int = 4096
-                ) -> tuple[Tensor, Tensor, int] | None:
-    """q4tc's copy of a `planes_supported` weight: (lane-ordered words of its nibble planes,
-    their (scale, bias) pairs in the compute dtype, planes), built in row slices (an 8-bit LM
-    head's codes would otherwise need ~4x its size of scratch); glu as `q4tc_pack`. None
-    where a plane's scale overflows the dtype (`planes`); the pairs are in the scales' dtype,
-    the compute dtype (`planes_supported`)."""
-    from ..ops import triton_q4gemv
-    from ..ops.triton_q4tc_layout import repack_codes
-    from .weight import nibble_planes
-
-    packed, scales, biases = qw.packed, qw.scales, qw.biases
-    if glu:
-        packed, scales, biases = _glu_order(packed, scales, biases)
-    sp, n, k = qw.spec, qw.out_features, qw.in_features
-    words = torch.empty(n // 16, 2 * _plane_count(sp) * k, dtype=torch.int32,
-                        device=packed.device)
-    pairs = []
-    try:
-        for r in range(0, n, chunk_rows):
-            rows = slice(r, r + chunk_rows)
-            c, s, b = nibble_planes(sp, packed[rows], scales[rows], biases[rows], k)
-            words[r // 16:(r + c.shape[0]) // 16] = repack_codes(c)
-            pairs.append(triton_q4gemv.pair_scales(s, b))
-    except ValueError:
-        return None
-    return words, torch.cat(pairs), _plane_count(sp)
 
 
 def several_rows_on() -> bool:
     """Env `MLXR_Q4TC_ROWS=0` keeps several rows off q4tc (`q4tc_rows`,
     `QuantWeight.add_batch_copy`)."""
     return os.environ.get("MLXR_Q4TC_ROWS", "") != "0"
-
-
-def q4gemv_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tensor, Tensor]:
-    """The load-time copies triton_q4gemv reads: repacked words, (scale, bias) pairs."""
-    from ..ops import triton_q4gemv
-
-    return triton_q4gemv.repack(packed), triton_q4gemv.pair_scales(scales, biases)
 
 
 def fp_dequant_on() -> bool:

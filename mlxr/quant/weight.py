@@ -16,8 +16,8 @@ rows; an MLP's gate_up gets it with gate and up rows interleaved, `tc_glu`, so `
 the activation in its epilogue) or `q4` (`mlxr.ops.triton_q4gemv`), each with `q4_sb` (scale,
 bias pairs); and
 `i4`/`i4_sz` (tinygemm, 2-32 rows) only where neither applies. Affine 2/3/5/6/8-bit weights
-get `tc` too, over nibble planes (`planes`: 1, or 2 for 5/6/8-bit; `cuda.planes_pack`), and
-mxfp4 / nvfp4 weights an fp4 `tc` of their E2M1 codes (`tc_fp4`, `cuda.fp4_tc_pack`).
+get `tc` too, over nibble planes (`planes`: 1, or 2 for 5/6/8-bit; `cuda_copies.planes_pack`), and
+mxfp4 / nvfp4 weights an fp4 `tc` of their E2M1 codes (`tc_fp4`, `cuda_copies.fp4_tc_pack`).
 The batching engine asks for the several-row copy (`add_batch_copy`): `tc` where a `q4`
 weight lacks it, else tinygemm's.
 Scales/biases stay in their file dtype, except in exact mode (compute_dtype float32) where they
@@ -43,7 +43,7 @@ from torch import Tensor
 from mlxr.config import QuantSpec
 from mlxr.errors import ModelFormatError
 
-from . import cuda, int4pack
+from . import cuda, cuda_copies, int4pack
 from .affine import PLANE_BITS, merge_planes, planes, planes_on, unpack_codes
 from .dequant import validate
 from .fp import code_table, fp4_codes, fp4_planes, fp_scales
@@ -183,18 +183,18 @@ class QuantWeight:
                 # 2.7 us)
                 if cuda.q4tc_preferred(self) or (not keep_words and cuda.q4tc_supported(self)):
                     self.tc_glu = glu
-                    self.tc, self.q4_sb = cuda.q4tc_pack(self.packed, self.scales, self.biases,
-                                                         glu=glu)
+                    self.tc, self.q4_sb = cuda_copies.q4tc_pack(
+                        self.packed, self.scales, self.biases, glu=glu)
                 else:
-                    self.q4, self.q4_sb = cuda.q4gemv_pack(self.packed, self.scales,
-                                                           self.biases)
+                    self.q4, self.q4_sb = cuda_copies.q4gemv_pack(self.packed, self.scales,
+                                                                  self.biases)
             elif self.matmul and cuda.fp4_tc_supported(self):  # mxfp4 / nvfp4 decode
-                tc = cuda.fp4_tc_pack(self, glu=glu)
+                tc = cuda_copies.fp4_tc_pack(self, glu=glu)
                 if tc is not None:
                     self.tc, self.q4_sb, self.tc_gs = tc
                     self.tc_glu = glu
             elif self.matmul and cuda.planes_supported(self):  # the other widths' decode
-                tc = cuda.planes_pack(self, glu=glu)
+                tc = cuda_copies.planes_pack(self, glu=glu)
                 if tc is not None:
                     self.tc, self.q4_sb, self.planes = tc
                     self.tc_glu = glu
@@ -275,12 +275,12 @@ class QuantWeight:
               and cuda.q4tc_supported(self))
         if tc and self.tc is None:
             had = self.q4_sb is not None  # q4gemv's pairs are q4tc's too
-            self.tc, self.q4_sb = cuda.q4tc_pack(self.packed, self.scales, self.biases,
-                                                 self.q4_sb)
+            self.tc, self.q4_sb = cuda_copies.q4tc_pack(self.packed, self.scales, self.biases,
+                                                        self.q4_sb)
             added += [self.tc] if had else [self.tc, self.q4_sb]
         if (self.i4 is None and cuda.tinygemm_supported(self)
                 and (not tc or cuda.tinygemm_rows(self))):
-            self.i4, self.i4_sz = cuda.tinygemm_pack(self.packed, self.scales, self.biases)
+            self.i4, self.i4_sz = cuda_copies.tinygemm_pack(self.packed, self.scales, self.biases)
             added += [self.i4, self.i4_sz]
         return sum(t.numel() * t.element_size() for t in added)
 
@@ -299,9 +299,9 @@ class QuantWeight:
 
     @property
     def tc_fp4(self) -> bool:
-        """q4tc's copy holds mxfp4's / nvfp4's E2M1 codes (`cuda.fp4_tc_pack`), not affine
+        """q4tc's copy holds mxfp4's / nvfp4's E2M1 codes (`cuda_copies.fp4_tc_pack`), not affine
         nibbles."""
-        return self.tc is not None and self.spec.mode in cuda.FP4_TC_MODES
+        return self.tc is not None and self.spec.mode in cuda_copies.FP4_TC_MODES
 
     @property
     def exact(self) -> bool:

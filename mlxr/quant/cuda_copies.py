@@ -1,0 +1,141 @@
+"""The load-time copies the CUDA decode kernels read (`mlxr.quant.cuda` routes the calls): each
+built once per weight from its MLX words, beside them or in their place
+(`QuantWeight.drop_words`).
+
+- `q4tc_pack`: affine 4-bit words in `triton_q4tc`'s lane order (an MLP's gate_up in
+  `glu_rows` order: `glu_order`) and (scale, bias) pairs;
+- `planes_pack`: the nibble planes of affine 2/3/5/6/8-bit weights, in the same layout;
+- `fp4_tc_pack`: mxfp4 / nvfp4 E2M1 codes with each code's bits moved (`fp4_bits`);
+- `q4gemv_pack`: `triton_q4gemv`'s repack; `tinygemm_pack`: torch's int4 layout;
+- `decode_copy_bytes`: what a load will build for a weight, for the loader's GPU budget.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from . import int4pack
+from .affine import PLANE_BITS, planes_on
+
+INNER_K_TILES = 8  # tinygemm's inner K tiles (its int4 layout)
+FP4_TC_MODES = ("mxfp4", "nvfp4")  # E2M1 codes: q4tc's fp4 copy
+
+
+def tinygemm_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tensor, Tensor]:
+    """mlx 4-bit words [N, K/8] -> (torch int4pack tensor, scales_and_zeros [K/G, N, 2])."""
+    b = packed.contiguous().view(torch.uint8)  # element 2j in the low nibble of byte j
+    swapped = ((b << 4) | (b >> 4)).contiguous()  # torch wants element 2j in the high nibble
+    w = torch._convert_weight_to_int4pack(swapped, INNER_K_TILES)
+    return w, int4pack.scales_and_zeros(scales, biases)  # same (q - 8) * s + z form as the CPU
+
+
+
+def q4tc_pack(packed: Tensor, scales: Tensor, biases: Tensor, sb: Tensor | None = None,
+              glu: bool = False) -> tuple[Tensor, Tensor]:
+    """The load-time copies triton_q4tc reads: lane-ordered words, (scale, bias) pairs (`sb`
+    where the weight already has q4gemv's: the same pairs). glu: the rows stack an MLP's gate
+    over its up, and both copies take `triton_q4tc.glu_rows`' order (so `gated` can run)."""
+    from ..ops import triton_q4gemv, triton_q4tc
+
+    if glu:
+        if sb is not None:
+            raise ValueError("q4tc_pack: a glu copy cannot share q4gemv's pairs")
+        packed, scales, biases = glu_order(packed, scales, biases)
+    return triton_q4tc.repack(packed), (triton_q4gemv.pair_scales(scales, biases)
+                                        if sb is None else sb)
+
+
+def glu_order(packed: Tensor, scales: Tensor, biases: Tensor | None
+               ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """A stacked [gate; up] weight's rows in `triton_q4tc.glu_rows`' order."""
+    from ..ops import triton_q4tc
+
+    perm = triton_q4tc.glu_rows(packed.shape[0]).to(packed.device)
+    return packed[perm], scales[perm], None if biases is None else biases[perm]
+
+
+
+def fp4_tc_pack(qw, glu: bool = False, chunk_rows: int = 4096
+                ) -> tuple[Tensor, Tensor, float | None] | None:
+    """q4tc's fp4 copy of an `fp4_tc_supported` weight: (`triton_q4tc.fp4_bits` of the
+    lane-ordered words, pairs of each group's E8M0 / E4M3 scale in bf16 (exact) and 0, the
+    global scale / 2688 as a float or None: `fp.fp_scales`' factor, which the kernel applies
+    to its fp32 sums), built in row slices (bounded scratch); glu as `q4tc_pack`. None where
+    a scale is not finite (the formats' NaN codes)."""
+    from ..ops import triton_q4gemv, triton_q4tc
+    from .fp import fp_scales
+
+    packed, scales = qw.packed, qw.scales
+    if glu:
+        packed, scales, _ = glu_order(packed, scales, None)
+    s = fp_scales(scales, qw.spec.mode, None)
+    sb = s.to(torch.bfloat16)
+    if not bool(torch.isfinite(sb).all()) or not torch.equal(sb.float(), s.float()):
+        return None
+    n, k = qw.out_features, qw.in_features
+    words = torch.empty(n // 16, 2 * k, dtype=torch.int32, device=packed.device)
+    for r in range(0, n, chunk_rows):
+        words[r // 16:(r + chunk_rows) // 16] = triton_q4tc.fp4_bits(
+            triton_q4tc.repack(packed[r:r + chunk_rows]))
+    gs = None if qw.global_scale is None else float(qw.global_scale.float() / 2688.0)
+    return words, triton_q4gemv.pair_scales(sb, torch.zeros_like(sb)), gs
+
+
+
+def plane_count(spec) -> int:
+    """Nibble planes of a weight's q4tc copy: 2 for 5/6/8-bit affine, else 1."""
+    return 2 if spec.mode == "affine" and spec.bits > 4 else 1
+
+
+
+def decode_copy_bytes(spec, out: int, inp: int) -> int:
+    """Bytes of the decode copy a CUDA load builds for a weight of this spec and shape: words
+    at 0.5 B per code and plane and a 4-byte (scale, bias) pair per group and plane (q4tc's
+    or q4gemv's at 4-bit, the nibble planes at 2/3/5/6/8-bit, mxfp4's and nvfp4's fp4 copy);
+    0 for mxfp8."""
+    if not ((spec.mode == "affine" and (spec.bits == 4 or (spec.bits in PLANE_BITS
+                                                            and planes_on())))
+            or (spec.mode in FP4_TC_MODES and os.environ.get("MLXR_FP4_TC", "") != "0")):
+        return 0
+    return plane_count(spec) * (out * inp // 2 + out * (inp // spec.group_size) * 4)
+
+
+
+def planes_pack(qw, glu: bool = False, chunk_rows: int = 4096
+                ) -> tuple[Tensor, Tensor, int] | None:
+    """q4tc's copy of a `planes_supported` weight: (lane-ordered words of its nibble planes,
+    their (scale, bias) pairs in the compute dtype, planes), built in row slices (an 8-bit LM
+    head's codes would otherwise need ~4x its size of scratch); glu as `q4tc_pack`. None
+    where a plane's scale overflows the dtype (`planes`); the pairs are in the scales' dtype,
+    the compute dtype (`planes_supported`)."""
+    from ..ops import triton_q4gemv
+    from ..ops.triton_q4tc_layout import repack_codes
+    from .weight import nibble_planes
+
+    packed, scales, biases = qw.packed, qw.scales, qw.biases
+    if glu:
+        packed, scales, biases = glu_order(packed, scales, biases)
+    sp, n, k = qw.spec, qw.out_features, qw.in_features
+    words = torch.empty(n // 16, 2 * plane_count(sp) * k, dtype=torch.int32,
+                        device=packed.device)
+    pairs = []
+    try:
+        for r in range(0, n, chunk_rows):
+            rows = slice(r, r + chunk_rows)
+            c, s, b = nibble_planes(sp, packed[rows], scales[rows], biases[rows], k)
+            words[r // 16:(r + c.shape[0]) // 16] = repack_codes(c)
+            pairs.append(triton_q4gemv.pair_scales(s, b))
+    except ValueError:
+        return None
+    return words, torch.cat(pairs), plane_count(sp)
+
+
+
+def q4gemv_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tensor, Tensor]:
+    """The load-time copies triton_q4gemv reads: repacked words, (scale, bias) pairs."""
+    from ..ops import triton_q4gemv
+
+    return triton_q4gemv.repack(packed), triton_q4gemv.pair_scales(scales, biases)
