@@ -38,11 +38,13 @@ small programs, each with its whole tile of words in flight):
   and g + 8 are one output's gate and up. Same sums and roundings as the GEMV followed by
   `ops.gated_act`, one launch fewer (0.6B decode +4.6%, docs/perf.md).
 
-* mxfp4 (`fp4=True`, bf16): the copy holds E2M1 codes, each code's bits moved within its word
-  at load (`fp4_bits`) so that a fragment register's two values x 2^-126 come out by masks
-  and shifts (1-6 per register, `triton_q4tc_ptx`) and one exact bf16x2 multiply by 2^126;
-  the E8M0 scale multiplies each group's sum at the flush, and there are no x sums (no bias).
-  Same bytes as the file's codes, at the 4-bit kernel's speed (docs/perf.md).
+* mxfp4 / nvfp4 (`fp4=True`, bf16): the copy holds E2M1 codes, each code's bits moved within
+  its word at load (`fp4_bits`) so that a fragment register's two values x 2^-126 come out by
+  masks and shifts (1-6 per register, `triton_q4tc_ptx`) and one exact bf16x2 multiply by
+  2^126; the E8M0 / E4M3 scale multiplies each group's sum at the flush (nvfp4's 16-code
+  groups: 4 columns per block, a lane's column by its tig), the global scale the fp32 sums,
+  and there are no x sums (no bias). Same bytes as the file's codes, at 0.9-1.1x the affine
+  kernel's time (docs/perf.md).
 
 `q4tc_ref` is the plain-torch twin with the same signature (the tests' oracle); it and the
 load-time layouts (`repack`, `glu_rows`) are in `triton_q4tc_layout`.
