@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from .affine import PLANE_BITS, planes_on
-from .cuda_copies import FP4_TC_MODES, INNER_K_TILES, plane_count
+from .cuda_copies import INNER_K_TILES, fp4_tc_on, plane_count
 
 DECODE_MAX_M = 16
 # tinygemm beats dequant + cuBLAS up to 32 rows (H200, benchmarks/gpu_mid_m.py: 8B gate_up at
@@ -152,8 +152,7 @@ def fp4_tc_supported(qw) -> bool:
     from ..ops import triton_q4tc
 
     sp, dev = qw.spec, qw.device
-    return (os.environ.get("MLXR_FP4_TC", "") != "0" and sp.mode in FP4_TC_MODES
-            and qw.packed is not None and qw.compute_dtype == torch.bfloat16
+    return (fp4_tc_on(sp) and qw.packed is not None and qw.compute_dtype == torch.bfloat16
             and (qw.global_scale is None or qw.global_scale.numel() == 1)
             and triton_q4tc.supported(sp.group_size, qw.out_features, qw.in_features,
                                       torch.bfloat16, fp4=True)

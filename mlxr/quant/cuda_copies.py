@@ -24,6 +24,11 @@ INNER_K_TILES = 8  # tinygemm's inner K tiles (its int4 layout)
 FP4_TC_MODES = ("mxfp4", "nvfp4")  # E2M1 codes: q4tc's fp4 copy
 
 
+def fp4_tc_on(spec) -> bool:
+    """mxfp4 / nvfp4 get q4tc's fp4 copy at load unless env `MLXR_FP4_TC=0` (A/B runs)."""
+    return spec.mode in FP4_TC_MODES and os.environ.get("MLXR_FP4_TC", "") != "0"
+
+
 def tinygemm_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tensor, Tensor]:
     """mlx 4-bit words [N, K/8] -> (torch int4pack tensor, scales_and_zeros [K/G, N, 2])."""
     b = packed.contiguous().view(torch.uint8)  # element 2j in the low nibble of byte j
@@ -98,7 +103,7 @@ def decode_copy_bytes(spec, out: int, inp: int) -> int:
     0 for mxfp8."""
     if not ((spec.mode == "affine" and (spec.bits == 4 or (spec.bits in PLANE_BITS
                                                             and planes_on())))
-            or (spec.mode in FP4_TC_MODES and os.environ.get("MLXR_FP4_TC", "") != "0")):
+            or fp4_tc_on(spec)):
         return 0
     return plane_count(spec) * (out * inp // 2 + out * (inp // spec.group_size) * 4)
 

@@ -87,7 +87,7 @@ def dense_bytes(spec: QuantSpec, out: int, inp: int, compute_dtype: torch.dtype)
     """RAM the dense copy of such a weight takes on the CPU (0 where none is built)."""
     if not dense_supported(spec, compute_dtype):
         return 0
-    return out * inp * torch.empty((), dtype=compute_dtype).element_size()
+    return out * inp * compute_dtype.itemsize
 
 
 class QuantWeight:
