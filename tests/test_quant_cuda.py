@@ -408,10 +408,10 @@ def test_fp4_decodes_through_its_fp4_copy(mode, monkeypatch):
     assert torch.equal(dropped.row_codes(slice(0, n)), qw.row_codes(slice(0, n)))
 
 
-def test_fp4_words_go_only_when_asked(monkeypatch):
-    """The loader drops an mxfp4 / nvfp4 weight's words for its fp4 copy only under
-    MLXR_WORDS=drop (prefill from the fp4 copy has not run on a GPU yet); under memory
-    pressure (auto) it keeps the words and skips the copy, as before."""
+def test_fp4_words_go_as_affine_words_go(monkeypatch):
+    """The loader drops an mxfp4 / nvfp4 weight's words for its fp4 copy as it drops affine
+    words: always under MLXR_WORDS=drop, under memory pressure with auto (the default); keep
+    keeps the words and skips the copy."""
     from types import SimpleNamespace
 
     from mlxr.models import loader
@@ -424,12 +424,13 @@ def test_fp4_words_go_only_when_asked(monkeypatch):
     spec = QuantSpec("nvfp4", 4, 16)
     raw = RawQuant(torch.zeros(64, 128, dtype=torch.int32),
                    torch.zeros(64, 64, dtype=torch.uint8), None, spec, None)
-    for words, want in [("drop", (True, False)), ("auto", (False, True))]:
+    for words, budget, want in [("drop", 10**9, (True, False)), ("auto", 10, (True, False)),
+                                ("auto", 10**9, (True, True)), ("keep", 10, (False, True))]:
         monkeypatch.setenv("MLXR_WORDS", words)
         b = _Builder(None, None, torch.bfloat16, "cuda", dry_run=True)
-        b.dry_run, b.copy_budget = False, 10  # short
+        b.dry_run, b.copy_budget = False, budget  # 10: short
         b.quant(raw)
-        assert asked[-1] == want, words
+        assert asked[-1] == want, (words, budget)
 
 
 def test_decode_copy_bytes_and_the_loaders_budget(monkeypatch):

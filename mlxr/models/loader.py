@@ -216,12 +216,9 @@ class _Builder:
             shape = (raw.spec, raw.weight.shape[0], raw.scales.shape[-1] * raw.spec.group_size)
             need = decode_copy_bytes(*shape) if self.cuda else dense_bytes(*shape, self.dtype)
             short = need > 0 and need > self.copy_budget  # (a weight without copies: never)
-            # fp4 copies (mxfp4 / nvfp4) replace their words only when asked (`drop`): their
-            # prefill from the copy has not run on a GPU yet (interpreter-tested)
-            keep = not (need and not gathered and (
-                (raw.spec.mode == "affine" and (self.words == "drop"
-                                                or (self.words == "auto" and short)))
-                or (raw.spec.mode in FP4_TC_MODES and self.words == "drop")))
+            keep = not (need and not gathered
+                        and (raw.spec.mode == "affine" or raw.spec.mode in FP4_TC_MODES)
+                        and (self.words == "drop" or (self.words == "auto" and short)))
             if keep and short:
                 copies = False
                 self.copies_skipped += 1
