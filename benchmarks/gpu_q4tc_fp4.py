@@ -2,9 +2,10 @@
 of the same group on q4tc (the same bytes per code, the same launch; none for group 16) and
 against the generic Triton GEMV that served them before (`triton_qmm.qgemv` on the MLX
 words), per 8B / 0.6B projection: us per call (CUDA graphs rotating through copies larger
-than the L2, median) and GB/s of the file's bytes (codes + 1-byte scales).
+than the L2, median) and GB/s of the file's bytes (codes + 1-byte scales). mxfp8: its fp8
+copy (`q4tc(fp8=True)`) against the generic GEMV.
 
-    python benchmarks/gpu_q4tc_fp4.py [mxfp4] [nvfp4]
+    python benchmarks/gpu_q4tc_fp4.py [mxfp4] [nvfp4] [mxfp8]
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gpu_timing import L2_BYTES, graph_time_us  # noqa: E402
 
 from mlxr.ops.triton_q4gemv import pair_scales  # noqa: E402
-from mlxr.ops.triton_q4tc import GROUPS, fp4_bits, q4tc, q4tc_ref, repack  # noqa: E402
+from mlxr.ops.triton_q4tc import (  # noqa: E402
+    GROUPS, fp4_bits, fp8_words, q4tc, q4tc_ref, repack)
 from mlxr.ops.triton_qmm import qgemv  # noqa: E402
 from mlxr.quant.fp import scale_table  # noqa: E402
 
@@ -30,6 +32,9 @@ def main(modes: list[str]) -> None:
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     for mode in modes:
+        if mode == "mxfp8":
+            fp8(g)
+            continue
         group = 32 if mode == "mxfp4" else 16
         gs = 0.75 if mode == "nvfp4" else None  # nvfp4 with a global scale (the GEMV's too)
         for name, (n, k) in SHAPES.items():
@@ -60,5 +65,32 @@ def main(modes: list[str]) -> None:
                   f"affine g{group} q4tc {t_aff:7.1f} us  generic {mode} GEMV {t_gen:7.1f} us"
                   f"  fp4 vs twin {err:.1e}", flush=True)
 
+
+def fp8(g) -> None:
+    dev = "cuda"
+    for name, (n, k) in SHAPES.items():
+        nrot = max(1, -(-2 * L2_BYTES // (n * k)))
+        x = torch.randn(k, generator=g, device=dev).bfloat16()
+        codes = []
+        for _ in range(nrot):  # every E4M3 code but the NaN ones
+            c = torch.randint(0, 254, (n, k), generator=g, device=dev, dtype=torch.int32)
+            codes.append((c + (c >= 0x7F).int()).to(torch.uint8))
+        sbytes = [torch.randint(118, 126, (n, k // 32), generator=g, device=dev,
+                                dtype=torch.int32).to(torch.uint8) for _ in range(nrot)]
+        s = [scale_table("mxfp8", dev)[b.long()].bfloat16() for b in sbytes]
+        cp = [(fp8_words(c), pair_scales(si, torch.zeros_like(si))) for c, si in zip(codes, s)]
+        y = q4tc(x, *cp[0], group=32, fp8=True)
+        twin = q4tc_ref(x, *cp[0], group=32, fp8=True)
+        err = float((y.float() - twin.float()).abs().max() / twin.float().abs().max())
+        t_fp8 = graph_time_us([lambda c=c: q4tc(x, *c, group=32, fp8=True) for c in cp])
+        t_gen = graph_time_us([lambda c=c, e=e: qgemv(x[None], c.view(torch.int32), e, None,
+                                                       None, mode="mxfp8", bits=8, group=32)
+                               for c, e in zip(codes, sbytes)])
+        gb = n * k * (1 + 1 / 32) / 1e3
+        print(f"mxfp8 {name:12s} fp8 q4tc {t_fp8:7.1f} us ({gb / t_fp8:5.0f} GB/s)  "
+              f"generic mxfp8 GEMV {t_gen:7.1f} us ({gb / t_gen:5.0f} GB/s)  "
+              f"fp8 vs twin {err:.1e}", flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["mxfp4", "nvfp4"])
+    main(sys.argv[1:] or ["mxfp4", "nvfp4", "mxfp8"])

@@ -59,10 +59,11 @@ def quantized(out: int, inp: int, bits: int, group: int, mode: str, g: torch.Gen
         t["scales"] = s.to(torch.bfloat16)
         t["biases"] = (-s * (2**bits - 1) / 2).to(torch.bfloat16)
     else:
-        # E8M0 (mx: 2^-9) or E4M3 (nv: 0x02, 2^-8) scale bytes giving element magnitudes
-        # ~0.01 (E2M1 values average 2.25; nvfp4 had 0x08, 2^-6, which made the 8B's random
-        # activations grow until its bf16 logits were noise: docs/perf.md)
-        byte = 127 - 9 if mode != "nvfp4" else 0x02
+        # E8M0 (mxfp4: 2^-9, mxfp8: 2^-14) or E4M3 (nvfp4: 0x02, 2^-8) scale bytes giving
+        # element magnitudes of ~0.006 rms (random E2M1 codes: 2.9 rms, E4M3: 100; nvfp4 had
+        # 0x08, 2^-6, and mxfp8 2^-9, 34x mxfp4's: the 8B's random activations grew until its
+        # bf16 logits were noise, docs/perf.md)
+        byte = {"mxfp4": 127 - 9, "mxfp8": 127 - 14, "nvfp4": 0x02}[mode]
         t["scales"] = torch.full((out, inp // group), byte, dtype=torch.uint8)
     return t
 

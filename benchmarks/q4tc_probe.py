@@ -1,6 +1,7 @@
 """Workbench for the tensor-core decode GEMV (`mlxr.ops.triton_q4tc`).
 
-    PYTHONPATH=. python benchmarks/q4tc_probe.py [K GROUP RT U WARPS PF STAGES [UNROLL] [pdl] [fp4]]
+    PYTHONPATH=. python benchmarks/q4tc_probe.py [K GROUP RT U WARPS PF STAGES [UNROLL]]
+        [pdl] [fp4|fp8]
     cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --gpu [--tma|--wide|--deep] [8b|0.6b]
     cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --rows 2,4,8 [8b|0.6b]
     cd benchmarks && PYTHONPATH=..:. python q4tc_probe.py --glu 1,4
@@ -60,13 +61,14 @@ DEEP = ((1, 2, 16, 1, 0, 1, 0), (1, 2, 16, 1, 0, 1, 64), (1, 2, 8, 1, 0, 1, 0),
 
 
 def offline(k: int, group: int, rt: int, u: int, nw: int, pf: int, stages: int,
-            unroll: int = 1, gdc: bool = False, fp4: bool = False) -> None:
+            unroll: int = 1, gdc: bool = False, fp4: bool = False, fp8: bool = False) -> None:
     cfg = T.TcConfig(rt=rt, u=u, num_warps=nw, pf=pf, stages=stages, unroll=unroll)
     desc = f"tensordesc<i32[{rt}, {cfg.wt // 256}, 256]>" if stages else "constexpr"
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "w_desc": desc, "sb_ptr": "*bf16",
            "y_ptr": "*bf16", "xaddr": "i64", "sbaddr": "i64", "NRT": "i32", "gs": "fp32"}
     const = dict(K=k, GROUP=group, RT=rt, WT=cfg.wt, PF=pf, STAGES=stages, UNROLL=unroll,
-                 M=1, ACT=-1, P=1, F16=False, GDC=gdc, INTERP=False, FP4=fp4, HAS_GS=False)
+                 M=1, ACT=-1, P=1, F16=False, GDC=gdc, INTERP=False, FP4=fp4, HAS_GS=False,
+                 FP8=fp8)
     if not stages:
         const["w_desc"] = None
     ck = compile_sm90(T._q4tc_kernel, sig, const, nw, max(stages, 1))
@@ -80,7 +82,7 @@ def offline(k: int, group: int, rt: int, u: int, nw: int, pf: int, stages: int,
                                                  ttgir)).items():
         print(f"inline asm x{n} -> {lay[:160]}")
     usage, n, ops = loop_mix(ck.asm["cubin"])
-    codes = rt * cfg.wt * 8 // (32 * nw)
+    codes = rt * cfg.wt * 8 // (32 * nw)  # (fp8: the same codes, from twice the words)
     print(usage)
     print(f"loop body: {n} instructions for {codes} codes per thread, {n / codes:.2f} per code")
     print(", ".join(f"{op} {c}" for op, c in ops.most_common(16)))
@@ -227,9 +229,10 @@ def main(argv: list[str]) -> None:
             next((a for a in argv if a.startswith("--") and a != "--gpu"), ""), LAUNCHES)
         argv = [a for a in argv if a not in ("--tma", "--wide", "--deep")]
         return gpu(argv[1] if len(argv) > 1 else "", sweep)
-    nums = [int(a) for a in argv if a not in ("pdl", "fp4")] or [4096, 64, 2, 2, 4, 1, 0]
-    # an 8th number: the unroll factor; pdl: launched with PDL; fp4: the mxfp4 chain
-    offline(*nums, gdc="pdl" in argv, fp4="fp4" in argv)
+    nums = [int(a) for a in argv if a not in ("pdl", "fp4", "fp8")] or [4096, 64, 2, 2, 4, 1, 0]
+    # an 8th number: the unroll factor; pdl: launched with PDL; fp4 / fp8: the mxfp4 / mxfp8
+    # chain
+    offline(*nums, gdc="pdl" in argv, fp4="fp4" in argv, fp8="fp8" in argv)
 
 
 if __name__ == "__main__":

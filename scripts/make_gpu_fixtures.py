@@ -22,7 +22,7 @@ CASES = [(f, "q4g64") for f in mlx_ref.FAMILIES] + [
     ("qwen3", q) for q in mlx_ref.QUANTS if q != "q4g64"] + [("llama", "bf16"), ("gemma2", "bf16")
                                                               ] + [
     ("qwen3_wide", q) for q in ("q4g64", "q2g64", "q3g64", "q5g64", "q6g64", "q8g64", "q4g32",
-                                "mxfp4", "nvfp4")]
+                                "mxfp4", "nvfp4", "mxfp8")]
 
 
 def main(out: Path) -> None:

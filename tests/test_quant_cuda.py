@@ -408,6 +408,60 @@ def test_fp4_decodes_through_its_fp4_copy(mode, monkeypatch):
     assert torch.equal(dropped.row_codes(slice(0, n)), qw.row_codes(slice(0, n)))
 
 
+def test_fp8_decodes_through_its_fp8_copy(monkeypatch):
+    """An mxfp8 weight's fp8 copy (`fp8_tc_pack`): 1 and 4 rows go to q4tc with fp8=True,
+    within rounding of fp64 over mlx's dequantization; a glu copy's act epilogue is linear +
+    `gated_act`; the copy's bytes are `decode_copy_bytes` (1 B per code, a pair per group);
+    the words stay; MLXR_FP8_TC=0 builds none, nor does a NaN code (0x7F / 0xFF: the copy
+    could not hold it) or a NaN scale."""
+    from mlxr.ops import triton_q4tc
+    from mlxr.ops.triton_fused import gated_act
+    from mlxr.quant.fp import fp_dequantize
+
+    g = torch.Generator().manual_seed(15)
+    n, k = 64, 1024
+    codes = torch.randint(0, 254, (n, k), generator=g, dtype=torch.int32)
+    codes = (codes + (codes >= 0x7F).int()).to(torch.uint8)  # every code but 0x7F, 0xFF
+    w = codes.view(torch.int32)  # MLX mxfp8 words: code k at byte k % 4 of word k // 4
+    sc = torch.randint(115, 125, (n, k // 32), generator=g, dtype=torch.uint8)
+    spec = QuantSpec("mxfp8", 8, 32)
+
+    def weight(words=w, scales=sc):
+        qw = QuantWeight.from_tensors(words, scales, None, spec, device="cpu")
+        qw.packed, qw.codes, qw.dense = words, None, None  # as CUDA keeps it
+        return qw
+
+    qw, glu = weight(), weight()
+    assert qcuda.fp8_tc_supported(qw)
+    qw.tc, qw.q4_sb = qcopies.fp8_tc_pack(qw, chunk_rows=32)
+    glu.tc, glu.q4_sb = qcopies.fp8_tc_pack(glu, glu=True)
+    glu.tc_glu = True
+    assert qw.tc_fp8 and not qw.tc_fp4 and glu.tc_fp8
+    assert qcopies.decode_copy_bytes(spec, n, k) == qw.tc.nbytes + qw.q4_sb.nbytes
+    assert qw.drop_words() == 0 and not qw.words_dropped
+    launches = _spy(monkeypatch, triton_q4tc, "q4tc", lambda a, kw: kw["fp8"])
+    wd = fp_dequantize(w, sc, "mxfp8", out_dtype=torch.float32).double()
+    x = torch.randn(4, k, generator=g).to(torch.bfloat16)
+    for m in (1, 4):
+        launches.clear()
+        y = qcuda.linear(qw, x[:m])
+        assert launches == [True] and y.shape == (m, n)
+        exact, scale = x[:m].double() @ wd.t(), x[:m].double().abs() @ wd.abs().t()
+        assert bool(((y.double() - exact).abs() <= 2**-7 * exact.abs() + 1e-5 * scale).all())
+        gate, up = y.chunk(2, dim=-1)
+        assert torch.equal(qcuda.gated(glu, x[:m], "silu"), gated_act(gate, up, "silu"))
+    monkeypatch.setenv("MLXR_FP8_TC", "0")
+    assert not qcuda.fp8_tc_supported(weight()) and qcopies.decode_copy_bytes(spec, n, k) == 0
+    monkeypatch.delenv("MLXR_FP8_TC")
+    for bad in (0x7F, 0xFF):
+        nan = codes.clone()
+        nan[3, 5] = bad
+        assert qcopies.fp8_tc_pack(weight(nan.view(torch.int32))) is None
+    nan = sc.clone()
+    nan[1, 2] = 255
+    assert qcopies.fp8_tc_pack(weight(scales=nan)) is None
+
+
 def test_fp4_words_go_as_affine_words_go(monkeypatch):
     """The loader drops an mxfp4 / nvfp4 weight's words for its fp4 copy as it drops affine
     words: always under MLXR_WORDS=drop, under memory pressure with auto (the default); keep

@@ -429,6 +429,107 @@ def test_q4tc_fp4_sees_every_code_position(group):
         assert torch.equal(y, table[codes[:, kk].long()].float()), kk
 
 
+def _fp8(g, n, k):
+    """Random mxfp8 weight: E4M3 codes [N, K] uint8 (every code but the NaN ones 0x7F / 0xFF:
+    zeros, subnormals, 448 among them), E8M0 scales' fp32 values [N, K/32], the fp64 weight."""
+    from mlxr.quant.fp import code_table, scale_table
+
+    codes = torch.randint(0, 254, (n, k), generator=g, dtype=torch.int32)
+    codes = (codes + (codes >= 0x7F).int()).to(torch.uint8)  # skip 0x7F, and 0xFF (254 + 1)
+    s = scale_table("mxfp8", torch.device("cpu"))[torch.randint(116, 126, (n, k // 32),
+                                                                generator=g)]
+    w = (code_table("mxfp8", torch.device("cpu"))[codes.long()].double().view(n, -1, 32)
+         * s.double()[..., None]).view(n, k)
+    return codes, s, w
+
+
+def test_fp8_words_round_trip_and_extraction():
+    """`fp8_words` / `fp8_unwords` round-trip; the kernel's extraction (its PTX's masks and
+    shifts, here in torch) gives each step's 8 codes' E4M3 values x 2^-120 as bf16 bits,
+    subnormals included, in the fragment order `repack` gives 4-bit codes."""
+    from mlxr.ops.triton_q4tc_layout import fp8_unwords
+    from mlxr.quant.fp import code_table
+
+    g = torch.Generator().manual_seed(8)
+    codes, _, _ = _fp8(g, 32, 512)
+    codes[0, :254] = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F],
+                                  dtype=torch.uint8)
+    f = T.fp8_words(codes)
+    assert f.shape == (2, 4 * 512) and torch.equal(fp8_unwords(f), codes)
+    u = f.long() & 0xFFFFFFFF
+    table = code_table("mxfp8", torch.device("cpu")).double()
+    k2 = 2 * 512
+    lane = _lane_codes(torch.arange(32 * 512).view(32, 512))  # [2, 2K, 8] flat code index
+    for j in range(8):
+        i, hi = j % 4, j // 4
+        word = u[:, :k2] if i < 2 else u[:, k2:]
+        r = (word & 0x87F087F0 if i % 2 == 0
+             else ((word >> 4) & 0x07000700) | ((word << 4) & 0x80F080F0))
+        half = (r >> (16 * hi)) & 0xFFFF
+        v = (half << 16).to(torch.int32).view(torch.float32).double() * 2.0**120
+        want = table[codes.view(-1)[lane[..., j].reshape(-1)].long()].view(2, k2)
+        assert torch.equal(v, want), j
+
+
+def _lane_codes(idx):
+    """The element of idx [N, K] at `repack`'s (row tile, word, nibble j), as it places
+    4-bit codes: [N/16, 2K, 8]."""
+    n, k = idx.shape
+    q = idx.reshape(n // 16, 2, 8, k // 64, 2, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 6, 8, 7, 1)
+    return q.reshape(n // 16, 2 * k, 8)
+
+
+@pytest.mark.parametrize("m,act,n,k,cfg", [
+    (1, None, 32, 512, None),
+    (1, None, 48, 1536, T.TcConfig(rt=2, u=1, num_warps=2)),  # rows past N, windows
+    (1, None, 16, 3584, T.TcConfig(rt=1, u=1, num_warps=4, pf=2, unroll=2)),
+    (3, None, 32, 1024, None),
+    (1, "silu", 64, 1536, T.TcConfig(rt=2, u=1, num_warps=2)),
+    (9, "gelu", 64, 1024, None),  # launches of 4 rows and a one-row launch
+])
+def test_q4tc_fp8(m, act, n, k, cfg):
+    """mxfp8 weights through their fp8 copy (`q4tc(fp8=True)`): within rounding of fp64
+    x @ W^T (E4M3 values times exact scales) and of the torch twin; a glu copy gives the plain
+    launch followed by `gated_act` exactly."""
+    from mlxr.ops.triton_fused import gated_act
+
+    g = torch.Generator().manual_seed(m * 1000 + n + k + 8)
+    codes, s, w = _fp8(g, n, k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    words, sb = T.fp8_words(codes), _fp4_pairs(s)
+    y = T.q4tc(x.to(DEV), words.to(DEV), sb.to(DEV), group=32, config=cfg, fp8=True).cpu()
+    assert y.shape == ((n,) if m == 1 else (m, n))
+    exact, scale = x.double() @ w.t(), x.double().abs() @ w.abs().t()
+    err = (y.double() - exact).abs()
+    assert bool((err <= 2**-7 * exact.abs() + 1e-5 * scale).all()), float((err / scale).max())
+    twin = T.q4tc_ref(x, words, sb, group=32, fp8=True)
+    assert (y.float() - twin.float()).abs().max() <= 2**-6 * twin.float().abs().max()
+    if act is not None:
+        perm = T.glu_rows(n)
+        yg = T.q4tc(x.to(DEV), T.fp8_words(codes[perm]).to(DEV), _fp4_pairs(s[perm]).to(DEV),
+                    group=32, config=cfg, act=act, fp8=True).cpu()
+        gate, up = y.reshape(m, n).to(DEV).chunk(2, dim=-1)
+        assert torch.equal(yg.reshape(m, -1), gated_act(gate, up, act).cpu())
+    with pytest.raises(ValueError, match="fp8"):
+        T.q4tc(x.half().to(DEV), words.to(DEV), sb.half().to(DEV), group=32, fp8=True)
+
+
+def test_q4tc_fp8_sees_every_code_position():
+    """One-hot x at k: y[row] = value(code[row, k]) exactly (unit scales), for each of a
+    block's 64 positions and some later ones (a misplaced bit or word would show there)."""
+    from mlxr.quant.fp import code_table
+
+    n, k = 32, 1024
+    codes, s, _ = _fp8(torch.Generator().manual_seed(3), n, k)
+    table = code_table("mxfp8", torch.device("cpu"))
+    words, sb = T.fp8_words(codes).to(DEV), _fp4_pairs(torch.ones_like(s)).to(DEV)
+    for kk in list(range(64)) + [64, 300, 1023]:
+        x = torch.zeros(k, dtype=torch.bfloat16)
+        x[kk] = 1
+        y = T.q4tc(x.to(DEV), words, sb, group=32, fp8=True).cpu().float()
+        assert torch.equal(y, table[codes[:, kk].long()].bfloat16().float()), kk
+
+
 @pytest.mark.parametrize("mode,gs", [("mxfp4", None), ("nvfp4", None), ("nvfp4", 3.5)])
 @pytest.mark.parametrize("glu", [False, True])
 def test_copy_dequant_of_fp4_is_dequant_fp(mode, gs, glu):

@@ -216,7 +216,7 @@ class _Builder:
             shape = (raw.spec, raw.weight.shape[0], raw.scales.shape[-1] * raw.spec.group_size)
             need = decode_copy_bytes(*shape) if self.cuda else dense_bytes(*shape, self.dtype)
             short = need > 0 and need > self.copy_budget  # (a weight without copies: never)
-            keep = not (need and not gathered
+            keep = not (need and self.cuda and not gathered
                         and (raw.spec.mode == "affine" or raw.spec.mode in FP4_TC_MODES)
                         and (self.words == "drop" or (self.words == "auto" and short)))
             if keep and short:

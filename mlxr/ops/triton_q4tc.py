@@ -61,7 +61,7 @@ from torch import Tensor
 
 from .triton_fused import ACTS, HAVE_TRITON, _hopper, _interpret, pdl
 from .triton_q4tc_layout import (  # noqa: F401 (API)
-    fp4_bits, glu_order, glu_rows, q4tc_ref, repack, unrepack)
+    fp4_bits, fp8_words, glu_order, glu_rows, q4tc_ref, repack, unrepack)
 
 if HAVE_TRITON:
     import triton
@@ -93,9 +93,12 @@ class TcConfig:
                 + (f"_r{self.maxnreg}" if self.maxnreg else ""))
 
 
-def supported(group: int, n: int, k: int, dtype: torch.dtype, fp4: bool = False) -> bool:
+def supported(group: int, n: int, k: int, dtype: torch.dtype, fp4: bool = False,
+              fp8: bool = False) -> bool:
     """Affine 4-bit, group 32/64/128, N a multiple of 16, K a multiple of 512, bf16/fp16; fp4
-    (`fp4_bits`): groups 16/32/64/128, bf16."""
+    (`fp4_bits`): groups 16/32/64/128, bf16; fp8 (`fp8_words`): group 32 (mxfp8), bf16."""
+    if fp8:
+        return group == 32 and n % 16 == 0 and k % 512 == 0 and dtype == torch.bfloat16
     return ((group in GROUPS or (fp4 and group == 16)) and n % 16 == 0 and k % 512 == 0
             and dtype in ((torch.bfloat16,) if fp4 else (torch.bfloat16, torch.float16)))
 
@@ -134,7 +137,7 @@ def default_config(n: int, k: int, m: int = 1) -> TcConfig:
 # ====================================================================== Triton kernel
 if HAVE_TRITON:
     from .triton_fused import _gated
-    from .triton_q4tc_ptx import _ld32, _ldx, _mma4, _ones4, _split4
+    from .triton_q4tc_ptx import _ld32, _ldx, _mma4, _mma4_fp8, _ones4, _split4
 
     @triton.jit
     def _sb(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it0, E: tl.constexpr, NT: tl.constexpr,
@@ -194,7 +197,7 @@ if HAVE_TRITON:
                      PF: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
                      M: tl.constexpr, ACT: tl.constexpr, P: tl.constexpr,
                      F16: tl.constexpr, GDC: tl.constexpr, INTERP: tl.constexpr,
-                     FP4: tl.constexpr, HAS_GS: tl.constexpr):
+                     FP4: tl.constexpr, HAS_GS: tl.constexpr, FP8: tl.constexpr):
         """y [M, N] for row tiles pid * RT .. + RT (16 rows each) of x [M, K] (M = 1, 2, 4, 8:
         the B columns are M rows of x x GPW = 8 / M group slots, so a window holds GPW
         slots). STAGES > 0: the word tiles come through shared memory by TMA (w_desc over the
@@ -206,7 +209,9 @@ if HAVE_TRITON:
         words are E2M1 codes (`fp4_bits`, bf16): no x sums, y = s * sum(value * x), times
         the fp32 global scale gs if HAS_GS (nvfp4). Group 16 (nvfp4): 4 columns per block;
         a lane's x of steps (0, 1) is codes 8 tig .. + 7 of the block, i.e. 16-group tig // 2,
-        so its column mask depends on tig (for 32 / 64 / 128 it does not)."""
+        so its column mask depends on tig (for 32 / 64 / 128 it does not). FP8: the words
+        are an fp8 copy (`fp8_words`, 4K words per row tile: each iteration's tile from both
+        halves), y = s * sum(value * x) as for FP4."""
         pid = tl.program_id(0)
         NS: tl.constexpr = WT // 128  # blocks (of 64 codes) per iteration
         NU: tl.constexpr = WT // 4  # lanes x slots
@@ -217,13 +222,16 @@ if HAVE_TRITON:
         W: tl.constexpr = GPW // CPB  # iterations per window
         NG: tl.constexpr = K // GROUP
         OFF: tl.constexpr = 1024.0 if F16 else 128.0
+        FPV: tl.constexpr = FP4 or FP8  # float codes: y = s * sum, no x sums
+        KW: tl.constexpr = 4 * K if FP8 else 2 * K  # words per row tile
         rt = pid * RT + tl.arange(0, RT)  # row tiles
         u = tl.arange(0, NU)  # lane u % 32 of slot u // 32
         slot = u // 32
         lg = (u // 4) % 8  # lane's g: its B column, and its rows g, g + 8
         tig = u % 4
         rm = (rt < NRT)[:, None]
-        wp = w_ptr + rt[:, None] * (2 * K) + tl.arange(0, WT)[None, :]
+        wp = w_ptr + rt[:, None] * KW + tl.arange(0, WT)[None, :]
+        vp = wp + 2 * K  # FP8: the second half's words (registers 2, 3)
         # x of (slot, lane, step s): k = 64 blk + 32 (s // 2) + 8 tig + 4 (s % 2), in int64
         # units: xo + (s // 2) * 8 + s % 2 for block 0
         xo = slot * 16 + tig * 2
@@ -244,6 +252,10 @@ if HAVE_TRITON:
             w = tl.load(wp, mask=rm, other=0, cache_modifier=".cg")
             if PF == 2:
                 w1 = tl.load(wp + WT, mask=rm & (1 < NT), other=0, cache_modifier=".cg")
+            if FP8:
+                v = tl.load(vp, mask=rm, other=0, cache_modifier=".cg")
+                if PF == 2:
+                    v1 = tl.load(vp + WT, mask=rm & (1 < NT), other=0, cache_modifier=".cg")
         sb0, sb1, sb2, sb3 = _sb4(sb_ptr, sbaddr, rt, lg, tig, slot, rm, 0, NT, NS, CPB,
                                   GROUP, NG, GPW, INTERP)
         if GDC:  # launched early (PDL): the weights above stream in while the previous grid
@@ -263,33 +275,45 @@ if HAVE_TRITON:
             else:
                 wn = tl.load(wp + (it + PF) * WT, mask=rm & (it + PF < NT), other=0,
                              cache_modifier=".cg")
+                if FP8:
+                    vn = tl.load(vp + (it + PF) * WT, mask=rm & (it + PF < NT), other=0,
+                                 cache_modifier=".cg")
             jn = ((it + 1) % W) * CPB
             ok = it + 1 < NT
             itx = it + 1 if P == 1 else (it + 1) % NTP  # x's block of the next iteration
             n0, n1, n2, n3 = _ldx(x_ptr, xaddr, xo + itx * (NS * 16), (ls == jn + t2) & ok,
                                   (ls == jn + CPB // 2 + t2) & ok, INTERP, GDC)
             q0, q1, q2, q3 = _split4(w, NU)
-            a0, a1, a2, a3 = _mma4(q0, q1, q2, q3, x0, x1, x2, x3, a0, a1, a2, a3, RT, NU,
-                                   F16, INTERP, FP4)
-            if not FP4:
+            if FP8:
+                r0, r1, r2, r3 = _split4(v, NU)
+                a0, a1, a2, a3 = _mma4_fp8(q0, q1, q2, q3, r0, r1, r2, r3, x0, x1, x2, x3,
+                                           a0, a1, a2, a3, RT, NU, INTERP)
+            else:
+                a0, a1, a2, a3 = _mma4(q0, q1, q2, q3, x0, x1, x2, x3, a0, a1, a2, a3, RT,
+                                       NU, F16, INTERP, FP4)
+            if not FPV:
                 s0, s1 = _ones4(x0, x1, x2, x3, s0, s1, NU, F16, INTERP)
             if STAGES == 0:
                 if PF == 2:
                     w, w1 = w1, wn
+                    if FP8:
+                        v, v1 = v1, vn
                 else:
                     w = wn
+                    if FP8:
+                        v = vn
             x0, x1, x2, x3 = n0, n1, n2, n3
             if (j == W - 1) | (it == NT - 1):  # flush the window's columns
                 if M == 8:
-                    y0 += _scaled(sb0, a0, s0, OFF, F16, FP4)  # row g, x row 2tig
-                    y2 += _scaled(sb1, a1, s1, OFF, F16, FP4)  # row g, x row 2tig + 1
-                    y1 += _scaled(sb2, a2, s0, OFF, F16, FP4)  # row g + 8
-                    y3 += _scaled(sb3, a3, s1, OFF, F16, FP4)
+                    y0 += _scaled(sb0, a0, s0, OFF, F16, FPV)  # row g, x row 2tig
+                    y2 += _scaled(sb1, a1, s1, OFF, F16, FPV)  # row g, x row 2tig + 1
+                    y1 += _scaled(sb2, a2, s0, OFF, F16, FPV)  # row g + 8
+                    y3 += _scaled(sb3, a3, s1, OFF, F16, FPV)
                 else:  # row g (y0), g + 8 (y1); both columns belong to x row 2tig // GPW
-                    y0 += (_scaled(sb0, a0, s0, OFF, F16, FP4)
-                           + _scaled(sb1, a1, s1, OFF, F16, FP4))
-                    y1 += (_scaled(sb2, a2, s0, OFF, F16, FP4)
-                           + _scaled(sb3, a3, s1, OFF, F16, FP4))
+                    y0 += (_scaled(sb0, a0, s0, OFF, F16, FPV)
+                           + _scaled(sb1, a1, s1, OFF, F16, FPV))
+                    y1 += (_scaled(sb2, a2, s0, OFF, F16, FPV)
+                           + _scaled(sb3, a3, s1, OFF, F16, FPV))
                 a0, a1, a2, a3, s0, s1 = _window(RT, NU)
                 sb0, sb1, sb2, sb3 = _sb4(sb_ptr, sbaddr, rt, lg, tig, slot, rm, it + 1, NT, NS,
                                           CPB, GROUP, NG, GPW, INTERP)
@@ -344,7 +368,7 @@ def max_rows(group: int) -> int:
 
 def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None = None,
          config: TcConfig | None = None, act: str | None = None, planes: int = 1,
-         fp4: bool = False, gs: float | None = None) -> Tensor:
+         fp4: bool = False, gs: float | None = None, fp8: bool = False) -> Tensor:
     """See `q4tc_ref` (same results up to fp32 summation order). x [K] or [M, K], contiguous
     and 16-byte aligned (one launch per `max_rows` rows; a launch's rows are padded to 2, 4
     or 8); words = `repack(packed)`; sb = `pair_scales(scales, biases)`. Returns [N] for one
@@ -355,22 +379,23 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
     (`mlxr.quant.affine.planes`) over K = planes x x's length, x read once per plane. fp4:
     words are `fp4_bits(repack(packed))` of mxfp4's / nvfp4's E2M1 codes and sb pairs each
     group's scale (bf16) with an unused bias; bf16 x, one plane; gs: nvfp4's global scale (a
-    Python float: it is a launch argument, so graph capture reads no device value)."""
+    Python float: it is a launch argument, so graph capture reads no device value). fp8:
+    words are `fp8_words` of mxfp8's E4M3 codes ([N/16, 4K]), sb as for fp4."""
     nrt, k2 = words.shape
-    n, k = nrt * 16, k2 // 2
-    if (planes not in (1, 2) or (fp4 and (planes != 1 or x.dtype != torch.bfloat16))
-            or (gs is not None and not fp4)):
-        raise ValueError(f"q4tc: planes = {planes} (1 or 2; fp4: 1 and bf16 x), {x.dtype}, "
-                         f"global scale {gs} (fp4 only)")
+    n, k = nrt * 16, k2 // (4 if fp8 else 2)
+    if (planes not in (1, 2) or ((fp4 or fp8) and (planes != 1 or x.dtype != torch.bfloat16))
+            or (gs is not None and not fp4) or (fp4 and fp8)):
+        raise ValueError(f"q4tc: planes = {planes} (1 or 2; fp4 / fp8: 1 and bf16 x), "
+                         f"{x.dtype}, global scale {gs} (fp4 only), fp4 {fp4} / fp8 {fp8}")
     kx = k // planes  # x's length
     xm = x.reshape(-1, kx) if x.dim() <= 2 and x.shape[-1] == kx else None
-    if (xm is None or not supported(group, n, kx, x.dtype, fp4) or not xm.is_contiguous()
+    if (xm is None or not supported(group, n, kx, x.dtype, fp4, fp8) or not xm.is_contiguous()
             or xm.data_ptr() % 16 or kx * planes != k):
         raise ValueError(f"q4tc: x {tuple(x.shape)} ({x.dtype}), words {tuple(words.shape)}, "
                          f"group {group}: x must be [K] or [M, K], contiguous, 16-byte aligned")
     if sb.shape != (n, k // group, 2) or not sb.is_contiguous() or sb.dtype != x.dtype:
         raise ValueError(f"q4tc: sb {tuple(sb.shape)} {sb.dtype} != {(n, k // group, 2)}")
-    if nrt * k2 >= 2**31:
+    if nrt * k2 >= 2**31:  # (fp8: k2 = 4K)
         raise ValueError("q4tc: the weight has >= 2^31 words (int32 offsets)")
     if act is not None and act not in ACTS:
         raise ValueError(f"q4tc: unknown activation {act!r}")
@@ -390,7 +415,7 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
             part = y[i:i + max_rows(group)]
             q4tc(xm[i:i + max_rows(group)], words, sb, group=group, config=config, act=act,
                  out=part.view(n_out) if part.shape[0] == 1 else part, planes=planes, fp4=fp4,
-                 gs=gs)
+                 gs=gs, fp8=fp8)
         return y
     mp = 1 << (m - 1).bit_length()  # the kernel's 1, 2, 4 or 8 rows: pad with zero rows
     if mp != m:
@@ -398,7 +423,7 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
     y = out if out is not None and mp == m else torch.empty(mp, n_out, dtype=x.dtype,
                                                             device=x.device)
     desc = None  # TMA needs Hopper: elsewhere the same sums come by register loads
-    stages = 0 if _interpret() or not _hopper(x.device.index or 0) else cfg.stages
+    stages = 0 if fp8 or _interpret() or not _hopper(x.device.index or 0) else cfg.stages
     if stages:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -410,7 +435,7 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
         K=k, GROUP=group,
         RT=cfg.rt, WT=cfg.wt, PF=cfg.pf, STAGES=stages, UNROLL=cfg.unroll, M=mp,
         ACT=-1 if act is None else ACTS[act], P=planes, F16=x.dtype == torch.float16, GDC=gdc,
-        INTERP=_interpret(), FP4=fp4, HAS_GS=gs is not None, num_warps=cfg.num_warps,
+        INTERP=_interpret(), FP4=fp4, HAS_GS=gs is not None, FP8=fp8, num_warps=cfg.num_warps,
         num_stages=max(stages, 1),
         **({"launch_pdl": True} if gdc else {}),
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not _interpret() else {}))

@@ -90,6 +90,69 @@ def fp4_unbits(words: Tensor) -> Tensor:
     return (out - (out >> 31 << 32)).to(torch.int32)
 
 
+# E4M3 codes (sign, e3..e0, m2..m0) in a word of the fp8 copy (`fp8_words`): a word holds the
+# four codes of two fragment registers: register A's values (hi = 0, 1) at sign 15 + 16 hi and
+# e/m at bits 10..4 + 16 hi, i.e. where a bf16's sign, exponent's low 4 bits and mantissa's top
+# 3 bits are (the value x 2^-120, subnormals included: one AND, then one exact bf16x2 multiply
+# by 2^120); register B's in the 16 bits left, so that ((w >> 4) & 0x07000700) | ((w << 4) &
+# 0x80F080F0) puts them in the same places (no layout gives B one shift: it needs 7 adjacent
+# free bits). B's (sign, e3e2e1, e0, m) bit positions for hi = 0; hi = 1 adds 16:
+FP8_B = (11, 12, 3, 0)
+
+
+def fp8_words(codes: Tensor, chunk_rows: int = 4096) -> Tensor:
+    """mxfp8's E4M3 codes [N, K] (uint8) -> the fp8 copy `triton_q4tc.q4tc(fp8=True)` reads:
+    int32 [N/16, 4K], two halves of `repack`'s lane order: word w of the first half holds
+    fragment registers 0 and 1 of the step whose 4-bit word would be word w, the second half
+    registers 2 and 3 (each register two codes; placed as `FP8_B` says)."""
+    n, k = codes.shape
+    if n % 16 or k % 64:
+        raise ValueError(f"q4tc.fp8_words: N = {n} must be a multiple of 16, K = {k} of 64")
+    out = torch.empty(n // 16, 4 * k, dtype=torch.int32, device=codes.device)
+    for r in range(0, n, chunk_rows):
+        q = codes[r:r + chunk_rows].to(torch.int64)
+        rt = q.shape[0] // 16
+        # as `_repack_rows`: [R, blk, g, tig, sh, sl, hi, m, h] -> [R, 2K, code j = 4hi + i]
+        q = q.reshape(rt, 2, 8, k // 64, 2, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 6, 8, 7, 1)
+        q = q.reshape(rt, 2 * k, 8)
+        halves = [_fp8_pack(q[..., a], q[..., a + 4], q[..., a + 1], q[..., a + 5])
+                  for a in (0, 2)]
+        out[r // 16:r // 16 + rt] = torch.cat(halves, dim=1)
+    return out
+
+
+def _fp8_pack(a0: Tensor, a1: Tensor, b0: Tensor, b1: Tensor) -> Tensor:
+    """One fp8-copy word of register A's codes (hi 0, 1) and register B's (int64 in, int32)."""
+    sg, e3, e0, m = FP8_B
+    w = ((a0 >> 7) << 15) | ((a0 & 0x7F) << 4) | ((a1 >> 7) << 31) | ((a1 & 0x7F) << 20)
+    for c, base in ((b0, 0), (b1, 16)):
+        w |= (((c >> 7) << sg) | (((c >> 4) & 7) << e3) | (((c >> 3) & 1) << e0)
+              | ((c & 7) << m)) << base
+    return (w - (w >> 31 << 32)).to(torch.int32)
+
+
+def fp8_unwords(words: Tensor) -> Tensor:
+    """Inverse of `fp8_words`: the codes [N, K] uint8 (tests, reference)."""
+    rt, k4 = words.shape
+    k = k4 // 4
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    sg, e3, e0, m = FP8_B
+    codes = []
+    for half in (w[:, :2 * k], w[:, 2 * k:]):
+        for base in (0, 16):
+            h = half >> base
+            codes.append((((h >> 15) & 1) << 7) | ((h >> 4) & 0x7F))  # register A
+        for base in (0, 16):
+            h = half >> base
+            codes.append((((h >> sg) & 1) << 7) | (((h >> e3) & 7) << 4)
+                         | (((h >> e0) & 1) << 3) | ((h >> m) & 7))  # register B
+    # codes: (reg 0 hi 0, reg 0 hi 1, reg 1 hi 0, reg 1 hi 1, reg 2 ..., reg 3 ...): j = 4hi + i
+    q = torch.stack([codes[2 * i + hi] for hi in (0, 1) for i in range(4)], dim=-1)
+    # [R, blk, g, tig, sh, sl, hi, m, h] back to [R, h, g, blk, sh, tig, sl, m, hi]
+    q = q.reshape(rt, k // 64, 8, 4, 2, 2, 2, 2, 2).permute(0, 8, 2, 1, 4, 3, 5, 7, 6)
+    return q.reshape(rt * 16, k).to(torch.uint8)
+
+
 def unrepack(words: Tensor) -> Tensor:
     """Inverse of `repack`: back to MLX words [N, K/8] (tests, reference)."""
     rt, k2 = words.shape
@@ -171,7 +234,7 @@ def glu_order(y: Tensor) -> Tensor:
 # ====================================================================== torch twin (oracle)
 def q4tc_ref(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None = None,
              config=None, act: str | None = None, planes: int = 1, fp4: bool = False,
-             gs: float | None = None) -> Tensor:
+             gs: float | None = None, fp8: bool = False) -> Tensor:
     """y = x @ (s * q + b)^T in fp32, rounded to x.dtype: [N] for one row of x ([K] or
     [1, K]), else [M, N]; `words` are `repack`'s output, sb = `triton_q4gemv.pair_scales(
     scales, biases)` [N, K/group, 2]. act (silu, gelu, gelu_tanh): words and sb are a glu
@@ -179,20 +242,22 @@ def q4tc_ref(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | 
     N / 2, each rounded to x.dtype as `ops.gated_act` rounds. planes: words and sb hold P
     nibble planes of another width (`mlxr.quant.affine.planes`), K = P x x's length. fp4:
     words are `fp4_bits` of E2M1 codes (mxfp4, nvfp4) and w = s * value (sb's biases unused),
-    times gs (nvfp4's global scale) if given. config changes nothing here."""
+    times gs (nvfp4's global scale) if given. fp8: words are `fp8_words` of mxfp8's E4M3
+    codes, w = s * value. config changes nothing here."""
     from .reference import gated_act
     from .triton_qmm import dequant_f32
 
-    if fp4:  # the pairs' scales: the E8M0 / E4M3 scales in x's dtype (exact)
+    if fp4 or fp8:  # the pairs' scales: the E8M0 / E4M3 scales in x's dtype (exact)
         from ..quant.fp import code_table
 
-        q = _codes(unrepack(fp4_unbits(words)))
+        q = fp8_unwords(words) if fp8 else _codes(unrepack(fp4_unbits(words)))
         n, k = q.shape
-        w = (code_table("mxfp4", q.device)[q.to(torch.int64)].view(n, k // group, group)
+        w = (code_table("mxfp8" if fp8 else "mxfp4", q.device)[q.to(torch.int64)]
+             .view(n, k // group, group)
              * sb[..., 0].float().unsqueeze(-1)).view(n, k) * (1.0 if gs is None else gs)
     else:
         w = dequant_f32(unrepack(words), sb[..., 0], sb[..., 1], None, "affine", 4, group)
-    xm = x.reshape(-1, words.shape[1] // 2 // planes)
+    xm = x.reshape(-1, words.shape[1] // (4 if fp8 else 2) // planes)
     y = (xm.float().repeat(1, planes) @ w.t()).to(x.dtype)
     if act is not None:
         gate, up = glu_order(y).chunk(2, dim=-1)

@@ -56,6 +56,29 @@ mov.b64 {{b0, b1}}, {x};
 mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
   {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{b0, b1}}, {{$0, $1, $2, $3}};
 """
+# The same chain over E4M3 codes (`triton_q4tc_layout.fp8_words`, bf16 only): a step's 8 codes
+# are in two words, {w} (registers 0, 1) and {v} (registers 2, 3); registers 0 and 2 by one
+# AND, 1 and 3 by two shifted pieces; the values x 2^-120, so one bf16x2 multiply by 2^120
+# (k120) makes them exact (subnormals too)
+_STEP_FP8 = """
+shr.u32 t0, {w}, 4;
+shl.b32 t1, {w}, 4;
+shr.u32 t2, {v}, 4;
+shl.b32 t3, {v}, 4;
+and.b32 a0, {w}, 0x87F087F0;
+and.b32 t0, t0, 0x07000700;
+lop3.b32 a1, t1, 0x80F080F0, t0, 0xEA;
+and.b32 a2, {v}, 0x87F087F0;
+and.b32 t2, t2, 0x07000700;
+lop3.b32 a3, t3, 0x80F080F0, t2, 0xEA;
+fma.rn.bf16x2 a0, a0, k120, nz;
+fma.rn.bf16x2 a1, a1, k120, nz;
+fma.rn.bf16x2 a2, a2, k120, nz;
+fma.rn.bf16x2 a3, a3, k120, nz;
+mov.b64 {{b0, b1}}, {x};
+mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
+  {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{b0, b1}}, {{$0, $1, $2, $3}};
+"""
 # _ONES4: the column sums of the masked x over the 4 steps (A = 1): $0-1 out (columns 2tig,
 # 2tig + 1), $2-5 x, $6-7 C.
 _ONES = """
@@ -79,6 +102,17 @@ def _asm_mma4_fp4() -> str:
     return ("{\n.reg .b32 t0, t1, t2, t3, t4, a0, a1, a2, a3, b0, b1, k126, nz;\n"
             "mov.b32 k126, 0x7E807E80;\nmov.b32 nz, 0x80008000;\n"
             "mov.f32 $0, $12;\nmov.f32 $1, $13;\nmov.f32 $2, $14;\nmov.f32 $3, $15;\n"
+            + body + "}")
+
+
+def _asm_mma4_fp8() -> str:
+    """$0-3 out, $4-7 the first-half words of steps 0-3, $8-11 the second half's, $12-15 x,
+    $16-19 C."""
+    body = "".join(_STEP_FP8.format(w=f"${4 + s}", v=f"${8 + s}", x=f"${12 + s}")
+                   for s in range(4))
+    return ("{\n.reg .b32 t0, t1, t2, t3, a0, a1, a2, a3, b0, b1, k120, nz;\n"
+            "mov.b32 k120, 0x7B807B80;\nmov.b32 nz, 0x80008000;\n"
+            "mov.f32 $0, $16;\nmov.f32 $1, $17;\nmov.f32 $2, $18;\nmov.f32 $3, $19;\n"
             + body + "}")
 
 
@@ -117,6 +151,7 @@ if HAVE_TRITON:
     MMA4_BF16 = tl.constexpr(_asm_mma4("bf16"))
     MMA4_F16 = tl.constexpr(_asm_mma4("f16"))
     MMA4_FP4 = tl.constexpr(_asm_mma4_fp4())
+    MMA4_FP8 = tl.constexpr(_asm_mma4_fp8())
     ONES4_BF16 = tl.constexpr(_asm_ones4("bf16"))
     ONES4_F16 = tl.constexpr(_asm_ones4("f16"))
     LDX = tl.constexpr(_LDX.format(nc="nc"))
@@ -171,6 +206,54 @@ if HAVE_TRITON:
         return (h << 16).to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
 
     @triton.jit
+    def _fp8_values(w, v):
+        """Interpreter: the 8 E4M3 values of each step of an fp8 copy (`fp8_words`: words w of
+        the first half, v of the second, [..., n]) [..., n, 8] in nibble order (register i's
+        value hi at i + 4 hi), as the PTX extracts them."""
+        j = tl.arange(0, 8)
+        i = (j % 4)[None, None, :]
+        w3 = w[:, :, None]
+        v3 = v[:, :, None]
+        m = -2014279696  # 0x87F087F0 as int32 (and 0x80F080F0 below), so the math stays int32
+        u = tl.where(i < 2, w3, v3)
+        b = ((u >> 4) & 0x07000700) | ((u << 4) & -2131722000)
+        r = tl.where(i % 2 == 0, u & m, b)
+        h = (r >> (16 * (j // 4))[None, None, :]) & 0xFFFF
+        return (h << 16).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
+
+    @triton.jit
+    def _emu_mma(q, x0, x1, x2, x3, c0, c1, c2, c3, RT: tl.constexpr, NU: tl.constexpr,
+                 F16: tl.constexpr):
+        """Interpreter: c + the 4-step mma chain of the fragment values q [RT, 4NU, 8] (a
+        step's word's nibble order) and masked x [NU] per step."""
+        NS: tl.constexpr = NU // 32
+        # [RT, NS, g, tig, sh, sl, hi, m, h] -> [RT, NS, g, h, (tig, sh, sl, m, hi)]
+        q = tl.reshape(q, [RT, NS, 8, 4, 2, 2, 2, 2, 2])
+        q = tl.permute(q, [0, 1, 2, 8, 3, 4, 5, 7, 6])
+        a = tl.reshape(q, [RT, NS, 8, 2, 1, 64])
+        b = _emu_bx(tl.reshape(_join4(x0, x1, x2, x3), [4 * NU]), NS, F16)
+        d = tl.sum(a * b[None, :, None, None, :, :], axis=5)  # [RT, NS, g, h, col]
+        d = tl.reshape(d, [RT, NS, 8, 2, 4, 2])  # col = 2tig + e2
+        d = tl.permute(d, [0, 1, 2, 4, 3, 5])  # [RT, NS, g, tig, h, e2]
+        d0, d1, d2, d3 = _split4(tl.reshape(d, [RT, 4 * NU]), NU)
+        return c0 + d0, c1 + d1, c2 + d2, c3 + d3
+
+    @triton.jit
+    def _mma4_fp8(w0, w1, w2, w3, v0, v1, v2, v3, x0, x1, x2, x3, c0, c1, c2, c3,
+                  RT: tl.constexpr, NU: tl.constexpr, INTERP: tl.constexpr):
+        """`_mma4` over an fp8 copy (bf16): each step's words w (registers 0, 1) and v (2, 3)
+        [RT, NU]."""
+        if INTERP:
+            w = tl.reshape(_join4(w0, w1, w2, w3), [RT, 4 * NU])
+            v = tl.reshape(_join4(v0, v1, v2, v3), [RT, 4 * NU])
+            return _emu_mma(_fp8_values(w, v), x0, x1, x2, x3, c0, c1, c2, c3, RT, NU, False)
+        else:
+            return tl.inline_asm_elementwise(
+                MMA4_FP8, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,l,l,l,l,f,f,f,f",
+                [w0, w1, w2, w3, v0, v1, v2, v3, x0, x1, x2, x3, c0, c1, c2, c3],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+    @triton.jit
     def _mma4(w0, w1, w2, w3, x0, x1, x2, x3, c0, c1, c2, c3, RT: tl.constexpr,
               NU: tl.constexpr, F16: tl.constexpr, INTERP: tl.constexpr,
               FP4: tl.constexpr = False):
@@ -178,7 +261,6 @@ if HAVE_TRITON:
         [NU] per step; returns the 4 fragment values [RT, NU]. FP4: the words are an fp4 copy
         (E2M1 values, bf16 only) instead of affine codes (MAGIC + q)."""
         if INTERP:
-            NS: tl.constexpr = NU // 32
             OFF: tl.constexpr = 1024.0 if F16 else 128.0
             w = tl.reshape(_join4(w0, w1, w2, w3), [RT, 4 * NU])
             if FP4:
@@ -186,16 +268,7 @@ if HAVE_TRITON:
             else:
                 sh = tl.arange(0, 8) * 4
                 q = ((w[:, :, None] >> sh[None, None, :]) & 15).to(tl.float32) + OFF
-            # [RT, NS, g, tig, sh, sl, hi, m, h] -> [RT, NS, g, h, (tig, sh, sl, m, hi)]
-            q = tl.reshape(q, [RT, NS, 8, 4, 2, 2, 2, 2, 2])
-            q = tl.permute(q, [0, 1, 2, 8, 3, 4, 5, 7, 6])
-            a = tl.reshape(q, [RT, NS, 8, 2, 1, 64])
-            b = _emu_bx(tl.reshape(_join4(x0, x1, x2, x3), [4 * NU]), NS, F16)
-            d = tl.sum(a * b[None, :, None, None, :, :], axis=5)  # [RT, NS, g, h, col]
-            d = tl.reshape(d, [RT, NS, 8, 2, 4, 2])  # col = 2tig + e2
-            d = tl.permute(d, [0, 1, 2, 4, 3, 5])  # [RT, NS, g, tig, h, e2]
-            d0, d1, d2, d3 = _split4(tl.reshape(d, [RT, 4 * NU]), NU)
-            return c0 + d0, c1 + d1, c2 + d2, c3 + d3
+            return _emu_mma(q, x0, x1, x2, x3, c0, c1, c2, c3, RT, NU, F16)
         else:
             return tl.inline_asm_elementwise(
                 MMA4_FP4 if FP4 else MMA4_F16 if F16 else MMA4_BF16,

@@ -45,6 +45,9 @@
 - decode (1-16 rows) of mxfp4 / nvfp4 weights (bf16): `triton_q4tc` over their fp4 copy
   (`fp4_tc_supported`; the file's E2M1 codes, each code's bits moved within its word), 1.8-1.9x
   the generic GEMV on the 8B. Env `MLXR_FP4_TC=0` at load keeps the generic GEMV.
+- decode (1-16 rows) of mxfp8 weights (bf16): `triton_q4tc` over their fp8 copy
+  (`fp8_tc_supported`; the E4M3 codes, 1 B each, two words per mma step). Env
+  `MLXR_FP8_TC=0` at load keeps the generic GEMV.
 The copies are built at load by `mlxr.quant.cuda_copies`.
 Env `MLXR_GEMV=triton` (read at every call, so A/B runs need no reload) routes decode (M <= 16)
 of every format, affine 4-bit included, to the GEMV of `mlxr.ops.triton_gemv` instead of tinygemm
@@ -59,7 +62,7 @@ import torch
 from torch import Tensor
 
 from .affine import PLANE_BITS, planes_on
-from .cuda_copies import INNER_K_TILES, fp4_tc_on, plane_count
+from .cuda_copies import INNER_K_TILES, fp4_tc_on, fp8_tc_on, plane_count
 
 DECODE_MAX_M = 16
 # tinygemm beats dequant + cuBLAS up to 32 rows (H200, benchmarks/gpu_mid_m.py: 8B gate_up at
@@ -156,6 +159,20 @@ def fp4_tc_supported(qw) -> bool:
             and (qw.global_scale is None or qw.global_scale.numel() == 1)
             and triton_q4tc.supported(sp.group_size, qw.out_features, qw.in_features,
                                       torch.bfloat16, fp4=True)
+            and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] >= 8))
+
+
+def fp8_tc_supported(qw) -> bool:
+    """Whether decode (1-16 rows) of this mxfp8 weight takes triton_q4tc over its fp8 copy
+    (`fp8_tc_pack`): bf16 compute, q4tc's shapes, sm_80+. Env `MLXR_FP8_TC=0` at load keeps
+    the Triton GEMV (A/B runs)."""
+    from ..ops import triton_q4tc
+
+    sp, dev = qw.spec, qw.device
+    return (fp8_tc_on(sp) and qw.packed is not None and qw.compute_dtype == torch.bfloat16
+            and triton_q4tc.supported(sp.group_size, qw.out_features, qw.in_features,
+                                      torch.bfloat16, fp8=True)
+            and qw.out_features * qw.in_features // 4 < 2**31
             and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] >= 8))
 
 
@@ -291,7 +308,8 @@ def _q4tc(qw, x: Tensor, act: str | None = None) -> Tensor:
     if x.data_ptr() % 16 or not x.is_contiguous():  # its 16-byte x loads: a fresh copy
         x = x.clone(memory_format=torch.contiguous_format)
     return triton_q4tc.q4tc(x, qw.tc, qw.q4_sb, group=qw.spec.group_size, act=act,
-                            planes=qw.planes, fp4=qw.tc_fp4, gs=qw.tc_gs).view(x.shape[0], -1)
+                            planes=qw.planes, fp4=qw.tc_fp4, gs=qw.tc_gs,
+                            fp8=qw.tc_fp8).view(x.shape[0], -1)
 
 
 def gated(qw, x: Tensor, act: str) -> Tensor | None:

@@ -6,6 +6,7 @@ built once per weight from its MLX words, beside them or in their place
   `glu_rows` order: `glu_order`) and (scale, bias) pairs;
 - `planes_pack`: the nibble planes of affine 2/3/5/6/8-bit weights, in the same layout;
 - `fp4_tc_pack`: mxfp4 / nvfp4 E2M1 codes with each code's bits moved (`fp4_bits`);
+- `fp8_tc_pack`: mxfp8 E4M3 codes, two words per mma step (`fp8_words`);
 - `q4gemv_pack`: `triton_q4gemv`'s repack; `tinygemm_pack`: torch's int4 layout;
 - `decode_copy_bytes`: what a load will build for a weight, for the loader's GPU budget.
 """
@@ -27,6 +28,11 @@ FP4_TC_MODES = ("mxfp4", "nvfp4")  # E2M1 codes: q4tc's fp4 copy
 def fp4_tc_on(spec) -> bool:
     """mxfp4 / nvfp4 get q4tc's fp4 copy at load unless env `MLXR_FP4_TC=0` (A/B runs)."""
     return spec.mode in FP4_TC_MODES and os.environ.get("MLXR_FP4_TC", "") != "0"
+
+
+def fp8_tc_on(spec) -> bool:
+    """mxfp8 gets q4tc's fp8 copy at load unless env `MLXR_FP8_TC=0` (A/B runs)."""
+    return spec.mode == "mxfp8" and os.environ.get("MLXR_FP8_TC", "") != "0"
 
 
 def tinygemm_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tensor, Tensor]:
@@ -70,15 +76,13 @@ def fp4_tc_pack(qw, glu: bool = False, chunk_rows: int = 4096
     global scale / 2688 as a float or None: `fp.fp_scales`' factor, which the kernel applies
     to its fp32 sums), built in row slices (bounded scratch); glu as `q4tc_pack`. None where
     a scale is not finite (the formats' NaN codes)."""
-    from ..ops import triton_q4gemv, triton_q4tc
-    from .fp import fp_scales
+    from ..ops import triton_q4tc
 
     packed, scales = qw.packed, qw.scales
     if glu:
         packed, scales, _ = glu_order(packed, scales, None)
-    s = fp_scales(scales, qw.spec.mode, None)
-    sb = s.to(torch.bfloat16)
-    if not bool(torch.isfinite(sb).all()) or not torch.equal(sb.float(), s.float()):
+    sb = _scale_pairs(scales, qw.spec.mode)
+    if sb is None:
         return None
     n, k = qw.out_features, qw.in_features
     words = torch.empty(n // 16, 2 * k, dtype=torch.int32, device=packed.device)
@@ -86,7 +90,37 @@ def fp4_tc_pack(qw, glu: bool = False, chunk_rows: int = 4096
         words[r // 16:(r + chunk_rows) // 16] = triton_q4tc.fp4_bits(
             triton_q4tc.repack(packed[r:r + chunk_rows]))
     gs = None if qw.global_scale is None else float(qw.global_scale.float() / 2688.0)
-    return words, triton_q4gemv.pair_scales(sb, torch.zeros_like(sb)), gs
+    return words, sb, gs
+
+
+def _scale_pairs(scales: Tensor, mode: str) -> Tensor | None:
+    """q4tc's pairs for an fp mode's scale bytes: (the scale in bf16, exact, and 0); None where
+    one is not finite or not exact in bf16."""
+    from ..ops import triton_q4gemv
+    from .fp import fp_scales
+
+    s = fp_scales(scales, mode, None)
+    sb = s.to(torch.bfloat16)
+    if not bool(torch.isfinite(sb).all()) or not torch.equal(sb.float(), s.float()):
+        return None
+    return triton_q4gemv.pair_scales(sb, torch.zeros_like(sb))
+
+
+def fp8_tc_pack(qw, glu: bool = False, chunk_rows: int = 4096) -> tuple[Tensor, Tensor] | None:
+    """q4tc's fp8 copy of an `fp8_tc_supported` (mxfp8) weight: (`triton_q4tc.fp8_words` of its
+    E4M3 codes, the E8M0 scales' pairs as `fp4_tc_pack`'s); glu as `q4tc_pack`. None where a
+    code is NaN (0x7F / 0xFF: the copy's values are finite; the generic kernels keep mlx's NaN)
+    or a scale is not finite."""
+    from ..ops import triton_q4tc
+
+    packed, scales = qw.packed, qw.scales
+    if glu:
+        packed, scales, _ = glu_order(packed, scales, None)
+    codes = packed.contiguous().view(torch.uint8)  # [N, K]: code k at byte k of its row
+    sb = _scale_pairs(scales, qw.spec.mode)
+    if sb is None or bool(((codes & 0x7F) == 0x7F).any()):
+        return None
+    return triton_q4tc.fp8_words(codes, chunk_rows), sb
 
 
 
@@ -99,8 +133,10 @@ def plane_count(spec) -> int:
 def decode_copy_bytes(spec, out: int, inp: int) -> int:
     """Bytes of the decode copy a CUDA load builds for a weight of this spec and shape: words
     at 0.5 B per code and plane and a 4-byte (scale, bias) pair per group and plane (q4tc's
-    or q4gemv's at 4-bit, the nibble planes at 2/3/5/6/8-bit, mxfp4's and nvfp4's fp4 copy);
-    0 for mxfp8."""
+    or q4gemv's at 4-bit, the nibble planes at 2/3/5/6/8-bit, mxfp4's and nvfp4's fp4 copy;
+    mxfp8's fp8 copy: 1 B per code)."""
+    if fp8_tc_on(spec):
+        return out * inp + out * (inp // spec.group_size) * 4
     if not ((spec.mode == "affine" and (spec.bits == 4 or (spec.bits in PLANE_BITS
                                                             and planes_on())))
             or fp4_tc_on(spec)):

@@ -17,7 +17,8 @@ the activation in its epilogue) or `q4` (`mlxr.ops.triton_q4gemv`), each with `q
 bias pairs); and
 `i4`/`i4_sz` (tinygemm, 2-32 rows) only where neither applies. Affine 2/3/5/6/8-bit weights
 get `tc` too, over nibble planes (`planes`: 1, or 2 for 5/6/8-bit; `cuda_copies.planes_pack`), and
-mxfp4 / nvfp4 weights an fp4 `tc` of their E2M1 codes (`tc_fp4`, `cuda_copies.fp4_tc_pack`).
+mxfp4 / nvfp4 weights an fp4 `tc` of their E2M1 codes (`tc_fp4`, `cuda_copies.fp4_tc_pack`),
+mxfp8 weights an fp8 `tc` of their E4M3 codes (`tc_fp8`, `cuda_copies.fp8_tc_pack`).
 The batching engine asks for the several-row copy (`add_batch_copy`): `tc` where a `q4`
 weight lacks it, else tinygemm's.
 Scales/biases stay in their file dtype, except in exact mode (compute_dtype float32) where they
@@ -193,6 +194,11 @@ class QuantWeight:
                 if tc is not None:
                     self.tc, self.q4_sb, self.tc_gs = tc
                     self.tc_glu = glu
+            elif self.matmul and cuda.fp8_tc_supported(self):  # mxfp8 decode
+                tc = cuda_copies.fp8_tc_pack(self, glu=glu)
+                if tc is not None:
+                    self.tc, self.q4_sb = tc
+                    self.tc_glu = glu
             elif self.matmul and cuda.planes_supported(self):  # the other widths' decode
                 tc = cuda_copies.planes_pack(self, glu=glu)
                 if tc is not None:
@@ -302,6 +308,12 @@ class QuantWeight:
         """q4tc's copy holds mxfp4's / nvfp4's E2M1 codes (`cuda_copies.fp4_tc_pack`), not affine
         nibbles."""
         return self.tc is not None and self.spec.mode in cuda_copies.FP4_TC_MODES
+
+    @property
+    def tc_fp8(self) -> bool:
+        """q4tc's copy holds mxfp8's E4M3 codes (`cuda_copies.fp8_tc_pack`); the words stay
+        (prefill reads them)."""
+        return self.tc is not None and self.spec.mode == "mxfp8"
 
     @property
     def exact(self) -> bool:
