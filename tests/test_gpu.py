@@ -112,7 +112,7 @@ def test_bf16_graph_decode_close_to_reference(case):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("qwen3_wide")])
 def test_dropped_words_match_kept_on_gpu(case, monkeypatch):
-    """MLXR_WORDS=drop (weights with a q4tc copy, affine or fp4, keep only it; prefill
+    """MLXR_WORDS=drop (weights with a q4tc copy, affine or fp, keep only it; prefill
     dequantizes from the copy) gives the default load's prompt logits bit for bit with fewer
     weight bytes."""
     path, ref = _load(case)

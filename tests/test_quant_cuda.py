@@ -412,8 +412,9 @@ def test_fp8_decodes_through_its_fp8_copy(monkeypatch):
     """An mxfp8 weight's fp8 copy (`fp8_tc_pack`): 1 and 4 rows go to q4tc with fp8=True,
     within rounding of fp64 over mlx's dequantization; a glu copy's act epilogue is linear +
     `gated_act`; the copy's bytes are `decode_copy_bytes` (1 B per code, a pair per group);
-    the words stay; MLXR_FP8_TC=0 builds none, nor does a NaN code (0x7F / 0xFF: the copy
-    could not hold it) or a NaN scale."""
+    MLXR_FP8_TC=0 builds none, nor does a NaN code (0x7F / 0xFF: the copy could not hold it)
+    or a NaN scale; with the words dropped, decode and prefill (`dequant_copy` from the copy)
+    give the same results and codes."""
     from mlxr.ops import triton_q4tc
     from mlxr.ops.triton_fused import gated_act
     from mlxr.quant.fp import fp_dequantize
@@ -438,7 +439,6 @@ def test_fp8_decodes_through_its_fp8_copy(monkeypatch):
     glu.tc_glu = True
     assert qw.tc_fp8 and not qw.tc_fp4 and glu.tc_fp8
     assert qcopies.decode_copy_bytes(spec, n, k) == qw.tc.nbytes + qw.q4_sb.nbytes
-    assert qw.drop_words() == 0 and not qw.words_dropped
     launches = _spy(monkeypatch, triton_q4tc, "q4tc", lambda a, kw: kw["fp8"])
     wd = fp_dequantize(w, sc, "mxfp8", out_dtype=torch.float32).double()
     x = torch.randn(4, k, generator=g).to(torch.bfloat16)
@@ -460,10 +460,17 @@ def test_fp8_decodes_through_its_fp8_copy(monkeypatch):
     nan = sc.clone()
     nan[1, 2] = 255
     assert qcopies.fp8_tc_pack(weight(scales=nan)) is None
+    dropped = weight()
+    dropped.tc, dropped.q4_sb = qcopies.fp8_tc_pack(dropped)
+    assert dropped.drop_words() == w.nbytes and dropped.words_dropped
+    x20 = torch.randn(20, k, generator=g).to(torch.bfloat16)
+    for xs in (x[:1], x20):
+        assert torch.equal(qcuda.linear(dropped, xs), qcuda.linear(qw, xs))
+    assert torch.equal(dropped.row_codes(slice(0, n)), qw.row_codes(slice(0, n)))
 
 
-def test_fp4_words_go_as_affine_words_go(monkeypatch):
-    """The loader drops an mxfp4 / nvfp4 weight's words for its fp4 copy as it drops affine
+def test_fp_words_go_as_affine_words_go(monkeypatch):
+    """The loader drops an mxfp4 / nvfp4 / mxfp8 weight's words for its copy as it drops affine
     words: always under MLXR_WORDS=drop, under memory pressure with auto (the default); keep
     keeps the words and skips the copy."""
     from types import SimpleNamespace
@@ -475,16 +482,17 @@ def test_fp4_words_go_as_affine_words_go(monkeypatch):
     monkeypatch.setattr(loader.QuantWeight, "from_tensors",
                         lambda *a, **kw: asked.append((kw["decode_copies"], kw["keep_words"]))
                         or SimpleNamespace(words_dropped=not kw["keep_words"]))
-    spec = QuantSpec("nvfp4", 4, 16)
-    raw = RawQuant(torch.zeros(64, 128, dtype=torch.int32),
-                   torch.zeros(64, 64, dtype=torch.uint8), None, spec, None)
-    for words, budget, want in [("drop", 10**9, (True, False)), ("auto", 10, (True, False)),
-                                ("auto", 10**9, (True, True)), ("keep", 10, (False, True))]:
-        monkeypatch.setenv("MLXR_WORDS", words)
-        b = _Builder(None, None, torch.bfloat16, "cuda", dry_run=True)
-        b.dry_run, b.copy_budget = False, budget  # 10: short
-        b.quant(raw)
-        assert asked[-1] == want, (words, budget)
+    for spec in (QuantSpec("nvfp4", 4, 16), QuantSpec("mxfp8", 8, 32)):
+        raw = RawQuant(torch.zeros(64, 1024 * spec.bits // 32, dtype=torch.int32),
+                       torch.zeros(64, 1024 // spec.group_size, dtype=torch.uint8), None, spec,
+                       None)
+        for words, budget, want in [("drop", 10**9, (True, False)), ("auto", 10, (True, False)),
+                                    ("auto", 10**9, (True, True)), ("keep", 10, (False, True))]:
+            monkeypatch.setenv("MLXR_WORDS", words)
+            b = _Builder(None, None, torch.bfloat16, "cuda", dry_run=True)
+            b.dry_run, b.copy_budget = False, budget  # 10: short
+            b.quant(raw)
+            assert asked[-1] == want, (spec.mode, words, budget)
 
 
 def test_decode_copy_bytes_and_the_loaders_budget(monkeypatch):

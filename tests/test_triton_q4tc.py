@@ -560,3 +560,30 @@ def test_copy_dequant_of_fp4_is_dequant_fp(mode, gs, glu):
     assert torch.equal(copy_rows_codes(copy, rows, 1, 4, glu, fp4=True), codes[rows])
     with pytest.raises(ValueError, match="dequant_copy"):
         dequant_copy(copy.to(DEV), sc.to(DEV), None, 4, 64 if group == 32 else 32, mode=mode)
+
+
+@pytest.mark.parametrize("glu", [False, True])
+def test_copy_dequant_of_fp8_is_dequant_fp(glu):
+    """`dequant_copy(mode="mxfp8")` from an fp8 copy gives `dequant_fp`'s values from the MLX
+    words bit for bit, in either row order; its torch twin too; the copy's codes come back as
+    the words' codes. K = 640 leaves a partial column tile."""
+    from mlxr.ops.triton_dequant import dequant_copy, dequant_fp
+    from mlxr.ops.triton_q4tc_layout import copy_rows_codes, dequant_copy_ref
+
+    n, k = 48, 640
+    g = torch.Generator().manual_seed(80 + glu)
+    codes, _, _ = _fp8(g, n, k)
+    packed = codes.view(torch.int32)
+    sc = torch.randint(110, 135, (n, k // 32), generator=g).to(torch.uint8)
+    perm = T.glu_rows(n) if glu else torch.arange(n)
+    copy = T.fp8_words(codes[perm])
+    want = dequant_fp(packed.to(DEV), sc.to(DEV), None, "mxfp8").cpu()
+    got = dequant_copy(copy.to(DEV), sc.to(DEV), None, 8, 32, 1, glu, mode="mxfp8").cpu()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    twin = dequant_copy_ref(copy, sc, None, 8, 32, 1, glu, mode="mxfp8")
+    assert torch.equal(twin.view(torch.int16), want.view(torch.int16))
+    assert len(set(want[0].tolist())) > 100
+    rows = torch.tensor([n - 1, 0, 9, n // 2 + 3])
+    assert torch.equal(copy_rows_codes(copy, rows, 1, 8, glu, fp8=True), codes[rows].int())
+    with pytest.raises(ValueError, match="dequant_copy"):
+        dequant_copy(copy.to(DEV), sc.to(DEV), None, 8, 32, 2, mode="mxfp8")

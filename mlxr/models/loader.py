@@ -18,7 +18,7 @@ from ..config import QuantSpec, ModelConfig
 from ..errors import ModelFormatError
 from ..layers import Embedding, Linear
 from ..quant import QuantWeight
-from ..quant.cuda_copies import FP4_TC_MODES, decode_copy_bytes
+from ..quant.cuda_copies import COPY_MODES, decode_copy_bytes
 from ..quant.weight import dense_bytes
 from .decoder import Decoder, Fused, Layer
 
@@ -217,7 +217,7 @@ class _Builder:
             need = decode_copy_bytes(*shape) if self.cuda else dense_bytes(*shape, self.dtype)
             short = need > 0 and need > self.copy_budget  # (a weight without copies: never)
             keep = not (need and self.cuda and not gathered
-                        and (raw.spec.mode == "affine" or raw.spec.mode in FP4_TC_MODES)
+                        and raw.spec.mode in COPY_MODES
                         and (self.words == "drop" or (self.words == "auto" and short)))
             if keep and short:
                 copies = False

@@ -304,14 +304,19 @@ def dequant_copy(words: Tensor, scales: Tensor, biases: Tensor | None, bits: int
     codes: q = h * 2^(bits - 4) + l over two planes; the same s * q + b in fp32). Lets a
     loaded weight drop its MLX words (`QuantWeight.drop_words`). mode mxfp4 / nvfp4: words
     are an fp4 copy (`triton_q4tc.fp4_bits`), scales the file's bytes, no biases: bit for bit
-    `dequant_fp`'s."""
+    `dequant_fp`'s; mxfp8: an fp8 copy (`triton_q4tc.fp8_words`, [N/16, 4K]; planes 1)."""
+    fp8 = mode == "mxfp8"
+    if fp8:  # its two halves lie as two planes' words do
+        if planes != 1 or bits != 8:
+            raise ValueError(f"dequant_copy: mxfp8 has one copy, 8 bits (planes {planes})")
+        planes, bits = 2, 4
     rt, k2 = words.shape
     n, k = rt * 16, k2 // 2 // planes
-    fp4 = mode in ("mxfp4", "nvfp4")
-    if (planes not in (1, 2) or (planes == 2) != (bits > 4) or k2 != 2 * planes * k
+    fp4 = mode in ("mxfp4", "nvfp4", "mxfp8")
+    if (planes not in (1, 2) or (planes == 2) != (bits > 4 or fp8) or k2 != 2 * planes * k
             or k % 64 or k % group_size or scales.shape != (n, k // group_size)
-            or (fp4 and (planes != 1 or scales.dtype != torch.uint8 or biases is not None
-                         or (mode == "mxfp4") != (group_size == 32)))
+            or (fp4 and (planes != 1 + fp8 or scales.dtype != torch.uint8 or biases is not None
+                         or (mode == "nvfp4") == (group_size == 32)))
             or (not fp4 and (mode != "affine" or biases is None or biases.shape != scales.shape
                              or global_scale is not None))
             or (global_scale is not None and mode != "nvfp4") or words.dtype != torch.int32):

@@ -170,10 +170,12 @@ def dequant_copy_ref(words: Tensor, scales: Tensor, biases: Tensor | None, bits:
                      global_scale: Tensor | None = None) -> Tensor:
     """`triton_dequant.dequant_copy`'s torch twin: the weight [N, K] in `dtype` from its q4tc
     copy (P planes, `glu_rows` order if glu) and the file's scales and biases, s * q + b in
-    fp32 rounded once; mxfp4 / nvfp4: from an fp4 copy, value * scale (`fp.fp_scales`)."""
+    fp32 rounded once; mxfp4 / nvfp4: from an fp4 copy, value * scale (`fp.fp_scales`);
+    mxfp8: from an fp8 copy (`fp8_words`)."""
     n = words.shape[0] * 16
     fp4 = mode != "affine"
-    q = copy_rows_codes(words, torch.arange(n, device=words.device), planes, bits, glu, fp4)
+    q = copy_rows_codes(words, torch.arange(n, device=words.device), planes, bits, glu,
+                        fp4 and mode != "mxfp8", mode == "mxfp8")
     k = q.shape[1]
     if fp4:
         from ..quant.fp import code_table, fp_scales
@@ -187,13 +189,16 @@ def dequant_copy_ref(words: Tensor, scales: Tensor, biases: Tensor | None, bits:
 
 
 def copy_rows_codes(words: Tensor, rows: Tensor, planes: int, bits: int, glu: bool,
-                    fp4: bool = False) -> Tensor:
+                    fp4: bool = False, fp8: bool = False) -> Tensor:
     """The b-bit codes int32 [len(rows), K] of original rows of a weight from its q4tc copy
     (P planes: q = h * 2^(bits - 4) + l, `affine.planes`; `glu_rows` order if glu; fp4: an
-    fp4 copy's E2M1 codes), each row tile needed decoded once."""
+    fp4 copy's E2M1 codes; fp8: an fp8 copy's E4M3 codes), each row tile needed decoded
+    once."""
     r = copy_row(rows.to(words.device), words.shape[0] * 16, glu)
     tiles, inv = torch.unique(r // 16, return_inverse=True)
     tw = words[tiles]
+    if fp8:
+        return fp8_unwords(tw).view(tiles.numel(), 16, -1)[inv, r % 16].to(torch.int32)
     q = _codes(unrepack(fp4_unbits(tw) if fp4 else tw)).view(tiles.numel(), 16, -1)[inv, r % 16]
     if planes == 2:
         from ..quant.affine import merge_planes

@@ -105,6 +105,27 @@ if HAVE_TRITON:
         return a0, a1, b0, b1
 
     @triton.jit
+    def _fp8_codes4(w, v, hh):
+        """The 4 E4M3 codes (int32) of an fp8 copy's words (`triton_q4tc_layout.fp8_words`: w
+        of the first half, v of the second) that `_copy_codes4` would take from a plain copy:
+        fragment register hh's two values (w) and register hh + 2's (v); register A (hh = 0)
+        at sign 15 / e-m 10..4 (+ 16 for the second value), B (hh = 1) at `FP8_B`."""
+        a0_ = ((w >> 15) & 1) << 7 | ((w >> 4) & 0x7F)
+        a1_ = ((w >> 31) & 1) << 7 | ((w >> 20) & 0x7F)
+        b0_ = ((v >> 15) & 1) << 7 | ((v >> 4) & 0x7F)
+        b1_ = ((v >> 31) & 1) << 7 | ((v >> 20) & 0x7F)
+        a0 = tl.where(hh == 0, a0_, _fp8_b(w))
+        a1 = tl.where(hh == 0, a1_, _fp8_b(w >> 16))
+        b0 = tl.where(hh == 0, b0_, _fp8_b(v))
+        b1 = tl.where(hh == 0, b1_, _fp8_b(v >> 16))
+        return a0, a1, b0, b1
+
+    @triton.jit
+    def _fp8_b(w):
+        """Register B's code in the low 16 bits of w: sign 11, e3e2e1 14..12, e0 3, m 2..0."""
+        return (((w >> 11) & 1) << 7) | (((w >> 12) & 7) << 4) | (((w >> 3) & 1) << 3) | (w & 7)
+
+    @triton.jit
     def _copy_tile(w_ptr, rn, k0, s, b, nmask, K: tl.constexpr, P: tl.constexpr,
                    R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    NGT: tl.constexpr, DT: tl.constexpr, EXACT_ROUND: tl.constexpr,
@@ -118,7 +139,8 @@ if HAVE_TRITON:
         h + 4, h + 2, h + 6 of each (h = the row's half of its tile): a thread's 16-byte run of
         output is two word loads (four with two planes), no gather across threads.
         MODE > 0 (mxfp4 / nvfp4, `triton_qcodes.MODES`): the copy is an fp4 copy, s the
-        groups' `_group_scale` multipliers (fp32), b unused: w = value * s, as `dequant_fp`."""
+        groups' `_group_scale` multipliers (fp32), b unused: w = value * s, as `dequant_fp`;
+        mxfp8 (MODE 3, P = 2: its two halves lie as two planes do): an fp8 copy."""
         CPG: tl.constexpr = BLOCK_K // 8 // NGT  # chunks of 8 codes per group in the tile
         c = k0 // 8 + tl.arange(0, NGT)[:, None] * CPG + tl.arange(0, CPG)[None, :]
         ri = rn % 16
@@ -133,8 +155,14 @@ if HAVE_TRITON:
         w1 = tl.load(w_ptr + wo + 1, mask=m, other=0)
         if MODE > 0:
             hh = (ri // 8)[:, None, None]
-            q0, q1, q2, q3 = _fp4_codes4(w0, hh)
-            q4, q5, q6, q7 = _fp4_codes4(w1, hh)
+            if MODE == 3:
+                v0 = tl.load(w_ptr + wo + 2 * K, mask=m, other=0)
+                v1 = tl.load(w_ptr + wo + 2 * K + 1, mask=m, other=0)
+                q0, q1, q2, q3 = _fp8_codes4(w0, v0, hh)
+                q4, q5, q6, q7 = _fp8_codes4(w1, v1, hh)
+            else:
+                q0, q1, q2, q3 = _fp4_codes4(w0, hh)
+                q4, q5, q6, q7 = _fp4_codes4(w1, hh)
             v = tl.join(tl.join(tl.join(_code_value(q0, MODE) * sf, _code_value(q4, MODE) * sf),
                                 tl.join(_code_value(q2, MODE) * sf, _code_value(q6, MODE) * sf)),
                         tl.join(tl.join(_code_value(q1, MODE) * sf, _code_value(q5, MODE) * sf),

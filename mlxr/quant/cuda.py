@@ -211,7 +211,7 @@ def fp_dequant_on() -> bool:
 def dequant_supported(qw) -> bool:
     sp = qw.spec
     if qw.packed is None:  # from the q4tc copy if the words were dropped
-        return qw.words_dropped and (sp.mode == "affine" or qw.tc_fp4)
+        return qw.words_dropped and (sp.mode == "affine" or qw.tc_fp4 or qw.tc_fp8)
     if sp.mode == "affine":
         return sp.bits in (2, 3, 4, 5, 6, 8)
     return fp_dequant_on()

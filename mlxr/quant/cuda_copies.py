@@ -23,6 +23,7 @@ from .affine import PLANE_BITS, planes_on
 
 INNER_K_TILES = 8  # tinygemm's inner K tiles (its int4 layout)
 FP4_TC_MODES = ("mxfp4", "nvfp4")  # E2M1 codes: q4tc's fp4 copy
+COPY_MODES = ("affine", *FP4_TC_MODES, "mxfp8")  # whose q4tc copy can replace the words
 
 
 def fp4_tc_on(spec) -> bool:

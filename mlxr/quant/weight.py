@@ -245,12 +245,13 @@ class QuantWeight:
         return True
 
     def drop_words(self) -> int:
-        """Drop the MLX words of a weight that has q4tc's copy (affine, or mxfp4 / nvfp4's fp4
-        copy; CUDA): decode reads the copy anyway, and prefill dequantizes from it
-        (`triton_dequant.dequant_copy`, the same values), so a weight is held once, not twice
-        (4-bit: -0.5 B per weight). Returns the bytes freed (0 where kept)."""
+        """Drop the MLX words of a weight that has q4tc's copy (affine, mxfp4 / nvfp4's fp4
+        copy or mxfp8's fp8 copy; CUDA): decode reads the copy anyway, and prefill
+        dequantizes from it (`triton_dequant.dequant_copy`, the same values), so a weight is
+        held once, not twice (4-bit: -0.5 B per weight). Returns the bytes freed (0 where
+        kept)."""
         if (self.packed is None or self.tc is None
-                or not (self.spec.mode == "affine" or self.tc_fp4)):
+                or not (self.spec.mode == "affine" or self.tc_fp4 or self.tc_fp8)):
             return 0
         freed = self.packed.numel() * self.packed.element_size()
         self.packed = None
@@ -311,8 +312,7 @@ class QuantWeight:
 
     @property
     def tc_fp8(self) -> bool:
-        """q4tc's copy holds mxfp8's E4M3 codes (`cuda_copies.fp8_tc_pack`); the words stay
-        (prefill reads them)."""
+        """q4tc's copy holds mxfp8's E4M3 codes (`cuda_copies.fp8_tc_pack`)."""
         return self.tc is not None and self.spec.mode == "mxfp8"
 
     @property
@@ -347,7 +347,7 @@ class QuantWeight:
         idx = (torch.arange(self.out_features, device=self.tc.device)[rows]
                if isinstance(rows, slice) else rows)
         return copy_rows_codes(self.tc, idx, self.planes, self.spec.bits, self.tc_glu,
-                               self.tc_fp4).to(torch.uint8)
+                               self.tc_fp4, self.tc_fp8).to(torch.uint8)
 
     def _i4_rows(self, rows: slice | Tensor, combine) -> Tensor:
         """The int4 copy's codes of a row range or of gathered rows, uint8 [n, in]; with two
