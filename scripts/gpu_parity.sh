@@ -16,12 +16,13 @@
 #       against the words', then the 8B with its words kept and dropped: prefill 128 / 512,
 #       decode, peak memory; greedy tokens and last logits kept vs dropped after a 100-token
 #       prompt; the GPU parity test of dropped words first, if .gpu_fixtures is carried)
-#   on the GPU machine, mxfp4 / nvfp4: scripts/gpu_parity.sh fp4      (q4tc's fp4 copy: its
-#       kernel tests and the fp4 GPU parity cases (carry .gpu_fixtures), the per-projection
-#       workbench, then 8B-shape checkpoints of each mode: decode with the copy and with
-#       MLXR_FP4_TC=0, greedy tokens and last logits on vs off, and where they part, the
-#       candidates' gaps on each path and on the float32 model; then MLXR_WORDS=drop: prefill
-#       512 / decode / peak memory, and kept vs dropped tokens and logits)
+#   on the GPU machine, mxfp4 / nvfp4 / mxfp8: scripts/gpu_parity.sh fp4  (q4tc's fp4 and fp8
+#       copies: their kernel tests and the fp GPU parity cases (carry .gpu_fixtures), the
+#       per-projection workbench, then 8B-shape checkpoints of each mode (FP_MODES="..." to
+#       choose): decode with the copy and with MLXR_FP4_TC=0 / MLXR_FP8_TC=0, greedy tokens
+#       and last logits on vs off, and where they part, the candidates' gaps on each path and
+#       on the float32 model; then MLXR_WORDS=drop: prefill 512 / decode / peak memory, and
+#       kept vs dropped tokens and logits)
 #   on the GPU machine, serving:       scripts/gpu_parity.sh serve    (needs the server's
 #       packages there: carry wheels in .whl, see the device notes; a tokenizer dir in .gpu_tok)
 #
@@ -117,28 +118,32 @@ case "${1:-}" in
     echo "kept vs dropped: $(python3 benchmarks/gpu_ab_check.py --compare \
       /tmp/l8-keep.pt /tmp/l8-drop.pt || true)" | tee -a "$out/memory.txt" ;;
   fp4)
-    for m in mxfp4 nvfp4; do
+    for m in ${FP_MODES:-mxfp4 nvfp4 mxfp8}; do
       (python3 benchmarks/make_checkpoint.py llama-3.1-8b "/tmp/l8_$m" --mode "$m" >/dev/null \
         && touch "/tmp/l8_$m.done") &
     done
-    python3 -m pytest -q -rf tests/test_triton_q4tc.py -k fp4 > "$out/fp4-kernels.txt" 2>&1 || true
+    python3 -m pytest -q -rf tests/test_triton_q4tc.py -k "fp4 or fp8" > "$out/fp4-kernels.txt" \
+      2>&1 || true
     tail -n 1 "$out/fp4-kernels.txt"
     if [ -d .gpu_fixtures ]; then
-      MLXR_GPU_FIXTURES=.gpu_fixtures python3 -m pytest -q -rf tests/test_gpu.py -k fp4 \
-        > "$out/fp4-parity.txt" 2>&1 || true
+      MLXR_GPU_FIXTURES=.gpu_fixtures python3 -m pytest -q -rf tests/test_gpu.py \
+        -k "fp4 or fp8" > "$out/fp4-parity.txt" 2>&1 || true
       tail -n 1 "$out/fp4-parity.txt"
     fi
-    python3 benchmarks/gpu_q4tc_fp4.py | tee "$out/fp4-workbench.txt"
-    for m in mxfp4 nvfp4; do
+    python3 benchmarks/gpu_q4tc_fp4.py ${FP_MODES:-mxfp4 nvfp4 mxfp8} \
+      | tee "$out/fp4-workbench.txt"
+    for m in ${FP_MODES:-mxfp4 nvfp4 mxfp8}; do
       while [ ! -f "/tmp/l8_$m.done" ]; do sleep 2; done
+      sw=MLXR_FP4_TC
+      [ "$m" = mxfp8 ] && sw=MLXR_FP8_TC
       for v in 1 0; do
-        echo "$m MLXR_FP4_TC=$v $(MLXR_FP4_TC=$v python3 -m mlxr bench "/tmp/l8_$m" -p 128 \
+        echo "$m $sw=$v $(env "$sw=$v" python3 -m mlxr bench "/tmp/l8_$m" -p 128 \
           -n 64 --device cuda --repeats 2 | tail -n 1)" | tee -a "$out/fp4.txt"
-        MLXR_FP4_TC=$v python3 benchmarks/gpu_ab_check.py "/tmp/l8_$m" "/tmp/l8_$m-$v.pt" >/dev/null
+        env "$sw=$v" python3 benchmarks/gpu_ab_check.py "/tmp/l8_$m" "/tmp/l8_$m-$v.pt" >/dev/null
       done
       if ! python3 benchmarks/gpu_ab_check.py --compare "/tmp/l8_$m-1.pt" "/tmp/l8_$m-0.pt" \
           | tee -a "$out/fp4.txt"; then
-        python3 benchmarks/gpu_ab_logits.py "/tmp/l8_$m" MLXR_FP4_TC 1 0 300 60 \
+        python3 benchmarks/gpu_ab_logits.py "/tmp/l8_$m" "$sw" 1 0 300 60 \
           | tee -a "$out/fp4.txt"
       fi
       # the words dropped for the copy (prefill by dequant_copy from it): speed, memory, and
