@@ -145,7 +145,9 @@ def test_default_config_one_row_launches(monkeypatch):
     """The GPU defaults (the interpreter has its own): the 8B down and the K >= 4096 LM heads
     take two word tiles in flight with the K loop unrolled twice for one row of x only (the
     launch measured for one row); several rows keep the previous launches."""
-    monkeypatch.setattr(T, "_interpret", lambda: False)
+    from mlxr.ops import triton_q4tc_config
+
+    monkeypatch.setattr(triton_q4tc_config, "_interpret", lambda: False)
     monkeypatch.delenv("MLXR_Q4TC_STAGES", raising=False)
     down, head = (4096, 14336), (128256, 4096)
     assert T.default_config(*down) == T.TcConfig(rt=1, u=1, num_warps=16, pf=2, unroll=2)
