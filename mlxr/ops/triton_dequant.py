@@ -312,13 +312,14 @@ def dequant_copy(words: Tensor, scales: Tensor, biases: Tensor | None, bits: int
         planes, bits = 2, 4
     rt, k2 = words.shape
     n, k = rt * 16, k2 // 2 // planes
-    fp4 = mode in ("mxfp4", "nvfp4", "mxfp8")
+    fp = mode != "affine"  # mxfp4 / nvfp4 / mxfp8: scale bytes, no biases
     if (planes not in (1, 2) or (planes == 2) != (bits > 4 or fp8) or k2 != 2 * planes * k
             or k % 64 or k % group_size or scales.shape != (n, k // group_size)
-            or (fp4 and (planes != 1 + fp8 or scales.dtype != torch.uint8 or biases is not None
+            or (fp and (planes != 1 + fp8 or scales.dtype != torch.uint8 or biases is not None
                          or (mode == "nvfp4") == (group_size == 32)))
-            or (not fp4 and (mode != "affine" or biases is None or biases.shape != scales.shape
-                             or global_scale is not None))
+            or mode not in MODES
+            or (not fp and (biases is None or biases.shape != scales.shape
+                            or global_scale is not None))
             or (global_scale is not None and mode != "nvfp4") or words.dtype != torch.int32):
         raise ValueError(f"dequant_copy: words {tuple(words.shape)} {words.dtype}, scales "
                          f"{tuple(scales.shape)} {scales.dtype}, biases "
@@ -329,9 +330,9 @@ def dequant_copy(words: Tensor, scales: Tensor, biases: Tensor | None, bits: int
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     scales = scales.contiguous()
     gs = global_scale if global_scale is not None else scales
-    _copy_dequant_kernel[grid](words, scales, scales if fp4 else biases.contiguous(), gs, out,
+    _copy_dequant_kernel[grid](words, scales, scales if fp else biases.contiguous(), gs, out,
                                n, K=k, GROUP=group_size, P=planes,
                                R=1 << max(0, bits - 4), GLU=glu, BLOCK_N=bn, BLOCK_K=bk,
-                               EXACT_ROUND=_interpret(), MODE=MODES[mode] if fp4 else 0,
+                               EXACT_ROUND=_interpret(), MODE=MODES[mode] if fp else 0,
                                HAS_GS=global_scale is not None, num_warps=4)
     return out

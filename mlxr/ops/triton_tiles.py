@@ -108,21 +108,23 @@ if HAVE_TRITON:
     def _fp8_codes4(w, v, hh):
         """The 4 E4M3 codes (int32) of an fp8 copy's words (`triton_q4tc_layout.fp8_words`: w
         of the first half, v of the second) that `_copy_codes4` would take from a plain copy:
-        fragment register hh's two values (w) and register hh + 2's (v); register A (hh = 0)
-        at sign 15 / e-m 10..4 (+ 16 for the second value), B (hh = 1) at `FP8_B`."""
-        a0_ = ((w >> 15) & 1) << 7 | ((w >> 4) & 0x7F)
-        a1_ = ((w >> 31) & 1) << 7 | ((w >> 20) & 0x7F)
-        b0_ = ((v >> 15) & 1) << 7 | ((v >> 4) & 0x7F)
-        b1_ = ((v >> 31) & 1) << 7 | ((v >> 20) & 0x7F)
-        a0 = tl.where(hh == 0, a0_, _fp8_b(w))
-        a1 = tl.where(hh == 0, a1_, _fp8_b(w >> 16))
-        b0 = tl.where(hh == 0, b0_, _fp8_b(v))
-        b1 = tl.where(hh == 0, b1_, _fp8_b(v >> 16))
+        fragment register hh's two values (w) and register hh + 2's (v), each in a word's low
+        and high 16 bits: register A (hh = 0) or B (hh = 1)."""
+        a0 = tl.where(hh == 0, _fp8_a(w), _fp8_b(w))
+        a1 = tl.where(hh == 0, _fp8_a(w >> 16), _fp8_b(w >> 16))
+        b0 = tl.where(hh == 0, _fp8_a(v), _fp8_b(v))
+        b1 = tl.where(hh == 0, _fp8_a(v >> 16), _fp8_b(v >> 16))
         return a0, a1, b0, b1
 
     @triton.jit
+    def _fp8_a(w):
+        """Register A's code in the low 16 bits of w: sign 15, e-m 10..4."""
+        return (((w >> 15) & 1) << 7) | ((w >> 4) & 0x7F)
+
+    @triton.jit
     def _fp8_b(w):
-        """Register B's code in the low 16 bits of w: sign 11, e3e2e1 14..12, e0 3, m 2..0."""
+        """Register B's code in the low 16 bits of w: sign 11, e3e2e1 14..12, e0 3, m 2..0
+        (`triton_q4tc_layout.FP8_B`)."""
         return (((w >> 11) & 1) << 7) | (((w >> 12) & 7) << 4) | (((w >> 3) & 1) << 3) | (w & 7)
 
     @triton.jit
