@@ -3,9 +3,10 @@ of the same group on q4tc (the same bytes per code, the same launch; none for gr
 against the generic Triton GEMV that served them before (`triton_qmm.qgemv` on the MLX
 words), per 8B / 0.6B projection: us per call (CUDA graphs rotating through copies larger
 than the L2, median) and GB/s of the file's bytes (codes + 1-byte scales). mxfp8: its fp8
-copy (`q4tc(fp8=True)`) against the generic GEMV.
+copy (`q4tc(fp8=True)`) against the generic GEMV; with --sweep, also each of `SWEEP`'s
+launches (the default is 4-bit's, tuned for half the bytes per code).
 
-    python benchmarks/gpu_q4tc_fp4.py [mxfp4] [nvfp4] [mxfp8]
+    python benchmarks/gpu_q4tc_fp4.py [mxfp4] [nvfp4] [mxfp8] [--sweep]
 """
 
 from __future__ import annotations
@@ -19,21 +20,24 @@ from gpu_timing import L2_BYTES, graph_time_us  # noqa: E402
 
 from mlxr.ops.triton_q4gemv import pair_scales  # noqa: E402
 from mlxr.ops.triton_q4tc import (  # noqa: E402
-    GROUPS, fp4_bits, fp8_words, q4tc, q4tc_ref, repack)
+    GROUPS, TcConfig, fp4_bits, fp8_words, q4tc, q4tc_ref, repack)
 from mlxr.ops.triton_qmm import qgemv  # noqa: E402
 from mlxr.quant.fp import scale_table  # noqa: E402
 
 SHAPES = {"8b_qkv": (6144, 4096), "8b_o": (4096, 4096), "8b_gate_up": (28672, 4096),
           "8b_down": (4096, 14336), "8b_head": (128256, 4096), "0.6b_qkv": (4096, 1024),
           "0.6b_o": (1024, 2048), "0.6b_gate_up": (6144, 1024), "0.6b_down": (1024, 3072)}
+# fp8 launches tried by --sweep: (rt, u, num_warps, pf, unroll)
+SWEEP = [(1, 1, 4, 2, 1), (1, 1, 8, 1, 1), (1, 1, 8, 2, 1), (1, 1, 8, 2, 2), (1, 1, 16, 1, 1),
+         (1, 1, 16, 2, 2), (2, 1, 4, 1, 1), (2, 1, 4, 2, 1), (2, 1, 8, 2, 2), (4, 1, 4, 2, 1)]
 
 
-def main(modes: list[str]) -> None:
+def main(modes: list[str], sweep: bool = False) -> None:
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     for mode in modes:
         if mode == "mxfp8":
-            fp8(g)
+            fp8(g, sweep)
             continue
         group = 32 if mode == "mxfp4" else 16
         gs = 0.75 if mode == "nvfp4" else None  # nvfp4 with a global scale (the GEMV's too)
@@ -66,7 +70,7 @@ def main(modes: list[str]) -> None:
                   f"  fp4 vs twin {err:.1e}", flush=True)
 
 
-def fp8(g) -> None:
+def fp8(g, sweep: bool) -> None:
     dev = "cuda"
     for name, (n, k) in SHAPES.items():
         nrot = max(1, -(-2 * L2_BYTES // (n * k)))
@@ -90,7 +94,18 @@ def fp8(g) -> None:
         print(f"mxfp8 {name:12s} fp8 q4tc {t_fp8:7.1f} us ({gb / t_fp8:5.0f} GB/s)  "
               f"generic mxfp8 GEMV {t_gen:7.1f} us ({gb / t_gen:5.0f} GB/s)  "
               f"fp8 vs twin {err:.1e}", flush=True)
+        for rt, u, nw, pf, un in SWEEP if sweep else []:
+            cfg = TcConfig(rt=rt, u=u, num_warps=nw, pf=pf, unroll=un)
+            if (k // 64) % (cfg.wt // 128):
+                continue
+            yc = q4tc(x, *cp[0], group=32, fp8=True, config=cfg)
+            e = float((yc.float() - twin.float()).abs().max() / twin.float().abs().max())
+            t = graph_time_us([lambda c=c: q4tc(x, *c, group=32, fp8=True, config=cfg)
+                               for c in cp])
+            print(f"    {cfg.label():22s} {t:7.1f} us ({gb / t:5.0f} GB/s)  vs twin {e:.1e}",
+                  flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["mxfp4", "nvfp4", "mxfp8"])
+    args = [a for a in sys.argv[1:] if a != "--sweep"]
+    main(args or ["mxfp4", "nvfp4", "mxfp8"], "--sweep" in sys.argv)
