@@ -34,6 +34,7 @@ from gpu_timing import L2_BYTES, graph_time_us
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mlxr.ops import reference as R
+from mlxr.ops import triton_attn as A
 from mlxr.ops import triton_fused as F
 
 MODELS = {  # name: E, H, K, D, F
@@ -139,7 +140,7 @@ def bench_attention(results, name, q, ks, vs, want):
         vis = keys <= pos
         lab = f"{name} attention S={s} pos={pos} (x{copies} kv)"
         if want(lab):
-            fused = [lambda i=i, m=vis: F.attention_masked(q, ks[i], vs[i], m, scale)
+            fused = [lambda i=i, m=vis: A.attention_masked(q, ks[i], vs[i], m, scale)
                      for i in range(copies)]
             ref = [lambda i=i, m=vis: R.attention_masked(q, ks[i], vs[i], m, scale)
                    for i in range(copies)]
@@ -148,7 +149,7 @@ def bench_attention(results, name, q, ks, vs, want):
     lab = f"{name} attention softcap S={s}"
     if want(lab) and s == 1024:
         vis = keys <= s - 1
-        case(results, lab, [lambda: F.attention_masked(q, ks[0], vs[0], vis, scale, 30.0)],
+        case(results, lab, [lambda: A.attention_masked(q, ks[0], vs[0], vis, scale, 30.0)],
              [lambda: R.attention_masked(q, ks[0], vs[0], vis, scale, 30.0)], exact(vis, 30.0),
              n_calls=16, elementwise=False)
 

@@ -32,6 +32,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarn
 
 from mlxr import ops
 from mlxr.ops import reference as R
+from mlxr.ops import triton_attn as A
 from mlxr.ops import triton_fused as F
 
 INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU
@@ -209,7 +210,7 @@ def test_attention_masked(dtype, rep, t, softcap, window):
     scale = d ** -0.5 * 2
     exact = R.attention_masked(q.float(), k.float(), v.float(), vis, scale, softcap)
     for block_s, splits in ((16, 1), (16, 3), (32, 64)):  # single pass, 3 splits, 1 tile each
-        out = F.attention_masked_split(q, k, v, vis, scale, softcap, block_s, splits)
+        out = A.attention_masked_split(q, k, v, vis, scale, softcap, block_s, splits)
         assert out.dtype == dtype and out.shape == q.shape
         vmax = v.float().abs().amax(dim=1).repeat_interleave(rep, 0)  # [H, D] per kv head
         if dtype == torch.float32:
@@ -226,7 +227,7 @@ def test_attention_masked(dtype, rep, t, softcap, window):
 def test_attention_default_policy_and_odd_head_dim():
     """The public entry (auto split), a non-power-of-two D and S % tile != 0."""
     q, k, v, vis = attn_case(5, torch.float32, 1, 2, 2, 333, 48, None)
-    out = F.attention_masked(q, k, v, vis, 0.2)
+    out = A.attention_masked(q, k, v, vis, 0.2)
     check(out, R.attention_masked(q, k, v, vis, 0.2), 0.0, 1e-5 * float(v.abs().max()))
 
 
@@ -235,12 +236,12 @@ def test_attention_launch_policy(monkeypatch):
     from there (the long-context sweep's winner); the env switches override both knobs."""
     monkeypatch.delenv("MLXR_ATTN_PROGRAMS", raising=False)
     monkeypatch.delenv("MLXR_ATTN_BLOCK_S", raising=False)
-    assert [F.attn_splits(s, 8, 1) for s in (1024, 2048, 4095, 4096, 16384)] == [32] * 3 + [64] * 2
-    assert F.attn_splits(4096, 32, 2) == 8 and F.attn_block_s(128) == 64
-    assert F.attn_block_s(256) == 32
+    assert [A.attn_splits(s, 8, 1) for s in (1024, 2048, 4095, 4096, 16384)] == [32] * 3 + [64] * 2
+    assert A.attn_splits(4096, 32, 2) == 8 and A.attn_block_s(128) == 64
+    assert A.attn_block_s(256) == 32
     monkeypatch.setenv("MLXR_ATTN_PROGRAMS", "256")
     monkeypatch.setenv("MLXR_ATTN_BLOCK_S", "128")
-    assert F.attn_splits(16384, 8, 1) == 32 and F.attn_block_s(128) == 128
+    assert A.attn_splits(16384, 8, 1) == 32 and A.attn_block_s(128) == 128
 
 
 @pytest.mark.parametrize("splits", [1, 4])
@@ -252,7 +253,7 @@ def test_attention_masked_keys_contribute_nothing(splits):
     k2[:, ~seen] = float("nan")
     v2[:, ~seen] = float("inf")
     v2[:, (~seen).nonzero()[::2, 0]] = 1e30
-    out = F.attention_masked_split(q, k2, v2, vis, 0.3, None, 16, splits)
+    out = A.attention_masked_split(q, k2, v2, vis, 0.3, None, 16, splits)
     ref = R.attention_masked(q, k, v, vis, 0.3)
     check(out, ref, 0.0, 1e-5 * float(v.abs().max()))
     # a key masked for one row but seen by another: huge values must not leak either
@@ -260,7 +261,7 @@ def test_attention_masked_keys_contribute_nothing(splits):
     only_last = vis[-1] & ~vis[0]
     assert only_last.any()
     v3[:, only_last] = 1e6
-    out = F.attention_masked_split(q, k, v3, vis, 0.3, None, 16, splits)
+    out = A.attention_masked_split(q, k, v3, vis, 0.3, None, 16, splits)
     ref = R.attention_masked(q, k, v3, vis, 0.3)
     check(out[:1], ref[:1], 0.0, 1e-5 * float(v.abs().max()))
 
@@ -270,7 +271,7 @@ def test_attention_fully_masked_row_is_zero_not_nan():
     vis = vis.clone()
     vis[1] = False
     for splits in (1, 3):
-        out = F.attention_masked_split(q, k, v, vis, 0.25, None, 16, splits)
+        out = A.attention_masked_split(q, k, v, vis, 0.25, None, 16, splits)
         assert torch.isfinite(out).all() and (out[1] == 0).all()
 
 

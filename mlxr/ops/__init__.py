@@ -58,7 +58,8 @@ def gated_act(gate, up, act: str):
 def attention_masked(q, k, v, visible, scale: float, softcap: float | None = None):
     """GQA attention under a key-visibility mask (see reference.attention_masked)."""
     if _fast(q):
-        return _fused.attention_masked(q, k, v, visible, scale, softcap)
+        from .triton_attn import attention_masked as fast
+        return fast(q, k, v, visible, scale, softcap)
     return reference.attention_masked(q, k, v, visible, scale, softcap)
 
 

@@ -9,7 +9,7 @@ tile's slots as block_tables[b, p // block_size] * block_size + p % block_size. 
 length is read on the device, so the loop bound is a runtime value (a while loop: the tiles of a
 short sequence cost nothing however large the captured capacity). Splits exist for small
 batches (few programs, long contexts); their fp32 partials are merged by `_paged_combine_kernel`.
-Numerics are `triton_fused.attention_masked`'s, through the same score, online-softmax and
+Numerics are `triton_attn.attention_masked`'s, through the same score, online-softmax and
 split-merge helpers (scores and softmax in fp32, p rounded to v's dtype for the P.V dot);
 `reference.paged_attention` is the spec.
 """
@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .reference import prefill_tile
-from .triton_fused import _merge_splits, _online_softmax, _scores, score_consts
+from .triton_attn import _merge_splits, _online_softmax, _scores, score_consts
 
 TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
 MAX_SPLITS = 32
