@@ -290,3 +290,43 @@ def test_dispatch_cuda_flag(monkeypatch):
     assert ops._fast(FakeCuda())
     monkeypatch.setenv("MLXR_KERNELS", "torch")
     assert not ops._fast(FakeCuda())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rep", [1, 2, 4])
+@pytest.mark.parametrize("softcap", [None, 20.0])
+@pytest.mark.parametrize("window", [None, 37])
+def test_attention_row_kernel(dtype, rep, softcap, window):
+    """One token's attention by `_attn_row_kernel` (MLXR_ATTN_ROWS=1: CUDA-core dots, a
+    program per head): the reference within the split kernel's tolerances, single pass, 3
+    splits and one tile per split; near the split kernel's output."""
+    kh, s, d = 2, 150, 32
+    q, k, v, vis = attn_case(("rows", str(dtype), rep, softcap, window), dtype, 1, kh, rep, s,
+                             d, window, rep != 2)
+    scale = d ** -0.5 * 2
+    exact = R.attention_masked(q.float(), k.float(), v.float(), vis, scale, softcap)
+    vmax = v.float().abs().amax(dim=1).repeat_interleave(rep, 0)
+    for block_s, splits in ((16, 1), (16, 3), (32, 64)):
+        out = A.attention_masked_split(q, k, v, vis, scale, softcap, block_s, splits, rows=True)
+        assert out.dtype == dtype and out.shape == q.shape
+        if dtype == torch.float32:
+            check(out, exact, 0.0, 1e-5 * float(vmax.max()))
+        else:
+            o, e = out.float(), exact
+            tol = 2**-7 * (vmax.amax(-1)[None, :, None] + e.abs())
+            assert ((o - e).abs() <= tol).all(), float((o - e).abs().max())
+        two = A.attention_masked_split(q, k, v, vis, scale, softcap, block_s, splits, rows=False)
+        assert (out.float() - two.float()).abs().max() <= 2**-6 * float(vmax.max())
+
+
+def test_attention_row_kernel_reads_no_invisible_key():
+    """NaN in every invisible key and value (stale cache slots) does not reach the output."""
+    q, k, v, vis = attn_case("rows-nan", torch.bfloat16, 1, 2, 2, 100, 32, None, True)
+    vis[60:] = False
+    k[:, 60:] = float("nan")
+    v[:, 60:] = float("nan")
+    for splits in (1, 4):
+        out = A.attention_masked_split(q, k, v, vis, 0.3, None, 16, splits, rows=True)
+        assert torch.isfinite(out).all()
+        ref = R.attention_masked(q.float(), k[:, :60].float(), v[:, :60].float(), vis[:60], 0.3)
+        assert (out.float() - ref).abs().max() < 0.05

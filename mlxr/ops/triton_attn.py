@@ -44,11 +44,14 @@ if HAVE_TRITON:
             sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             sc = tl.dot(q, tl.trans(k))
+        return _score_scale(sc, qk_scale, inv_cap, cap2, SOFTCAP)
+
+    @triton.jit
+    def _score_scale(sc, qk_scale, inv_cap, cap2, SOFTCAP: tl.constexpr):
+        """Raw q.k scores (fp32) -> log2 units, scale or softcap applied."""
         if SOFTCAP:  # cap * tanh(s / cap), tanh(z) = 1 - 2 / (exp(2z) + 1); log2 units
-            sc = cap2 - 2.0 * cap2 / (tl.exp2(sc * inv_cap) + 1.0)  # inv_cap = 2 log2(e) s/cap
-        else:
-            sc = sc * qk_scale  # scale * log2(e)
-        return sc
+            return cap2 - 2.0 * cap2 / (tl.exp2(sc * inv_cap) + 1.0)  # inv_cap = 2 log2(e) s/cap
+        return sc * qk_scale  # scale * log2(e)
 
     @triton.jit
     def _online_softmax(sc, v, m_i, l_i, acc, DOT_F32: tl.constexpr):
@@ -153,6 +156,65 @@ if HAVE_TRITON:
                  mask=dmask)
 
 
+    @triton.jit
+    def _attn_row_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, pacc_ptr, pml_ptr, S, sq1, sk0,
+                         sk1, sv0, sv1, qk_scale, inv_cap, cap2, REP: tl.constexpr,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                         TILES: tl.constexpr, NSPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
+                         SINGLE: tl.constexpr):
+        """One query row (T = 1: decode) per program: grid (head, split). The split kernel's
+        math on CUDA cores instead of tl.dot: q.k and p.v as fp32 sums of exact products,
+        so K and V need no staging through shared memory for the mma and both are loaded
+        as soon as the tile's visibility is (masked: invisible keys are not read); no tile
+        skip, so no block-wide reduction before the loads. Partials in the split kernel's
+        layout (row = head % REP of kv head head // REP), for `_attn_combine_kernel`."""
+        hd = tl.program_id(0)
+        sp = tl.program_id(1)
+        g = hd // REP
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        q = tl.load(q_ptr + hd.to(tl.int64) * sq1 + d, mask=dmask, other=0.0).to(tl.float32)
+        kbase = k_ptr + g.to(tl.int64) * sk0
+        vbase = v_ptr + g.to(tl.int64) * sv0
+        m_i = tl.full([], float("-inf"), tl.float32)
+        l_i = tl.full([], 0.0, tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for i in range(TILES):
+            s_idx = (sp * TILES + i) * BLOCK_S + tl.arange(0, BLOCK_S)
+            vis = tl.load(vis_ptr + s_idx, mask=s_idx < S, other=0) != 0
+            kv_off = s_idx.to(tl.int64)[:, None]
+            km = vis[:, None] & dmask[None, :]  # invisible keys are not read (stale NaN)
+            k = tl.load(kbase + kv_off * sk1 + d[None, :], mask=km, other=0.0)
+            v = tl.load(vbase + kv_off * sv1 + d[None, :], mask=km, other=0.0)
+            sc = _score_scale(tl.sum(k.to(tl.float32) * q[None, :], axis=1), qk_scale,
+                              inv_cap, cap2, SOFTCAP)
+            sc = tl.where(vis, sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(sc - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            pv = p.to(v.dtype).to(tl.float32)  # rounded as the reference rounds p
+            acc = acc * alpha + tl.sum(pv[:, None] * v.to(tl.float32), axis=0)
+            m_i = m_new
+        if SINGLE:
+            out = acc / tl.where(l_i > 0.0, l_i, 1.0)
+            tl.store(o_ptr + hd.to(tl.int64) * D + d, out.to(o_ptr.dtype.element_ty),
+                     mask=dmask)
+        else:
+            prow = (g * NSPLIT + sp).to(tl.int64) * REP + hd % REP
+            tl.store(pacc_ptr + prow * D + d, acc, mask=dmask)
+            tl.store(pml_ptr + prow * 2, m_i)
+            tl.store(pml_ptr + prow * 2 + 1, l_i)
+
+
+def row_kernel_on() -> bool:
+    """Env `MLXR_ATTN_ROWS=1` (read at each call: a decode graph's capture) sends one-token
+    attention to `_attn_row_kernel` (CUDA-core dots, a program per head) instead of the split
+    kernel's tl.dot over each kv head's rows. Opt-in until measured on the GPU."""
+    return os.environ.get("MLXR_ATTN_ROWS") == "1"
+
+
 def attention_masked(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float,
                      softcap: float | None = None) -> Tensor:
     return attention_masked_split(q, k, v, visible, scale, softcap)
@@ -190,8 +252,9 @@ def attn_splits(s: int, kh: int, mblocks: int) -> int:
 
 def attention_masked_split(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float,
                            softcap: float | None = None, block_s: int | None = None,
-                           splits: int | None = None) -> Tensor:
-    """attention_masked with the launch policy exposed (tests force split / single pass)."""
+                           splits: int | None = None, rows: bool | None = None) -> Tensor:
+    """attention_masked with the launch policy exposed (tests force split / single pass, and
+    rows: one token's attention by `_attn_row_kernel`, default `row_kernel_on()`)."""
     t, h, d = q.shape
     kh, s, _ = k.shape
     rep = h // kh
@@ -224,11 +287,19 @@ def attention_masked_split(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, sca
         pml = torch.empty((kh * nsplit * rt, 2), dtype=torch.float32, device=q.device)
     qk_scale, inv_cap, cap2 = score_consts(scale, softcap)
     dot_f32 = q.dtype == torch.float32 or _interpret()
-    _attn_split_kernel[(kh, nsplit, mblocks)](
-        q, k, v, vis, out, pacc, pml, s, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), svis, qk_scale, inv_cap, cap2, T=t, REP=rep, H=h, D=d,
-        BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=block_s, TILES=per, NSPLIT=nsplit,
-        SOFTCAP=softcap is not None, SINGLE=single, DOT_F32=dot_f32, num_warps=4)
+    if t == 1 and (row_kernel_on() if rows is None else rows):
+        _attn_row_kernel[(h, nsplit)](
+            q, k, v, vis, out, pacc, pml, s, q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), qk_scale, inv_cap, cap2, REP=rep, D=d, BLOCK_D=block_d,
+            BLOCK_S=block_s, TILES=per, NSPLIT=nsplit, SOFTCAP=softcap is not None,
+            SINGLE=single, num_warps=4)
+    else:
+        _attn_split_kernel[(kh, nsplit, mblocks)](
+            q, k, v, vis, out, pacc, pml, s, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), svis, qk_scale, inv_cap, cap2, T=t, REP=rep,
+            H=h, D=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=block_s, TILES=per,
+            NSPLIT=nsplit, SOFTCAP=softcap is not None, SINGLE=single, DOT_F32=dot_f32,
+            num_warps=4)
     if not single:
         _attn_combine_kernel[(kh * rt,)](
             pacc, pml, out, T=t, REP=rep, H=h, D=d, NSPLIT=nsplit, BLOCK_N=_p2(nsplit),
