@@ -292,7 +292,7 @@ def attention_masked_split(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, sca
             q, k, v, vis, out, pacc, pml, s, q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), qk_scale, inv_cap, cap2, REP=rep, D=d, BLOCK_D=block_d,
             BLOCK_S=block_s, TILES=per, NSPLIT=nsplit, SOFTCAP=softcap is not None,
-            SINGLE=single, num_warps=4)
+            SINGLE=single, num_warps=8)  # 8: 40 registers, the K loads without staging (SASS)
     else:
         _attn_split_kernel[(kh, nsplit, mblocks)](
             q, k, v, vis, out, pacc, pml, s, q.stride(0), q.stride(1), k.stride(0),
