@@ -712,3 +712,50 @@ def test_batch_rows_route_between_tinygemm_and_the_fused_gemm(monkeypatch):
     calls.clear()
     qcuda.linear(qw, torch.zeros(2, k, dtype=torch.bfloat16))
     assert calls == ["fused"]
+
+
+def test_build_picks_each_formats_decode_copy():
+    """`cuda_copies.build` (what a CUDA load runs on each matmul weight, here on CPU-held
+    tensors): affine 4-bit gets q4tc's copy where preferred (a tall weight), else q4gemv's,
+    and q4tc's wherever the words are to go; mxfp4 / mxfp8 their fp copies; 3-bit its nibble
+    planes; a gathered-only weight nothing."""
+    g = torch.Generator().manual_seed(21)
+
+    def fresh(spec, n, k):
+        w = torch.randint(-(2**31), 2**31, (n, k * spec.bits // 32), generator=g,
+                          dtype=torch.int64).to(torch.int32)
+        if spec.mode == "mxfp8":  # no NaN bytes: they get no copy
+            b = w.view(torch.uint8)
+            b[(b & 0x7F) == 0x7F] -= 1
+        if spec.mode == "affine":
+            s = (torch.randn(n, k // spec.group_size, generator=g) * 0.02).to(torch.bfloat16)
+            b = (torch.randn(n, k // spec.group_size, generator=g) * 0.1).to(torch.bfloat16)
+        else:
+            s = torch.randint(115, 125, (n, k // spec.group_size), generator=g,
+                              dtype=torch.uint8)
+            b = None
+        qw = QuantWeight.from_tensors(w, s, b, spec, compute_dtype=torch.bfloat16,
+                                      device="cpu")
+        qw.packed, qw.codes, qw.i4, qw.i4_sz, qw.dense, qw.planes = w, None, None, None, None, 1
+        return qw
+
+    tall, square = (8192, 1024), (1024, 1024)
+    qw = fresh(QuantSpec("affine", 4, 64), *tall)
+    qcopies.build(qw, True, True)
+    assert qw.tc is not None and qw.tc_glu and qw.q4 is None
+    qw = fresh(QuantSpec("affine", 4, 64), *square)
+    qcopies.build(qw, False, True)
+    assert qw.q4 is not None and qw.tc is None
+    qw = fresh(QuantSpec("affine", 4, 64), *square)
+    qcopies.build(qw, False, False)
+    assert qw.tc is not None and qw.q4 is None
+    for spec, check in [(QuantSpec("mxfp4", 4, 32), lambda q: q.tc_fp4),
+                        (QuantSpec("mxfp8", 8, 32), lambda q: q.tc_fp8),
+                        (QuantSpec("affine", 3, 64), lambda q: q.tc.shape == (64, 2048))]:
+        qw = fresh(spec, *square)
+        qcopies.build(qw, False, True)
+        assert qw.tc is not None and check(qw), spec
+    qw = fresh(QuantSpec("affine", 4, 64), *square)
+    qw.matmul = False
+    qcopies.build(qw, False, True)
+    assert qw.tc is None and qw.q4 is None

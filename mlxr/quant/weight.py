@@ -177,38 +177,7 @@ class QuantWeight:
             self.dense = self._dense_copy()
         elif dev.type == "cuda":
             self.packed = packed.contiguous()  # Triton kernels read the mlx words as shipped
-            glu = glu and os.environ.get("MLXR_Q4TC_GLU") != "0"
-            if self.matmul and cuda.q4gemv_supported(self):  # single-request decode (M = 1)
-                # the tensor-core GEMV; also where q4gemv was measured faster if the words
-                # are to go (prefill can dequantize from q4tc's layout only; 0.6B o: 3.0 vs
-                # 2.7 us)
-                if cuda.q4tc_preferred(self) or (not keep_words and cuda.q4tc_supported(self)):
-                    self.tc_glu = glu
-                    self.tc, self.q4_sb = cuda_copies.q4tc_pack(
-                        self.packed, self.scales, self.biases, glu=glu)
-                else:
-                    self.q4, self.q4_sb = cuda_copies.q4gemv_pack(self.packed, self.scales,
-                                                                  self.biases)
-            elif self.matmul and cuda.fp4_tc_supported(self):  # mxfp4 / nvfp4 decode
-                tc = cuda_copies.fp4_tc_pack(self, glu=glu)
-                if tc is not None:
-                    self.tc, self.q4_sb, self.tc_gs = tc
-                    self.tc_glu = glu
-            elif self.matmul and cuda.fp8_tc_supported(self):  # mxfp8 decode
-                tc = cuda_copies.fp8_tc_pack(self, glu=glu)
-                if tc is not None:
-                    self.tc, self.q4_sb = tc
-                    self.tc_glu = glu
-            elif self.matmul and cuda.planes_supported(self):  # the other widths' decode
-                tc = cuda_copies.planes_pack(self, glu=glu)
-                if tc is not None:
-                    self.tc, self.q4_sb, self.planes = tc
-                    self.tc_glu = glu
-            # tinygemm serves M = 1 where q4gemv / q4tc do not (or are switched off for an
-            # A/B run: MLXR_Q4GEMV=0 at load); else its copy is built on demand
-            one_row = self.q4 is not None or self.tc is not None
-            if self.matmul and (not one_row or os.environ.get("MLXR_Q4GEMV") == "0"):
-                self.add_batch_copy()
+            cuda_copies.build(self, glu and os.environ.get("MLXR_Q4TC_GLU") != "0", keep_words)
             if not keep_words:
                 self.drop_words()
         elif bits == 8:
