@@ -345,6 +345,24 @@ def test_other_widths_decode_through_planes(bits, monkeypatch):
         assert qcuda.planes_supported(big) and qcopies.planes_pack(big) is None
 
 
+def _routes_to_q4tc(monkeypatch, qw, glu, wd, x, flag):
+    """1 and all of x's rows through `linear` take one q4tc launch with `flag` (fp4 / fp8)
+    set, within rounding of fp64 x @ wd^T; the glu copy's act epilogue is linear +
+    `gated_act`."""
+    from mlxr.ops import triton_q4tc
+    from mlxr.ops.triton_fused import gated_act
+
+    launches = _spy(monkeypatch, triton_q4tc, "q4tc", lambda a, kw: kw[flag])
+    for m in (1, x.shape[0]):
+        launches.clear()
+        y = qcuda.linear(qw, x[:m])
+        assert launches == [True] and y.shape == (m, qw.out_features)
+        exact, scale = x[:m].double() @ wd.t(), x[:m].double().abs() @ wd.abs().t()
+        assert bool(((y.double() - exact).abs() <= 2**-7 * exact.abs() + 1e-5 * scale).all())
+        gate, up = y.chunk(2, dim=-1)
+        assert torch.equal(qcuda.gated(glu, x[:m], "silu"), gated_act(gate, up, "silu"))
+
+
 @pytest.mark.parametrize("mode", ["mxfp4", "nvfp4", "nvfp4-nogs"])
 def test_fp4_decodes_through_its_fp4_copy(mode, monkeypatch):
     """An mxfp4 / nvfp4 weight's fp4 copy (`fp4_tc_pack`, what the CUDA load builds by
@@ -354,7 +372,6 @@ def test_fp4_decodes_through_its_fp4_copy(mode, monkeypatch):
     codes and a 4-byte pair per group); MLXR_FP4_TC=0 builds none, nor does a NaN scale
     (E8M0 255, E4M3 0x7F)."""
     from mlxr.ops import triton_q4tc
-    from mlxr.ops.triton_fused import gated_act
     from mlxr.quant.fp import fp_dequantize
 
     g = torch.Generator().manual_seed(14)
@@ -379,18 +396,10 @@ def test_fp4_decodes_through_its_fp4_copy(mode, monkeypatch):
     glu.tc_glu = True
     assert qw.tc_fp4 and glu.tc_fp4 and (qw.tc_gs is None) == (gsc is None)
     assert qcopies.decode_copy_bytes(spec, n, k) == qw.tc.nbytes + qw.q4_sb.nbytes
-    launches = _spy(monkeypatch, triton_q4tc, "q4tc", lambda a, kw: kw["fp4"])
     wd = fp_dequantize(w, sc, fmt, global_scale=gsc, out_dtype=torch.float32).double()
     most = triton_q4tc.max_rows(group)
     x = torch.randn(most, k, generator=g).to(torch.bfloat16)
-    for m in (1, most):
-        launches.clear()
-        y = qcuda.linear(qw, x[:m])
-        assert launches == [True] and y.shape == (m, n)
-        exact, scale = x[:m].double() @ wd.t(), x[:m].double().abs() @ wd.abs().t()
-        assert bool(((y.double() - exact).abs() <= 2**-7 * exact.abs() + 1e-5 * scale).all())
-        gate, up = y.chunk(2, dim=-1)
-        assert torch.equal(qcuda.gated(glu, x[:m], "silu"), gated_act(gate, up, "silu"))
+    _routes_to_q4tc(monkeypatch, qw, glu, wd, x, "fp4")
     monkeypatch.setenv("MLXR_FP4_TC", "0")
     assert not qcuda.fp4_tc_supported(weight())
     monkeypatch.delenv("MLXR_FP4_TC")
@@ -415,8 +424,6 @@ def test_fp8_decodes_through_its_fp8_copy(monkeypatch):
     MLXR_FP8_TC=0 builds none, nor does a NaN code (0x7F / 0xFF: the copy could not hold it)
     or a NaN scale; with the words dropped, decode and prefill (`dequant_copy` from the copy)
     give the same results and codes."""
-    from mlxr.ops import triton_q4tc
-    from mlxr.ops.triton_fused import gated_act
     from mlxr.quant.fp import fp_dequantize
 
     g = torch.Generator().manual_seed(15)
@@ -439,17 +446,9 @@ def test_fp8_decodes_through_its_fp8_copy(monkeypatch):
     glu.tc_glu = True
     assert qw.tc_fp8 and not qw.tc_fp4 and glu.tc_fp8
     assert qcopies.decode_copy_bytes(spec, n, k) == qw.tc.nbytes + qw.q4_sb.nbytes
-    launches = _spy(monkeypatch, triton_q4tc, "q4tc", lambda a, kw: kw["fp8"])
     wd = fp_dequantize(w, sc, "mxfp8", out_dtype=torch.float32).double()
     x = torch.randn(4, k, generator=g).to(torch.bfloat16)
-    for m in (1, 4):
-        launches.clear()
-        y = qcuda.linear(qw, x[:m])
-        assert launches == [True] and y.shape == (m, n)
-        exact, scale = x[:m].double() @ wd.t(), x[:m].double().abs() @ wd.abs().t()
-        assert bool(((y.double() - exact).abs() <= 2**-7 * exact.abs() + 1e-5 * scale).all())
-        gate, up = y.chunk(2, dim=-1)
-        assert torch.equal(qcuda.gated(glu, x[:m], "silu"), gated_act(gate, up, "silu"))
+    _routes_to_q4tc(monkeypatch, qw, glu, wd, x, "fp8")
     monkeypatch.setenv("MLXR_FP8_TC", "0")
     assert not qcuda.fp8_tc_supported(weight()) and qcopies.decode_copy_bytes(spec, n, k) == 0
     monkeypatch.delenv("MLXR_FP8_TC")

@@ -449,7 +449,7 @@ def test_fp8_words_round_trip_and_extraction():
     """`fp8_words` / `fp8_unwords` round-trip; the kernel's extraction (its PTX's masks and
     shifts, here in torch) gives each step's 8 codes' E4M3 values x 2^-120 as bf16 bits,
     subnormals included, in the fragment order `repack` gives 4-bit codes."""
-    from mlxr.ops.triton_q4tc_layout import fp8_unwords
+    from mlxr.ops.triton_q4tc_layout import fp8_unwords, lane_order
     from mlxr.quant.fp import code_table
 
     g = torch.Generator().manual_seed(8)
@@ -461,7 +461,7 @@ def test_fp8_words_round_trip_and_extraction():
     u = f.long() & 0xFFFFFFFF
     table = code_table("mxfp8", torch.device("cpu")).double()
     k2 = 2 * 512
-    lane = _lane_codes(torch.arange(32 * 512).view(32, 512))  # [2, 2K, 8] flat code index
+    lane = lane_order(torch.arange(32 * 512).view(32, 512))  # [2, 2K, 8] flat code index
     for j in range(8):
         i, hi = j % 4, j // 4
         word = u[:, :k2] if i < 2 else u[:, k2:]
@@ -471,14 +471,6 @@ def test_fp8_words_round_trip_and_extraction():
         v = (half << 16).to(torch.int32).view(torch.float32).double() * 2.0**120
         want = table[codes.view(-1)[lane[..., j].reshape(-1)].long()].view(2, k2)
         assert torch.equal(v, want), j
-
-
-def _lane_codes(idx):
-    """The element of idx [N, K] at `repack`'s (row tile, word, nibble j), as it places
-    4-bit codes: [N/16, 2K, 8]."""
-    n, k = idx.shape
-    q = idx.reshape(n // 16, 2, 8, k // 64, 2, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 6, 8, 7, 1)
-    return q.reshape(n // 16, 2 * k, 8)
 
 
 @pytest.mark.parametrize("m,act,n,k,cfg", [

@@ -33,6 +33,15 @@ def repack_codes(codes: Tensor, chunk_rows: int = 4096) -> Tensor:
                         chunk_rows)
 
 
+def lane_order(q: Tensor) -> Tensor:
+    """Codes [16R, K] (any dtype) -> [R, 2K, 8]: element (tile, word w, nibble j) is the code
+    `repack` puts at nibble j of word w."""
+    n, k = q.shape
+    # [R, h, g, blk, sh, tig, sl, m, hi] -> [R, blk, g, tig, sh, sl | hi, m, h]
+    q = q.reshape(n // 16, 2, 8, k // 64, 2, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 6, 8, 7, 1)
+    return q.reshape(n // 16, 2 * k, 8)
+
+
 def _repack_rows(rows, n: int, k: int, device, chunk_rows: int) -> Tensor:
     """The lane-ordered words of N x K codes, `rows(r0, r1)` giving rows r0..r1 as int32."""
     if n % 16 or k % 64:
@@ -41,10 +50,8 @@ def _repack_rows(rows, n: int, k: int, device, chunk_rows: int) -> Tensor:
     out = torch.empty(n // 16, 2 * k, dtype=torch.int32, device=device)
     for r in range(0, n, chunk_rows):
         q = rows(r, r + chunk_rows)
-        rt = q.shape[0] // 16
-        # [R, h, g, blk, sh, tig, sl, m, hi] -> [R, blk, g, tig, sh, sl | hi, m, h]
-        q = q.reshape(rt, 2, 8, k // 64, 2, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 6, 8, 7, 1)
-        q = q.reshape(rt, 2 * k, 8)
+        q = lane_order(q)
+        rt = q.shape[0]
         out[r // 16:r // 16 + rt] = (q << shifts).sum(-1, dtype=torch.int32)
     return out
 
@@ -111,10 +118,8 @@ def fp8_words(codes: Tensor, chunk_rows: int = 4096) -> Tensor:
     out = torch.empty(n // 16, 4 * k, dtype=torch.int32, device=codes.device)
     for r in range(0, n, chunk_rows):
         q = codes[r:r + chunk_rows].to(torch.int64)
-        rt = q.shape[0] // 16
-        # as `_repack_rows`: [R, blk, g, tig, sh, sl, hi, m, h] -> [R, 2K, code j = 4hi + i]
-        q = q.reshape(rt, 2, 8, k // 64, 2, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 6, 8, 7, 1)
-        q = q.reshape(rt, 2 * k, 8)
+        q = lane_order(q)  # [R, 2K, code j = 4hi + i]
+        rt = q.shape[0]
         halves = [_fp8_pack(q[..., a], q[..., a + 4], q[..., a + 1], q[..., a + 5])
                   for a in (0, 2)]
         out[r // 16:r // 16 + rt] = torch.cat(halves, dim=1)

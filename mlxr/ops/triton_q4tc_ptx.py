@@ -88,21 +88,25 @@ mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32
 """
 
 
+def _asm_chain(regs: str, consts: dict[str, str], c: int, body: str) -> str:
+    """An mma chain's asm block: its .b32 registers, constants moved into registers (mma and
+    fma operands must be registers), the accumulators $0-3 set from C at $c.."""
+    return ("{\n.reg .b32 " + regs + ";\n"
+            + "".join(f"mov.b32 {r}, {v};\n" for r, v in consts.items())
+            + "".join(f"mov.f32 ${i}, ${c + i};\n" for i in range(4)) + body + "}")
+
+
 def _asm_mma4(ty: str) -> str:
     magic = "0x43004300" if ty == "bf16" else "0x64006400"
     body = "".join(_STEP.format(w=f"${4 + s}", x=f"${8 + s}", magic=magic, ty=ty)
                    for s in range(4))
-    return ("{\n.reg .b32 t0, t1, t2, a0, a1, a2, a3, b0, b1;\n"
-            "mov.f32 $0, $12;\nmov.f32 $1, $13;\nmov.f32 $2, $14;\nmov.f32 $3, $15;\n"
-            + body + "}")
+    return _asm_chain("t0, t1, t2, a0, a1, a2, a3, b0, b1", {}, 12, body)
 
 
 def _asm_mma4_fp4() -> str:
     body = "".join(_STEP_FP4.format(w=f"${4 + s}", x=f"${8 + s}") for s in range(4))
-    return ("{\n.reg .b32 t0, t1, t2, t3, t4, a0, a1, a2, a3, b0, b1, k126, nz;\n"
-            "mov.b32 k126, 0x7E807E80;\nmov.b32 nz, 0x80008000;\n"
-            "mov.f32 $0, $12;\nmov.f32 $1, $13;\nmov.f32 $2, $14;\nmov.f32 $3, $15;\n"
-            + body + "}")
+    return _asm_chain("t0, t1, t2, t3, t4, a0, a1, a2, a3, b0, b1, k126, nz",
+                      {"k126": "0x7E807E80", "nz": "0x80008000"}, 12, body)
 
 
 def _asm_mma4_fp8() -> str:
@@ -110,10 +114,8 @@ def _asm_mma4_fp8() -> str:
     $16-19 C."""
     body = "".join(_STEP_FP8.format(w=f"${4 + s}", v=f"${8 + s}", x=f"${12 + s}")
                    for s in range(4))
-    return ("{\n.reg .b32 t0, t1, t2, t3, a0, a1, a2, a3, b0, b1, k120, nz;\n"
-            "mov.b32 k120, 0x7B807B80;\nmov.b32 nz, 0x80008000;\n"
-            "mov.f32 $0, $16;\nmov.f32 $1, $17;\nmov.f32 $2, $18;\nmov.f32 $3, $19;\n"
-            + body + "}")
+    return _asm_chain("t0, t1, t2, t3, a0, a1, a2, a3, b0, b1, k120, nz",
+                      {"k120": "0x7B807B80", "nz": "0x80008000"}, 16, body)
 
 
 def _asm_ones4(ty: str) -> str:
