@@ -411,4 +411,12 @@ class QuantWeight:
                                                 or int(ids.max()) >= self.out_features):
             raise IndexError(f"{self.name}: token id out of range [0, {self.out_features})")
         flat = ids.reshape(-1).to(self.device, torch.int64)
+        if flat.is_cuda and self.packed is not None and self.spec.mode == "affine":
+            from mlxr import ops
+            from mlxr.ops import triton_embed as te  # one launch, dequant_rows' values
+
+            a = (self.packed, self.scales, self.biases, self.spec.bits, self.spec.group_size,
+                 self.compute_dtype)
+            if ops.fast_kernels(self.device) and te.supported(*a):
+                return te.embed_rows(*a[:3], flat, *a[3:]).reshape(*ids.shape, self.in_features)
         return self.dequant_rows(flat).reshape(*ids.shape, self.in_features)
