@@ -37,10 +37,10 @@ def main(path: str, prompt_len: int = 512) -> None:
         pos = torch.tensor([prompt_len], device="cuda")
         tok = torch.tensor([5], device="cuda")
         for _ in range(2):
-            dec.forward_static(tok, pos, cache.pool, graph.tables, graph.key_pos)
+            dec.forward_static(tok, pos, cache.pool, graph.tables)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            dec.forward_static(tok, pos, cache.pool, graph.tables, graph.key_pos)
+            dec.forward_static(tok, pos, cache.pool, graph.tables)
             torch.cuda.synchronize()
     by = kernel_families(prof)
     count = sum(c for c, _ in by.values())

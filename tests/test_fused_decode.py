@@ -91,7 +91,7 @@ def test_fused_decode_step_matches_generic(kind, dtype, monkeypatch):
         dec.forward(ids[:p0], cache)
         for p in range(p0, len(ids)):
             pos = torch.tensor([p], device=DEVICE)
-            want = dec.forward_static(ids[p:p + 1], pos, cache.pool, tables, key_pos)
+            want = dec.forward_static(ids[p:p + 1], pos, cache.pool, tables)
             k_want = [k[:, p].clone() for k in cache.pool.k]
             causal = key_pos <= pos
 
@@ -100,12 +100,11 @@ def test_fused_decode_step_matches_generic(kind, dtype, monkeypatch):
                 return ops.attention_masked(q, cache.pool.k[i], cache.pool.v[i], causal,
                                             dec.config.attn_scale, None)
 
-            step = {k: (c[pos], s[pos]) for k, (c, s) in tables.items()}
             tol = 16 * unit * float(want.abs().max())
             if p == p0:  # the tolerance is tight enough to tell another token apart
-                other = fused_decode.run(dec, ids[p - 1:p], step, cache.pool, pos, attend)
+                other = fused_decode.run(dec, ids[p - 1:p], tables, cache.pool, pos, attend)
                 assert float((other - want).abs().max()) > 4 * tol
-            got = fused_decode.run(dec, ids[p:p + 1], step, cache.pool, pos, attend)
+            got = fused_decode.run(dec, ids[p:p + 1], tables, cache.pool, pos, attend)
             assert got.shape == want.shape == (1, dec.config.vocab_size)
             assert got.dtype == torch.float32
             assert float((got - want).abs().max()) <= tol

@@ -157,14 +157,13 @@ def test_static_decode_step_equals_eager(built, family):
     tables = {}
     for rope in dec.ropes:
         tables.setdefault(id(rope.spec), rope.cos_sin(0, 64))
-    key_pos = torch.arange(64)
     with torch.inference_mode():
         dec.forward(torch.tensor(seq[:20]), eager, last_only=True)
         dec.forward(torch.tensor(seq[:20]), static, last_only=True)
         for p in range(20, 30):
             want = dec.forward(torch.tensor([seq[p]]), eager, last_only=True)[0]
             got = dec.forward_static(torch.tensor([seq[p]]), torch.tensor([p]), static.pool,
-                                     tables, key_pos)[0]
+                                     tables)[0]
             assert torch.allclose(got, want, rtol=0, atol=1e-4 * float(want.max() - want.min()))
 
 

@@ -300,35 +300,35 @@ def test_dispatch_cuda_flag(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rep", [1, 2, 4])
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("window", [None, 37, 1])
 @pytest.mark.parametrize("softcap", [None, 20.0])
-@pytest.mark.parametrize("window", [None, 37])
-def test_attention_row_kernel(dtype, rep, softcap, window):
-    """One token's attention by `_attn_row_kernel` (MLXR_ATTN_ROWS=1: CUDA-core dots, a
-    program per head): the reference within the split kernel's tolerances, single pass, 3
-    splits and one tile per split; near the split kernel's output."""
-    kh, s, d = 2, 150, 32
-    q, k, v, vis = attn_case(("rows", str(dtype), rep, softcap, window), dtype, 1, kh, rep, s,
-                             d, window, rep != 2)
-    scale = d ** -0.5 * 2
-    exact = R.attention_masked(q.float(), k.float(), v.float(), vis, scale, softcap)
-    vmax = v.float().abs().amax(dim=1).repeat_interleave(rep, 0)
+def test_attention_at_positions(dtype, t, window, softcap):
+    """`attention_at` (the visibility computed from the rows' positions in the kernel) gives
+    the masked kernel's output for the mask `reference.attention_at` builds, bit for bit,
+    single pass and split; NaN in every slot past the last position never reaches it."""
+    kh, rep, s, d = 2, 2, 150, 32
+    q, k, v, _ = attn_case(("at", str(dtype), t, window, softcap), dtype, t, kh, rep, s, d,
+                           None)
+    pos = torch.tensor([101, 3, 130][:t])
+    ref = R.attention_at(q.float(), k.float(), v.float(), pos, window, 0.3, softcap)
+    k[:, 131:] = float("nan")  # stale slots past every position
+    v[:, 131:] = float("nan")
+    j = torch.arange(s)
+    vis = (j <= pos[:, None]) & (True if window is None else pos[:, None] - j < window)
     for block_s, splits in ((16, 1), (16, 3), (32, 64)):
-        out = A.attention_masked_split(q, k, v, vis, scale, softcap, block_s, splits, rows=True)
-        assert out.dtype == dtype and out.shape == q.shape
-        _check_attention(out, exact, vmax)
-        two = A.attention_masked_split(q, k, v, vis, scale, softcap, block_s, splits, rows=False)
-        assert (out.float() - two.float()).abs().max() <= 2**-6 * float(vmax.max())
-
-
-def test_attention_row_kernel_reads_no_invisible_key():
-    """NaN in every invisible key and value (stale cache slots) does not reach the output."""
-    q, k, v, vis = attn_case("rows-nan", torch.bfloat16, 1, 2, 2, 100, 32, None, True)
-    vis[60:] = False
-    k[:, 60:] = float("nan")
-    v[:, 60:] = float("nan")
-    for splits in (1, 4):
-        out = A.attention_masked_split(q, k, v, vis, 0.3, None, 16, splits, rows=True)
+        out = A.attention_masked_split(q, k, v, None, 0.3, softcap, block_s, splits,
+                                       positions=pos, window=window)
+        want = A.attention_masked_split(q, k, v, vis, 0.3, softcap, block_s, splits)
         assert torch.isfinite(out).all()
-        ref = R.attention_masked(q.float(), k[:, :60].float(), v[:, :60].float(), vis[:60], 0.3)
-        assert (out.float() - ref).abs().max() < 0.05
+        assert torch.equal(out, want)
+    vmax = v[:, :131].float().abs().amax(dim=1).repeat_interleave(rep, 0)
+    _check_attention(A.attention_at(q, k, v, pos, window, 0.3, softcap), ref, vmax)
+
+
+def test_attention_at_rejects_bad_positions():
+    q, k, v, _ = attn_case("at-bad", torch.float32, 2, 1, 2, 40, 16, None)
+    with pytest.raises(ValueError, match="positions"):
+        A.attention_at(q, k, v, torch.tensor([3]), None, 0.3)
+    with pytest.raises(ValueError, match="window"):
+        A.attention_at(q, k, v, torch.tensor([3, 4]), 0, 0.3)

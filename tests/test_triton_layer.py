@@ -157,6 +157,32 @@ def test_qkv_rope_write_one_angle_row():
     check_rope_out(kc_f, kc_r, 16, False, 0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qkv_rope_write_positions_index_the_tables(dtype):
+    """cos / sin as whole tables [P, R] and `positions` [N]: the same q and cache bits as the
+    rows gathered first (kernel and reference), and as the reference on those rows."""
+    n, h, kh, d, r, p = 3, 4, 2, 48, 16, 40
+    qkv, qn, kn, _, _, kc, vc, slots = qkv_case(("pos", str(dtype)), dtype, n, h, kh, d, r,
+                                                True, 0.0)
+    ang = torch.rand(p, r, generator=gen(("pos-ang", str(dtype)))) * 50
+    cos, sin = ang.cos(), ang.sin()
+    pos = torch.tensor([37, 2, 19])
+    args = (h, kh, d, qn, kn, 1e-6, 0.0, 1.25)
+    outs = []
+    for op, tables in ((L.qkv_rope_write, True), (L.qkv_rope_write, False),
+                       (R.qkv_rope_write, True)):
+        k2, v2 = kc.clone(), vc.clone()
+        if tables:
+            q = op(qkv, *args, cos, sin, False, k2, v2, slots, pos)
+        else:
+            q = op(qkv, *args, cos[pos], sin[pos], False, k2, v2, slots)
+        outs.append((q, k2, v2))
+    for a, b in zip(outs[0], outs[1]):
+        assert torch.equal(a, b)
+    check_rope_out(outs[0][0], outs[2][0], r, False, 3)
+    assert torch.equal(outs[0][2], outs[2][2])
+
+
 @pytest.mark.parametrize("trad", [False, True])
 def test_qkv_rope_write_rounding_points(trad):
     """bf16, norm with offset, pre-scale, partial rotary: the reference's rounding points
@@ -305,8 +331,7 @@ def test_decoder_fused_dispatch(kind, monkeypatch):
     with torch.inference_mode():
         got = [dec.forward(IDS[:p0], cache)]
         for p in range(p0, len(IDS)):
-            got.append(dec.forward_static(IDS[p:p + 1], torch.tensor([p]), cache.pool, tables,
-                                          torch.arange(cap)))
+            got.append(dec.forward_static(IDS[p:p + 1], torch.tensor([p]), cache.pool, tables))
     got = torch.cat(got)
     tol = 1e-4 * (want.amax(-1) - want.amin(-1))[:, None]
     assert ((got - want).abs() <= tol).all(), float((got - want).abs().max())

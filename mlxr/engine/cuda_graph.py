@@ -65,7 +65,6 @@ class GraphDecoder:
         cap, dev = cache.capacity, decoder.device
         self.ids = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.key_pos = torch.arange(cap, device=dev)
         self.tables = {}
         for rope in decoder.ropes:
             if id(rope.spec) not in self.tables:
@@ -76,9 +75,10 @@ class GraphDecoder:
 
     def _body(self) -> None:
         self.logits = self.decoder.forward_static(self.ids, self.pos, self.cache.pool,
-                                                  self.tables, self.key_pos)
-        self.next_id = self.logits[0].argmax().view(1)
-        self.ids.copy_(self.next_id)
+                                                  self.tables)
+        # the argmax lands in the step's own input (no copy launch): the host's read of token k
+        # is enqueued before replay k + 1, which overwrites it
+        torch.argmax(self.logits[0], dim=0, keepdim=True, out=self.ids)
         self.pos.add_(1)
 
     def start(self, token: int, position: int) -> None:
@@ -91,12 +91,12 @@ class GraphDecoder:
         early. Replay k+1 is enqueued before token k is read."""
         self.start(first, position)
         self.graph.replay()
-        self.host[0].copy_(self.next_id[0], non_blocking=True)
+        self.host[0].copy_(self.ids[0], non_blocking=True)
         self.events[0].record()
         for k in range(n):
             if k + 1 < n:
                 self.graph.replay()
-                self.host[(k + 1) % 2].copy_(self.next_id[0], non_blocking=True)
+                self.host[(k + 1) % 2].copy_(self.ids[0], non_blocking=True)
                 self.events[(k + 1) % 2].record()
             self.events[k % 2].synchronize()
             yield int(self.host[k % 2])

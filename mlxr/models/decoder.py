@@ -73,11 +73,6 @@ class Step:
     paged: PagedBatch | None = None
 
 
-def _gather(tables: dict, pos: torch.Tensor) -> dict:
-    """RoPE tables (rope spec id -> (cos, sin) [positions, R]) at positions pos [N] (device)."""
-    return {k: (cs.index_select(0, pos), sn.index_select(0, pos)) for k, (cs, sn) in tables.items()}
-
-
 def span_for(block_table: list[int], block_size: int, q_start: int, q_len: int,
              device) -> SeqSpan:
     """The SeqSpan of a paged sequence (consecutive blocks become a plain slot range)."""
@@ -188,14 +183,14 @@ class Decoder:
         c = self.config
         if step.paged is not None:
             pb = step.paged
-            tables = _gather(pb.rope, pb.positions)
 
             def attend_paged(i: int, q):
                 return ops.paged_prefill_attention(
                     q, pool.k[i], pool.v[i], pb.block_tables, pb.items, pool.block_size,
                     c.attn_scale, c.layer_window[i], c.attn_logit_softcap)
 
-            return self._run(ids, tables, pool, step.write_slots, attend_paged, step.logits_rows)
+            return self._run(ids, pb.rope, pool, step.write_slots, attend_paged,
+                             step.logits_rows, pb.positions)
         tables: dict[int, tuple] = {}
         for rope in self.ropes:
             if id(rope.spec) not in tables:
@@ -223,25 +218,22 @@ class Decoder:
 
         return self._run(ids, tables, pool, step.write_slots, attend, step.logits_rows)
 
-    def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, pool, tables: dict,
-                       key_pos: torch.Tensor) -> torch.Tensor:
+    def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, pool,
+                       tables: dict) -> torch.Tensor:
         """One decode token of one sequence with every shape fixed and every index on the
         device, so the step can be captured in a CUDA graph. ids, pos [1] (device long); pool's
-        slots are positions; tables: rope spec id -> (cos, sin) [capacity, R]; key_pos =
-        arange(capacity). Attention covers the whole capacity under a visibility mask."""
+        slots are positions; tables: rope spec id -> (cos, sin) [capacity, R], indexed by pos
+        in the RoPE kernel. Attention covers the whole capacity, its visibility computed from
+        pos in the kernel (`ops.attention_at`)."""
         c = self.config
-        step_tables = _gather(tables, pos)
-        causal = key_pos <= pos
 
         def attend(i: int, q):
-            window = c.layer_window[i]
-            visible = causal if window is None else causal & (pos - key_pos < window)
-            return ops.attention_masked(q, pool.k[i], pool.v[i], visible, c.attn_scale,
-                                        c.attn_logit_softcap)
+            return ops.attention_at(q, pool.k[i], pool.v[i], pos, c.layer_window[i],
+                                    c.attn_scale, c.attn_logit_softcap)
 
         if fused_decode.eligible(self):
-            return fused_decode.run(self, ids, step_tables, pool, pos, attend)
-        return self._run(ids, step_tables, pool, pos, attend, None)
+            return fused_decode.run(self, ids, tables, pool, pos, attend)
+        return self._run(ids, tables, pool, pos, attend, None, pos)
 
     def forward_paged(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                       block_tables: torch.Tensor, ctx_lens: torch.Tensor, pool,
@@ -252,20 +244,20 @@ class Decoder:
         = pos + 1; tables: rope spec id -> (cos, sin) [positions, R]. Returns logits
         float32 [B, V]."""
         c = self.config
-        step_tables = _gather(tables, pos)
-
         def attend(i: int, q):
             return ops.paged_attention(q, pool.k[i], pool.v[i], block_tables, ctx_lens,
                                        pool.block_size, c.attn_scale, c.layer_window[i],
                                        c.attn_logit_softcap)
 
-        return self._run(ids, step_tables, pool, slots, attend, None)
+        return self._run(ids, tables, pool, slots, attend, None, pos)
 
     def _run(self, ids: torch.Tensor, tables: dict, pool, slots: torch.Tensor, attend,
-             rows) -> torch.Tensor:
+             rows, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Embedding, the layers, final norm and LM head (only for `rows` of N if given).
         Layer i writes the new tokens' k/v to cache slots `slots` [N] of pool.k/v[i], then
-        attends through `attend(i, q [N, H, D]) -> [N, H, D]`. Returns logits float32."""
+        attends through `attend(i, q [N, H, D]) -> [N, H, D]`. tables: rope spec id -> (cos,
+        sin), the tokens' rows [N|1, R], or with `positions` [N] (device long) whole tables
+        that the RoPE kernel indexes by them. Returns logits float32."""
         c = self.config
         n = ids.shape[0]
         h = self.embed_tokens(ids)  # [N, E]
@@ -274,10 +266,11 @@ class Decoder:
         x = ops.rms_norm(h, self.layers[0].input_norm, eps, off)
         for i, layer in enumerate(self.layers):
             rope = self.ropes[i]
-            cos, sin = tables[id(rope.spec)]  # [N|1, R]
+            cos, sin = tables[id(rope.spec)]  # [N|1, R], or [P, R] with positions
             q = ops.qkv_rope_write(layer.qkv(x), c.num_heads, c.num_kv_heads, c.head_dim,
                                    layer.q_norm, layer.k_norm, eps, off, rope.scale, cos, sin,
-                                   rope.spec.traditional, pool.k[i], pool.v[i], slots)
+                                   rope.spec.traditional, pool.k[i], pool.v[i], slots,
+                                   positions)
             o = layer.o_proj(attend(i, q).reshape(n, c.q_size))
             if layer.post_attn_norm is not None:
                 o = ops.rms_norm(o, layer.post_attn_norm, eps, off)

@@ -71,7 +71,8 @@ def _gemv(lin: Linear, x: torch.Tensor, **kw) -> torch.Tensor:
 
 def run(dec, ids: torch.Tensor, tables: dict, pool, slots: torch.Tensor, attend) -> torch.Tensor:
     """One token (ids [1], device) through the decoder as `Decoder._run` computes it; K/V
-    written at cache slot `slots` [1]. Returns logits float32 [1, V]."""
+    written at cache slot `slots` [1], which is also its position (tables: whole RoPE tables,
+    indexed by it in the RoPE kernel). Returns logits float32 [1, V]."""
     from .. import ops
 
     c = dec.config
@@ -87,7 +88,7 @@ def run(dec, ids: torch.Tensor, tables: dict, pool, slots: torch.Tensor, attend)
         cos, sin = tables[id(rope.spec)]
         q = ops.qkv_rope_write(qkv[None], c.num_heads, c.num_kv_heads, c.head_dim,
                                layer.q_norm, layer.k_norm, eps, off, rope.scale, cos, sin,
-                               rope.spec.traditional, pool.k[i], pool.v[i], slots)
+                               rope.spec.traditional, pool.k[i], pool.v[i], slots, slots)
         o = _gemv(layer.o_proj, attend(i, q).reshape(-1))
         h_next = torch.empty_like(h)
         gu = _gemv(layer.gate_up, h, r=o, norm=layer.mlp_norm, eps=eps, offset=off,

@@ -63,6 +63,16 @@ def attention_masked(q, k, v, visible, scale: float, softcap: float | None = Non
     return reference.attention_masked(q, k, v, visible, scale, softcap)
 
 
+def attention_at(q, k, v, positions, window: int | None, scale: float,
+                 softcap: float | None = None):
+    """attention_masked with the visibility from the rows' positions (device [T]), causal and
+    windowed: key slot j at position j (see reference.attention_at)."""
+    if _fast(q):
+        from .triton_attn import attention_at as fast
+        return fast(q, k, v, positions, window, scale, softcap)
+    return reference.attention_at(q, k, v, positions, window, scale, softcap)
+
+
 def paged_attention(q, k, v, block_tables, ctx_lens, block_size: int, scale: float,
                     window: int | None = None, softcap: float | None = None):
     """Decode attention of B sequences over a paged cache (see reference.paged_attention)."""
@@ -83,11 +93,11 @@ def add_rms_norm(h, r, weight, eps: float, offset: float = 0.0):
 
 def qkv_rope_write(qkv, n_heads: int, n_kv_heads: int, head_dim: int, q_norm, k_norm,
                    eps: float, offset: float, rope_scale: float, cos, sin, traditional: bool,
-                   k_cache, v_cache, slots):
+                   k_cache, v_cache, slots, positions=None):
     """q/k norm, RoPE and the KV-cache write of a fused qkv projection; returns q [N, H, D]
-    (see reference.qkv_rope_write)."""
+    (see reference.qkv_rope_write; `positions`: cos / sin are tables indexed by them)."""
     args = (qkv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, offset, rope_scale, cos,
-            sin, traditional, k_cache, v_cache, slots)
+            sin, traditional, k_cache, v_cache, slots, positions)
     if _fast(qkv):
         from .triton_layer import qkv_rope_write as fast
         return fast(*args)
@@ -110,6 +120,6 @@ def fast_kernels(device) -> bool:
     return _fast(torch.empty(0, device=device))
 
 
-__all__ = ["add_rms_norm", "attention", "attention_masked", "fast_kernels", "gated_act",
-           "paged_attention", "paged_items", "paged_prefill_attention", "prefill_tile",
+__all__ = ["add_rms_norm", "attention", "attention_at", "attention_masked", "fast_kernels",
+           "gated_act", "paged_attention", "paged_items", "paged_prefill_attention", "prefill_tile",
            "qkv_rope_write", "rms_norm", "rope"]

@@ -134,6 +134,18 @@ def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     return torch.bmm(probs, v).reshape(h, t, d).transpose(0, 1)
 
 
+def attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                 window: int | None, scale: float,
+                 softcap: float | None = None) -> torch.Tensor:
+    """`attention_masked` of query rows at positions `positions` [T] (long, on q's device)
+    over key slots 0..S-1 at positions equal to their slots: key j is visible to row t iff
+    j <= positions[t] and (window is None or positions[t] - j < window)."""
+    j = torch.arange(k.shape[1], device=k.device)
+    p = positions[:, None]
+    visible = (j <= p) if window is None else (j <= p) & (p - j < window)
+    return attention_masked(q, k, v, visible, scale, softcap)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     block_tables: torch.Tensor, ctx_lens: torch.Tensor, block_size: int,
                     scale: float, window: int | None = None,
@@ -166,11 +178,14 @@ def qkv_rope_write(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: i
                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                    offset: float, rope_scale: float, cos: torch.Tensor, sin: torch.Tensor,
                    traditional: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slots: torch.Tensor) -> torch.Tensor:
+                   slots: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     """From the fused projection qkv [N, (H + 2K) * D] to attention's inputs: q and k get the
     per-head RMSNorm (q_norm / k_norm [D], if given), the yarn/longrope pre-scale of their
-    first 2R features and RoPE (cos/sin [N|1, R], see `rope`); k and v are written to
+    first 2R features and RoPE (cos/sin [N|1, R], see `rope`; with `positions` [N] (long)
+    they are tables [P, R] and token t takes row positions[t]); k and v are written to
     k_cache / v_cache [K, S, D] at cache slots `slots` [N] (long). Returns q [N, H, D]."""
+    if positions is not None:
+        cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
     n = qkv.shape[0]
     q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], -1)
     q = q.reshape(n, n_heads, head_dim)

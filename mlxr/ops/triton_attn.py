@@ -12,6 +12,10 @@ get p = 0 exactly; a row with no visible key gives 0 (not NaN). Scores and the s
 (the reference rounds q*scale and q.k to q.dtype first, so for bf16 this kernel is the more
 exact of the two); p is rounded to v.dtype for the P.V dot as the reference does.
 
+`attention_at`: the same kernel with each query row's position instead of a mask (key slot j
+at position j; causal, optionally windowed): the decode graph's step builds no mask and the
+kernel loads none before a tile's K.
+
 The Triton interpreter (TRITON_INTERPRET=1) truncates fp32 -> bf16 casts; CUDA rounds to nearest.
 """
 
@@ -85,12 +89,16 @@ if HAVE_TRITON:
         return tl.sum(acc * w[:, None], axis=0) / tl.where(l_tot > 0.0, l_tot, 1.0)
 
     @triton.jit
-    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, pacc_ptr, pml_ptr,
-                           S, sq0, sq1, sk0, sk1, sv0, sv1, svis, qk_scale, inv_cap, cap2,
-                           T: tl.constexpr, REP: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                           TILES: tl.constexpr, NSPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
-                           SINGLE: tl.constexpr, DOT_F32: tl.constexpr):
+    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, pos_ptr, o_ptr, pacc_ptr, pml_ptr,
+                           S, sq0, sq1, sk0, sk1, sv0, sv1, svis, window, qk_scale, inv_cap,
+                           cap2, T: tl.constexpr, REP: tl.constexpr, H: tl.constexpr,
+                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_S: tl.constexpr, TILES: tl.constexpr, NSPLIT: tl.constexpr,
+                           SOFTCAP: tl.constexpr, SINGLE: tl.constexpr, DOT_F32: tl.constexpr,
+                           POS: tl.constexpr, WINDOW: tl.constexpr):
+        """POS: no mask in memory; query row t sits at position pos[t] and sees key slot j iff
+        j <= pos[t] (and pos[t] - j < window with WINDOW): the decode graph's visibility with
+        no mask to build per step, and no mask load before each tile's K."""
         g = tl.program_id(0)
         sp = tl.program_id(1)
         RT: tl.constexpr = REP * T
@@ -105,14 +113,23 @@ if HAVE_TRITON:
                     + d[None, :], mask=qm, other=0.0)
         kbase = k_ptr + g.to(tl.int64) * sk0
         vbase = v_ptr + g.to(tl.int64) * sv0
-        vrow = vis_ptr + t.to(tl.int64)[:, None] * svis
+        if POS:
+            qpos = tl.load(pos_ptr + t, mask=rmask, other=-1)[:, None]  # [BLOCK_M, 1]
+        else:
+            vrow = vis_ptr + t.to(tl.int64)[:, None] * svis
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for i in range(TILES):
             s_idx = (sp * TILES + i) * BLOCK_S + tl.arange(0, BLOCK_S)
             smask = s_idx < S
-            vis = tl.load(vrow + s_idx[None, :], mask=rmask[:, None] & smask[None, :], other=0) != 0
+            if POS:
+                vis = (s_idx[None, :] <= qpos) & smask[None, :]
+                if WINDOW:
+                    vis = vis & (qpos - s_idx[None, :] < window)
+            else:
+                vis = tl.load(vrow + s_idx[None, :], mask=rmask[:, None] & smask[None, :],
+                              other=0) != 0
             if tl.max(tl.max(vis.to(tl.int32), axis=1), axis=0) > 0:
                 kv_off = s_idx.to(tl.int64)[:, None]
                 # keys no row sees are not read (0): stale NaN/inf there cannot leak via 0 * v
@@ -156,65 +173,6 @@ if HAVE_TRITON:
                  mask=dmask)
 
 
-    @triton.jit
-    def _attn_row_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, pacc_ptr, pml_ptr, S, sq1, sk0,
-                         sk1, sv0, sv1, qk_scale, inv_cap, cap2, REP: tl.constexpr,
-                         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                         TILES: tl.constexpr, NSPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
-                         SINGLE: tl.constexpr):
-        """One query row (T = 1: decode) per program: grid (head, split). The split kernel's
-        math on CUDA cores instead of tl.dot: q.k and p.v as fp32 sums of exact products,
-        so K and V need no staging through shared memory for the mma and both are loaded
-        as soon as the tile's visibility is (masked: invisible keys are not read); no tile
-        skip, so no block-wide reduction before the loads. Partials in the split kernel's
-        layout (row = head % REP of kv head head // REP), for `_attn_combine_kernel`."""
-        hd = tl.program_id(0)
-        sp = tl.program_id(1)
-        g = hd // REP
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < D
-        q = tl.load(q_ptr + hd.to(tl.int64) * sq1 + d, mask=dmask, other=0.0).to(tl.float32)
-        kbase = k_ptr + g.to(tl.int64) * sk0
-        vbase = v_ptr + g.to(tl.int64) * sv0
-        m_i = tl.full([], float("-inf"), tl.float32)
-        l_i = tl.full([], 0.0, tl.float32)
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        for i in range(TILES):
-            s_idx = (sp * TILES + i) * BLOCK_S + tl.arange(0, BLOCK_S)
-            vis = tl.load(vis_ptr + s_idx, mask=s_idx < S, other=0) != 0
-            kv_off = s_idx.to(tl.int64)[:, None]
-            km = vis[:, None] & dmask[None, :]  # invisible keys are not read (stale NaN)
-            k = tl.load(kbase + kv_off * sk1 + d[None, :], mask=km, other=0.0)
-            v = tl.load(vbase + kv_off * sv1 + d[None, :], mask=km, other=0.0)
-            sc = _score_scale(tl.sum(k.to(tl.float32) * q[None, :], axis=1), qk_scale,
-                              inv_cap, cap2, SOFTCAP)
-            sc = tl.where(vis, sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(sc - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            pv = p.to(v.dtype).to(tl.float32)  # rounded as the reference rounds p
-            acc = acc * alpha + tl.sum(pv[:, None] * v.to(tl.float32), axis=0)
-            m_i = m_new
-        if SINGLE:
-            out = acc / tl.where(l_i > 0.0, l_i, 1.0)
-            tl.store(o_ptr + hd.to(tl.int64) * D + d, out.to(o_ptr.dtype.element_ty),
-                     mask=dmask)
-        else:
-            prow = (g * NSPLIT + sp).to(tl.int64) * REP + hd % REP
-            tl.store(pacc_ptr + prow * D + d, acc, mask=dmask)
-            tl.store(pml_ptr + prow * 2, m_i)
-            tl.store(pml_ptr + prow * 2 + 1, l_i)
-
-
-def row_kernel_on() -> bool:
-    """Env `MLXR_ATTN_ROWS=1` (read at each call: a decode graph's capture) sends one-token
-    attention to `_attn_row_kernel` (CUDA-core dots, a program per head) instead of the split
-    kernel's tl.dot over each kv head's rows. Opt-in until measured on the GPU."""
-    return os.environ.get("MLXR_ATTN_ROWS") == "1"
-
-
 def attention_masked(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float,
                      softcap: float | None = None) -> Tensor:
     return attention_masked_split(q, k, v, visible, scale, softcap)
@@ -250,11 +208,21 @@ def attn_splits(s: int, kh: int, mblocks: int) -> int:
     return max(1, -(-target // (kh * mblocks)))
 
 
-def attention_masked_split(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float,
-                           softcap: float | None = None, block_s: int | None = None,
-                           splits: int | None = None, rows: bool | None = None) -> Tensor:
-    """attention_masked with the launch policy exposed (tests force split / single pass, and
-    rows: one token's attention by `_attn_row_kernel`, default `row_kernel_on()`)."""
+def attention_at(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, window: int | None,
+                 scale: float, softcap: float | None = None) -> Tensor:
+    """`reference.attention_at`: query row t at position positions[t] (device long [T]) over
+    key slots whose positions are their indices; the visibility is computed in the kernel."""
+    return attention_masked_split(q, k, v, None, scale, softcap, positions=positions,
+                                  window=window)
+
+
+def attention_masked_split(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None,
+                           scale: float, softcap: float | None = None,
+                           block_s: int | None = None, splits: int | None = None,
+                           positions: Tensor | None = None,
+                           window: int | None = None) -> Tensor:
+    """attention_masked with the launch policy exposed (tests force split / single pass), or
+    with `positions` (and `window`) instead of `visible`: `attention_at`."""
     t, h, d = q.shape
     kh, s, _ = k.shape
     rep = h // kh
@@ -264,9 +232,18 @@ def attention_masked_split(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, sca
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    vis = visible if visible.stride(-1) == 1 else visible.contiguous()
-    vis = vis.view(torch.uint8) if vis.dtype == torch.bool else (vis != 0).view(torch.uint8)
-    svis = 0 if vis.dim() == 1 or vis.shape[0] == 1 else vis.stride(0)
+    if positions is not None:
+        if positions.shape != (t,) or positions.dtype != torch.int64 or (
+                window is not None and window < 1):
+            raise ValueError(f"attention_at: positions {tuple(positions.shape)} "
+                             f"{positions.dtype} for {t} rows, window {window}")
+        pos = vis = positions.contiguous()
+        svis = 0
+    else:
+        vis = visible if visible.stride(-1) == 1 else visible.contiguous()
+        vis = vis.view(torch.uint8) if vis.dtype == torch.bool else (vis != 0).view(torch.uint8)
+        svis = 0 if vis.dim() == 1 or vis.shape[0] == 1 else vis.stride(0)
+        pos, window = vis, None  # unused
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     rt = rep * t
     block_m = min(ATTN_MAX_BLOCK_M, max(16, _p2(rt)))
@@ -287,19 +264,12 @@ def attention_masked_split(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, sca
         pml = torch.empty((kh * nsplit * rt, 2), dtype=torch.float32, device=q.device)
     qk_scale, inv_cap, cap2 = score_consts(scale, softcap)
     dot_f32 = q.dtype == torch.float32 or _interpret()
-    if t == 1 and (row_kernel_on() if rows is None else rows):
-        _attn_row_kernel[(h, nsplit)](
-            q, k, v, vis, out, pacc, pml, s, q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), qk_scale, inv_cap, cap2, REP=rep, D=d, BLOCK_D=block_d,
-            BLOCK_S=block_s, TILES=per, NSPLIT=nsplit, SOFTCAP=softcap is not None,
-            SINGLE=single, num_warps=8)  # 8: 40 registers, the K loads without staging (SASS)
-    else:
-        _attn_split_kernel[(kh, nsplit, mblocks)](
-            q, k, v, vis, out, pacc, pml, s, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), v.stride(0), v.stride(1), svis, qk_scale, inv_cap, cap2, T=t, REP=rep,
-            H=h, D=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=block_s, TILES=per,
-            NSPLIT=nsplit, SOFTCAP=softcap is not None, SINGLE=single, DOT_F32=dot_f32,
-            num_warps=4)
+    _attn_split_kernel[(kh, nsplit, mblocks)](
+        q, k, v, vis, pos, out, pacc, pml, s, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), svis, window or 0, qk_scale, inv_cap, cap2,
+        T=t, REP=rep, H=h, D=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=block_s, TILES=per,
+        NSPLIT=nsplit, SOFTCAP=softcap is not None, SINGLE=single, DOT_F32=dot_f32,
+        POS=positions is not None, WINDOW=window is not None, num_warps=4)
     if not single:
         _attn_combine_kernel[(kh * rt,)](
             pacc, pml, out, T=t, REP=rep, H=h, D=d, NSPLIT=nsplit, BLOCK_N=_p2(nsplit),

@@ -10,8 +10,11 @@
   optional per-head RMSNorm (rounded like rms_norm), the optional yarn/longrope pre-scale of
   the 2R rotated features (rounded to the dtype, as `x * scale` is), RoPE in fp32 (rounded
   once) and stores q [N, H, D]; a kv program does the same for its k head, writes it to
-  k_cache[g, slots[t]] and copies the v head to v_cache[g, slots[t]]. Norm weights, q and the
-  caches share qkv's dtype (what `index_copy_` in the reference composition requires).
+  k_cache[g, slots[t]] and copies the v head to v_cache[g, slots[t]]. With `positions`, cos
+  and sin are whole tables and token t reads row positions[t] (the decode graphs' positions
+  live on the device: the gather is a load in this kernel, not two index_select launches).
+  Norm weights, q and the caches share qkv's dtype (what `index_copy_` in the reference
+  composition requires).
 
 The Triton interpreter (TRITON_INTERPRET=1) truncates fp32 -> bf16 casts; CUDA rounds to nearest.
 """
@@ -82,13 +85,16 @@ def _norm_rope(x_row, w_ptr, c, s, lo, hi, p, im, pm, eps, offset, scale, D: tl.
 
 
 @triton.jit
-def _qkv_rope_write_kernel(qkv_ptr, qw_ptr, kw_ptr, c_ptr, s_ptr, slot_ptr, q_ptr, kc_ptr,
-                           vc_ptr, sx0, sc0, skc0, skc1, svc0, svc1, eps, offset, scale,
+def _qkv_rope_write_kernel(qkv_ptr, qw_ptr, kw_ptr, c_ptr, s_ptr, slot_ptr, pos_ptr, q_ptr,
+                           kc_ptr, vc_ptr, sx0, sc0, skc0, skc1, svc0, svc1, eps, offset, scale,
                            H: tl.constexpr, K: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
                            TRAD: tl.constexpr, HAS_NORM: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                           HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+                           HAS_SCALE: tl.constexpr, GATHER: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
+    crow = t  # the cos / sin row of token t: its own, or (GATHER) its position's in the tables
+    if GATHER:
+        crow = tl.load(pos_ptr + t).to(tl.int64)
     j = tl.program_id(1)  # q head j < H, else kv head j - H
     i = tl.arange(0, BLOCK_R)
     im = i < R
@@ -100,8 +106,8 @@ def _qkv_rope_write_kernel(qkv_ptr, qw_ptr, kw_ptr, c_ptr, s_ptr, slot_ptr, q_pt
         hi = i + R
     p = 2 * R + tl.arange(0, BLOCK_P)  # unrotated tail (partial rotary), may be empty
     pm = p < D
-    c = tl.load(c_ptr + t * sc0 + i, mask=im, other=0.0)
-    s = tl.load(s_ptr + t * sc0 + i, mask=im, other=0.0)
+    c = tl.load(c_ptr + crow * sc0 + i, mask=im, other=0.0)
+    s = tl.load(s_ptr + crow * sc0 + i, mask=im, other=0.0)
     x_row = qkv_ptr + t * sx0 + j * D
     if j < H:
         o1, o2, ot = _norm_rope(x_row, qw_ptr, c, s, lo, hi, p, im, pm, eps, offset, scale,
@@ -149,7 +155,8 @@ def add_rms_norm(h: Tensor, r: Tensor, weight: Tensor, eps: float,
 def qkv_rope_write(qkv: Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
                    q_norm: Tensor | None, k_norm: Tensor | None, eps: float, offset: float,
                    rope_scale: float, cos: Tensor, sin: Tensor, traditional: bool,
-                   k_cache: Tensor, v_cache: Tensor, slots: Tensor) -> Tensor:
+                   k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+                   positions: Tensor | None = None) -> Tensor:
     n = qkv.shape[0]
     h, kh, d, r = n_heads, n_kv_heads, head_dim, cos.shape[-1]
     assert qkv.shape[1] == (h + 2 * kh) * d and 2 * r <= d, (qkv.shape, h, kh, d, r)
@@ -164,16 +171,19 @@ def qkv_rope_write(qkv: Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
         qkv = qkv.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    sc0 = 0 if cos.shape[0] == 1 else cos.stride(0)
+    gather = positions is not None
+    sc0 = 0 if cos.shape[0] == 1 and not gather else cos.stride(0)
     q = torch.empty((n, h, d), dtype=qkv.dtype, device=qkv.device)
     if n == 0:
         return q
+    slots = slots.contiguous()
     _qkv_rope_write_kernel[(n, h + kh)](
-        qkv, qw, kw, cos, sin, slots.contiguous(), q, k_cache, v_cache, qkv.stride(0), sc0,
+        qkv, qw, kw, cos, sin, slots, positions.contiguous() if gather else slots, q, k_cache,
+        v_cache, qkv.stride(0), sc0,
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), float(eps),
         float(offset), float(rope_scale), H=h, K=kh, D=d, R=r, TRAD=bool(traditional),
         HAS_NORM=has_norm, HAS_OFFSET=has_norm and bool(offset), HAS_SCALE=rope_scale != 1.0,
-        BLOCK_R=_p2(r), BLOCK_P=_p2(max(1, d - 2 * r)), BLOCK_D=_p2(d),
+        GATHER=gather, BLOCK_R=_p2(r), BLOCK_P=_p2(max(1, d - 2 * r)), BLOCK_D=_p2(d),
         num_warps=_warps(_p2(d)))
     return q
 
