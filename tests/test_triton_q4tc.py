@@ -157,6 +157,13 @@ def test_default_config_one_row_launches(monkeypatch):
     # K < 8192 (the 0.6B down) and K < 4096 (the 0.6B head) are unchanged
     assert T.default_config(1024, 3072) == T.TcConfig(rt=1, u=1, num_warps=16, pf=1)
     assert T.default_config(151936, 1024) == T.TcConfig(rt=2, u=1, num_warps=4, pf=2)
+    # the fp8 copy at one row: the 8B qkv / o / down; its gate_up, head and 0.6B unchanged
+    fp8 = T.TcConfig(rt=1, u=1, num_warps=8, pf=2, unroll=2)
+    assert [T.default_config(n, k, 1, True) for n, k in ((6144, 4096), (4096, 4096), down)] == [
+        fp8] * 3
+    assert T.default_config(*down, 2, True) == T.default_config(*down, 2)
+    for n, k in ((28672, 4096), head, (4096, 1024), (1024, 3072)):
+        assert T.default_config(n, k, 1, True) == T.default_config(n, k)
 
 
 def test_glu_rows_and_order():

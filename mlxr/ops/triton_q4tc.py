@@ -333,7 +333,7 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
     if act is not None and act not in ACTS:
         raise ValueError(f"q4tc: unknown activation {act!r}")
     m = xm.shape[0]
-    cfg = config or default_config(n, k, m)
+    cfg = config or default_config(n, k, m, fp8)
     while config is None and (kx // 64) % (cfg.wt // 128) and cfg.num_warps > 1:
         cfg = dataclasses.replace(cfg, num_warps=cfg.num_warps // 2)  # planes of odd K/512
     if (kx // 64) % (cfg.wt // 128):  # (an iteration stays inside one plane)

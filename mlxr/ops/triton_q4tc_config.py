@@ -49,7 +49,7 @@ def supported(group: int, n: int, k: int, dtype: torch.dtype, fp4: bool = False,
             and dtype in ((torch.bfloat16,) if fp4 else (torch.bfloat16, torch.float16)))
 
 
-def default_config(n: int, k: int, m: int = 1) -> TcConfig:
+def default_config(n: int, k: int, m: int = 1, fp8: bool = False) -> TcConfig:
     """The H200 sweeps' winners (benchmarks/q4tc_probe.py, docs/perf.md, 8B / 0.6B shapes)
     for m rows of x: LM heads 4 (K >= 4096) or 2 row tiles per program, 4 warps, two word
     tiles in flight, and for one row with K >= 4096 2 row tiles, 8 warps, two tiles, the K
@@ -59,13 +59,18 @@ def default_config(n: int, k: int, m: int = 1) -> TcConfig:
     per SM; 8B down 16.3 vs 17.0 us with 8 warps and TMA, o 6.1 vs 7.8), and for one row
     with K >= 8192 (8B down) two tiles in flight, unrolled twice (15.2 vs 16.7 us); the rest
     1 row tile, 8 warps, two tiles in flight. The one-row launches were measured for one
-    row only, so several rows keep the others. Env
+    row only, so several rows keep the others. The fp8 copy (twice 4-bit's bytes per code)
+    at one row, K >= 4096, N < 16384 (8B qkv, o, down): 1 row tile, 8 warps, two tiles in
+    flight, unrolled twice (mxfp8 sweep: qkv 10.6 vs 11.3, o 8.4 vs 9.2, down 23.0 vs
+    23.6 us). Env
     MLXR_Q4TC_STAGES=S sets S TMA stages (0: none) for every shape, for A/B runs.
     Blocks per iteration (num_warps * u) divide K / 64 (K is a multiple of 512)."""
     if _interpret():  # the interpreter runs programs one by one: few, large ones keep CI fast
         return TcConfig(rt=1 << max(0, min(8, n // 16).bit_length() - 1), u=1, num_warps=4)
     env = os.environ.get("MLXR_Q4TC_STAGES")  # an A/B switch: this many TMA stages for all
-    if n >= 65536 and k >= 4096 and m == 1:
+    if fp8 and m == 1 and k >= 4096 and n < 16384:
+        cfg = TcConfig(rt=1, u=1, num_warps=8, pf=2, unroll=2)
+    elif n >= 65536 and k >= 4096 and m == 1:
         cfg = TcConfig(rt=2, u=1, num_warps=8, pf=2, unroll=2)
     elif n >= 65536:
         cfg = TcConfig(rt=4 if k >= 4096 else 2, u=1, num_warps=4, pf=2)
