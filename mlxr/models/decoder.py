@@ -244,6 +244,7 @@ class Decoder:
         = pos + 1; tables: rope spec id -> (cos, sin) [positions, R]. Returns logits
         float32 [B, V]."""
         c = self.config
+
         def attend(i: int, q):
             return ops.paged_attention(q, pool.k[i], pool.v[i], block_tables, ctx_lens,
                                        pool.block_size, c.attn_scale, c.layer_window[i],
