@@ -410,10 +410,18 @@ def test_fp4_decodes_through_its_fp4_copy(mode, monkeypatch):
     # from it, the same results and codes as with the words
     dropped = weight()
     dropped.tc, dropped.q4_sb, dropped.tc_gs = qcopies.fp4_tc_pack(dropped)
-    assert dropped.drop_words() == w.nbytes and dropped.words_dropped
-    x20 = torch.randn(20, k, generator=g).to(torch.bfloat16)
+    _dropped_matches_kept(dropped, qw, w.nbytes, x, g)
+
+
+def _dropped_matches_kept(dropped, qw, nbytes: int, x, g) -> None:
+    """A weight whose words are dropped for its copy frees their bytes, and decodes (x's first
+    row) and prefills (20 fresh rows, by `dequant_copy`) as `qw` with its words does, with the
+    same codes."""
+    assert dropped.drop_words() == nbytes and dropped.words_dropped
+    x20 = torch.randn(20, x.shape[1], generator=g).to(torch.bfloat16)
     for xs in (x[:1], x20):
         assert torch.equal(qcuda.linear(dropped, xs), qcuda.linear(qw, xs))
+    n = qw.out_features
     assert torch.equal(dropped.row_codes(slice(0, n)), qw.row_codes(slice(0, n)))
 
 
@@ -461,11 +469,7 @@ def test_fp8_decodes_through_its_fp8_copy(monkeypatch):
     assert qcopies.fp8_tc_pack(weight(scales=nan)) is None
     dropped = weight()
     dropped.tc, dropped.q4_sb = qcopies.fp8_tc_pack(dropped)
-    assert dropped.drop_words() == w.nbytes and dropped.words_dropped
-    x20 = torch.randn(20, k, generator=g).to(torch.bfloat16)
-    for xs in (x[:1], x20):
-        assert torch.equal(qcuda.linear(dropped, xs), qcuda.linear(qw, xs))
-    assert torch.equal(dropped.row_codes(slice(0, n)), qw.row_codes(slice(0, n)))
+    _dropped_matches_kept(dropped, qw, w.nbytes, x, g)
 
 
 def test_fp_words_go_as_affine_words_go(monkeypatch):
