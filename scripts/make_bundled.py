@@ -2,8 +2,8 @@
 
     python scripts/make_bundled.py [ASSET_DIR]
 
-ASSET_DIR holds stories260K.bin, tok512.bin and LLAMA2C-LICENSE (default:
-<repo>/../shared/assets/models/stories260K). Writes:
+ASSET_DIR holds stories260K.bin, tok512.bin and LLAMA2C-LICENSE (default: the repository's own
+copy, tests/assets/models/stories260K). Writes:
 
   mlxr/bundled/stories260K/         fp32 HF llama directory (mlxr.convert.llama2c)
   mlxr/bundled/stories260K-<N>bit/  an MLX-quantized variant made with mlx-lm's own code
@@ -159,7 +159,7 @@ def make_quantized(fp32_dir: Path, bits: int, group_size: int, keep_embed: bool,
 
 
 def main(argv: list[str]) -> int:
-    src = Path(argv[1]) if len(argv) > 1 else ROOT.parent / "shared/assets/models/stories260K"
+    src = Path(argv[1]) if len(argv) > 1 else ROOT / "tests/assets/models/stories260K"
     digests = check_sources(src)
 
     fp32 = BUNDLED / FP32_NAME

@@ -1,10 +1,14 @@
 """Shared test fixtures.
 
-The project's test assets (real tokenizers, chat templates, stories260K) live in `shared/` beside
-the repository checkout, both for developers and in CI.
+The project's test assets (real tokenizers, chat templates, stories260K) live in `tests/assets`,
+with their provenance and licences in `tests/assets/MANIFEST.md`. Tests reach them only through
+the `assets` fixture; nothing outside the repository is read (a fresh clone passes on its own).
 """
 
+import gzip
 import os
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,11 +36,48 @@ def pytest_collection_modifyitems(config, items):
 
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
-ASSETS = SHARED / "assets"
+ASSETS = ROOT / "tests" / "assets"
+# Where the assets lived before they moved into the repository. Opening anything below it fails
+# the test, so a test that reads outside the repository cannot pass here and fail on a fresh clone.
+CLOSED = ROOT.parent / "shared"
+_CLOSED_ROOTS = tuple({str(CLOSED), os.path.realpath(CLOSED)})
+
+
+def _refuse_closed(event: str, args: tuple) -> None:
+    if event not in ("open", "os.listdir", "os.scandir") or not args:
+        return
+    if not isinstance(args[0], (str, bytes, os.PathLike)):
+        return  # a file descriptor
+    path = os.path.abspath(os.fsdecode(args[0]))
+    for root in _CLOSED_ROOTS:
+        if path == root or path.startswith(root + os.sep):
+            raise PermissionError(
+                f"{path}: tests read nothing outside the repository; use the `assets` fixture "
+                "(tests/assets, listed in tests/assets/MANIFEST.md)"
+            )
+
+
+sys.addaudithook(_refuse_closed)
+
+
+def unpacked_copy(src: Path, dst: Path) -> Path:
+    """Copy the asset tree `src` to `dst`, also writing each `X.gz` unpacked as `X`: big text
+    assets are stored gzipped, tests see them under their upstream names. A copy, so that no
+    test can change the repository's files through the fixture."""
+    for path in sorted(src.rglob("*")):
+        if not path.is_file():
+            continue
+        out = dst / path.relative_to(src)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, out)
+        if path.suffix == ".gz":
+            with gzip.open(path, "rb") as packed, open(out.with_suffix(""), "wb") as plain:
+                shutil.copyfileobj(packed, plain)
+    return dst
 
 
 @pytest.fixture(scope="session")
-def assets() -> Path:
-    assert ASSETS.is_dir(), f"test assets not found at {ASSETS} (shared/ must sit beside the repo)"
-    return ASSETS
+def assets(tmp_path_factory) -> Path:
+    """The test assets (tests/assets, gzipped files unpacked): the only way tests reach them."""
+    assert ASSETS.is_dir(), f"test assets not found at {ASSETS}"
+    return unpacked_copy(ASSETS, tmp_path_factory.mktemp("assets"))
