@@ -20,8 +20,8 @@ ROW = re.compile(
     r"`(?P<sha>[0-9a-f]{64})` \|"
 )
 # A path into the folder beside the checkout where the assets used to live ("../shared",
-# ROOT.parent / "shared", ...), or an absolute path of one machine.
-OUTSIDE_PATH = re.compile(r"""(["'/\\])shared(["'/\\])|["']/work/""")
+# ROOT.parent / "shared", ...).
+OUTSIDE_PATH = re.compile(r"""(["'/\\])shared(["'/\\])""")
 
 
 def manifest_rows() -> dict[str, dict[str, str]]:
