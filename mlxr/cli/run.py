@@ -78,8 +78,9 @@ class Session:
         msgs += self.history + [{"role": "user", "content": text}]
         return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
 
-    def answer(self, text: str, out=sys.stdout) -> str:
+    def answer(self, text: str) -> str:
         """Stream the answer to `text`; Ctrl-C stops it early (kept in the history so far)."""
+        out = sys.stdout
         pieces, stats = [], None
         try:
             ids = self.prompt_ids(text)

@@ -34,7 +34,7 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", help="model directory, bundled name, alias or pulled Hub "
                    "name (default: the bundled model)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; "
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1; "
                    "anything but loopback requires --api-key)")
     p.add_argument("--port", type=_port, default=8080, help="TCP port to listen on, 1..65535")
     p.add_argument("--api-key", default=os.environ.get("MLXR_API_KEY"),
@@ -55,7 +55,7 @@ def register(sub) -> None:
                    "running streams, then one step more per 64)")
     p.add_argument("--engine-process", choices=["auto", "on", "off"], default="auto",
                    help="run the engine in its own process, so that the HTTP work and the "
-                   "engine's Python do not share one GIL (default auto: on with CUDA)")
+                   "engine's Python do not share one GIL (default: auto, on with CUDA)")
     p.add_argument("--max-connections", type=_positive_int, default=256,
                    help="concurrent client connections (more are answered 503)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=4 << 20,
