@@ -441,7 +441,7 @@ def test_pull_and_rm_by_commit(hub, tmp_path, capsys):
     root = cache(tmp_path) / "models--mlxr-test--stories260K"
     assert not (root / "refs" / "main").exists()  # a commit is not a ref
     rc, out, _ = run(capsys, "list")
-    assert out.splitlines()[1].split()[0] == f"{NAME}@{repo.sha[:12]}"
+    assert out.splitlines()[1 + len(BUNDLED_NAMES)].split()[0] == f"{NAME}@{repo.sha[:12]}"
     assert resolve_model(f"{NAME}@{repo.sha}") == root / "snapshots" / repo.sha
     rc, _, err = run(capsys, "rm", "--yes", f"{NAME}@{repo.sha}")
     assert rc == 0, err
