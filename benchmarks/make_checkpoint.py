@@ -6,7 +6,8 @@ benchmark numbers without downloading a model.
     python benchmarks/make_checkpoint.py qwen3-0.6b OUT_DIR --tokenizer TOKENIZER_DIR
 
 `--tokenizer` copies a real tokenizer's files (e.g. Qwen3's vocab.json, merges.txt,
-tokenizer_config.json) next to the weights, for benchmarks that need text (the server).
+tokenizer_config.json; any model folder works, only its tokenizer files are taken) next to the
+weights, for benchmarks that need text (the server).
 
 The files are exactly what mlx-lm writes (uint32 packed codes, bf16 scales and biases, the same
 tensor names and config keys), filled with random codes and scales chosen so activations stay
@@ -18,10 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from fnmatch import fnmatch
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from mlxr.errors import TokenizerError
+from mlxr.tokenizer import TOKENIZER_FILES, check_tokenizer_files
 
 SHAPES = {
     "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28,
@@ -119,6 +124,17 @@ def write(name: str, out_dir: Path, bits: int, group: int, mode: str, seed: int 
     return out_dir
 
 
+def copy_tokenizer(src: Path, out_dir: Path) -> list[str]:
+    """Copy the tokenizer files of folder `src` (a tokenizer or a whole model folder: its
+    config and weights stay behind) into `out_dir`; returns the names copied."""
+    check_tokenizer_files(src)
+    names = sorted(f.name for f in src.iterdir()
+                   if f.is_file() and any(fnmatch(f.name, pat) for pat in TOKENIZER_FILES))
+    for name in names:
+        shutil.copy(src / name, out_dir / name)
+    return names
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("shape", choices=sorted(SHAPES))
@@ -126,13 +142,17 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--mode", default="affine", choices=["affine", *FP_MODES])
-    ap.add_argument("--tokenizer", type=Path, help="copy this directory's tokenizer files in")
+    ap.add_argument("--tokenizer", type=Path,
+                    help="copy this folder's tokenizer files (not its weights or config) in")
     a = ap.parse_args()
+    if a.tokenizer:
+        try:
+            check_tokenizer_files(a.tokenizer)  # before minutes of writing weights
+        except TokenizerError as e:
+            raise SystemExit(f"error: {e}") from None
     out = write(a.shape, a.out, a.bits, a.group_size, a.mode)
     if a.tokenizer:
-        for f in a.tokenizer.iterdir():
-            if f.name != "config.json" and f.is_file():
-                shutil.copy(f, out / f.name)
+        copy_tokenizer(a.tokenizer, out)
     print(out)
 
 

@@ -19,3 +19,11 @@ class TokenizerError(MlxrError):
 
 class ContextLengthError(MlxrError):
     """A prompt (plus the requested tokens) does not fit the model's context."""
+
+
+class NotDownloadedError(MlxrError):
+    """A Hub model (or alias) is not in the local cache; `mlxr pull NAME` would fetch it."""
+
+    def __init__(self, message: str, name: str):
+        super().__init__(message)
+        self.name = name

@@ -19,6 +19,7 @@ import hashlib
 import os
 import re
 import shutil
+import socket
 import sys
 from dataclasses import dataclass
 from fnmatch import fnmatch
@@ -26,6 +27,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from .errors import MlxrError, ModelFormatError
+from .names import expand_alias
 from .store import explain_unsupported, hub_cache, human, local_snapshot, repo_dir
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -51,6 +53,22 @@ def offline() -> bool:
 
     v = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
     return v.upper() in {"1", "ON", "YES", "TRUE"} or constants.is_offline_mode()
+
+
+def check_reachable(timeout: float = 3.0) -> None:
+    """Fail fast, in one line, when the Hub's host cannot be reached at all (no network, no DNS,
+    nothing listening): huggingface_hub retries connection errors five times with backoff, ~25 s
+    of waiting before the same answer. Skipped behind a proxy, which does the connecting."""
+    proxies = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY")
+    if any(os.environ.get(k) or os.environ.get(k.lower()) for k in proxies):
+        return
+    url = urlparse(endpoint())
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+    except OSError as e:
+        raise MlxrError(f"cannot reach the Hugging Face Hub at {endpoint()} ({e}); check the "
+                        "connection, or set HF_HUB_OFFLINE=1 to use cached models only") from None
 
 
 def wanted(filename: str) -> bool:
@@ -222,7 +240,8 @@ def _fetch(repo_id: str, commit: str, filename: str, sha256: str | None, name: s
 
 
 def pull(name: str, *, show_progress: bool = True, log=None) -> PullResult:
-    """Download (or complete) model `ORG/REPO[@REV]` into the HF cache, verify and validate it."""
+    """Download (or complete) model `ORG/REPO[@REV]` (or an alias, see mlxr.names) into the HF
+    cache, verify and validate it."""
     from huggingface_hub import HfApi
 
     from .config import SUPPORTED
@@ -233,6 +252,7 @@ def pull(name: str, *, show_progress: bool = True, log=None) -> PullResult:
 
         def log(msg):  # above the progress bars
             hf_tqdm.write(msg, file=sys.stderr)
+    name = expand_alias(name)
     parsed = parse_name(name)
     if parsed is None:
         raise MlxrError(f"{name!r} is not a Hub model name (ORG/REPO[@REVISION])")
@@ -245,6 +265,7 @@ def pull(name: str, *, show_progress: bool = True, log=None) -> PullResult:
         log(f"{name}: HF_HUB_OFFLINE is set; using the cached copy (not checked for updates)")
         return _finish(name, snap, [], log)
 
+    check_reachable()
     try:
         info = HfApi(endpoint=endpoint()).model_info(repo_id, revision=revision,
                                                      files_metadata=True)
@@ -358,6 +379,7 @@ def search(query: str, *, limit: int = 20, author: str | None = None) -> list[Se
     if offline():
         raise MlxrError("HF_HUB_OFFLINE is set: search needs the Hub (see `mlxr list` for "
                         "local models)")
+    check_reachable()
     try:
         models = list(HfApi(endpoint=endpoint()).list_models(
             search=query or None, filter="mlx", pipeline_tag="text-generation", author=author,

@@ -14,15 +14,27 @@ from .errors import MlxrError, ModelFormatError
 from .engine.kv_cache import new_cache
 from .generate import Chunk, check_prompt, stream_generate
 from .models.loader import build_decoder, check_checkpoint
+from .names import resolve_model
 from .sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _pick_device(device) -> torch.device:
+def _pick_device(device: str | torch.device | None) -> torch.device:
+    """None -> CUDA when available, else the CPU; a CUDA device without a usable GPU (a CPU-only
+    torch build, or no driver/GPU) is refused in one line instead of failing inside torch."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise MlxrError(f"device {device!r}: not a device (use 'cpu' or 'cuda')") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        why = ("this torch is a CPU-only build" if torch.version.cuda is None
+               else "no CUDA GPU or driver is visible")
+        raise MlxrError(f"device {str(device)!r}: CUDA is not available ({why}, torch "
+                        f"{torch.__version__}): use the CPU (--device cpu)")
+    return dev
 
 
 class Model:
@@ -116,7 +128,8 @@ class Model:
 
 def load(path: str | Path, device: str | torch.device | None = None,
          dtype: str | torch.dtype | None = None, weights: bool = True) -> Model:
-    """Load an MLX / HF model directory.
+    """Load a model: a directory, or a name as the CLI takes it (a bundled model such as
+    "stories260K", an alias such as "qwen3", or a pulled Hub name ORG/REPO; see mlxr.names).
 
     device: "cpu", "cuda" or None (CUDA when available). dtype: "float32" computes everything in
     float32 with the quantized codes untouched (the exact mode tests use); the default is
@@ -124,9 +137,7 @@ def load(path: str | Path, device: str | torch.device | None = None,
     generation_config.json only (the tokenizer loads on first use): no decoder is built and the
     safetensors are not opened -- what a server process needs whose engine runs elsewhere.
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise ModelFormatError(f"{path}: not a directory")
+    path = resolve_model(path)
     dev = _pick_device(device)
     if dtype is None:
         dt = torch.bfloat16
@@ -147,10 +158,9 @@ def load(path: str | Path, device: str | torch.device | None = None,
 
 def validate(path: str | Path) -> ModelConfig:
     """Check a model directory (config, every safetensors header, every tensor's name, shape and
-    dtype against the config) without reading weight data. Returns the parsed config."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ModelFormatError(f"{path}: not a directory")
+    dtype against the config) without reading weight data. Returns the parsed config. `path` is
+    a directory or a model name, as for `load`."""
+    path = resolve_model(path)
     config, _ = load_config(path)
     with open_checkpoint(path) as ckpt:
         check_checkpoint(ckpt, config)

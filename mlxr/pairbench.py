@@ -274,13 +274,16 @@ def add_pair_args(p) -> None:
             help=f"environment variable for the {who} process (repeatable)")
         add(f"--{s}-path", default=None,
             help=f"mlxr checkout (repo root) the {who} imports (default: this one)")
-        add(f"--{s}-python", default=None, help=f"interpreter for the {who}")
+        add(f"--{s}-python", default=None, help=f"interpreter for the {who} (default: this one)")
         add(f"--{s}-args", default="",
             help=f"extra worker args for the {who}, e.g. '--device cpu --dtype float32 "
                  "--threads 4'")
-    add("--floor", type=float, default=0.95, help="floor for both phases")
-    add("--prefill-floor", type=float, default=None)
-    add("--decode-floor", type=float, default=None)
+    add("--floor", type=float, default=0.95,
+        help="lowest acceptable speedup B/A of both phases")
+    add("--prefill-floor", type=float, default=None,
+        help="lowest acceptable prefill speedup B/A (default: --floor)")
+    add("--decode-floor", type=float, default=None,
+        help="lowest acceptable decode speedup B/A (default: --floor)")
     add("--json", default=None, metavar="FILE",
         help="write the result as JSON ('-': print JSON instead of the table)")
 

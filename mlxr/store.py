@@ -176,6 +176,11 @@ def _summary(path: Path) -> tuple[str, str, str]:
     return arch, quant, "ok" if is_complete(path) else "incomplete"
 
 
+def local_model(name: str, path: Path) -> LocalModel:
+    """One model directory as `mlxr list` shows it."""
+    return LocalModel(name, path, dir_size(path), *_summary(path))
+
+
 def list_local(cache: Path | None = None) -> list[LocalModel]:
     """Every model snapshot in the cache with a config.json (other tools' repos included)."""
     cache = cache or hub_cache()
@@ -192,8 +197,7 @@ def list_local(cache: Path | None = None) -> list[LocalModel]:
                 continue
             names = refs.get(snap.name, [])
             rev = "" if "main" in names else "@" + (names[0] if names else snap.name[:12])
-            arch, quant, status = _summary(snap)
-            out.append(LocalModel(repo_id + rev, snap, dir_size(snap), arch, quant, status))
+            out.append(local_model(repo_id + rev, snap))
     return out
 
 

@@ -42,7 +42,17 @@ from mlxr.tokenizer_formats import (
     _token_content,
 )
 
-__all__ = ["StreamingDetokenizer", "Tokenizer", "load_chat_template", "load_tokenizer"]
+__all__ = ["TOKENIZER_FILES", "StreamingDetokenizer", "Tokenizer", "check_tokenizer_files",
+           "load_chat_template", "load_tokenizer"]
+
+# Every file a tokenizer (with its special tokens and chat template) may be read from: what to
+# copy to move a tokenizer between model folders (fnmatch patterns).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "merges.txt", "encoder.json", "vocab.bpe", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json", "*.tiktoken")
+# The vocabulary files load_tokenizer needs, one of these sets (in its order of preference).
+_VOCAB_SETS = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe"),
+               ("tokenizer.model",))
 
 # -------------------------------------------------------------------------------------------------
 
@@ -323,12 +333,27 @@ def load_chat_template(path: str | os.PathLike) -> str | dict[str, str] | None:
     return _read_chat_template(root, config)
 
 
+def check_tokenizer_files(path: str | os.PathLike) -> None:
+    """Raise TokenizerError naming the folder when it lacks the vocabulary files load_tokenizer
+    needs: a check of file names only, for callers to make before loading any weights."""
+    root = Path(path)
+    if not root.is_dir():
+        raise TokenizerError(f"{root}: tokenizer directory not found")
+    if not any(all((root / f).is_file() for f in files) for files in _VOCAB_SETS):
+        present = sorted(p.name for p in root.iterdir())
+        shown = ", ".join(present[:8]) + (f", ... ({len(present)} files)" if len(present) > 8
+                                          else "")
+        raise TokenizerError(
+            f"{root}: no tokenizer files (expected tokenizer.json, vocab.json + merges.txt, or "
+            f"tokenizer.model; found {shown or 'nothing'}): copy the tokenizer files of the "
+            "model it was made from into this folder")
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load the tokenizer of a model directory (see the module docstring for the supported
     files)."""
     root = Path(path)
-    if not root.is_dir():
-        raise TokenizerError(f"{root}: tokenizer directory not found")
+    check_tokenizer_files(root)
     config: dict = {}
     if (root / "tokenizer_config.json").is_file():
         config = _read_json(root / "tokenizer_config.json")
@@ -359,7 +384,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     elif (root / "encoder.json").is_file() and (root / "vocab.bpe").is_file():
         kind = "vocab.json"
         backend = _load_vocab_merges(root / "encoder.json", root / "vocab.bpe", config)
-    elif (root / "tokenizer.model").is_file():
+    else:  # tokenizer.model: check_tokenizer_files made sure one of the sets is present
         model_path = root / "tokenizer.model"
         try:
             is_tiktoken = _is_tiktoken_file(model_path)
@@ -376,13 +401,6 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
             backend, spm_added, defaults = _load_sentencepiece(model_path, config)
             special.update(defaults)
             default_bos = True
-    else:
-        present = sorted(p.name for p in root.iterdir())
-        raise TokenizerError(
-            f"{root}: no tokenizer files found (expected tokenizer.json, vocab.json + merges.txt, "
-            "or tokenizer.model;"
-            f" found {present})"
-        )
 
     # -- added tokens -----------------------------------------------------------------------------
     _add_tokens(backend, root, config, stmap, kind, special, spm_added, extra_specials)

@@ -119,6 +119,78 @@ def test_run_template_that_raises(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+def _greedy(prompt: str, n: int) -> str:
+    model = mlxr.load(STORY, device="cpu")
+    return "".join(c.text for c in model.stream(prompt, max_tokens=n, temperature=0))
+
+
+def test_api_loads_the_names_the_cli_takes():
+    assert mlxr.load("stories260K", device="cpu").path == STORY
+    assert mlxr.validate("stories260K-8bit").model_type == "llama"
+    with pytest.raises(mlxr.MlxrError, match="bundled model \\(stories260K, stories260K-8bit"):
+        mlxr.load("stories261K")
+
+
+def test_run_options_before_the_prompt():
+    r = run_cli("run", "stories260K", "--temp", "0", "--max", "12", "Once upon a time")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == _greedy("Once upon a time", 12)
+
+
+@pytest.mark.parametrize("args", [("-",), ("stories260K",), ()])
+def test_run_reads_a_piped_prompt_without_banner(args):
+    """`mlxr run -`, and a piped stdin without a prompt, answer the piped text once (its final
+    newline, echo's, dropped): no banner, no '>>>' in the output."""
+    r = run_cli("run", *args, "--temp", "0", "--max", "12", input="Once upon a time\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == _greedy("Once upon a time", 12)
+
+
+def test_run_checks_the_tokenizer_before_loading_weights(tmp_path):
+    """No tokenizer: one line naming the folder, before the weights are read (these are not even
+    valid: reading them first would fail on the safetensors header instead)."""
+    d = tmp_path / "no-tokenizer"
+    d.mkdir()
+    (d / "config.json").write_bytes((STORY / "config.json").read_bytes())
+    (d / "model.safetensors").write_bytes(b"\0" * 64)
+    r = run_cli("run", str(d), "hi")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert f"error: {d}: no tokenizer files (expected tokenizer.json" in r.stderr
+
+
+def test_show_and_set_speak_plainly(capsys):
+    from mlxr.cli.run import Session
+    from mlxr.sampling import SamplingParams
+
+    model = mlxr.load(STORY, device="cpu")
+    session = Session(model, model.sampling_params(SamplingParams(max_tokens=50, seed=3)),
+                      None, False)
+    session.command("/show")
+    out = capsys.readouterr().out
+    assert "SamplingParams(" not in out and "None" not in out
+    rows = dict(line.split(None, 1) for line in out.splitlines())
+    assert rows == {"temp": "0", "top_p": "off", "top_k": "off", "min_p": "off",
+                    "repeat_penalty": "off", "seed": "3", "max": "50", "system": "(none)"}
+    for line, want in [
+        ("/set temp abc", "error: /set temp: expected a number >= 0 (0 = greedy), got 'abc'"),
+        ("/set temp -1", "error: /set temp: expected a number >= 0 (0 = greedy), got '-1'"),
+        ("/set top_p 2", "error: /set top_p: expected a number in (0, 1] (1 = off), got '2'"),
+        ("/set top_k 1.5", "error: /set top_k: expected a whole number >= 0 (0 = off), got "
+         "'1.5'"),
+        ("/set max 0", "error: /set max: expected a whole number >= 1 (tokens per answer), got "
+         "'0'"),
+        ("/set temp 0.7", "Set temp to 0.7."),
+    ]:
+        session.command(line)
+        assert capsys.readouterr().out.strip() == want
+    session.command("/set system Be brief.")
+    capsys.readouterr()
+    session.command("/show")
+    rows = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
+    assert rows["temp"] == "0.7" and rows["system"] == "Be brief."
+
+
 pexpect = pytest.importorskip("pexpect")
 
 

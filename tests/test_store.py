@@ -24,6 +24,7 @@ STORIES = BUNDLED / "stories260K"
 NAME = "mlxr-test/stories260K"
 CHUNK = 1 << 16
 CUT = 4 * CHUNK + 1000  # the server cuts the weights file after this many bytes
+BUNDLED_NAMES = ["stories260K", "stories260K-8bit"]
 
 
 @pytest.fixture
@@ -266,7 +267,7 @@ def test_list_show_rm_roundtrip(hub, tiny_model, tmp_path, capsys):
     rc, out, _ = run(capsys, "list")
     assert rc == 0
     rows = {ln.split()[0]: ln for ln in out.splitlines()[1:]}
-    assert set(rows) == {name, NAME}
+    assert set(rows) == {name, NAME, *BUNDLED_NAMES}
     assert "qwen3" in rows[name] and "4-bit affine g64" in rows[name] and str(snap) in rows[name]
     assert "llama" in rows[NAME] and "none (float32)" in rows[NAME]
 
@@ -288,7 +289,7 @@ def test_list_show_rm_roundtrip(hub, tiny_model, tmp_path, capsys):
     with pytest.raises(MlxrError, match=f"run `mlxr pull {name}`"):
         resolve_model(name)
     rc, out, _ = run(capsys, "list")
-    assert [ln.split()[0] for ln in out.splitlines()[1:]] == [NAME]
+    assert [ln.split()[0] for ln in out.splitlines()[1:]] == [*BUNDLED_NAMES, NAME]
     rc, _, err = run(capsys, "rm", "-y", name)
     assert rc == 1 and "not downloaded" in err
 
@@ -302,6 +303,99 @@ def test_ensure_model(hub, capsys):
     assert ensure_model(None, allow_pull=False) == STORIES
     assert ensure_model("stories260K", allow_pull=False) == STORIES
     assert ensure_model(str(STORIES), allow_pull=False) == STORIES
+
+
+def test_list_shows_bundled_models(hub, capsys):
+    """The bundled models `run` takes by name are listed, with an empty cache too."""
+    rc, out, err = run(capsys, "list")
+    assert rc == 0
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines()[1:]}
+    assert list(rows) == BUNDLED_NAMES
+    assert rows["stories260K"][3:5] == ["llama", "none"] and "bundled" in rows["stories260K"]
+    assert "8-bit" in rows["stories260K-8bit"] and "bundled" in rows["stories260K-8bit"]
+    assert "no downloaded models" in err and "--aliases" in err
+
+
+# -- aliases --------------------------------------------------------------------------------------
+
+ALIAS_REPO = "mlx-community/Qwen3-0.6B-4bit"
+
+
+def test_alias_table_is_listed_and_well_formed(capsys):
+    from mlxr.names import ALIASES
+    from mlxr.store import parse_name
+
+    assert 10 <= len(set(ALIASES.values())) <= 15
+    assert ALIASES["qwen3"] == ALIASES["qwen3:0.6b"] == ALIAS_REPO
+    assert ALIASES["llama3.2"] == "mlx-community/Llama-3.2-1B-Instruct-4bit"
+    for alias, repo in ALIASES.items():
+        assert parse_name(repo) == (repo, None) and repo.startswith("mlx-community/"), repo
+        assert parse_name(alias) is None, alias  # never mistaken for a Hub name
+    rc, out, _ = run(capsys, "list", "--aliases")
+    rows = dict(ln.split() for ln in out.splitlines()[1:])
+    assert rc == 0 and rows == ALIASES
+
+
+def test_alias_resolves_for_pull_run_show_rm_and_load(hub, tmp_path, capsys):
+    import mlxr
+
+    hub.add_dir(ALIAS_REPO, STORIES)
+    # Not pulled yet: the message names the repo and the command, for the CLI and the API alike.
+    with pytest.raises(MlxrError, match=r"qwen3 \(mlx-community/Qwen3-0.6B-4bit\) is not "
+                       r"downloaded: run `mlxr pull qwen3`"):
+        mlxr.load("qwen3")
+    rc, _, err = run(capsys, "run", "qwen3", "hi")
+    assert rc == 1 and "mlxr pull qwen3" in err
+    rc, _, err = run(capsys, "pull", "qwen3")
+    assert rc == 0, err
+    snap = resolve_model(ALIAS_REPO)
+    assert resolve_model("qwen3") == resolve_model("Qwen3:latest") == snap
+    assert mlxr.load("qwen3:0.6b", device="cpu").path == snap
+    rc, out, err = run(capsys, "run", "qwen3", "--max", "3", "Once")
+    assert rc == 0 and out.strip(), err
+    rc, out, _ = run(capsys, "show", "qwen3")
+    assert rc == 0 and f"path          {snap}" in out
+    rc, _, err = run(capsys, "rm", "qwen3", "--yes")
+    assert rc == 0 and not snap.exists()
+
+
+def test_unknown_short_name_suggests_an_alias(capsys):
+    with pytest.raises(MlxrError, match=r"did you mean qwen3 \(mlx-community/Qwen3-0.6B-4bit\)"):
+        resolve_model("qwen")
+    with pytest.raises(MlxrError, match=r"did you mean llama3\.2"):
+        resolve_model("lama3.2")
+    with pytest.raises(MlxrError, match="not found") as e:
+        resolve_model("xyzzy")
+    assert "did you mean" not in str(e.value)
+
+
+def test_search_suggests_an_alias(hub, capsys):
+    hub.add(ALIAS_REPO, {"config.json": b"{}"}, downloads=5)
+    rc, out, err = run(capsys, "search", "qwen3")
+    assert rc == 0 and ALIAS_REPO in out
+    assert f"qwen3 is an alias of {ALIAS_REPO}" in err
+    rc, out, err = run(capsys, "search", "qwen3.5")  # nothing on this Hub matches
+    assert rc == 0 and out == ""
+    assert f"no MLX text-generation models match 'qwen3.5'; try the alias qwen3 ({ALIAS_REPO})" \
+        in err
+
+
+def test_search_and_pull_fail_fast_when_the_hub_is_unreachable(hub, monkeypatch, capsys):
+    """Nothing listens at the endpoint: one line at once, not huggingface_hub's five retries
+    with backoff (~25 s)."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    for argv in (["search", "qwen3"], ["pull", NAME]):
+        t = time.monotonic()
+        rc, _, err = run(capsys, *argv)
+        assert time.monotonic() - t < 5
+        assert rc == 1 and "cannot reach the Hugging Face Hub" in err
+        assert len(err.strip().splitlines()) == 1 + (argv[1] == "qwen3"), err
 
 
 # -- unsupported formats --------------------------------------------------------------------------
@@ -347,7 +441,7 @@ def test_pull_and_rm_by_commit(hub, tmp_path, capsys):
     root = cache(tmp_path) / "models--mlxr-test--stories260K"
     assert not (root / "refs" / "main").exists()  # a commit is not a ref
     rc, out, _ = run(capsys, "list")
-    assert out.splitlines()[1].split()[0] == f"{NAME}@{repo.sha[:12]}"
+    assert out.splitlines()[1 + len(BUNDLED_NAMES)].split()[0] == f"{NAME}@{repo.sha[:12]}"
     assert resolve_model(f"{NAME}@{repo.sha}") == root / "snapshots" / repo.sha
     rc, _, err = run(capsys, "rm", "--yes", f"{NAME}@{repo.sha}")
     assert rc == 0, err

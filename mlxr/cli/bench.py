@@ -1,10 +1,11 @@
 """`mlxr bench MODEL [-p 512] [-n 128] [--device cpu|cuda]`: prefill and decode speed.
 
 Prefill p tokens, then decode n tokens greedily (EOS ignored), after a warm-up; median of
-repeats. Decoding one token reads every weight once, so the report puts the decode rate next to
-its bound: weight bytes per token / measured memory bandwidth. The last line is one JSON object.
-`--pair` runs a paired A/B comparison instead (see `mlxr bench-pair`).
-"""
+repeats. Without -p and -n, 512 + 128 are halved together until they fit the model's context
+(a note says so: the bundled model has 512 tokens). Decoding one token reads every weight once,
+so the report puts the decode rate next to its bound: weight bytes per token / measured memory
+bandwidth. The last line is one JSON object. `--pair` runs a paired A/B comparison instead (see
+`mlxr bench-pair`)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,37 @@ from ..pairbench import add_pair_args, run_pair
 from .common import add_model_flags, resolve_model
 
 
+DEFAULT_LENS = (512, 128)  # prompt, decode tokens
+
+
+def fit_lengths(prompt_len: int | None, num_tokens: int | None,
+                context: int) -> tuple[int, int, str | None]:
+    """The -p / -n to run: given ones as they are; the defaults halved together until they fit
+    the context (both stay powers of two). Returns (p, n, a note when defaults were cut)."""
+    p = DEFAULT_LENS[0] if prompt_len is None else prompt_len
+    n = DEFAULT_LENS[1] if num_tokens is None else num_tokens
+    if p + n <= context or (prompt_len is not None and num_tokens is not None):
+        return p, n, None
+    want = (p, n)
+    while p + n > context:
+        cut_p, cut_n = prompt_len is None and p > 1, num_tokens is None and n > 2
+        if not (cut_p or cut_n):
+            break  # the given one alone exceeds the context: cmd_bench says so
+        p, n = (max(1, p // 2) if cut_p else p), (max(2, n // 2) if cut_n else n)
+    note = (f"note: -p {want[0]} -n {want[1]} exceed the model's {context}-token context; "
+            f"using -p {p} -n {n}")
+    return p, n, note
+
+
 def register(sub) -> None:
     p = sub.add_parser("bench", help="measure prefill and decode speed",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", help="model directory (default: the bundled model)")
-    p.add_argument("-p", "--prompt-len", type=int, default=512, help="prompt tokens (prefill)")
-    p.add_argument("-n", "--num-tokens", type=int, default=128, help="tokens to decode")
+    p.add_argument("model", nargs="?", help="model directory, bundled name, alias or pulled Hub "
+                   "name (default: the bundled model)")
+    p.add_argument("-p", "--prompt-len", type=int, default=None, help="prompt tokens (prefill; "
+                   f"default: {DEFAULT_LENS[0]}, halved with -n to fit the context)")
+    p.add_argument("-n", "--num-tokens", type=int, default=None, help="tokens to decode "
+                   f"(default: {DEFAULT_LENS[1]}, halved with -p to fit the context)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
     p.add_argument("--pair", action="store_true", help="paired A/B benchmark (bench-pair flags)")
     add_model_flags(p)
@@ -89,12 +115,17 @@ def cmd_bench(args) -> int:
         return run_pair(args)
     import mlxr
 
-    if args.prompt_len < 1 or args.num_tokens < 2 or args.repeats < 1:
+    if (args.prompt_len or 1) < 1 or (args.num_tokens or 2) < 2 or args.repeats < 1:
         raise mlxr.MlxrError("need -p >= 1, -n >= 2 and --repeats >= 1")
     model = mlxr.load(resolve_model(args.model), device=args.device, dtype=args.dtype)
     c = model.config
+    args.prompt_len, args.num_tokens, note = fit_lengths(args.prompt_len, args.num_tokens,
+                                                         c.context_length)
+    if note:
+        print(note, file=sys.stderr)
     if args.prompt_len + args.num_tokens > c.context_length:
-        raise mlxr.MlxrError(f"-p + -n exceeds the context ({c.context_length} tokens)")
+        raise mlxr.MlxrError(f"-p {args.prompt_len} + -n {args.num_tokens} exceed the model's "
+                             f"context ({c.context_length} tokens): give smaller ones")
     rng = random.Random(0)
     prompt = [rng.randrange(c.vocab_size) for _ in range(args.prompt_len)]
 

@@ -1,66 +1,66 @@
-"""Helpers shared by the CLI verbs: model resolution and device/dtype flags."""
+"""Helpers shared by the CLI verbs: help formatting, device/dtype flags and model resolution
+(names themselves are resolved by `mlxr.names`, shared with the Python API)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from ..errors import MlxrError
+from ..errors import NotDownloadedError
+from ..names import BUNDLED, DEFAULT_MODEL, expand_alias, resolve_model
 
-BUNDLED = Path(__file__).resolve().parent.parent / "bundled"
-DEFAULT_MODEL = "stories260K"
+__all__ = ["BUNDLED", "DEFAULT_MODEL", "HelpFormatter", "add_model_flags", "check_device",
+           "confirm", "ensure_model", "resolve_model"]
 
 
-def add_model_flags(p: argparse.ArgumentParser) -> None:
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default (unless its help already says it, or it has none), keeps
+    multi-line descriptions (module docstrings) as written and wraps one-line ones."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, [], "") or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text.strip():
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def add_model_flags(p: argparse.ArgumentParser, device: str = "cuda when available, else cpu",
+                    dtype: str = "bfloat16") -> None:
+    """--device and --dtype; `device`/`dtype` say what the verb uses when they are not given."""
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                   help="compute device (default: cuda when available)")
+                   help=f"compute device (default: {device})")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                   help="compute dtype (default bfloat16; float32 is the exact reference mode)")
+                   help=f"compute dtype (default: {dtype}; float32 is the exact reference mode)")
 
 
-def resolve_model(name: str | None) -> Path:
-    """A model argument -> its directory: none = the bundled model, a path, a bundled name, or a
-    hub name `ORG/REPO[@REV]` already pulled into the Hugging Face cache (never downloads)."""
-    from ..store import hub_cache, local_snapshot, parse_name, repo_dir
+def check_device(device: str | None) -> None:
+    """Refuse --device cuda up front, in one line, when this torch has no usable GPU (before a
+    verb loads anything or starts a server)."""
+    if device is not None:
+        from ..model import _pick_device
 
-    if not name:
-        return BUNDLED / DEFAULT_MODEL
-    p = Path(name).expanduser()
-    if p.is_dir():
-        return p
-    if (BUNDLED / name).is_dir():
-        return BUNDLED / name
-    if p.exists():
-        raise MlxrError(f"{name}: not a model directory")
-    hub = parse_name(name)
-    if hub is not None:
-        snap = local_snapshot(*hub)
-        if snap is not None:
-            return snap
-        if repo_dir(hub[0]).is_dir():
-            raise MlxrError(f"{name}: not completely downloaded (in {hub_cache()}): run "
-                            f"`mlxr pull {name}` to finish it")
-        raise MlxrError(f"model {name!r} is not downloaded: run `mlxr pull {name}`")
-    raise MlxrError(f"model {name!r} not found: give a model directory, a Hub name ORG/REPO "
-                    f"(bundled: {', '.join(sorted(d.name for d in BUNDLED.iterdir()))})")
+        _pick_device(device)
 
 
 def ensure_model(name: str | None, allow_pull: bool) -> Path:
-    """Like resolve_model, but a hub name missing locally is pulled when `allow_pull` (what `run`
-    does after asking or with --yes; `serve` passes False). The directory is checked to be a
-    supported format (GGUF, .bin-only or unknown architectures are explained)."""
-    from ..store import explain_unsupported, parse_name
+    """Like resolve_model, but a Hub name or alias missing locally is pulled when `allow_pull`
+    (what `run` does after asking or with --yes; `serve` passes False). The directory is checked
+    to be a supported format (GGUF, .bin-only or unknown architectures are explained)."""
+    from ..store import explain_unsupported
 
     try:
         path = resolve_model(name)
-    except MlxrError:
-        if name is None or parse_name(name) is None or Path(name).expanduser().exists():
-            raise
+    except NotDownloadedError:
         if not allow_pull:
             raise
         from ..hub import pull
 
-        path = pull(name).path
+        path = pull(expand_alias(name)).path
     explain_unsupported(path)
     return path
 

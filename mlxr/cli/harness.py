@@ -13,19 +13,20 @@ def register(sub) -> None:
     p = sub.add_parser("golden", help="record a golden token file (greedy + top-k logits)",
                        description="Record the prompt ids, greedy continuation and per-position "
                        "top-k logits of a model (default: CPU float32, the reference path).")
-    p.add_argument("model", nargs="?", default=None, help="model directory or bundled name")
+    p.add_argument("model", nargs="?", default=None,
+                   help="model directory or name, as for `mlxr run` (default: the bundled model)")
     _prompt_flags(p)
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens to record")
     p.add_argument("--top-k", type=int, default=10, help="logits kept per position")
     p.add_argument("--out", required=True, help="golden JSON file to write")
-    add_model_flags(p)
+    add_model_flags(p, device="cpu", dtype="float32")
     p.set_defaults(func=golden_cmd)
 
     p = sub.add_parser("check", help="gate a model against a golden file (exit 0/1)",
                        description="Teacher-forced gate (argmax = golden token, or a golden tie "
                        "within --tie-tol that includes ours) and free-run gate (the first K greedy "
                        "tokens must match exactly).")
-    p.add_argument("model", help="model directory or bundled name")
+    p.add_argument("model", help="model directory or name, as for `mlxr run`")
     p.add_argument("golden", help="golden JSON file")
     p.add_argument("--tie-tol", type=float, default=None,
                    help="absolute logit tolerance of a true tie (default 1e-6)")
@@ -34,7 +35,7 @@ def register(sub) -> None:
     p.add_argument("--ignore-identity", action="store_true",
                    help="check even if config/weights differ from the golden's model")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON")
-    add_model_flags(p)
+    add_model_flags(p, dtype="the golden file's dtype")
     p.set_defaults(func=check_cmd)
 
     from ..pairbench import add_pair_args, run_pair
@@ -42,17 +43,19 @@ def register(sub) -> None:
     p = sub.add_parser("bench-pair", help="paired A/B benchmark of two configurations",
                        description="Baseline A and candidate B in separate processes, timed "
                        "alternately; per-phase speedups, score, floors (exit 1 on regression).")
-    p.add_argument("model", nargs="?", default=None, help="model directory or bundled name")
+    p.add_argument("model", nargs="?", default=None,
+                   help="model directory or name, as for `mlxr run` (default: the bundled model)")
     add_pair_args(p)
     add_model_flags(p)
     p.set_defaults(func=run_pair)
 
 
 def _prompt_flags(p) -> None:
-    p.add_argument("--prompt-file", default=None,
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt-file", default=None,
                    help="prompt text file, or .json with a list of token ids")
-    p.add_argument("--prompt", default=None, help="prompt text")
-    p.add_argument("--prompt-ids", default=None, help="prompt token ids, comma separated")
+    g.add_argument("--prompt", default=None, help="prompt text")
+    g.add_argument("--prompt-ids", default=None, help="prompt token ids, comma separated")
 
 
 def golden_cmd(args) -> int:

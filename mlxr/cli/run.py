@@ -13,7 +13,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ..errors import MlxrError
+from ..errors import MlxrError, NotDownloadedError
 from ..sampling import SamplingParams
 from .common import add_model_flags, confirm, ensure_model, resolve_model
 
@@ -25,26 +25,36 @@ HELP = """Commands:
   /bye               leave (or Ctrl-D); Ctrl-C stops an answer
 """
 
-# /set names -> SamplingParams fields and their types
-SETTABLE = {"temp": ("temperature", float), "top_p": ("top_p", float), "top_k": ("top_k", int),
-            "min_p": ("min_p", float), "repeat_penalty": ("repetition_penalty", float),
-            "seed": ("seed", int), "max": ("max_tokens", int)}
+# /set names -> (SamplingParams field, type, what a valid value is)
+SETTABLE = {"temp": ("temperature", float, "a number >= 0 (0 = greedy)"),
+            "top_p": ("top_p", float, "a number in (0, 1] (1 = off)"),
+            "top_k": ("top_k", int, "a whole number >= 0 (0 = off)"),
+            "min_p": ("min_p", float, "a number in [0, 1] (0 = off)"),
+            "repeat_penalty": ("repetition_penalty", float, "a number > 0 (1 = off)"),
+            "seed": ("seed", int, "a whole number"),
+            "max": ("max_tokens", int, "a whole number >= 1 (tokens per answer)")}
 
 
 def register(sub) -> None:
     p = sub.add_parser("run", help="run a model: answer PROMPT, or chat interactively",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", help="model directory (default: the bundled model)")
-    p.add_argument("prompt", nargs="?", help="prompt text ('-' reads standard input)")
+    p.add_argument("model", nargs="?", help="model directory, bundled name, alias (qwen3, "
+                   "llama3.2, ...) or pulled Hub name ORG/REPO (default: the bundled model)")
+    p.add_argument("prompt", nargs="?", help="prompt text; '-' reads standard input, as does "
+                   "a piped standard input without a prompt (default: chat interactively)")
+    unset = "default: the model's generation_config.json, else off"
     p.add_argument("--temp", type=float, dest="temperature",
-                   help="sampling temperature (0 = greedy)")
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--min-p", type=float)
-    p.add_argument("--repeat-penalty", type=float)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--max", type=int, dest="max_tokens", help="maximum tokens to generate")
-    p.add_argument("--system", help="system prompt (chat models)")
+                   help="sampling temperature, 0 = greedy (default: the model's "
+                   "generation_config.json, else 0)")
+    p.add_argument("--top-p", type=float, help=f"nucleus sampling mass in (0, 1] ({unset})")
+    p.add_argument("--top-k", type=int, help=f"sample among the k likeliest tokens ({unset})")
+    p.add_argument("--min-p", type=float, help=f"drop tokens below min_p x the top "
+                   f"probability ({unset})")
+    p.add_argument("--repeat-penalty", type=float, help=f"penalty > 1 on recent tokens ({unset})")
+    p.add_argument("--seed", type=int, help="sampling seed (default: random)")
+    p.add_argument("--max", type=int, dest="max_tokens", help="maximum tokens to generate "
+                   "(default: until EOS or the end of the context)")
+    p.add_argument("--system", help="system prompt (chat models; default: none)")
     p.add_argument("--verbose", action="store_true", help="print token counts and speeds")
     p.add_argument("--yes", "-y", action="store_true",
                    help="pull a missing Hub model without asking")
@@ -68,8 +78,9 @@ class Session:
         msgs += self.history + [{"role": "user", "content": text}]
         return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
 
-    def answer(self, text: str, out=sys.stdout) -> str:
+    def answer(self, text: str) -> str:
         """Stream the answer to `text`; Ctrl-C stops it early (kept in the history so far)."""
+        out = sys.stdout
         pieces, stats = [], None
         try:
             ids = self.prompt_ids(text)
@@ -93,6 +104,21 @@ class Session:
                   f"decode:           {stats.decode_tps:.1f} tok/s", file=sys.stderr)
         return reply
 
+    def describe(self) -> str:
+        """What /show prints: one `name value` line per /set setting, then the system prompt."""
+        p = self.params
+        off = "off"
+        rows = [("temp", "from the model" if p.temperature is None else f"{p.temperature:g}"),
+                ("top_p", off if p.top_p in (None, 1.0) else f"{p.top_p:g}"),
+                ("top_k", off if not p.top_k else str(p.top_k)),
+                ("min_p", off if not p.min_p else f"{p.min_p:g}"),
+                ("repeat_penalty", off if p.repetition_penalty in (None, 1.0)
+                 else f"{p.repetition_penalty:g}"),
+                ("seed", "random" if p.seed is None else str(p.seed)),
+                ("max", str(p.max_tokens)),
+                ("system", "(none)" if not self.system else self.system)]
+        return "\n".join(f"{k:<15} {v}" for k, v in rows)
+
     def command(self, line: str) -> bool:
         """Handle a /command; False means leave."""
         parts = line.split(maxsplit=2)
@@ -103,20 +129,21 @@ class Session:
             self.history.clear()
             print("Cleared the conversation.")
         elif cmd == "/show":
-            print(f"{self.params}\nsystem: {self.system!r}")
+            print(self.describe())
         elif cmd == "/set" and len(parts) == 3 and parts[1] == "system":
             self.system = parts[2]
             print("Set the system prompt.")
         elif cmd == "/set" and len(parts) == 3 and parts[1] in SETTABLE:
-            field, typ = SETTABLE[parts[1]]
+            name, text = parts[1], parts[2]
+            field, typ, valid = SETTABLE[name]
             try:
-                params = replace(self.params, **{field: typ(parts[2])})
+                params = replace(self.params, **{field: typ(text)})
                 params.validate(self.model.config.vocab_size)
-            except (ValueError, MlxrError) as e:
-                print(f"error: {e}")
+            except (ValueError, MlxrError):
+                print(f"error: /set {name}: expected {valid}, got {text!r}")
             else:
                 self.params = params
-                print(f"Set {parts[1]} to {parts[2]}.")
+                print(f"Set {name} to {text}.")
         else:
             print(HELP, end="")
         return True
@@ -168,14 +195,20 @@ def interactive(session: Session) -> int:
 def cmd_run(args) -> int:
     import mlxr
 
+    from ..tokenizer import check_tokenizer_files
+
+    if args.model == "-" and args.prompt is None:  # `mlxr run -`: the default model, stdin
+        args.model, args.prompt = None, "-"
+    if args.prompt is None and not sys.stdin.isatty():
+        args.prompt = "-"  # piped input is the prompt (as with Ollama), not an interactive chat
     try:
         path = resolve_model(args.model)
-    except MlxrError as e:
-        # A Hub name not downloaded yet: pull it after asking (or with --yes).
-        if "mlxr pull" not in str(e) or not confirm(f"{args.model} is not downloaded. Pull it "
-                                                    "now?", args.yes):
+    except NotDownloadedError as e:
+        # A Hub name or alias not downloaded yet: pull it after asking (or with --yes).
+        if not confirm(f"{e.name} is not downloaded. Pull it now?", args.yes):
             raise
         path = ensure_model(args.model, allow_pull=True)
+    check_tokenizer_files(path)  # run needs text: say so before loading any weights
     model = mlxr.load(path, device=args.device, dtype=args.dtype)
     fields = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
     kw = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
@@ -188,6 +221,7 @@ def cmd_run(args) -> int:
     session = Session(model, params, args.system, args.verbose)
     if args.prompt is None:
         return interactive(session)
-    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    # A piped prompt's final newline (echo's) is not part of it.
+    text = sys.stdin.read().removesuffix("\n") if args.prompt == "-" else args.prompt
     session.answer(text)
     return 0

@@ -18,14 +18,25 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def _port(text: str) -> int:
+    """A TCP port to listen on: 1..65535 (0, "any free port", would leave clients guessing)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{n} is not a TCP port: give 1..65535")
+    return n
+
+
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", help="model directory or pulled Hub name (default: the "
-                   "bundled model)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; "
+    p.add_argument("model", nargs="?", help="model directory, bundled name, alias or pulled Hub "
+                   "name (default: the bundled model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1; "
                    "anything but loopback requires --api-key)")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=_port, default=8080, help="TCP port to listen on, 1..65535")
     p.add_argument("--api-key", default=os.environ.get("MLXR_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                    "(default: $MLXR_API_KEY)")
@@ -33,24 +44,29 @@ def register(sub) -> None:
                    help="browser Origin allowed to call the API (repeatable; '*' for any)")
     p.add_argument("--served-model-name", help="model id clients use (default: the directory "
                    "name)")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=16,
+                   help="sequences decoded together")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per engine step (chunked prefill; default: engine's choice)")
-    p.add_argument("--max-queued", type=int, default=64, help="waiting requests before 429")
+    p.add_argument("--max-queued", type=int, default=64,
+                   help="waiting requests before 429")
     p.add_argument("--stream-interval", type=_positive_int, default=None, metavar="N",
                    help="hand each stream its tokens every N engine steps (default: 1 up to 64 "
                    "running streams, then one step more per 64)")
     p.add_argument("--engine-process", choices=["auto", "on", "off"], default="auto",
                    help="run the engine in its own process, so that the HTTP work and the "
-                   "engine's Python do not share one GIL (default auto: on with CUDA)")
-    p.add_argument("--max-connections", type=int, default=256)
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+                   "engine's Python do not share one GIL (default: auto, on with CUDA)")
+    p.add_argument("--max-connections", type=_positive_int, default=256,
+                   help="concurrent client connections (more are answered 503)")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=4 << 20,
+                   help="largest request body accepted (bytes; larger gets 413)")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a client has to send its request headers")
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a client has to send its request body")
     p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="server log verbosity")
     add_model_flags(p)
     p.set_defaults(func=cmd_serve)
 

@@ -10,29 +10,34 @@ from ..errors import MlxrError
 
 def register(sub) -> None:
     p = sub.add_parser("pull", help="download a model from the Hugging Face Hub",
-                       description="Download ORG/REPO[@REVISION] into the Hugging Face cache "
-                       "(only the files a model needs), verify and validate it. Interrupted "
-                       "downloads resume.")
-    p.add_argument("model", metavar="ORG/REPO[@REVISION]")
+                       description="Download ORG/REPO[@REVISION] (or an alias such as qwen3, see "
+                       "`mlxr list --aliases`) into the Hugging Face cache (only the files a "
+                       "model needs), verify and validate it. Interrupted downloads resume.")
+    p.add_argument("model", metavar="ORG/REPO[@REVISION]", help="Hub model name or alias")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("search", help="search the Hub for MLX text-generation models")
-    p.add_argument("query", nargs="?", default="")
-    p.add_argument("-n", "--limit", type=int, default=20)
+    p.add_argument("query", nargs="?", default="", help="words of the repo name (default: all)")
+    p.add_argument("-n", "--limit", type=int, default=20, help="results to show at most")
     p.add_argument("--author", default=None, help="only this user/organisation "
                    "(e.g. mlx-community)")
     p.set_defaults(func=cmd_search)
 
-    p = sub.add_parser("list", aliases=["ls"], help="list downloaded models")
+    p = sub.add_parser("list", aliases=["ls"], help="list bundled and downloaded models",
+                       description="The models `mlxr run` takes by name: the bundled ones and "
+                       "those in the Hugging Face cache.")
+    p.add_argument("--aliases", action="store_true",
+                   help="list the short names (qwen3, llama3.2, ...) and their Hub repos instead")
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("show", help="describe a model: config, quantization, template, files")
-    p.add_argument("model", metavar="MODEL", help="ORG/REPO[@REV], a directory or a bundled name")
+    p.add_argument("model", metavar="MODEL", help="ORG/REPO[@REV], an alias, a directory or a "
+                   "bundled name")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("rm", help="remove a downloaded model from the cache")
-    p.add_argument("model", metavar="ORG/REPO[@REVISION]")
+    p.add_argument("model", metavar="ORG/REPO[@REVISION]", help="downloaded Hub model or alias")
     p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
     p.set_defaults(func=cmd_rm)
 
@@ -52,11 +57,17 @@ def _table(rows: list[list[str]], header: list[str]) -> None:
 
 def cmd_search(args: argparse.Namespace) -> int:
     from ..hub import search
+    from ..names import expand_alias, suggest_alias
     from ..store import human
 
+    full = expand_alias(args.query)
+    if full != args.query:
+        print(f"{args.query} is an alias of {full} (`mlxr pull {args.query}`)", file=sys.stderr)
     hits = search(args.query, limit=args.limit, author=args.author)
     if not hits:
-        print(f"no MLX text-generation models match {args.query!r}", file=sys.stderr)
+        near = suggest_alias(args.query)
+        hint = f"; try the alias {near}" if near else ""
+        print(f"no MLX text-generation models match {args.query!r}{hint}", file=sys.stderr)
         return 0
     _table([[h.repo_id, human(h.size) if h.size else "?", h.quantization or "?",
              f"{h.downloads:,}" if h.downloads is not None else "?"] for h in hits],
@@ -65,14 +76,20 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from ..store import hub_cache, human, list_local
+    from ..names import ALIASES, bundled_models
+    from ..store import hub_cache, human, list_local, local_model
 
-    models = list_local()
-    if not models:
-        print(f"no models in {hub_cache()} (get one with `mlxr pull ORG/REPO`)", file=sys.stderr)
+    if args.aliases:
+        _table([[a, repo] for a, repo in ALIASES.items()], ["ALIAS", "HUB MODEL"])
         return 0
-    _table([[m.name, human(m.size), m.architecture, m.quantization, m.status, str(m.path)]
-            for m in models], ["NAME", "SIZE", "ARCH", "QUANT", "STATUS", "PATH"])
+    bundled = [local_model(p.name, p) for p in bundled_models()]
+    models = list_local()
+    _table([[m.name, human(m.size), m.architecture, m.quantization,
+             "bundled" if m.status == "ok" and m in bundled else m.status, str(m.path)]
+            for m in bundled + models], ["NAME", "SIZE", "ARCH", "QUANT", "STATUS", "PATH"])
+    if not models:
+        print(f"no downloaded models in {hub_cache()} (get one with `mlxr pull ORG/REPO` or an "
+              "alias, see `mlxr list --aliases`)", file=sys.stderr)
     return 0
 
 
@@ -104,10 +121,11 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
+    from ..names import expand_alias
     from ..store import dir_size, human, parse_name, remove, repo_dir
     from .common import confirm
 
-    hub = parse_name(args.model)
+    hub = parse_name(expand_alias(args.model))
     if hub is None:
         raise MlxrError(f"{args.model}: rm takes a downloaded Hub model (ORG/REPO[@REVISION], "
                         "see `mlxr list`); delete local directories yourself")
