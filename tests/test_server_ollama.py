@@ -1,12 +1,13 @@
 """Ollama's /api/generate and /api/chat end to end (NDJSON streaming and whole, options, errors)
-against real server processes: the bundled story model with a Qwen2.5 chat template, and the bare
-bundled model (no chat template)."""
+against real server processes: the bundled story model with a Qwen2.5 chat template, and a copy of
+it without a chat template (a plain base model). Ollama's request leniency (any Content-Type) and
+error shape on /api/*. (The model-management routes: test_server_ollama_models.py.)"""
 
 import json
 
 import httpx
 import pytest
-from test_server_helpers import Server, model_with_template
+from test_server_helpers import Server, model_with_template, model_without_template
 
 MSGS = [{"role": "user", "content": "Tell me a story about a cat."}]
 
@@ -20,8 +21,8 @@ def server(tmp_path_factory, assets):
 
 
 @pytest.fixture(scope="module")
-def bare():
-    s = Server(None)
+def bare(tmp_path_factory):
+    s = Server(model_without_template(tmp_path_factory.mktemp("m"), "base"))
     yield s
     s.stop()
 
@@ -157,13 +158,15 @@ def test_errors(server):
 
 
 def test_no_chat_template(bare):
-    r = httpx.post(bare.url + "/api/chat", json={"model": "stories260K", "messages": MSGS})
+    """A base model without a chat template (not the bundled one, which has its own): chat is a
+    400 saying so, /api/generate continues the prompt as plain text."""
+    r = httpx.post(bare.url + "/api/chat", json={"model": "base", "messages": MSGS})
     assert r.status_code == 400 and "no chat template" in r.json()["error"]
     r = httpx.post(bare.url + "/api/generate", json={
-        "model": "stories260K", "prompt": "Once upon a time", "stream": False,
+        "model": "base", "prompt": "Once upon a time", "stream": False,
         "options": {"num_predict": 6}}, timeout=60)
     assert r.status_code == 200 and r.json()["eval_count"] == 6 and r.json()["response"]
     r = httpx.post(bare.url + "/api/generate", json={
-        "model": "stories260K", "prompt": "Once", "system": "Be brief."})
+        "model": "base", "prompt": "Once", "system": "Be brief."})
     assert r.status_code == 400 and "system" in r.json()["error"]
     assert httpx.get(bare.url + "/health").json()["status"] == "ok"
