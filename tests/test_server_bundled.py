@@ -67,6 +67,14 @@ def test_log_says_loading_then_ready(server):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 
+def test_pull_and_delete_are_off_by_default(server):
+    body = json.dumps({"model": "mlx-community/Qwen3-0.6B-4bit"}).encode()
+    r = httpx.post(server.url + "/api/pull", content=body)
+    assert r.status_code == 403 and "--allow-pull" in r.json()["error"]
+    r = httpx.request("DELETE", server.url + "/api/delete", content=body)
+    assert r.status_code == 403 and "--allow-delete" in r.json()["error"]
+
+
 @pytest.mark.parametrize("engine_process", ["off", "on"])
 def test_model_that_cannot_load_stops_the_server(tmp_path, engine_process):
     import shutil

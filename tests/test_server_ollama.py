@@ -170,3 +170,29 @@ def test_no_chat_template(bare):
         "model": "base", "prompt": "Once", "system": "Be brief."})
     assert r.status_code == 400 and "system" in r.json()["error"]
     assert httpx.get(bare.url + "/health").json()["status"] == "ok"
+
+
+def test_curl_style_bodies_and_ollama_error_shape(server):
+    """`curl -d` sends application/x-www-form-urlencoded: Ollama's routes take the JSON anyway
+    (and no Content-Type at all); the OpenAI routes stay JSON-only. Every error under /api/,
+    404s and 405s included, is Ollama's {"error": "..."}."""
+    body = json.dumps({"model": "story-chat", "prompt": "Once", "stream": False,
+                       "options": {"num_predict": 3}}).encode()
+    for headers in ({"content-type": "application/x-www-form-urlencoded"}, {}):
+        r = httpx.post(server.url + "/api/generate", content=body, headers=headers, timeout=60)
+        assert r.status_code == 200 and r.json()["eval_count"] == 3, r.text
+    r = httpx.post(server.url + "/v1/completions", content=body,
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    r = httpx.post(server.url + "/api/chat", content=b"model=story-chat",
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]
+    r = httpx.get(server.url + "/api/nope")
+    assert r.status_code == 404 and r.json() == {"error": "Invalid URL (GET /api/nope)"}
+    r = httpx.get(server.url + "/api/chat")
+    assert r.status_code == 405 and isinstance(r.json()["error"], str)
+    r = httpx.get(server.url + "/v1/nope")  # the OpenAI envelope elsewhere
+    assert r.status_code == 404 and r.json()["error"]["message"]
+    r = httpx.post(server.url + "/api/chat", json={"model": "story-chat", "messages": MSGS},
+                   headers={"Host": "evil.example"})  # refused by the middleware
+    assert r.status_code == 403 and isinstance(r.json()["error"], str)

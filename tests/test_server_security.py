@@ -71,6 +71,25 @@ def test_origin(server):
     assert r.status_code == 204 and "x-stainless-os" in r.headers["access-control-allow-headers"]
 
 
+def test_own_loopback_origins(server):
+    """Pages on this server's own loopback origins are allowed without --allow-origin (as
+    Ollama allows localhost); other ports, schemes and hosts are not."""
+    for host in ("localhost", "127.0.0.1", "[::1]"):
+        origin = f"http://{host}:{server.port}"
+        r = post(server, headers=auth(Origin=origin))
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+    r = httpx.options(server.url + "/api/delete", headers={
+        "Origin": f"http://localhost:{server.port}", "Access-Control-Request-Method": "DELETE"})
+    assert r.status_code == 204 and "DELETE" in r.headers["access-control-allow-methods"]
+    for origin in (f"http://localhost:{server.port + 1}", f"https://localhost:{server.port}",
+                   "http://localhost", f"http://evil.example:{server.port}", "null"):
+        r = post(server, headers=auth(Origin=origin))
+        assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+    r = httpx.post(server.url + "/api/generate", json={"model": "stories260K", "prompt": "x"},
+                   headers=auth(Origin="http://localhost:1"))
+    assert r.status_code == 403 and "not allowed" in r.json()["error"]  # Ollama's shape
+
+
 def test_body_limits(server):
     r = post(server, json=None, content=b'{"prompt": "' + b"a" * 30000 + b'"}',
              headers=auth(**{"Content-Type": "application/json"}))

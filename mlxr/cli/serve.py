@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from .common import add_model_flags, resolve_model
 
@@ -64,9 +65,14 @@ def register(sub) -> None:
 def cmd_serve(args) -> int:
     from ..server import run
 
+    from ..store import parse_name
+
     path = resolve_model(args.model)  # local only: serve never downloads
+    # a Hub model is called by its name, not by its snapshot directory (a commit id)
+    hub_name = args.model if args.model and not Path(args.model).expanduser().exists() \
+        and parse_name(args.model) else None
     run(path, host=args.host, port=args.port, api_key=args.api_key,
-        allow_origins=args.allow_origin, model_id=args.served_model_name,
+        allow_origins=args.allow_origin, model_id=args.served_model_name or hub_name,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_queued=args.max_queued,
         max_connections=args.max_connections, max_body_bytes=args.max_body_bytes,
