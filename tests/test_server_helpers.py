@@ -19,7 +19,7 @@ def model_without_template(tmp: Path, name: str) -> Path:
     """A copy of the bundled story model without its chat template (a plain base model)."""
     d = tmp / name
     shutil.copytree(BUNDLED, d)
-    (d / "chat_template.jinja").unlink()
+    (d / "chat_template.jinja").unlink(missing_ok=True)
     return d
 
 
