@@ -31,10 +31,9 @@ from .protocol import (
     CompletionRequest,
     ResponsesRequest,
     bad_request,
-    error_body,
     unsupported,
 )
-from .security import OLLAMA_PREFIX, SecurityConfig, SecurityMiddleware
+from .security import SecurityConfig, SecurityMiddleware
 
 log = logging.getLogger("mlxr.server")
 
@@ -330,11 +329,9 @@ def _parse(cls, body: bytes):
 
 def create_app(state: ServerState, security: SecurityConfig, load_in_background: bool = True):
     from fastapi import FastAPI
-    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from . import ollama, ollama_models, render
+    from . import error_handlers, ollama, ollama_models, render
     from .responses import responses_job
 
     security.check()
@@ -347,36 +344,7 @@ def create_app(state: ServerState, security: SecurityConfig, load_in_background:
         else:
             state.load()
 
-    def error(request, status: int, body: dict, headers=None) -> JSONResponse:
-        """An error in the route's API shape: Ollama's {"error": "..."} under /api/, else
-        OpenAI's envelope (`body`)."""
-        if request.url.path.startswith(OLLAMA_PREFIX):
-            body = {"error": body["error"]["message"]}
-        return JSONResponse(body, status, headers=headers)
-
-    @app.exception_handler(APIError)
-    async def _api_error(request, exc: APIError):
-        return error(request, exc.status, exc.body(), exc.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, exc):
-        msg = (f"Invalid URL ({request.method} {request.url.path})" if exc.status_code == 404
-               else f"Method {request.method} not allowed for {request.url.path}"
-               if exc.status_code == 405 else str(exc.detail))
-        return error(request, exc.status_code, error_body(msg, "invalid_request_error"),
-                     getattr(exc, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request, exc):
-        err = (exc.errors() or [{}])[0]
-        loc = ".".join(str(x) for x in err.get("loc", ()))
-        return error(request, 400, error_body(f"{loc}: {err.get('msg')}", param=loc or None))
-
-    @app.exception_handler(Exception)
-    async def _server_error(request, exc):
-        log.exception("unhandled error")
-        return error(request, 500, error_body(f"internal error: {type(exc).__name__}",
-                                              "server_error"))
+    error_handlers.install(app)
 
     @app.get("/health")
     async def health():
