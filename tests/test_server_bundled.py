@@ -55,9 +55,11 @@ class LoggedServer:
 @pytest.fixture(scope="module")
 def server():
     s = LoggedServer()
-    s.wait_for("ready on")
-    yield s
-    s.stop()
+    try:
+        s.wait_for("ready on")
+        yield s
+    finally:
+        s.stop()
 
 
 def test_log_says_loading_then_ready(server):
