@@ -21,8 +21,10 @@ import re
 import shutil
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -183,6 +185,24 @@ def _progress_classes(total: int, initial: int, show: bool):
     return FileBar, total_bar
 
 
+def _reporting(bar_class, report: Callable[[int], None]):
+    """`bar_class`, also telling `report` the bytes of the file present after each update (a
+    disabled tqdm bar does not count them itself)."""
+
+    class ReportingBar(bar_class):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.present = kw.get("initial") or 0  # http_get starts a resumed file there
+            report(self.present)
+
+        def update(self, n=1):
+            self.present += n or 0
+            report(self.present)
+            return super().update(n)
+
+    return ReportingBar
+
+
 def _link(blob: Path, pointer: Path) -> None:
     pointer.parent.mkdir(parents=True, exist_ok=True)
     if pointer.is_symlink() or pointer.exists():
@@ -239,9 +259,13 @@ def _fetch(repo_id: str, commit: str, filename: str, sha256: str | None, name: s
     _link(blob, storage / "snapshots" / commit / filename)
 
 
-def pull(name: str, *, show_progress: bool = True, log=None) -> PullResult:
+def pull(name: str, *, show_progress: bool = True, log=None,
+         progress: Callable[[str, str, int, int], None] | None = None) -> PullResult:
     """Download (or complete) model `ORG/REPO[@REV]` (or an alias, see mlxr.names) into the HF
-    cache, verify and validate it."""
+    cache, verify and validate it.
+    `progress(filename, digest, total, completed)` hears each file's bytes as they arrive (the
+    server's /api/pull streams them); `digest` is "sha256:<hex>" for weight (LFS) files and
+    "sha1:<git blob id>" for the others, the ids the Hub gives."""
     from huggingface_hub import HfApi
 
     from .config import SUPPORTED
@@ -326,7 +350,13 @@ def pull(name: str, *, show_progress: bool = True, log=None) -> PullResult:
     try:
         for f in todo:
             s = siblings[f]
-            _fetch(repo_id, commit, f, s.lfs.sha256 if s.lfs else None, name, bar_class, log)
+            bars = bar_class
+            if progress is not None:
+                digest = f"sha256:{s.lfs.sha256}" if s.lfs else f"sha1:{s.blob_id}"
+                bars = _reporting(bar_class, partial(progress, f, digest, size_of(f)))
+            _fetch(repo_id, commit, f, s.lfs.sha256 if s.lfs else None, name, bars, log)
+            if progress is not None:  # also when the blob was already there (no transfer)
+                progress(f, digest, size_of(f), size_of(f))
             log(f"  {f:<36} {human(size_of(f)):>10}" + ("  sha256 ok" if s.lfs else ""))
     except _net_errors() as e:
         err = hub_error(e, name)

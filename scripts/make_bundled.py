@@ -37,6 +37,25 @@ SOURCES = {  # file -> sha256 (huggingface.co/karpathy/tinyllamas @ TINYLLAMAS_R
 LICENSE_SHA256 = "e87b912002f04cdfa837eaf7f70548ab79b9cb62a285495edf575f3da875aec4"
 FAITHFUL_TOKENS = 256  # greedy tokens from BOS that must equal the fp32 model's
 
+# The bundled models' chat_template.jinja: llama2.c ships none, and without one every chat API
+# (mlxr run's chat, /v1/chat/completions, /v1/responses, /api/chat) refuses the only model that
+# works offline. Shipping it with the model (rather than a server-side default for every
+# template-less model) keeps it visible to every tool that reads the directory (transformers,
+# mlx-lm) and leaves other base models' refusal explicit.
+CHAT_TEMPLATE = """\
+{#- The chat format of a story model (TinyStories, llama2.c): the model continues text and
+    follows no instructions, so a chat is one story told in turns. The prompt is BOS, then the
+    text of the user and assistant turns, trimmed and joined by single spaces: the model goes on
+    with the story. A single user message therefore gives exactly the plain completion of its
+    text. System and tool messages are left out (an instruction would only derail the story);
+    there is nothing to add for the generation prompt. -#}
+{{- bos_token -}}
+{%- for m in messages if m.role in ('user', 'assistant') and m.content is string
+    and m.content | trim -%}
+{{- ' ' if not loop.first else '' }}{{ m.content | trim -}}
+{%- endfor -%}
+"""
+
 # (bits, group_size, keep_embedding_fp32), most compressed first. At dim=64 the model is very
 # sensitive: measured with mlx 0.32.4 / mlx-lm 0.32.2 (first greedy token that differs from fp32):
 #   4-bit g64: 20, 4-bit g32: 27, 8-bit g64: 71, 8-bit g32: 61,
@@ -97,6 +116,13 @@ transformers' `convert_llama_weights_to_hf` does); the tokenizer is rebuilt as a
 with byte fallback (merges derived from the piece scores). At temperature 0 from BOS, mlx-lm on
 this directory reproduces the reference output of llama2.c's `run.c`:
 "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. ..."
+
+## Chat template
+
+llama2.c has none; `chat_template.jinja` is mlxr's (written by `scripts/make_bundled.py`): a
+story told in turns. The prompt is BOS and the user and assistant turns' text joined by spaces,
+so a single user message gives exactly the plain completion of its text; system and tool
+messages are left out (the model follows no instructions).
 """
 
 
@@ -118,7 +144,7 @@ def readme_quant(bits: int, group_size: int, keep_embed: bool, digests: dict[str
 
 (`python scripts/make_bundled.py`). Affine {bits}-bit, group size {group_size}. {embed}`mlp.down_proj`
 (input dim 172, not divisible by {group_size}) stays float32 as mlx-lm skips it. tokenizer files
-are copied from `../{FP32_NAME}`.
+and the chat template are copied from `../{FP32_NAME}`.
 
 Faithfulness: its greedy output from BOS equals the float32 model's for the first
 {FAITHFUL_TOKENS} tokens (mlx 0.32.4, mlx-lm 0.32.2, CPU). Fully quantized 4-bit and 8-bit variants
@@ -153,7 +179,8 @@ def make_quantized(fp32_dir: Path, bits: int, group_size: int, keep_embed: bool,
         )
     # mlx-lm re-saves the tokenizer through transformers, which may rewrite its pipeline;
     # ship exactly the converter's tokenizer files instead.
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                 "chat_template.jinja"):
         shutil.copyfile(fp32_dir / name, out / name)
     (out / "README.md").unlink(missing_ok=True)
 
@@ -166,6 +193,7 @@ def main(argv: list[str]) -> int:
     reset_dir(fp32)
     convert(src / "stories260K.bin", src / "tok512.bin", fp32)
     shutil.copyfile(src / "LLAMA2C-LICENSE", fp32 / "LICENSE")
+    (fp32 / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     (fp32 / "README.md").write_text(readme_fp32(digests), encoding="utf-8")
     print(f"wrote {fp32.relative_to(ROOT)}")
 

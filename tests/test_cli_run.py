@@ -243,7 +243,7 @@ def test_interactive_chat_history_ctrl_c_and_bye(tmp_path):
 
 def test_interactive_ctrl_d_leaves(tmp_path):
     child = _spawn("stories260K", "--max", "5", home=tmp_path)
-    child.expect("text completion")
+    child.expect("chat")  # the bundled model's story template
     child.expect(">>> ")
     child.sendline("Once upon a time")
     child.expect(">>> ")

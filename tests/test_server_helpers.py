@@ -15,10 +15,18 @@ import httpx
 BUNDLED = Path(__file__).resolve().parents[1] / "mlxr" / "bundled" / "stories260K"
 
 
-def model_with_template(tmp: Path, name: str, template: str) -> Path:
-    """A copy of the bundled story model whose tokenizer_config carries `template`."""
+def model_without_template(tmp: Path, name: str) -> Path:
+    """A copy of the bundled story model without its chat template (a plain base model)."""
     d = tmp / name
     shutil.copytree(BUNDLED, d)
+    (d / "chat_template.jinja").unlink(missing_ok=True)
+    return d
+
+
+def model_with_template(tmp: Path, name: str, template: str) -> Path:
+    """A copy of the bundled story model whose tokenizer_config carries `template` (in place of
+    the bundled chat_template.jinja, which would take precedence)."""
+    d = model_without_template(tmp, name)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     cfg["chat_template"] = template
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -36,13 +44,13 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: Path | None, *args: str):
+    def __init__(self, model: Path | str | None, *args: str, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "mlxr", "serve"] + ([str(model)] if model else [])
         cmd += ["--port", str(self.port), "--log-level", "warning", "--dtype", "float32", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     cwd=Path(__file__).resolve().parents[1])
+                                     cwd=Path(__file__).resolve().parents[1], env=env)
         deadline = time.time() + 90
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -1,12 +1,13 @@
 """Ollama's /api/generate and /api/chat end to end (NDJSON streaming and whole, options, errors)
-against real server processes: the bundled story model with a Qwen2.5 chat template, and the bare
-bundled model (no chat template)."""
+against real server processes: the bundled story model with a Qwen2.5 chat template, and a copy of
+it without a chat template (a plain base model). Ollama's request leniency (any Content-Type) and
+error shape on /api/*. (The model-management routes: test_server_ollama_models.py.)"""
 
 import json
 
 import httpx
 import pytest
-from test_server_helpers import Server, model_with_template
+from test_server_helpers import Server, model_with_template, model_without_template
 
 MSGS = [{"role": "user", "content": "Tell me a story about a cat."}]
 
@@ -20,8 +21,8 @@ def server(tmp_path_factory, assets):
 
 
 @pytest.fixture(scope="module")
-def bare():
-    s = Server(None)
+def bare(tmp_path_factory):
+    s = Server(model_without_template(tmp_path_factory.mktemp("m"), "base"))
     yield s
     s.stop()
 
@@ -157,13 +158,41 @@ def test_errors(server):
 
 
 def test_no_chat_template(bare):
-    r = httpx.post(bare.url + "/api/chat", json={"model": "stories260K", "messages": MSGS})
+    """A base model without a chat template (not the bundled one, which has its own): chat is a
+    400 saying so, /api/generate continues the prompt as plain text."""
+    r = httpx.post(bare.url + "/api/chat", json={"model": "base", "messages": MSGS})
     assert r.status_code == 400 and "no chat template" in r.json()["error"]
     r = httpx.post(bare.url + "/api/generate", json={
-        "model": "stories260K", "prompt": "Once upon a time", "stream": False,
+        "model": "base", "prompt": "Once upon a time", "stream": False,
         "options": {"num_predict": 6}}, timeout=60)
     assert r.status_code == 200 and r.json()["eval_count"] == 6 and r.json()["response"]
     r = httpx.post(bare.url + "/api/generate", json={
-        "model": "stories260K", "prompt": "Once", "system": "Be brief."})
+        "model": "base", "prompt": "Once", "system": "Be brief."})
     assert r.status_code == 400 and "system" in r.json()["error"]
     assert httpx.get(bare.url + "/health").json()["status"] == "ok"
+
+
+def test_curl_style_bodies_and_ollama_error_shape(server):
+    """`curl -d` sends application/x-www-form-urlencoded: Ollama's routes take the JSON anyway
+    (and no Content-Type at all); the OpenAI routes stay JSON-only. Every error under /api/,
+    404s and 405s included, is Ollama's {"error": "..."}."""
+    body = json.dumps({"model": "story-chat", "prompt": "Once", "stream": False,
+                       "options": {"num_predict": 3}}).encode()
+    for headers in ({"content-type": "application/x-www-form-urlencoded"}, {}):
+        r = httpx.post(server.url + "/api/generate", content=body, headers=headers, timeout=60)
+        assert r.status_code == 200 and r.json()["eval_count"] == 3, r.text
+    r = httpx.post(server.url + "/v1/completions", content=body,
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    r = httpx.post(server.url + "/api/chat", content=b"model=story-chat",
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]
+    r = httpx.get(server.url + "/api/nope")
+    assert r.status_code == 404 and r.json() == {"error": "Invalid URL (GET /api/nope)"}
+    r = httpx.get(server.url + "/api/chat")
+    assert r.status_code == 405 and isinstance(r.json()["error"], str)
+    r = httpx.get(server.url + "/v1/nope")  # the OpenAI envelope elsewhere
+    assert r.status_code == 404 and r.json()["error"]["message"]
+    r = httpx.post(server.url + "/api/chat", json={"model": "story-chat", "messages": MSGS},
+                   headers={"Host": "evil.example"})  # refused by the middleware
+    assert r.status_code == 403 and isinstance(r.json()["error"], str)

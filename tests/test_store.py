@@ -279,7 +279,7 @@ def test_list_show_rm_roundtrip(hub, tiny_model, tmp_path, capsys):
     assert "chat template yes" in out and "tools         yes" in out and "thinking      yes" in out
     assert "model.safetensors" in out and "config.json" in out
     rc, out, _ = run(capsys, "show", NAME)
-    assert "chat template no" in out and "tools         no" in out
+    assert "chat template yes" in out and "tools         no" in out  # the story template
 
     # rm asks; without a terminal and without --yes nothing is removed.
     rc, _, err = run(capsys, "rm", name)

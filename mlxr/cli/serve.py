@@ -1,12 +1,15 @@
-"""`mlxr serve [MODEL]`: an OpenAI-compatible server (chat, completions, responses, models,
-health, metrics) over continuous batching. Closed by default: binds 127.0.0.1, checks Host and
-Origin, and requires --api-key to bind anywhere else. Never downloads a model.
+"""`mlxr serve [MODEL]`: an OpenAI- and Ollama-compatible server (chat, completions, responses,
+models, health, metrics; Ollama's /api/*) over continuous batching. Closed by default: binds
+127.0.0.1, checks Host and Origin, and requires --api-key to bind anywhere else. Serves only the
+model it was started with and never downloads or deletes one, unless started with --allow-pull /
+--allow-delete (Ollama's /api/pull and /api/delete, on the Hugging Face cache).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from .common import add_model_flags, resolve_model
 
@@ -64,6 +67,10 @@ def register(sub) -> None:
                    help="seconds a client has to send its request headers")
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a client has to send its request body")
+    p.add_argument("--allow-pull", action="store_true",
+                   help="let clients download Hub models into the cache (Ollama's /api/pull)")
+    p.add_argument("--allow-delete", action="store_true",
+                   help="let clients delete Hub models from the cache (Ollama's /api/delete)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="server log verbosity")
@@ -74,13 +81,19 @@ def register(sub) -> None:
 def cmd_serve(args) -> int:
     from ..server import run
 
+    from ..store import parse_name
+
     path = resolve_model(args.model)  # local only: serve never downloads
+    # a Hub model is called by its name, not by its snapshot directory (a commit id)
+    hub_name = args.model if args.model and not Path(args.model).expanduser().exists() \
+        and parse_name(args.model) else None
     run(path, host=args.host, port=args.port, api_key=args.api_key,
-        allow_origins=args.allow_origin, model_id=args.served_model_name,
+        allow_origins=args.allow_origin, model_id=args.served_model_name or hub_name,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_queued=args.max_queued,
         max_connections=args.max_connections, max_body_bytes=args.max_body_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         device=args.device, dtype=args.dtype, log_level=args.log_level,
-        stream_interval=args.stream_interval, engine_process=args.engine_process)
+        stream_interval=args.stream_interval, engine_process=args.engine_process,
+        allow_pull=args.allow_pull, allow_delete=args.allow_delete)
     return 0

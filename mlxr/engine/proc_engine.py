@@ -163,8 +163,9 @@ def _child_main(path: str, load_kw: dict, engine_kw: dict, rx, tx) -> None:
         model = mlxr.load(path, **load_kw)
         model.tokenizer  # noqa: B018 -- fail now, not on the first request
         eng = _ChildEngine(model, tx, **engine_kw)
-    except Exception as e:  # reported as the server's load error
-        logging.getLogger("mlxr.engine").exception("the engine process failed to load %s", path)
+    except Exception as e:  # reported as the server's load error, in one line (traceback: debug)
+        logging.getLogger("mlxr.engine").debug("the engine process failed to load %s", path,
+                                               exc_info=True)
         tx.send(("failed", _portable_error(e)))
         return
     gc.collect()  # the loaded heap out of the cyclic GC, as ServerState.set_ready does: a full

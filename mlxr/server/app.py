@@ -1,5 +1,5 @@
 """The ASGI app: OpenAI routes (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models),
-/health, /metrics and the Ollama routes (ollama.py), over the batching engine
+/health, /metrics and the Ollama routes (ollama.py, ollama_models.py), over the batching engine
 (`mlxr.engine.AsyncEngine` on a thread, or `mlxr.engine.proc_engine.ProcEngine` in a process of
 its own, when this process then loads the config and tokenizer only).
 
@@ -14,6 +14,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -30,7 +31,6 @@ from .protocol import (
     CompletionRequest,
     ResponsesRequest,
     bad_request,
-    error_body,
     unsupported,
 )
 from .security import SecurityConfig, SecurityMiddleware
@@ -59,18 +59,24 @@ class ServerState:
     this process (AsyncEngine), "auto" = on when the device is CUDA."""
 
     def __init__(self, model_path: Path, model_id: str, engine_kw: dict, load_kw: dict,
-                 engine_process: str = "auto"):
+                 engine_process: str = "auto", allow_pull: bool = False,
+                 allow_delete: bool = False):
         if engine_process not in ("auto", "on", "off"):
             raise ValueError(f"engine_process must be auto, on or off, not {engine_process!r}")
         self.model_path, self.model_id = Path(model_path), model_id
         self.engine_kw, self.load_kw, self.engine_process = engine_kw, load_kw, engine_process
+        self.allow_pull, self.allow_delete = allow_pull, allow_delete
         self.model = self.engine = None
         self.error: str | None = None
         self.created = int(time.time())
         self.metrics = Metrics()
         self.ready = threading.Event()
+        # called once the load ended (state.error says how); the runner stops the server on an
+        # error and reports it, so it is only logged here when nobody is told
+        self.on_loaded: Callable[[], None] | None = None
 
     def load(self) -> None:
+        log.info("loading %s (%s)", self.model_id, self.model_path)
         try:
             import mlxr
 
@@ -96,10 +102,13 @@ class ServerState:
                 model.tokenizer  # noqa: B018 -- fail now, not on the first request
                 engine = AsyncEngine(model, **self.engine_kw)
             self.set_ready(model, engine)
-            log.info("model %s ready", self.model_id)
         except Exception as e:  # reported by /health and every request
-            log.exception("loading %s failed", self.model_path)
-            self.error = f"{type(e).__name__}: {e}"
+            log.debug("loading %s failed", self.model_path, exc_info=True)
+            self.error = str(e) if isinstance(e, MlxrError) else f"{type(e).__name__}: {e}"
+            if self.on_loaded is None:
+                log.error("loading %s failed: %s", self.model_path, self.error)
+        if self.on_loaded is not None:
+            self.on_loaded()
 
     def set_ready(self, model, engine) -> None:
         """Serve requests from now on. What loading left on the heap (modules, the tokenizer,
@@ -126,7 +135,7 @@ class ServerState:
     def check_model(self, name: str | None) -> None:
         if name and name not in (self.model_id, self.model_path.name, str(self.model_path)):
             raise APIError(404, f"The model {name!r} does not exist (this server serves "
-                           f"{self.model_id!r}; it never downloads models)",
+                           f"{self.model_id!r})",
                            "invalid_request_error", "model", "model_not_found")
 
 
@@ -320,11 +329,9 @@ def _parse(cls, body: bytes):
 
 def create_app(state: ServerState, security: SecurityConfig, load_in_background: bool = True):
     from fastapi import FastAPI
-    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from . import ollama, render
+    from . import error_handlers, ollama, ollama_models, render
     from .responses import responses_job
 
     security.check()
@@ -337,29 +344,7 @@ def create_app(state: ServerState, security: SecurityConfig, load_in_background:
         else:
             state.load()
 
-    @app.exception_handler(APIError)
-    async def _api_error(request, exc: APIError):
-        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, exc):
-        msg = (f"Invalid URL ({request.method} {request.url.path})" if exc.status_code == 404
-               else f"Method {request.method} not allowed for {request.url.path}"
-               if exc.status_code == 405 else str(exc.detail))
-        return JSONResponse(error_body(msg, "invalid_request_error"), exc.status_code,
-                            headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request, exc):
-        err = (exc.errors() or [{}])[0]
-        loc = ".".join(str(x) for x in err.get("loc", ()))
-        return JSONResponse(error_body(f"{loc}: {err.get('msg')}", param=loc or None), 400)
-
-    @app.exception_handler(Exception)
-    async def _server_error(request, exc):
-        log.exception("unhandled error")
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"),
-                            500)
+    error_handlers.install(app)
 
     @app.get("/health")
     async def health():
@@ -416,7 +401,8 @@ def create_app(state: ServerState, security: SecurityConfig, load_in_background:
                                render.responses_stream, render.responses_full))):
         app.add_route(path, partial(serve, *args), methods=["POST"])
 
-    ollama.register(app, state, _parse)  # /api/generate, /api/chat, /api/tags, /api/version
+    ollama.register(app, state, _parse)  # /api/generate, /api/chat, /api/version
+    ollama_models.register(app, state, _parse)  # /api/tags, show, ps, pull, delete
     app.add_middleware(SecurityMiddleware, cfg=security)
     return app
 

@@ -1,5 +1,6 @@
-"""Ollama's API: `POST /api/generate`, `POST /api/chat` (NDJSON streamed by default),
-`GET /api/tags` and `GET /api/version`.
+"""Ollama's API: `POST /api/generate`, `POST /api/chat` (NDJSON streamed by default) and
+`GET /api/version`; the model-management routes (tags, show, ps, pull, delete) are in
+ollama_models.py.
 
 An Ollama body is translated into the OpenAI request models (`ChatRequest`, `CompletionRequest`)
 and built into a `Job` by the same `chat_job` / `completion_job` as the OpenAI routes, then run
@@ -306,13 +307,6 @@ def register(app, state, parse) -> None:
     @app.post("/api/chat")
     async def chat(request: Request):
         return await serve(request, OllamaChatRequest, "chat")
-
-    @app.get("/api/tags")
-    async def tags():
-        return {"models": [{"name": state.model_id, "model": state.model_id,
-                            "modified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                         time.gmtime(state.created)),
-                            "size": 0, "details": {"format": "mlx"}}]}
 
     @app.get("/api/version")
     async def version():

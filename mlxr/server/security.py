@@ -2,7 +2,17 @@
 limit and a read deadline (an ASGI middleware), and a header deadline per connection (a uvicorn
 protocol subclass against slow-loris clients).
 
-Every rejection is answered in the OpenAI error envelope.
+Every rejection is answered in the OpenAI error envelope, or on Ollama's routes (/api/*) in
+Ollama's `{"error": "..."}`.
+
+Browser origins: those named by --allow-origin, and by default this server's own loopback
+origins (http://localhost:PORT, http://127.0.0.1:PORT, http://[::1]:PORT with PORT the port it
+listens on), as Ollama allows localhost origins; any other origin is refused.
+
+Ollama's routes accept a body whatever its Content-Type (Ollama does: `curl -d '{...}'` sends
+application/x-www-form-urlencoded); the body must still parse as JSON. This opens no cross-site
+hole: the type check is only a second line against a page's form post, which browsers send with
+an Origin header that the origin check refuses first. The OpenAI routes stay JSON-only.
 """
 
 from __future__ import annotations
@@ -12,6 +22,8 @@ import hmac
 import ipaddress
 import json
 from dataclasses import dataclass, field
+from functools import partial
+from urllib.parse import urlsplit
 
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
 CORS_ALLOW_HEADERS = ("authorization, content-type, accept, openai-beta, openai-organization, "
@@ -21,6 +33,8 @@ CORS_ALLOW_HEADERS = ("authorization, content-type, accept, openai-beta, openai-
                       "x-stainless-read-timeout, x-stainless-timeout, x-stainless-raw-response, "
                       "x-stainless-helper-method, x-stainless-stream-helper")
 PUBLIC_PATHS = {"/health"}
+OLLAMA_PREFIX = "/api/"
+BODY_METHODS = ("POST", "PUT", "PATCH", "DELETE")
 
 
 def is_loopback(host: str) -> bool:
@@ -49,6 +63,7 @@ class SecurityConfig:
     max_body_bytes: int = 4 << 20
     body_timeout: float = 30.0
     header_timeout: float = 10.0
+    port: int | None = None  # the port listened on (its loopback origins are allowed)
 
     @property
     def loopback(self) -> bool:
@@ -61,15 +76,28 @@ class SecurityConfig:
                              "(or MLXR_API_KEY)")
 
 
+def own_origin(origin: str, port: int | None) -> bool:
+    """True for http://localhost|127.0.0.1|[::1] on `port` (the port this server listens on)."""
+    if port is None:
+        return False
+    try:
+        u = urlsplit(origin)
+        return (u.scheme == "http" and u.hostname in ("localhost", "127.0.0.1", "::1")
+                and (u.port or 80) == port and u.path in ("", "/"))
+    except ValueError:  # a malformed port
+        return False
+
+
 def _origin_ok(cfg: SecurityConfig, origin: str) -> bool:
     return "*" in cfg.allow_origins or origin.rstrip("/") in {
-        o.rstrip("/") for o in cfg.allow_origins}
+        o.rstrip("/") for o in cfg.allow_origins} or own_origin(origin, cfg.port)
 
 
 async def send_error(send, status: int, message: str, type: str = "invalid_request_error",
-                     code: str | None = None, headers: list | None = None) -> None:
-    body = json.dumps({"error": {"message": message, "type": type, "param": None,
-                                 "code": code}}).encode()
+                     code: str | None = None, headers: list | None = None,
+                     ollama: bool = False) -> None:
+    body = json.dumps({"error": message} if ollama else {
+        "error": {"message": message, "type": type, "param": None, "code": code}}).encode()
     hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": hdrs + (headers or [])})
     await send({"type": "http.response.body", "body": body})
@@ -88,22 +116,26 @@ class SecurityMiddleware:
         cfg = self.cfg
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         method, path = scope["method"], scope["path"]
+        ollama = path.startswith(OLLAMA_PREFIX)
+        send_error_ = send_error
+        if ollama:
+            send_error_ = partial(send_error, ollama=True)
         # DNS rebinding: a page on evil.com resolving to 127.0.0.1 still sends Host: evil.com
         if self.loopback and host_name(headers.get("host", "")) not in LOOPBACK_NAMES:
-            return await send_error(send, 403, "Host header must name this loopback server",
-                                    "permission_error", "invalid_host")
+            return await send_error_(send, 403, "Host header must name this loopback server",
+                                     "permission_error", "invalid_host")
         origin = headers.get("origin")
         cors: list = []
         if origin is not None:
             if not _origin_ok(cfg, origin):
-                return await send_error(send, 403, f"origin {origin!r} is not allowed "
-                                        "(see --allow-origin)", "permission_error",
-                                        "origin_not_allowed")
+                return await send_error_(send, 403, f"origin {origin!r} is not allowed "
+                                         "(see --allow-origin)", "permission_error",
+                                         "origin_not_allowed")
             cors = [(b"access-control-allow-origin", origin.encode("latin-1")),
                     (b"vary", b"Origin")]
             if method == "OPTIONS":
                 await send({"type": "http.response.start", "status": 204, "headers": cors + [
-                    (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                    (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
                     (b"access-control-allow-headers", CORS_ALLOW_HEADERS.encode()),
                     (b"access-control-max-age", b"600")]})
                 return await send({"type": "http.response.body", "body": b""})
@@ -112,34 +144,34 @@ class SecurityMiddleware:
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
                     token.strip().encode(), cfg.api_key.encode()):
-                return await send_error(send, 401, "missing or invalid API key (send "
-                                        "'Authorization: Bearer <key>')", "invalid_request_error",
-                                        "invalid_api_key",
-                                        [(b"www-authenticate", b"Bearer")] + cors)
+                return await send_error_(send, 401, "missing or invalid API key (send "
+                                         "'Authorization: Bearer <key>')", "invalid_request_error",
+                                         "invalid_api_key",
+                                         [(b"www-authenticate", b"Bearer")] + cors)
         if cors:
             send = _with_headers(send, cors)
-        if method in ("POST", "PUT", "PATCH"):
+        if method in BODY_METHODS:
             ctype = headers.get("content-type", "").split(";")[0].strip().lower()
-            if ctype != "application/json":
-                return await send_error(send, 415, "request body must be JSON "
-                                        "(Content-Type: application/json)",
-                                        code="unsupported_media_type")
+            if ctype != "application/json" and not ollama:
+                return await send_error_(send, 415, "request body must be JSON "
+                                         "(Content-Type: application/json)",
+                                         code="unsupported_media_type")
             try:
                 length = int(headers.get("content-length", "0") or 0)
             except ValueError:
-                return await send_error(send, 400, "bad Content-Length")
+                return await send_error_(send, 400, "bad Content-Length")
             if length > cfg.max_body_bytes:
-                return await send_error(send, 413, f"request body over {cfg.max_body_bytes} "
-                                        "bytes", code="request_too_large")
+                return await send_error_(send, 413, f"request body over {cfg.max_body_bytes} "
+                                         "bytes", code="request_too_large")
             try:  # asyncio.timeout, not wait_for: no task per request (3.11's wait_for makes one)
                 async with asyncio.timeout(cfg.body_timeout):
                     body = await self._read_body(receive)
             except TimeoutError:
-                return await send_error(send, 408, "request body not received in time",
-                                        code="request_timeout")
+                return await send_error_(send, 408, "request body not received in time",
+                                         code="request_timeout")
             if body is None:
-                return await send_error(send, 413, f"request body over {cfg.max_body_bytes} "
-                                        "bytes", code="request_too_large")
+                return await send_error_(send, 413, f"request body over {cfg.max_body_bytes} "
+                                         "bytes", code="request_too_large")
             receive = _replay(body, receive)
         return await self.app(scope, receive, send)
 
