@@ -111,9 +111,11 @@ class SamplingParams:
             ok = _is_int(v) if kind is int else _is_real(v)
             if kind is int and not ok and _is_real(v) and float(v).is_integer():
                 v, ok = int(v), True
+            if ok and kind is float and abs(v) > 1e30:  # also a 400-digit int: no OverflowError
+                ok = False
             if not ok:
                 raise MlxrError(
-                    f"generation_config.json: {key!r} must be a {kind.__name__}, got {v!r}"
+                    f"generation_config.json: {key!r} must be a {kind.__name__}, got {v!r:.40}"
                 )
             return kind(v)
 
