@@ -63,19 +63,19 @@ def depth_and_surrogate(doc: Any, max_depth: int, strings: bool) -> str | None:
             if depth > max_depth:
                 return f"nested deeper than {max_depth} levels"
             for k, v in node.items():
-                if strings and not _utf8_ok(k):
+                if strings and not utf8_ok(k):
                     return f"key {k[:40]!r} holds a lone surrogate"
                 stack.append((v, depth + 1))
         elif isinstance(node, list):
             if depth > max_depth:
                 return f"nested deeper than {max_depth} levels"
             stack.extend((v, depth + 1) for v in node)
-        elif strings and isinstance(node, str) and not _utf8_ok(node):
+        elif strings and isinstance(node, str) and not utf8_ok(node):
             return f"string {node[:40]!r} holds a lone surrogate"
     return None
 
 
-def _utf8_ok(s: str) -> bool:
+def utf8_ok(s: str) -> bool:
     if s.isascii():
         return True
     try:
