@@ -47,6 +47,7 @@ from mlxr.tokenizer_formats import (
 __all__ = ["StreamingDetokenizer", "Tokenizer", "load_chat_template", "load_tokenizer"]
 
 MAX_TEMPLATE_BYTES = 4 << 20  # real chat templates are < 100 KB
+LONG_TEXT = 1 << 16  # chars: texts past it are encoded without holding the GIL
 
 # -------------------------------------------------------------------------------------------------
 
@@ -127,6 +128,8 @@ class Tokenizer:
             # SentencePiece always adds its dummy prefix; tokenizers' Metaspace skips it when the
             # text already starts with a space, so " a" would lose a "▁". Spell the prefix out.
             text = "▁" + text
+        if len(text) > LONG_TEXT:  # encode_batch releases the GIL (encode holds it: seconds)
+            return self._tk.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_plain(self, text: str) -> list[int]:

@@ -49,6 +49,9 @@ def register(sub) -> None:
                    help="seconds a client has to send its request headers")
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a client has to send its request body")
+    p.add_argument("--allow-client-chat-template", action="store_true",
+                   help="let clients send chat_template_kwargs.chat_template (Jinja source, run "
+                        "sandboxed and bounded in the server; off by default)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_model_flags(p)
@@ -66,5 +69,6 @@ def cmd_serve(args) -> int:
         max_connections=args.max_connections, max_body_bytes=args.max_body_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         device=args.device, dtype=args.dtype, log_level=args.log_level,
-        stream_interval=args.stream_interval, engine_process=args.engine_process)
+        stream_interval=args.stream_interval, engine_process=args.engine_process,
+        allow_client_chat_template=args.allow_client_chat_template)
     return 0
