@@ -238,7 +238,7 @@ def _read_index(index: Path) -> dict[str, str]:
         if not isinstance(file, str) or file in ("", ".", "..") or "/" in file or "\\" in file \
                 or "\0" in file or len(file.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
             raise ModelFormatError(
-                f"{index}: weight_map[{name!r}] = {file[:80]!r} is not a file name inside the "
+                f"{index}: weight_map[{name!r}] = {file!r:.80} is not a file name inside the "
                 "model dir"
             )
     return weight_map

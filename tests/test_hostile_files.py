@@ -241,3 +241,11 @@ def test_tokenizer_alone_refuses_deep_json(folder):
     (folder / "tokenizer.json").write_text(DEEP)
     with pytest.raises(TokenizerError, match="nested deeper"):
         load_tokenizer(folder)
+
+
+@pytest.mark.parametrize("shard", [7, None, ["x"], "../config.json"])
+def test_index_shard_not_a_name(folder, shard):  # found by tests/fuzz_hostile.py (seed 1)
+    names = load_file(folder / "model.safetensors").keys()
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {**{n: "model.safetensors" for n in names}, "model.norm.weight": shard}}))
+    assert "not a file name" in load_error(folder, ModelFormatError)

@@ -167,6 +167,7 @@ class SecurityMiddleware:
                 return b"".join(chunks)
 
 
+PROBE_INTERVAL = 0.5  # seconds between probes of a client that shut down its sending side
 # A body over the limit is read and dropped up to this many bytes (then the 413 goes out
 # anyway): enough for the bodies clients send by mistake, not a free upload sink
 DRAIN_BYTES = 64 << 20
@@ -266,10 +267,21 @@ def deadline_protocol(header_timeout: float, max_header_bytes: int = 64 * 1024):
         _eof = False
 
         def eof_received(self):
-            """The client half-closed (shut down its sending side after its request): keep
-            the connection open so that the reply still reaches it; closed after it."""
+            """The client shut down its sending side: a half-close (it still waits for the
+            reply) or a full close (it left) look the same. Keep the connection open so the
+            reply can reach a half-closed client, and probe with interim 102 responses
+            (which HTTP/1.1 clients must skip) until the reply starts: to a client that left,
+            the second write fails, and that is the disconnect the request is cancelled on."""
             self._eof = True
+            self._probe()
             return True
+
+        def _probe(self):
+            cycle = getattr(self, "cycle", None)
+            if self.transport.is_closing() or cycle is None or cycle.response_started:
+                return
+            self.transport.write(b"HTTP/1.1 102 Processing\r\n\r\n")
+            self.loop.call_later(PROBE_INTERVAL, self._probe)
 
         def on_response_complete(self):
             super().on_response_complete()
