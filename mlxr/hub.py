@@ -25,6 +25,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 from urllib.parse import urlparse
 
+from . import bounded_json
 from .errors import MlxrError, ModelFormatError
 from .store import explain_unsupported, hub_cache, human, local_snapshot, repo_dir
 
@@ -325,9 +326,7 @@ def _finish(name, snap, downloaded, log) -> PullResult:
 
     explain_unsupported(snap)
     cfg = validate(snap)
-    import json
-
-    quant = quant_summary(json.loads((snap / "config.json").read_text()))
+    quant = quant_summary(bounded_json.read_file(snap / "config.json"))
     log(f"{name}: {cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"context {cfg.context_length}, quantization {quant}")
     log(f"ready: {snap}")
