@@ -124,6 +124,8 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"encode() expects a str, got {type(text).__name__}")
+        if not bounded_json.utf8_ok(text):  # tokenizers raises a TypeError on them
+            raise TokenizerError("text holds a lone UTF-16 surrogate (not UTF-8 text)")
         if self._spm_dummy_prefix and text.startswith(" "):
             # SentencePiece always adds its dummy prefix; tokenizers' Metaspace skips it when the
             # text already starts with a space, so " a" would lose a "▁". Spell the prefix out.

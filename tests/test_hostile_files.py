@@ -249,3 +249,11 @@ def test_index_shard_not_a_name(folder, shard):  # found by tests/fuzz_hostile.p
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {**{n: "model.safetensors" for n in names}, "model.norm.weight": shard}}))
     assert "not a file name" in load_error(folder, ModelFormatError)
+
+
+def test_lone_surrogate_in_text_is_a_tokenizer_error(tiny):
+    tok = load_tokenizer(tiny)
+    with pytest.raises(TokenizerError, match="surrogate"):
+        tok.encode("a\ud800b")
+    with pytest.raises(TokenizerError, match="surrogate"):
+        tok.apply_chat_template([{"role": "user", "content": "\udfff"}], tokenize=True)
