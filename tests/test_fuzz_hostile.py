@@ -27,14 +27,14 @@ def _report(summary: dict) -> None:
 
 
 def test_fuzz_model_folders():
-    summary = fuzz_hostile.fuzz_folders(int(os.environ.get("MLXR_FUZZ_FOLDERS", "60")), SEED)
+    summary = fuzz_hostile.fuzz_folders(int(os.environ.get("MLXR_FUZZ_FOLDERS", "150")), SEED)
     _report(summary)
     assert summary["findings"] == [], summary["findings"]
     assert set(summary["outcomes"]) <= {"ok", "error"}
 
 
 def test_fuzz_requests():
-    summary = fuzz_hostile.fuzz_requests(int(os.environ.get("MLXR_FUZZ_REQUESTS", "1000")), SEED)
+    summary = fuzz_hostile.fuzz_requests(int(os.environ.get("MLXR_FUZZ_REQUESTS", "2000")), SEED)
     _report(summary)
     assert summary["findings"] == [], summary["findings"]
     assert not any(k.startswith(("5", "exception", "hang", "crash")) for k in summary["outcomes"])
