@@ -16,11 +16,15 @@ becomes control tokens.
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 from datetime import datetime
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from mlxr import bounded_json
+from mlxr import template_sandbox as sandbox
 from mlxr.errors import TokenizerError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -71,11 +75,13 @@ def _environment():
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        sandbox.check_indent(indent)
         return json.dumps(
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
         )
 
     def strftime_now(format):
+        sandbox.check_strftime_format(format)
         return datetime.now().strftime(format)
 
     class TemplateDict:
@@ -105,10 +111,12 @@ def _environment():
                     f"but got {name!r}."
                 )
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    env = sandbox.BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = tojson
+    sandbox.bound_environment(env)
+    env.globals["lipsum"] = sandbox.bounded_lipsum(env.globals["lipsum"])
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     env.globals["dict"] = TemplateDict()
@@ -251,18 +259,23 @@ def render_chat_template(
         not isinstance(documents, (list, tuple)) or not all(isinstance(d, dict) for d in documents)
     ):
         raise TokenizerError("documents must be a list of dicts with 'title' and 'text' keys")
+    context = dict(messages=messages, tools=_plain(tools), documents=_plain(documents),
+                   add_generation_prompt=add_generation_prompt, **_plain(kwargs))
     try:
-        return template.render(
-            messages=messages,
-            tools=_plain(tools),
-            documents=_plain(documents),
-            add_generation_prompt=add_generation_prompt,
-            **_plain(kwargs),
-        )
+        rendered = sandbox.render(template, sandbox.DEFAULT_LIMITS, context)
+    except TokenizerError:
+        raise
     except jinja2.exceptions.TemplateError as exc:
         raise TokenizerError(f"chat template error: {exc}") from exc
-    except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
-        raise TokenizerError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+    except RecursionError:
+        raise sandbox.TemplateLimitError("chat template exceeded a limit: recursion depth "
+                                         f"(limit {sys.getrecursionlimit()})") from None
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError, ArithmeticError,
+            MemoryError) as exc:  # ArithmeticError: division by zero, float overflow
+        raise TokenizerError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+    if not bounded_json.utf8_ok(rendered):
+        raise TokenizerError("chat template produced a lone UTF-16 surrogate (not UTF-8 text)")
+    return rendered
 
 
 def _encode_marked(tokenizer: Tokenizer, rendered: str, markers_re: re.Pattern) -> list[int]:
@@ -327,14 +340,17 @@ def apply_chat_template(
         documents = _mark(documents, tokens_re) if documents is not None else None
         template_kwargs = _mark(template_kwargs, tokens_re)
     kwargs = {**tokenizer.special_tokens_map, **template_kwargs}
-    rendered = render_chat_template(
-        source,
-        messages,
-        tools=tools,
-        documents=documents,
-        add_generation_prompt=add_generation_prompt,
-        **kwargs,
-    )
+    try:
+        rendered = render_chat_template(
+            source,
+            messages,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
+    except sandbox.TemplateLimitError as exc:  # name the template that went past its limit
+        raise sandbox.TemplateLimitError(f"{os.path.basename(tokenizer.name)}: {exc}") from None
     if not tokenize:
         return rendered
     return _encode_marked(tokenizer, rendered, markers_re)

@@ -8,7 +8,6 @@ the tensor or key at fault. MLX does not align tensor data (offsets may even be 
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +16,14 @@ from typing import Any
 
 import torch
 
+from mlxr import bounded_json
 from mlxr.errors import ModelFormatError
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 2**20  # real headers are < 10 MiB even for 100k-tensor shards
 MAX_INDEX_BYTES = 100 * 2**20
 MAX_TENSORS = 1_000_000  # per file
+MAX_NAME_BYTES = 255  # a file name's limit on Linux (NAME_MAX) and macOS
 MAX_RANK = 8
 MAX_DIM = 2**40  # per dimension, inclusive
 MAX_TENSOR_BYTES = 2**42  # 4 TiB; also bounded by the data section itself
@@ -58,23 +59,8 @@ class TensorInfo:
 
 
 def _parse_json(raw: bytes, path: Path) -> Any:
-    """Decode strict UTF-8 JSON, rejecting duplicate keys at any depth."""
-
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        obj: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in obj:
-                raise ModelFormatError(f"{path}: duplicate key {key!r} in JSON")
-            obj[key] = value
-        return obj
-
-    try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
-    except ModelFormatError:
-        raise
-    # ValueError covers bad UTF-8, bad JSON and over-long integer literals; deep nesting recurses.
-    except (ValueError, RecursionError) as e:
-        raise ModelFormatError(f"{path}: not valid UTF-8 JSON ({e})") from None
+    """Decode strict UTF-8 JSON (bounded: depth, numbers), rejecting duplicate keys."""
+    return bounded_json.loads(raw, str(path), reject_duplicates=True)
 
 
 def _is_int(x: Any) -> bool:
@@ -249,9 +235,11 @@ def _read_index(index: Path) -> dict[str, str]:
     for name, file in weight_map.items():
         # Only plain names: no "../x", absolute paths or subfolders. Checked lexically, not with
         # resolve(), because Hugging Face cache snapshots are symlinks into a blobs/ folder.
-        if not isinstance(file, str) or file in ("", ".", "..") or "/" in file or "\\" in file:
+        if not isinstance(file, str) or file in ("", ".", "..") or "/" in file or "\\" in file \
+                or "\0" in file or len(file.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
             raise ModelFormatError(
-                f"{index}: weight_map[{name!r}] = {file!r} is not a file name inside the model dir"
+                f"{index}: weight_map[{name!r}] = {file!r:.80} is not a file name inside the "
+                "model dir"
             )
     return weight_map
 

@@ -6,11 +6,12 @@ the model code reads plain fields.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from . import bounded_json
+from .config_checks import check_model_config, positive
 from .errors import ModelFormatError
 
 _MISSING = object()
@@ -176,8 +177,11 @@ class _Reader:
 
 def _decode_float(v):
     # mlx-lm's save_config writes non-finite floats as {"__float__": "Infinity"}.
-    if isinstance(v, dict) and set(v) == {"__float__"}:
-        return float(v["__float__"])
+    if isinstance(v, dict) and set(v) == {"__float__"} and isinstance(v["__float__"], str):
+        try:
+            return float(v["__float__"])
+        except ValueError:
+            return v  # refused by the caller's type check, naming the key
     return v
 
 
@@ -187,7 +191,7 @@ def _parse_quant_spec(v, source: str, key: str) -> QuantSpec | None:
     if not isinstance(v, dict):
         raise ModelFormatError(f"{source}: quantization entry '{key}' must be an object or false")
     mode = v.get("mode") or "affine"
-    if mode not in QUANT_DEFAULTS:
+    if not isinstance(mode, str) or mode not in QUANT_DEFAULTS:
         raise ModelFormatError(f"{source}: quantization '{key}' has unknown mode {mode!r}")
     bits, group = QUANT_DEFAULTS[mode]
     bits = v.get("bits") if v.get("bits") is not None else bits
@@ -330,7 +334,8 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
         else:
             kw.update(
                 hidden_act="gelu_tanh", sandwich_norm=True,
-                attn_scale=r.float("query_pre_attn_scalar", 144.0) ** -0.5,
+                attn_scale=positive(r.float("query_pre_attn_scalar", 144.0),
+                                    f"{source}: query_pre_attn_scalar") ** -0.5,
                 attn_logit_softcap=r.float("attn_logit_softcapping", 50.0),
                 final_logit_softcap=r.float("final_logit_softcapping", 30.0),
             )
@@ -345,13 +350,14 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
         kw.update(
             qk_norm=True, norm_offset=1.0, embed_scale=math.sqrt(hidden), embed_scale_bf16=True,
             hidden_act="gelu_tanh", sandwich_norm=True, clip_residual_fp16=True,
-            attn_scale=r.float("query_pre_attn_scalar", 256.0) ** -0.5,
+            attn_scale=positive(r.float("query_pre_attn_scalar", 256.0),
+                                f"{source}: query_pre_attn_scalar") ** -0.5,
         )
         tie = None
     else:  # phi3
         theta = r.float("rope_theta", 10000.0)
         partial = r.float("partial_rotary_factor", 1.0)
-        rope_dims = int(head_dim * partial)
+        rope_dims = int(head_dim * partial) if 0 < partial <= 1 else 0
         if rope_dims < 2 or rope_dims % 2 or rope_dims > head_dim:
             raise ModelFormatError(f"{source}: partial_rotary_factor {partial} is invalid")
         scaling = _rope_scaling(r)
@@ -361,7 +367,8 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
             elif scaling["rope_type"] != "linear":
                 scaling["original_max_position_embeddings"] = r.int(
                     "original_max_position_embeddings", 4096)
-                if len(scaling.get("long_factor") or []) != rope_dims // 2:
+                factors = scaling.get("long_factor")
+                if not isinstance(factors, list) or len(factors) != rope_dims // 2:
                     raise ModelFormatError(
                         f"{source}: rope_scaling.long_factor must have {rope_dims // 2} entries")
         kw.update(fused_qkv=True, fused_gate_up=True)
@@ -373,7 +380,7 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
         if w is not None and not 1 <= w <= LIMITS["sliding_window"]:
             raise ModelFormatError(f"{source}: sliding_window {w} is out of range")
     bos = raw.get("bos_token_id")
-    return ModelConfig(
+    config = ModelConfig(
         model_type=mt, vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=inter, rms_norm_eps=eps,
         max_position_embeddings=max_pos, tie_word_embeddings=tie, layer_rope=tuple(ropes),
@@ -382,23 +389,16 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
         eos_token_ids=_eos_ids(raw.get("eos_token_id")), quant=parse_quant(raw, source),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"), **kw,
     )
+    check_model_config(config, source)
+    return config
 
 
 MAX_JSON_BYTES = 16 << 20
 
 
 def read_json(path: Path) -> dict:
-    """Read a small JSON file from a model directory; errors name the file."""
-    try:
-        size = path.stat().st_size
-    except OSError as e:
-        raise ModelFormatError(f"{path.name}: cannot read ({e.strerror})") from None
-    if size > MAX_JSON_BYTES:
-        raise ModelFormatError(f"{path.name}: {size} bytes is too large for a config file")
-    try:
-        data = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFormatError(f"{path.name}: malformed JSON ({e})") from None
+    """Read a small JSON object file from a model directory (bounded); errors name the file."""
+    data = bounded_json.read_file(path, ModelFormatError, MAX_JSON_BYTES, name=path.name)
     if not isinstance(data, dict):
         raise ModelFormatError(f"{path.name}: must be a JSON object")
     return data

@@ -28,6 +28,7 @@ from functools import partial
 from pathlib import Path
 from urllib.parse import urlparse
 
+from . import bounded_json
 from .errors import MlxrError, ModelFormatError
 from .names import expand_alias
 from .store import explain_unsupported, hub_cache, human, local_snapshot, repo_dir
@@ -376,9 +377,7 @@ def _finish(name, snap, downloaded, log) -> PullResult:
 
     explain_unsupported(snap)
     cfg = validate(snap)
-    import json
-
-    quant = quant_summary(json.loads((snap / "config.json").read_text()))
+    quant = quant_summary(bounded_json.read_file(snap / "config.json"))
     log(f"{name}: {cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"context {cfg.context_length}, quantization {quant}")
     log(f"ready: {snap}")

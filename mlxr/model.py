@@ -16,6 +16,7 @@ from .generate import Chunk, check_prompt, stream_generate
 from .models.loader import build_decoder, check_checkpoint
 from .names import resolve_model
 from .sampling import SamplingParams
+from .tokenizer_checks import check_token_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,12 +56,7 @@ class Model:
             from .tokenizer import load_tokenizer
 
             tok = load_tokenizer(self.path)
-            if tok.vocab_size > self.config.vocab_size:
-                top = max(i for i in range(tok.vocab_size) if tok.id_to_token(i) is not None)
-                if top >= self.config.vocab_size:
-                    raise ModelFormatError(
-                        f"{self.path.name}: tokenizer has token id {top} but the embedding "
-                        f"table has only {self.config.vocab_size} rows")
+            check_token_ids(tok, self.config.vocab_size, self.path.name)
             self._tokenizer = tok
         return self._tokenizer
 
@@ -148,12 +144,36 @@ def load(path: str | Path, device: str | torch.device | None = None,
     else:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     config, gen = load_config(path)
+    _check_generation_config(gen, config.vocab_size)
     if not weights:
-        return Model(path, config, gen, None, dt, dev)
+        return _with_tokenizer(Model(path, config, gen, None, dt, dev))
     with open_checkpoint(path) as ckpt:
         decoder = build_decoder(ckpt, config, dt, dev)
     trace.instrument(decoder)  # prefill/decode spans when MLXR_TRACE is set; else a no-op
-    return Model(path, config, gen, decoder, dt, dev)
+    return _with_tokenizer(Model(path, config, gen, decoder, dt, dev))
+
+
+def _check_generation_config(gen: dict, vocab_size: int) -> None:
+    """The sampling defaults of generation_config.json must be values the sampler computes
+    with: checked at load, not at the first request that uses them."""
+    try:
+        SamplingParams().with_defaults(gen).validate(vocab_size)
+    except MlxrError as e:
+        msg = str(e)
+        raise ModelFormatError(msg if msg.startswith("generation_config.json") else
+                               f"generation_config.json: {msg}") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def _with_tokenizer(model: Model) -> Model:
+    """Load the folder's tokenizer now when it has one, so that a bad tokenizer file (or a
+    token id past the embedding table) fails the load, not the first request. A folder with
+    no tokenizer files still loads: id prompts work without one."""
+    if any((model.path / f).is_file() for f in TOKENIZER_FILES):
+        model.tokenizer  # noqa: B018 -- load and check it
+    return model
 
 
 def validate(path: str | Path) -> ModelConfig:

@@ -52,6 +52,12 @@ MAX_CONTEXT_SIZE_LIMIT = 1 << 24
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 4096
 MAX_STOP_TOKEN_IDS = 1024
+# Ranges the float32 sampler computes without inf / NaN: logits shifted to <= 0, divided by a
+# temperature that is a normal float32 (1e-300 is 0 in float32: 0/0 = NaN), stay finite or
+# -inf; penalties and biases far past any useful value would turn rows into inf - inf.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-30, 1e6
+MAX_PENALTY = 1e3
+MAX_LOGIT_BIAS = 1e6
 
 
 def _is_int(x) -> bool:
@@ -111,9 +117,11 @@ class SamplingParams:
             ok = _is_int(v) if kind is int else _is_real(v)
             if kind is int and not ok and _is_real(v) and float(v).is_integer():
                 v, ok = int(v), True
+            if ok and kind is float and abs(v) > 1e30:  # also a 400-digit int: no OverflowError
+                ok = False
             if not ok:
                 raise MlxrError(
-                    f"generation_config.json: {key!r} must be a {kind.__name__}, got {v!r}"
+                    f"generation_config.json: {key!r} must be a {kind.__name__}, got {v!r:.40}"
                 )
             return kind(v)
 
@@ -172,8 +180,9 @@ class SamplingParams:
         check_int("max_tokens", 1, MAX_TOKENS_LIMIT)
 
         t = check_real("temperature", optional=True)
-        if t is not None and t < 0:
-            raise bad("temperature", "must be >= 0", t)
+        if t is not None and not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+            raise bad("temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
+                      f"{MAX_TEMPERATURE:g}]", t)
 
         check_int("top_k", 0, 1 << 31, optional=True)
 
@@ -186,12 +195,15 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]", m)
 
         r = check_real("repetition_penalty", optional=True)
-        if r is not None and r <= 0:
-            raise bad("repetition_penalty", "must be > 0", r)
+        if r is not None and not 1 / MAX_PENALTY <= r <= MAX_PENALTY:
+            raise bad("repetition_penalty", f"must be in [{1 / MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+                      r)
         check_int("repetition_context_size", 0, MAX_CONTEXT_SIZE_LIMIT)
 
-        check_real("presence_penalty")
-        check_real("frequency_penalty")
+        for field in ("presence_penalty", "frequency_penalty"):
+            if abs(check_real(field)) > MAX_PENALTY:
+                raise bad(field, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+                          getattr(self, field))
 
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, Mapping):
@@ -201,8 +213,9 @@ class SamplingParams:
                     raise MlxrError(
                         f"logit_bias: token id {k!r} is not an int in [0, {vocab_size})"
                     )
-                if not _is_real(v) or not math.isfinite(v):
-                    raise MlxrError(f"logit_bias[{k}]: bias must be a finite number, got {v!r}")
+                if not _is_real(v) or not abs(v) <= MAX_LOGIT_BIAS:
+                    raise MlxrError(f"logit_bias[{k}]: bias must be a number in "
+                                    f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {v!r}")
 
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 1 << 64):
             raise bad("seed", "must be an int in [0, 2**64)", self.seed)

@@ -10,13 +10,13 @@ side (pull, search) is `mlxr.hub`.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import bounded_json
 from .errors import MlxrError, ModelFormatError
 
 # ORG/REPO with an optional @revision (branch, tag or commit), as the Hub spells repo ids.
@@ -81,7 +81,7 @@ def is_complete(path: Path) -> bool:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
+            shards = set(bounded_json.read_file(index)["weight_map"].values())
         except (ValueError, KeyError, TypeError, AttributeError):
             return False
         return all((path / s).is_file() for s in shards)
@@ -115,7 +115,7 @@ def explain_unsupported(path: Path) -> None:
     if not (path / "config.json").is_file():
         raise ModelFormatError(f"{path}: no config.json, not a model directory; {need}")
     try:
-        raw = json.loads((path / "config.json").read_text())
+        raw = bounded_json.read_file(path / "config.json")
     except (OSError, ValueError) as e:
         raise ModelFormatError(f"{path / 'config.json'}: unreadable ({e})") from None
     mt = raw.get("model_type") if isinstance(raw, dict) else None
@@ -165,7 +165,7 @@ class LocalModel:
 
 def _summary(path: Path) -> tuple[str, str, str]:
     try:
-        raw = json.loads((path / "config.json").read_text())
+        raw = bounded_json.read_file(path / "config.json")
     except (OSError, ValueError):
         return "?", "?", "incomplete" if not (path / "config.json").exists() else "bad config.json"
     arch, quant = str(raw.get("model_type", "?")), quant_summary(raw)
@@ -208,7 +208,7 @@ def describe(path: Path) -> dict:
 
     path = Path(path)
     explain_unsupported(path)
-    raw = json.loads((path / "config.json").read_text())
+    raw = bounded_json.read_file(path / "config.json")
     cfg, _ = load_config(path)
     info: dict = {
         "path": str(path), "architecture": cfg.model_type,

@@ -21,7 +21,9 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from mlxr import bounded_json
 from mlxr.errors import TokenizerError
+from mlxr.tokenizer_checks import check_tokenizer_json
 
 try:  # the import itself is cheap, but keep the error readable if the dependency is missing
     import tokenizers
@@ -53,6 +55,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 # The vocabulary files load_tokenizer needs, one of these sets (in its order of preference).
 _VOCAB_SETS = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe"),
                ("tokenizer.model",))
+
+MAX_TEMPLATE_BYTES = 4 << 20  # real chat templates are < 100 KB
+LONG_TEXT = 1 << 16  # chars: texts past it are encoded without holding the GIL
 
 # -------------------------------------------------------------------------------------------------
 
@@ -129,10 +134,14 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"encode() expects a str, got {type(text).__name__}")
+        if not bounded_json.utf8_ok(text):  # tokenizers raises a TypeError on them
+            raise TokenizerError("text holds a lone UTF-16 surrogate (not UTF-8 text)")
         if self._spm_dummy_prefix and text.startswith(" "):
             # SentencePiece always adds its dummy prefix; tokenizers' Metaspace skips it when the
             # text already starts with a space, so " a" would lose a "▁". Spell the prefix out.
             text = "▁" + text
+        if len(text) > LONG_TEXT:  # encode_batch releases the GIL (encode holds it: seconds)
+            return self._tk.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_plain(self, text: str) -> list[int]:
@@ -281,10 +290,7 @@ def _read_chat_template(root: Path, config: dict) -> str | dict[str, str] | None
     tokenizer_config.json."""
     jinja = root / "chat_template.jinja"
     if jinja.is_file():
-        try:
-            return jinja.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise TokenizerError(f"{jinja}: cannot read chat template ({exc})") from exc
+        return bounded_json.read_text(jinja, TokenizerError, MAX_TEMPLATE_BYTES)
     tmpl_dir = root / "additional_chat_templates"
     if (root / "chat_template.json").is_file():
         data = _read_json(root / "chat_template.json")
@@ -313,7 +319,8 @@ def _read_chat_template(root: Path, config: dict) -> str | dict[str, str] | None
     else:
         raise TokenizerError(f"{where}: expected a string or a list of named templates")
     if tmpl_dir.is_dir():
-        extra = {p.stem: p.read_text(encoding="utf-8") for p in sorted(tmpl_dir.glob("*.jinja"))}
+        extra = {p.stem: bounded_json.read_text(p, TokenizerError, MAX_TEMPLATE_BYTES)
+                 for p in sorted(tmpl_dir.glob("*.jinja"))}
         if extra:
             result = (
                 {"default": result, **extra} if isinstance(result, str) else {**extra, **result}
@@ -372,10 +379,13 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     kind: str
     if (root / "tokenizer.json").is_file():
         kind = "tokenizer.json"
+        path = root / "tokenizer.json"
+        text = bounded_json.read_text(path, TokenizerError)
+        check_tokenizer_json(bounded_json.loads(text, str(path), TokenizerError), str(path))
         try:
-            backend = tokenizers.Tokenizer.from_file(str(root / "tokenizer.json"))
+            backend = tokenizers.Tokenizer.from_str(text)
         except Exception as exc:  # tokenizers raises a bare Exception
-            raise TokenizerError(f"{root / 'tokenizer.json'}: cannot load ({exc})") from exc
+            raise TokenizerError(f"{path}: cannot load ({exc})") from exc
         if str(config.get("tokenizer_class", "")).startswith("LlamaTokenizer"):
             _modernize_llama_json(backend, config)
     elif (root / "vocab.json").is_file() and (root / "merges.txt").is_file():

@@ -11,7 +11,6 @@ as :class:`mlxr.errors.TokenizerError` naming the file.
 from __future__ import annotations
 
 import base64
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
+from mlxr import bounded_json
 from mlxr.errors import TokenizerError
 
 GPT2_SPLIT_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -77,11 +77,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def _read_json(path: Path) -> Any:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TokenizerError(f"{path}: cannot read JSON ({exc})") from exc
+    return bounded_json.read_file(path, TokenizerError)
 
 
 def _token_content(value: Any, where: str) -> str | None:
@@ -341,13 +337,13 @@ def _add_tokens(
     existing = backend.get_added_tokens_decoder()
     by_id: list[tuple[int, AddedToken]] = []
     for key, spec in added_decoder.items():
-        try:
-            idx = int(key)
-            content = spec["content"]
-        except (ValueError, TypeError, KeyError) as exc:
+        idx = int(key) if key.isascii() and key.isdigit() and len(key) < 11 else -1
+        content = spec.get("content") if isinstance(spec, dict) else None
+        if not 0 <= idx < 1 << 31 or not isinstance(content, str) or not content:
             raise TokenizerError(
-                f"{root / 'tokenizer_config.json'}: added_tokens_decoder[{key!r}] is malformed"
-            ) from exc
+                f"{root / 'tokenizer_config.json'}: added_tokens_decoder[{key!r}] is malformed "
+                "(needs a token id key and a non-empty string 'content')"
+            )
         if idx in existing and existing[idx].content == content:
             continue
         by_id.append((idx, _added_token(content, spec, bool(spec.get("special", False)))))

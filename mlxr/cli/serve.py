@@ -71,6 +71,9 @@ def register(sub) -> None:
                    help="let clients download Hub models into the cache (Ollama's /api/pull)")
     p.add_argument("--allow-delete", action="store_true",
                    help="let clients delete Hub models from the cache (Ollama's /api/delete)")
+    p.add_argument("--allow-client-chat-template", action="store_true",
+                   help="let clients send chat_template_kwargs.chat_template (Jinja source, run "
+                        "sandboxed and bounded in the server; off by default)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="server log verbosity")
@@ -95,5 +98,6 @@ def cmd_serve(args) -> int:
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         device=args.device, dtype=args.dtype, log_level=args.log_level,
         stream_interval=args.stream_interval, engine_process=args.engine_process,
-        allow_pull=args.allow_pull, allow_delete=args.allow_delete)
+        allow_pull=args.allow_pull, allow_delete=args.allow_delete,
+        allow_client_chat_template=args.allow_client_chat_template)
     return 0

@@ -240,8 +240,16 @@ class LLMEngine:
                   logits: dict) -> None:
         """Choose each sequence's token (device greedy or host sampling), detokenize them all
         in one batched call per skip-special setting, then emit."""
-        chosen = [self._choose(seq, logits[row]) if host[row] else (greedy[row], None)
+        chosen = [self._choose_or_fail(seq, logits[row]) if host[row] else (greedy[row], None)
                   for row, seq in enumerate(seqs)]
+        failed = [row for row, c in enumerate(chosen) if isinstance(c, BaseException)]
+        for row in failed:  # that sequence ends with its error; the batch goes on
+            with self.lock:
+                self.scheduler.finish(seqs[row])
+            seqs[row].emit(chosen[row])
+        if failed:
+            seqs = [seq for row, seq in enumerate(seqs) if row not in failed]
+            chosen = [c for row, c in enumerate(chosen) if row not in failed]
         pieces: list[str | None] = [None] * len(seqs)
         for skip in (True, False):
             rows, windows, counts = [], [], []
@@ -267,6 +275,17 @@ class LLMEngine:
                     self.scheduler.finish(seq)
             seq.emit(RequestOutput(out_ids, text, finish, seq.prompt_len, seq.num_generated,
                                    seq.prompt_cached, lps if out_ids else None))
+
+    @classmethod
+    def _choose_or_fail(cls, seq: _Request, logits: torch.Tensor) -> tuple | MlxrError:
+        """`_choose`, or the error that ends this sequence alone (a logits processor or the
+        sampler raising on one row must not fail the other sequences of the step)."""
+        try:
+            return cls._choose(seq, logits)
+        except Exception as e:  # noqa: BLE001 -- reported to that request as an engine failure
+            err = MlxrError(f"engine failure: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            return err
 
     @staticmethod
     def _choose(seq: _Request, logits: torch.Tensor) -> tuple[int, list | None]:

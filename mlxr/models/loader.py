@@ -158,7 +158,7 @@ class _Builder:
         q = self.config.quant
         if q is not None and path in q.overrides and q.overrides[path] is not None:
             return q.overrides[path]
-        w, s = self.ckpt.tensors[path + ".weight"], self.ckpt.tensors[path + ".scales"]
+        w, s = self._info(path + ".weight"), self._info(path + ".scales")
         if len(w.shape) != 2 or len(s.shape) != 2 or s.shape[-1] == 0 or inp % s.shape[-1] \
                 or (32 * w.shape[-1]) % inp:
             raise ModelFormatError(

@@ -10,7 +10,6 @@ reasoning parsing) here; `render.py` turns the engine's outputs into each API's 
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import threading
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 from fastapi import Request
 from pydantic import ValidationError
 
+from .. import bounded_json
 from ..errors import MlxrError
 from ..sampling import SamplingParams
 from .metrics import Metrics
@@ -33,6 +33,7 @@ from .protocol import (
     bad_request,
     unsupported,
 )
+from . import request_checks
 from .security import SecurityConfig, SecurityMiddleware
 
 log = logging.getLogger("mlxr.server")
@@ -168,13 +169,13 @@ def _messages(raw: list) -> list[dict]:
         calls = m.get("tool_calls")
         if calls:
             fixed = []
-            for tc in calls:
+            for tc in request_checks.tool_calls(calls, f"messages[{i}].tool_calls"):
                 tc = dict(tc)
                 fn = dict(tc.get("function") or {})
                 if isinstance(fn.get("arguments"), str):
                     try:  # templates expect a mapping (as transformers and mlx-lm pass it)
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except ValueError:
+                        fn["arguments"] = bounded_json.loads(fn["arguments"], "arguments")
+                    except MlxrError:
                         pass
                 tc["function"] = fn
                 fixed.append(tc)
@@ -231,6 +232,7 @@ def chat_job(model, req: ChatRequest) -> Job:
                           "/v1/completions for plain text completion", "messages",
                           "no_chat_template")
     choice = req.tool_choice
+    request_checks.tool_choice(choice)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
     if tools and choice != "none":
         template = tok.get_chat_template(tools)
@@ -241,7 +243,7 @@ def chat_job(model, req: ChatRequest) -> Job:
         if choice not in (None, "none", "auto"):
             raise bad_request("tool_choice needs tools", "tool_choice")
         tools, template = None, tok.chat_template
-    kwargs = dict(req.chat_template_kwargs or {})
+    kwargs = request_checks.template_kwargs(req.chat_template_kwargs)
     if req.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
         if req.reasoning_effort == "none":
@@ -306,10 +308,10 @@ def completion_job(model, req: CompletionRequest) -> Job:
 
 
 def _parse(cls, body: bytes):
-    try:
-        data = json.loads(body)
-    except ValueError as e:
-        raise bad_request(f"request body is not valid JSON: {e}") from None
+    try:  # bounded: depth, numbers, lone surrogates (no consumer of the body accepts them)
+        data = bounded_json.loads(body, "request body", strings=True)
+    except MlxrError as e:
+        raise bad_request(str(e)) from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
     try:
@@ -335,6 +337,7 @@ def create_app(state: ServerState, security: SecurityConfig, load_in_background:
     from .responses import responses_job
 
     security.check()
+    request_checks.allow_client_templates(security.allow_client_chat_template)
     app = FastAPI(title="mlxr", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.on_event("startup")
@@ -379,7 +382,7 @@ def create_app(state: ServerState, security: SecurityConfig, load_in_background:
         req = _parse(cls, await request.body())
         state.check_model(getattr(req, "model", None))
         model, engine = state.require()
-        job = build(model, req)
+        job = await request_checks.build_job(build, model, req)
         if req.stream:
             gen = await render.start(state, engine, job, route)
             return render.EventStream(stream_fn(state, model, job, gen, req),

@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import Request  # module level: FastAPI resolves the (string) annotations here
 from pydantic import Field
 
+from . import request_checks
 from .protocol import APIError, ChatRequest, CompletionRequest, _Req, bad_request
 
 IGNORED_OPTIONS = {"numa", "num_ctx", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv",
@@ -288,8 +289,8 @@ def register(app, state, parse) -> None:
                 body = dict(model=state.model_id, created_at=_now(),
                             **_piece(kind, "", ""), done=True, done_reason=reason)
                 return JSONResponse(body)
-            job = (generate_job if kind == "generate" else ollama_chat_job)(model, req,
-                                                                               parse_dict)
+            job = await request_checks.build_job(
+                generate_job if kind == "generate" else ollama_chat_job, model, req, parse_dict)
             gen = await render.start(state, engine, job, "ollama_" + kind)
         except APIError as e:
             return JSONResponse({"error": e.message}, e.status, headers=e.headers)

@@ -100,6 +100,9 @@ async def start(state, engine, job, route: str) -> Gen:
         g.head = await g.agen.__anext__()
     except StopAsyncIteration:
         g.head = None
+    except asyncio.CancelledError:  # the client left before the first output
+        state.metrics.request_done(route, "cancelled")
+        raise
     except QueueFullError as e:
         state.metrics.request_done(route, "rejected")
         retry = str(max(1, round(getattr(e, "retry_after", 1) or 1)))
@@ -134,7 +137,7 @@ async def json_unless_disconnected(receive, coro) -> Response:
         watcher.cancel()
         if not task.done():
             task.cancel()
-    if not task.cancelled():
+    if task.done() and not task.cancelled():  # (cancel() above only requests it)
         return JSONResponse(task.result())
     with contextlib.suppress(asyncio.CancelledError):
         await task

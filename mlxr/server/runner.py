@@ -87,13 +87,14 @@ def run(model_path: Path, *, host: str = "127.0.0.1", port: int = 8080, api_key:
         header_timeout: float = 10.0, body_timeout: float = 30.0, device=None, dtype=None,
         log_level: str = "info", stream_interval: int | None = None,
         engine_process: str = "auto", allow_pull: bool = False,
-        allow_delete: bool = False) -> None:
+        allow_delete: bool = False, allow_client_chat_template: bool = False) -> None:
     import uvicorn
 
     check_port(port)
     sec = SecurityConfig(bind_host=host, api_key=api_key, allow_origins=list(allow_origins),
                          max_body_bytes=max_body_bytes, body_timeout=body_timeout,
-                         header_timeout=header_timeout, port=port or None)
+                         header_timeout=header_timeout, port=port or None,
+                         allow_client_chat_template=allow_client_chat_template)
     sec.check()
     state = ServerState(model_path, model_id or Path(model_path).name,
                         dict(max_num_seqs=max_num_seqs, max_queued=max_queued,

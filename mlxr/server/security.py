@@ -64,6 +64,8 @@ class SecurityConfig:
     body_timeout: float = 30.0
     header_timeout: float = 10.0
     port: int | None = None  # the port listened on (its loopback origins are allowed)
+    # clients may send chat_template_kwargs.chat_template (template source: code run here)
+    allow_client_chat_template: bool = False
 
     @property
     def loopback(self) -> bool:
@@ -160,18 +162,25 @@ class SecurityMiddleware:
                 length = int(headers.get("content-length", "0") or 0)
             except ValueError:
                 return await send_error_(send, 400, "bad Content-Length")
-            if length > cfg.max_body_bytes:
-                return await send_error_(send, 413, f"request body over {cfg.max_body_bytes} "
-                                         "bytes", code="request_too_large")
+            body: bytes | None = b""
             try:  # asyncio.timeout, not wait_for: no task per request (3.11's wait_for makes one)
                 async with asyncio.timeout(cfg.body_timeout):
-                    body = await self._read_body(receive)
+                    body = None if length > cfg.max_body_bytes else \
+                        await self._read_body(receive)
+                    if body is None:  # read what the client sends before answering: a reply
+                        await _drain(receive)  # over unread data is lost to a TCP reset
             except TimeoutError:
+                if body is None:
+                    return await send_error_(send, 413, f"request body over "
+                                            f"{cfg.max_body_bytes} bytes",
+                                            code="request_too_large",
+                                            headers=[(b"connection", b"close")])
                 return await send_error_(send, 408, "request body not received in time",
-                                         code="request_timeout")
+                                        code="request_timeout")
             if body is None:
                 return await send_error_(send, 413, f"request body over {cfg.max_body_bytes} "
-                                         "bytes", code="request_too_large")
+                                        "bytes", code="request_too_large",
+                                        headers=[(b"connection", b"close")])
             receive = _replay(body, receive)
         return await self.app(scope, receive, send)
 
@@ -188,6 +197,23 @@ class SecurityMiddleware:
             chunks.append(chunk)
             if not msg.get("more_body"):
                 return b"".join(chunks)
+
+
+PROBE_INTERVAL = 0.5  # seconds between probes of a client that shut down its sending side
+# A body over the limit is read and dropped up to this many bytes (then the 413 goes out
+# anyway): enough for the bodies clients send by mistake, not a free upload sink
+DRAIN_BYTES = 64 << 20
+
+
+async def _drain(receive, limit: int = DRAIN_BYTES) -> None:
+    size = 0
+    while size <= limit:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise asyncio.CancelledError
+        size += len(msg.get("body", b""))
+        if not msg.get("more_body"):
+            return
 
 
 def _replay(body: bytes, receive):
@@ -270,9 +296,30 @@ def deadline_protocol(header_timeout: float, max_header_bytes: int = 64 * 1024):
                 if self.cycle is not before:  # a complete request head arrived
                     self._disarm()
 
+        _eof = False
+
+        def eof_received(self):
+            """The client shut down its sending side: a half-close (it still waits for the
+            reply) or a full close (it left) look the same. Keep the connection open so the
+            reply can reach a half-closed client, and probe with interim 102 responses
+            (which HTTP/1.1 clients must skip) until the reply starts: to a client that left,
+            the second write fails, and that is the disconnect the request is cancelled on."""
+            self._eof = True
+            self._probe()
+            return True
+
+        def _probe(self):
+            cycle = getattr(self, "cycle", None)
+            if self.transport.is_closing() or cycle is None or cycle.response_started:
+                return
+            self.transport.write(b"HTTP/1.1 102 Processing\r\n\r\n")
+            self.loop.call_later(PROBE_INTERVAL, self._probe)
+
         def on_response_complete(self):
             super().on_response_complete()
-            if not self.transport.is_closing():
+            if self._eof and not self.transport.is_closing():
+                self.transport.close()
+            elif not self.transport.is_closing():
                 self._arm()
 
         def connection_lost(self, exc):

@@ -1,0 +1,442 @@
+"""mlxr's own fuzzer (issue 34): seeded mutations of a tiny real model folder and of HTTP
+requests, each run in a subprocess under a memory limit and a timeout.
+
+Folders: the tiny 4-bit qwen3 of hostile_models (built at test time by mlx-lm) is copied and
+mutated 1-3 times (safetensors header bytes, config values, rope_scaling, quantization, the
+index, tokenizer.json, tokenizer_config.json, generation_config.json, the chat template), then
+a worker process loads it, generates 3 tokens and renders + tokenizes a chat. Outcomes: ok,
+error (an mlxr error: the promise), crash (any other exception), hang (past the per-case
+timeout) or oom (past the address-space limit).
+
+Requests: the bundled model served in-process (ASGI, AsyncEngine) in a worker process gets
+mutated bodies on every generation route, in concurrent batches beside a valid canary request.
+Outcomes by status class; a 5xx, a hang or a failed canary is a finding.
+
+    python tests/fuzz_hostile.py folders N SEED    # one JSON summary line on stdout
+    python tests/fuzz_hostile.py requests N SEED
+(tests/test_fuzz_hostile.py runs both within the CI budget; MLXR_FUZZ_FOLDERS /
+MLXR_FUZZ_REQUESTS / MLXR_FUZZ_SEED make a longer run.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MEMORY_LIMIT = 6 << 30  # address space of a worker process
+CASE_TIMEOUT = 30.0  # seconds per folder, per request batch
+
+DEEP = "__DEEP__"  # written as 3,000 nested brackets
+HOSTILE_VALUES = [0, -1, 1, 2, 1e308, -1e308, 1e-300, 0.5, None, "", "x", "🙂\u0000", [], {},
+                  True, False, 2**31, 2**32 - 1, 2**63, 10**400, [1.0] * 3, {"a": 1},
+                  {"__float__": "x"}, {"__float__": "NaN"}, DEEP, "\ud800", "NaN"]
+ROPE_TYPES = ["linear", "dynamic", "llama3", "yarn", "longrope", "su", "default", "weird", 7]
+ROPE_FIELDS = ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+               "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "long_factor",
+               "short_factor", "long_mscale", "rope_type", "type"]
+
+
+def _dumps(doc) -> str:
+    text = json.dumps(doc, ensure_ascii=True)
+    return text.replace(json.dumps(DEEP), "[" * 3000 + "]" * 3000)
+
+
+def _hostile(rng: random.Random):
+    return rng.choice(HOSTILE_VALUES)
+
+
+def _mutate_tree(doc, rng: random.Random, steps: int = 1):
+    """Replace, delete or wrap a random node of a JSON tree (in place where possible)."""
+    for _ in range(steps):
+        parents = []
+        stack = [doc]
+        while stack and len(parents) < 5000:
+            node = stack.pop()
+            if isinstance(node, dict) and node:
+                parents.append(node)
+                stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+            elif isinstance(node, list) and node:
+                parents.append(node)
+                stack.extend(v for v in node[:50] if isinstance(v, (dict, list)))
+        if not parents:
+            return _hostile(rng)
+        node = rng.choice(parents)
+        key = rng.choice(list(node)) if isinstance(node, dict) else rng.randrange(len(node))
+        r = rng.random()
+        if r < 0.7:
+            node[key] = _hostile(rng)
+        elif r < 0.85 and isinstance(node, dict):
+            del node[key]
+        else:
+            node[key] = [node[key]] if rng.random() < 0.5 else {"v": node[key]}
+    return doc
+
+
+def _edit_json(path: Path, rng: random.Random, fn=None) -> None:
+    try:  # (an earlier mutation may have left it unreadable)
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        doc = {}
+    if not isinstance(doc, dict):
+        doc = {}
+    try:
+        doc = fn(doc) if fn is not None else _mutate_tree(doc, rng, rng.randint(1, 3))
+    except (KeyError, TypeError, AttributeError):
+        doc = _mutate_tree({"x": doc}, rng)
+    path.write_text(_dumps(doc))
+
+
+def _config(d: Path, rng: random.Random) -> str:
+    _edit_json(d / "config.json", rng)
+    return "config"
+
+
+def _rope(d: Path, rng: random.Random) -> str:
+    def fn(cfg):
+        s = {"rope_type": rng.choice(ROPE_TYPES), "factor": rng.choice([2.0, 8.0, 0.5])}
+        for key in rng.sample(ROPE_FIELDS, rng.randint(1, 4)):
+            s[key] = _hostile(rng) if rng.random() < 0.7 else rng.choice([1.0, 4.0, 32, 4096,
+                                                                           [1.0] * 4])
+        cfg["rope_scaling"] = s
+        return cfg
+    _edit_json(d / "config.json", rng, fn)
+    return "rope_scaling"
+
+
+def _quant(d: Path, rng: random.Random) -> str:
+    def fn(cfg):
+        q = cfg.setdefault("quantization", {})
+        key = rng.choice(["mode", "bits", "group_size", "global_scale",
+                          "model.layers.0.mlp.down_proj", "model.embed_tokens"])
+        q[key] = _hostile(rng) if rng.random() < 0.8 else rng.choice(
+            ["mxfp4", "nvfp4", "mxfp8", {"bits": 8, "group_size": 32}, False])
+        return cfg
+    _edit_json(d / "config.json", rng, fn)
+    return "quantization"
+
+
+def _header(d: Path, rng: random.Random) -> str:
+    path = d / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    n = min(len(data), 8 + int.from_bytes(data[:8], "little"))
+    for _ in range(rng.randint(1, 8)):
+        data[rng.randrange(n)] = rng.randrange(256)
+    if rng.random() < 0.2:
+        data = data[:rng.randrange(len(data))]
+    path.write_bytes(bytes(data))
+    return "header"
+
+
+def _index(d: Path, rng: random.Random) -> str:
+    from safetensors import safe_open
+
+    try:  # (an earlier mutation may have broken the header)
+        with safe_open(str(d / "model.safetensors"), "np") as f:
+            names = list(f.keys())
+    except Exception:  # noqa: BLE001
+        names = ["model.norm.weight", "model.embed_tokens.weight"]
+    doc = {"metadata": {}, "weight_map": {n: "model.safetensors" for n in names}}
+    name = rng.choice(names)
+    doc["weight_map"][name] = rng.choice(["x" * 5000, "../config.json", "/etc/passwd", "",
+                                          "model-2.safetensors", "model.safetensors\0", 7,
+                                          "config.json"])
+    if rng.random() < 0.3:
+        doc = _mutate_tree(doc, rng)
+    (d / "model.safetensors.index.json").write_text(_dumps(doc))
+    return "index"
+
+
+def _tokenizer_json(d: Path, rng: random.Random) -> str:
+    def fn(doc):
+        r = rng.random()
+        if r < 0.3:
+            node = {"type": rng.choice(["Replace", "Split"]),
+                    "pattern": {rng.choice(["String", "Regex"]): rng.choice(["", "a", "("])},
+                    "content": "x", "behavior": "Isolated", "invert": False}
+            doc[rng.choice(["normalizer", "pre_tokenizer", "decoder"])] = node
+        elif r < 0.5:
+            doc["added_tokens"].append({"id": rng.choice([320, 2**32 - 1, -1, 5, "7"]),
+                                        "content": rng.choice(["<x>", 7, "", None]),
+                                        "special": True})
+        elif r < 0.6:
+            doc["model"]["vocab"][rng.choice(["zz", "a"])] = _hostile(rng)
+        else:
+            _mutate_tree(doc, rng, rng.randint(1, 3))
+        return doc
+    _edit_json(d / "tokenizer.json", rng, fn)
+    return "tokenizer.json"
+
+
+def _tokenizer_config(d: Path, rng: random.Random) -> str:
+    from test_template_limits import HOSTILE
+
+    def fn(doc):
+        r = rng.random()
+        if r < 0.4:
+            doc["chat_template"] = rng.choice(list(HOSTILE.values()))[0]
+        elif r < 0.6:
+            doc["added_tokens_decoder"] = {rng.choice(["300", "x", "-1", "99999999999"]): {
+                "content": _hostile(rng), "special": True}}
+        else:
+            _mutate_tree(doc, rng, rng.randint(1, 2))
+        return doc
+    _edit_json(d / "tokenizer_config.json", rng, fn)
+    if rng.random() < 0.1:
+        (d / "additional_chat_templates").mkdir(exist_ok=True)
+        (d / "additional_chat_templates" / "x.jinja").write_bytes(b"\xff{{ 1 }}")
+    return "tokenizer_config.json"
+
+
+def _generation(d: Path, rng: random.Random) -> str:
+    def fn(doc):
+        doc[rng.choice(["temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                        "do_sample", "eos_token_id"])] = _hostile(rng)
+        return doc
+    _edit_json(d / "generation_config.json", rng, fn)
+    return "generation_config.json"
+
+
+FOLDER_MUTATIONS = [_config, _rope, _quant, _header, _index, _tokenizer_json, _tokenizer_config,
+                    _generation]
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+
+def _worker_folders() -> None:
+    """Worker: one folder path per stdin line -> one JSON outcome per stdout line."""
+    import mlxr
+    from mlxr.errors import MlxrError
+
+    for line in sys.stdin:
+        d = Path(line.strip())
+        try:
+            m = mlxr.load(d, device="cpu", dtype="float32")
+            list(m.generate([1, 2, 3], max_tokens=3))
+            if (d / "tokenizer.json").is_file():
+                m.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                tokenize=True)
+            out = {"outcome": "ok"}
+        except MlxrError as e:
+            out = {"outcome": "error", "error": type(e).__name__}
+        except MemoryError:
+            out = {"outcome": "oom"}
+        except Exception as e:  # noqa: BLE001 -- what the fuzzer looks for
+            out = {"outcome": "crash", "error": f"{type(e).__name__}: {str(e)[:200]}"}
+        print(json.dumps(out), flush=True)
+
+
+class _Worker:
+    """A worker process, restarted after a hang or a death."""
+
+    def __init__(self, mode: str):
+        self.mode, self.proc = mode, None
+
+    def start(self):
+        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{HERE}")
+        self.proc = subprocess.Popen([sys.executable, __file__, f"worker-{self.mode}"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, env=env,
+                                     preexec_fn=_limit_memory)
+
+    def ask(self, line: str, timeout: float) -> dict:
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            self.stop()
+            return {"outcome": "hang"}
+        reply = self.proc.stdout.readline()
+        if not reply:
+            rc = self.proc.wait()
+            self.proc = None
+            return {"outcome": "oom" if rc in (-6, -9) else "crash", "error": f"exit {rc}"}
+        return json.loads(reply)
+
+    def stop(self):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+def fuzz_folders(n: int, seed: int) -> dict:
+    import mlx_ref
+    from hostile_models import make_folder
+
+    rng = random.Random(seed)
+    work = Path(tempfile.mkdtemp(prefix="mlxr-fuzz-"))
+    base = make_folder(mlx_ref, work / "base")
+    worker = _Worker("folders")
+    tally: dict[str, int] = {}
+    findings = []
+    start = time.monotonic()
+    try:
+        worker.ask(str(base), 120)  # warm up: imports, first load
+        for i in range(n):
+            d = work / f"case{i}"
+            shutil.copytree(base, d)
+            kinds = [rng.choice(FOLDER_MUTATIONS)(d, rng) for _ in range(rng.randint(1, 3))]
+            out = worker.ask(str(d), CASE_TIMEOUT)
+            tally[out["outcome"]] = tally.get(out["outcome"], 0) + 1
+            if out["outcome"] not in ("ok", "error"):
+                findings.append({"case": i, "mutations": kinds, **out})
+            shutil.rmtree(d, ignore_errors=True)
+    finally:
+        worker.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return {"kind": "folders", "tried": n, "seed": seed, "outcomes": tally,
+            "findings": findings, "seconds": round(time.monotonic() - start, 1)}
+
+
+# -- requests --------------------------------------------------------------------------------------
+
+ROUTES = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Once"}], "max_tokens": 3},
+    "/v1/completions": {"prompt": "Once", "max_tokens": 3},
+    "/v1/responses": {"input": "Once", "max_output_tokens": 3},
+    "/api/chat": {"model": "m", "messages": [{"role": "user", "content": "Once"}],
+                  "stream": False, "options": {"num_predict": 3}},
+    "/api/generate": {"model": "m", "prompt": "Once", "stream": False,
+                      "options": {"num_predict": 3}},
+}
+FIELDS = {
+    "temperature": [1e-300, -1, 1e300, 2], "top_p": [0, 10**400, 1e-300], "top_k": [-1, 2**63],
+    "seed": [-1, 2**70], "stop": [[""] * 100, 7, ["x" * 5000]], "logit_bias": [{"x": 1},
+                                                                               {"1": 1e300}],
+    "tools": [[{"type": "function"}], "x",
+              [{"type": "function", "function": {"name": "f", "parameters": DEEP}}]],
+    "tool_choice": [{"type": "function", "function": "f"}, 7, "required"],
+    "chat_template_kwargs": [{"chat_template": "{{ 1 }}"}, {"tokenize": True}, {"tools": 1},
+                             {"x": DEEP}, "x"],
+    "response_format": [{"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}},
+                        {"type": "json_object"}, 5],
+    "messages": [[{"role": "assistant", "content": "", "tool_calls": "x"}],
+                 [{"role": "assistant", "tool_calls": [{"function": "f"}]}],
+                 [{"role": "user", "content": 5}], [{"role": "user", "content": "\ud800"}], []],
+    "input": [[{"role": "user", "content": 5}], ["x"], [{"type": "function_call", "name": 7}]],
+    "text": [{"format": "json"}, {"format": {"type": "json_schema", "schema": 5}}],
+    "max_tokens": [2**40, 0, -5], "logprobs": [True, 99], "top_logprobs": [30, 5],
+    "options": [{"num_predict": -2, "temperature": 1e-300}, {"top_k": "x"}, 7],
+}
+
+
+def _mutate_body(route: str, rng: random.Random) -> bytes:
+    body = json.loads(json.dumps(ROUTES[route]))
+    r = rng.random()
+    if r < 0.55:
+        for key in rng.sample(list(FIELDS), rng.randint(1, 3)):
+            body[key] = rng.choice(FIELDS[key])
+    elif r < 0.85:
+        body = _mutate_tree(body, rng, rng.randint(1, 3))
+    raw = _dumps(body).encode()
+    if r >= 0.85:
+        cut = rng.choice(["truncate", "deep", "surrogate", "garbage", "number"])
+        raw = {"truncate": raw[:rng.randrange(len(raw))],
+               "deep": b'{"x": ' + b"[" * 2000 + b"]" * 2000 + b"}",
+               "surrogate": raw.replace(b"Once", b"\\udc80"),
+               "garbage": bytes(rng.randrange(256) for _ in range(64)),
+               "number": raw.replace(b"3", b"9" * 500, 1)}[cut]
+    return raw
+
+
+def _worker_requests(n: int, seed: int) -> None:
+    """Worker: serve the bundled model in-process and fuzz its ASGI app; print the summary."""
+    import asyncio
+
+    import httpx
+
+    from mlxr.server import SecurityConfig, ServerState, create_app
+
+    bundled = ROOT / "mlxr" / "bundled" / "stories260K"
+    state = ServerState(bundled, "m", {"max_num_seqs": 8}, {"device": "cpu",
+                                                             "dtype": "float32"}, "off")
+    app = create_app(state, SecurityConfig(), load_in_background=False)
+    state.load()
+    rng = random.Random(seed)
+    tally: dict[str, int] = {}
+    findings: list = []
+
+    async def one(client, route: str, raw: bytes) -> int:
+        r = await client.post(route, content=raw, headers={"Content-Type": "application/json"})
+        return r.status_code
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1",
+                                     timeout=CASE_TIMEOUT) as client:
+            done = 0
+            while done < n:
+                batch = [(route, _mutate_body(route, rng))
+                         for route in rng.choices(list(ROUTES), k=min(7, n - done))]
+                canary = ("/v1/completions", json.dumps(ROUTES["/v1/completions"]).encode())
+                try:
+                    codes = await asyncio.wait_for(asyncio.gather(
+                        *(one(client, r, b) for r, b in [*batch, canary]),
+                        return_exceptions=True), CASE_TIMEOUT)
+                except TimeoutError:
+                    tally["hang"] = tally.get("hang", 0) + len(batch)
+                    findings.append({"hang": [r for r, _ in batch]})
+                    done += len(batch)
+                    continue
+                for (route, raw), code in zip(batch, codes):
+                    key = (f"{code // 100}xx" if isinstance(code, int)
+                           else f"exception {type(code).__name__}")
+                    tally[key] = tally.get(key, 0) + 1
+                    if not isinstance(code, int) or code >= 500:
+                        findings.append({"route": route, "status": str(code),
+                                         "body": raw[:300].decode("utf-8", "replace")})
+                if codes[-1] != 200:
+                    findings.append({"canary": str(codes[-1])})
+                tally["canary ok"] = tally.get("canary ok", 0) + (codes[-1] == 200)
+                done += len(batch)
+
+    start = time.monotonic()
+    asyncio.run(main())
+    print(json.dumps({"kind": "requests", "tried": n, "seed": seed, "outcomes": tally,
+                      "findings": findings, "seconds": round(time.monotonic() - start, 1)}))
+
+
+def fuzz_requests(n: int, seed: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{HERE}")
+    timeout = 120 + n * 2.0
+    try:
+        p = subprocess.run([sys.executable, __file__, "worker-requests", str(n), str(seed)],
+                           capture_output=True, text=True, env=env, timeout=timeout,
+                           preexec_fn=_limit_memory)
+    except subprocess.TimeoutExpired:
+        return {"kind": "requests", "tried": n, "seed": seed, "outcomes": {"hang": 1},
+                "findings": ["the request worker ran past its timeout"]}
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode or not lines:
+        return {"kind": "requests", "tried": n, "seed": seed, "outcomes": {"crash": 1},
+                "findings": [f"worker exit {p.returncode}: {p.stderr[-2000:]}"]}
+    return json.loads(lines[-1])
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "worker-folders":
+        _worker_folders()
+    elif mode == "worker-requests":
+        _worker_requests(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        sys.path[:0] = [str(ROOT), str(HERE)]
+        fn = fuzz_folders if mode == "folders" else fuzz_requests
+        print(json.dumps(fn(int(sys.argv[2]), int(sys.argv[3]))))

@@ -1,0 +1,40 @@
+"""mlxr's fuzzer in CI (issue 34; the fuzzer itself is tests/fuzz_hostile.py): a fixed seed and
+a bounded number of inputs, ~60-90 s on 2 cores. A longer run:
+
+    MLXR_FUZZ_FOLDERS=2000 MLXR_FUZZ_REQUESTS=20000 MLXR_FUZZ_SEED=7 \\
+        python -m pytest -s tests/test_fuzz_hostile.py
+
+Every folder must load, or fail with an mlxr error; every request must get a status below
+500 within its timeout while a valid request beside it succeeds; no worker may hang or run
+past its memory limit. The summaries (inputs tried, outcomes, findings) are printed."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import fuzz_hostile
+
+pytest.importorskip("mlx_ref")
+
+SEED = int(os.environ.get("MLXR_FUZZ_SEED", "1"))
+
+
+def _report(summary: dict) -> None:
+    print("\n" + json.dumps(summary, indent=1))
+
+
+def test_fuzz_model_folders():
+    summary = fuzz_hostile.fuzz_folders(int(os.environ.get("MLXR_FUZZ_FOLDERS", "150")), SEED)
+    _report(summary)
+    assert summary["findings"] == [], summary["findings"]
+    assert set(summary["outcomes"]) <= {"ok", "error"}
+
+
+def test_fuzz_requests():
+    summary = fuzz_hostile.fuzz_requests(int(os.environ.get("MLXR_FUZZ_REQUESTS", "2000")), SEED)
+    _report(summary)
+    assert summary["findings"] == [], summary["findings"]
+    assert not any(k.startswith(("5", "exception", "hang", "crash")) for k in summary["outcomes"])
