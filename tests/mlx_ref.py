@@ -293,3 +293,4 @@ def router_choices(path: Path, family: str, seq: list[int]) -> tuple[np.ndarray,
         gaps.append((s[:, -k] - s[:, -k - 1]) / (s[:, -1] - s[:, 0]))
         sets.append(np.sort(order[:, -k:], -1))
     return np.stack(sets), np.stack(gaps)
+
