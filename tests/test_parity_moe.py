@@ -254,3 +254,66 @@ def test_engine_batch_equals_single(built, family, paged):
     alone = [_run_all(LLMEngine(model, max_num_seqs=1, paged_decode=paged),
                       [EngineRequest(p, params)])[0] for p in prompts]
     assert batched == alone
+
+
+@pytest.mark.parametrize("family,quant", [
+    ("qwen3_moe", "q8g64"), ("mixtral", "q4g64"), ("gpt_oss", "mxfp4_q8"), ("laguna", "bf16"),
+    ("laguna", "nvfp4_gs"), ("laguna", "mxfp8")])
+def test_stacked_experts_equal_split(built, family, quant, monkeypatch):
+    """The stacked experts (CUDA's default; MLXR_MOE=stacked here): prefill over the
+    (token, expert) pairs grouped per expert, each decode token's 2-8 pairs gathered by the
+    device-side ids with no host sync, equal the per-expert weights' logits (float32;
+    their summation orders differ: 1e-5 of the range)."""
+    b = built(family, quant)
+    monkeypatch.setenv("MLXR_MOE", "stacked")
+    model = mlxr.load(b.path, device="cpu", dtype="float32")
+    from mlxr.models.moe import StackedExperts
+
+    assert all(isinstance(layer.moe.down[0], StackedExperts)
+               for layer in model.decoder.layers if layer.moe is not None)
+    seq = b.seq[:40]
+    want = b.model32.logits(seq).numpy()
+    got = model.logits(seq).numpy()
+    assert (np.abs(got - want).max(-1) / _range(want)).max() <= 1e-5
+    step, routes = _decode_logits(model, seq, 20)
+    assert (routes == _our_choices(b.model32, seq)[:, 20:-1]).all()
+    want = want[19:-1]
+    assert (np.abs(step - want).max(-1) / _range(want)).max() <= 1e-4
+
+
+@pytest.mark.parametrize("mode", ["split", "stacked"])
+def test_decode_reads_only_the_selected_experts(built, mode, monkeypatch):
+    """One decoded token runs exactly k experts' projections per MoE layer (split: k gate_up
+    and k down Linears called; stacked: k experts' weights dequantized per projection)."""
+    from mlxr.layers import Linear
+    from mlxr.models.moe import StackedExperts
+
+    b = built("laguna", "q4g64")
+    monkeypatch.setenv("MLXR_MOE", mode)
+    model = mlxr.load(b.path, device="cpu", dtype="float32")
+    dec = model.decoder
+    cache = new_cache(dec, 32)
+    experts = {id(p) for layer in dec.layers if layer.moe is not None
+               for p in (*layer.moe.gate_up, *layer.moe.down)}
+    read = []
+    linear_call, dense = Linear.__call__, StackedExperts.dense
+
+    def count_linear(self, x):
+        if id(self) in experts:
+            read.append(1)
+        return linear_call(self, x)
+
+    def count_dense(self, ids):
+        read.append(ids.numel())
+        return dense(self, ids)
+
+    monkeypatch.setattr(Linear, "__call__", count_linear)
+    monkeypatch.setattr(StackedExperts, "dense", count_dense)
+    with torch.inference_mode():
+        dec.forward(torch.tensor(b.seq[:8]), cache, last_only=True)
+        read.clear()
+        dec.forward(torch.tensor([b.seq[8]]), cache, last_only=True)
+    moe_layers = sum(layer.moe is not None for layer in dec.layers)
+    k = model.config.moe.top_k
+    per_layer = 2 * k if mode == "split" else 3 * k  # gate_up+down / gate, up, down
+    assert sum(read) == moe_layers * per_layer
