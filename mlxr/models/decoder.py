@@ -1,4 +1,5 @@
-"""One configurable decoder for the dense families (flags in ModelConfig select the variant).
+"""One configurable decoder for every family (flags in ModelConfig select the variant; a
+layer's MLP is dense or a `moe.MoeBlock`).
 
 Module names follow the checkpoint (HF names); see `mlxr.models.loader` for how tensors map in.
 """
