@@ -12,6 +12,7 @@ from pathlib import Path
 
 from . import bounded_json
 from .config_checks import check_model_config, positive
+from .config_moe import MOE_TYPES, MoeSpec, layer_kinds, layer_list, parse_moe
 from .errors import ModelFormatError
 
 _MISSING = object()
@@ -88,6 +89,11 @@ class ModelConfig:
     layer_rope: tuple[RopeSpec, ...] = field(default=(), repr=False)
     # sliding window per layer (None = global attention)
     layer_window: tuple[int | None, ...] = field(default=(), repr=False)
+    # query heads per layer (laguna); () = num_heads everywhere (num_heads is their maximum)
+    layer_heads: tuple[int, ...] = ()
+    attn_sinks: bool = False  # gpt-oss: self_attn.sinks [H], one extra logit per head
+    attn_head_gate: bool = False  # laguna: o *= softplus(self_attn.g_proj(x)) [N, H] per head
+    moe: MoeSpec | None = None  # the sparse MLP of the MoE families (its layers: sparse_layers)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     quant: QuantConfig | None = None
@@ -100,6 +106,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def heads(self, layer: int) -> int:
+        """Query heads of one layer."""
+        return self.layer_heads[layer] if self.layer_heads else self.num_heads
 
     @property
     def context_length(self) -> int:
@@ -123,8 +133,15 @@ LIMITS = {
     "intermediate_size": 1 << 18,
     "max_position_embeddings": 1 << 24,
     "sliding_window": 1 << 24,
+    "num_experts": 1 << 14,
+    "num_local_experts": 1 << 14,
+    "num_experts_per_tok": 1 << 14,
+    "moe_intermediate_size": 1 << 18,
+    "shared_expert_intermediate_size": 1 << 18,
+    "decoder_sparse_step": 1024,
 }
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+             "phi3") + MOE_TYPES
 
 
 class _Reader:
@@ -267,15 +284,18 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
     hidden = r.int("hidden_size", 1152 if d3 else _MISSING)
     layers = r.int("num_hidden_layers", 26 if d3 else _MISSING)
     heads = r.int("num_attention_heads", 4 if d3 else _MISSING)
-    kv_default = heads if mt in ("llama", "mistral", "phi3") else (1 if d3 else _MISSING)
+    kv_default = (heads if mt in ("llama", "mistral", "phi3", "mixtral") else
+                  8 if mt in ("gpt_oss", "laguna") else (1 if d3 else _MISSING))
     kv_heads = r.int("num_key_value_heads", kv_default)
     if heads % kv_heads:
         raise ModelFormatError(
             f"{source}: num_attention_heads ({heads}) is not a multiple of "
             f"num_key_value_heads ({kv_heads})"
         )
-    if mt in ("qwen3", "gemma", "gemma2"):
+    if mt in ("qwen3", "gemma", "gemma2", "qwen3_moe"):
         head_dim = r.int("head_dim")
+    elif mt in ("gpt_oss", "laguna"):
+        head_dim = r.int("head_dim", 64 if mt == "gpt_oss" else 128)
     elif d3:
         head_dim = r.int("head_dim", 256)
     elif mt in ("llama", "mistral"):
@@ -285,10 +305,14 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
     if head_dim < 2 or head_dim % 2:
         raise ModelFormatError(f"{source}: head_dim {head_dim} must be even")
     vocab = r.int("vocab_size", 262144 if d3 else _MISSING)
-    inter = r.int("intermediate_size", 6912 if d3 else _MISSING)
-    eps = r.float("rms_norm_eps", 1e-6 if d3 else _MISSING)
+    inter = r.int("intermediate_size", {"gemma3_text": 6912, "mixtral": 14336, "gpt_oss": 2880,
+                                        "laguna": 8192}.get(mt, _MISSING))
+    eps = r.float("rms_norm_eps", {"gemma3_text": 1e-6, "mixtral": 1e-5, "gpt_oss": 1e-5,
+                                   "laguna": 1e-6}.get(mt, _MISSING))
     max_pos = r.int("max_position_embeddings", {"qwen2": 32768, "phi3": 131072,
-                                                  "gemma3_text": 32768}.get(mt, 4096))
+                                                  "gemma3_text": 32768, "mixtral": 32768,
+                                                  "gpt_oss": 131072,
+                                                  "laguna": 262144}.get(mt, 4096))
     kw: dict = {}
     traditional = r.bool("rope_traditional", False)
     windows: list[int | None] = [None] * layers
@@ -354,6 +378,9 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
                                 f"{source}: query_pre_attn_scalar") ** -0.5,
         )
         tie = None
+    elif mt in MOE_TYPES:
+        tie, ropes, windows = _moe_family(r, mt, layers, heads, kv_heads, head_dim, max_pos,
+                                          traditional, kw)
     else:  # phi3
         theta = r.float("rope_theta", 10000.0)
         partial = r.float("partial_rotary_factor", 1.0)
@@ -381,16 +408,85 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
             raise ModelFormatError(f"{source}: sliding_window {w} is out of range")
     bos = raw.get("bos_token_id")
     config = ModelConfig(
-        model_type=mt, vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        model_type=mt, vocab_size=vocab, hidden_size=hidden, num_layers=layers,
+        num_heads=kw.pop("num_heads", heads),
         num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=inter, rms_norm_eps=eps,
         max_position_embeddings=max_pos, tie_word_embeddings=tie, layer_rope=tuple(ropes),
         layer_window=tuple(windows),
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
         eos_token_ids=_eos_ids(raw.get("eos_token_id")), quant=parse_quant(raw, source),
+        moe=parse_moe(r, mt, layers, inter) if mt in MOE_TYPES else None,
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"), **kw,
     )
     check_model_config(config, source)
     return config
+
+
+def _moe_family(r: _Reader, mt: str, layers: int, heads: int, kv_heads: int, head_dim: int,
+                max_pos: int, traditional: bool,
+                kw: dict) -> tuple[bool, list[RopeSpec], list[int | None]]:
+    """Attention of the MoE families as mlx-lm builds it: (tied, per-layer RoPE, per-layer
+    window), the attention flags into `kw`. (Their MoE blocks: `config_moe.parse_moe`.)"""
+    windows: list[int | None] = [None] * layers
+    if mt == "qwen3_moe":  # mlx-lm's qwen3_moe ignores rope_scaling (plain nn.RoPE)
+        kw.update(qk_norm=True)
+        return (r.bool("tie_word_embeddings"),
+                [RopeSpec(head_dim, r.float("rope_theta"), False)] * layers, windows)
+    if mt == "mixtral":
+        return (r.bool("tie_word_embeddings", False),
+                [RopeSpec(head_dim, r.float("rope_theta", 1e6), traditional)] * layers, windows)
+    both = ("sliding_attention", "full_attention")
+    if mt == "gpt_oss":  # no lm_head tying; layers alternate sliding / full by default
+        types = layer_kinds(r, "layer_types", layers, both, list(both) * (layers // 2))
+        if len(types) != layers or set(types) != set(both):
+            raise ModelFormatError(f"{r.source}: key 'layer_types' must list {layers} entries "
+                                   "with both sliding_attention and full_attention layers")
+        window = r.int("sliding_window", 128)
+        kw.update(qkv_bias=True, o_bias=True, attn_sinks=True)
+        rope = RopeSpec(head_dim, r.float("rope_theta", 150000.0), False, _rope_scaling(r),
+                        max_pos)
+        return False, [rope] * layers, [window if t == both[0] else None for t in types]
+    # laguna: per-layer query heads and RoPE by layer type, a softplus gate per head
+    types = layer_kinds(r, "layer_types", layers, both, [both[1]] * layers)
+    if both[1] not in types:
+        raise ModelFormatError(f"{r.source}: key 'layer_types' has no full_attention layer")
+    per = layer_list(r, "num_attention_heads_per_layer", layers, [heads] * layers)
+    for h in per:
+        if isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= LIMITS[
+                "num_attention_heads"] or h % kv_heads:
+            raise ModelFormatError(f"{r.source}: key 'num_attention_heads_per_layer' has {h!r}; "
+                                   f"each must be a positive multiple of num_key_value_heads "
+                                   f"({kv_heads})")
+    window = r.int("sliding_window", 512)
+    params = r.dict("rope_parameters") or {}
+    partial = r.float("partial_rotary_factor", 1.0)
+    by_type = {t: _laguna_rope(r, params.get(t), f"rope_parameters.{t}", head_dim, partial,
+                               max_pos) for t in set(types)}
+    gating = r.raw.get("gating", True)  # any truthy value is mlx-lm's per-head gate
+    kw.update(qk_norm=True, qkv_bias=r.bool("qkv_bias", False),
+              o_bias=r.bool("attention_bias", False), attn_head_gate=bool(gating),
+              layer_heads=tuple(per), num_heads=max(per))
+    return (r.bool("tie_word_embeddings", False), [by_type[t] for t in types],
+            [window if t == both[0] else None for t in types])
+
+
+def _laguna_rope(r: _Reader, sub, key: str, head_dim: int, partial: float,
+                 max_pos: int) -> RopeSpec:
+    """One layer type's RoPE: its own theta (default 1e4), partial rotary factor and
+    scaling (mlx-lm laguna._layer_rope)."""
+    sub = sub or {}
+    if not isinstance(sub, dict):
+        raise ModelFormatError(f"{r.source}: key '{key}' must be an object")
+    sr = _Reader(sub, r.source)
+    base = sr.float("rope_theta", 10000.0)
+    frac = sr.float("partial_rotary_factor", partial)
+    dims = int(head_dim * frac)
+    if dims < 2 or dims % 2 or dims > head_dim:
+        raise ModelFormatError(f"{r.source}: key '{key}.partial_rotary_factor' = {frac} "
+                               f"gives {dims} rotary dims of head_dim {head_dim}")
+    scaling = _rope_scaling(_Reader({key: {k: v for k, v in sub.items() if k != "rope_theta"}},
+                                    r.source), key)
+    return RopeSpec(dims, base, False, scaling, max_pos)
 
 
 MAX_JSON_BYTES = 16 << 20

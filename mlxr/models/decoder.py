@@ -1,4 +1,5 @@
-"""One configurable decoder for the dense families (flags in ModelConfig select the variant).
+"""One configurable decoder for every family (flags in ModelConfig select the variant; a
+layer's MLP is dense or a `moe.MoeBlock`).
 
 Module names follow the checkpoint (HF names); see `mlxr.models.loader` for how tensors map in.
 """
@@ -14,6 +15,7 @@ from ..config import ModelConfig
 from ..layers import Embedding, Linear, Rope
 from ..quant import QuantWeight
 from . import fused_decode
+from .moe import MoeBlock
 
 
 class Fused:
@@ -102,12 +104,15 @@ class Layer:
     o_proj: Linear
     # post_attention_layernorm (llama) / pre_feedforward_layernorm (gemma2/3)
     mlp_norm: torch.Tensor
-    gate_up: Linear | Fused  # -> [N, 2F], gate first
-    down_proj: Linear
+    gate_up: Linear | Fused | None  # -> [N, 2F], gate first (None: a MoE layer)
+    down_proj: Linear | None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     post_attn_norm: torch.Tensor | None = None  # sandwich norms (gemma2/3)
     post_mlp_norm: torch.Tensor | None = None
+    moe: MoeBlock | None = None  # the sparse MLP in place of gate_up / down_proj
+    sinks: torch.Tensor | None = None  # [H] attention sinks (gpt-oss)
+    head_gate: Linear | None = None  # -> [N, H], softplus-gated attention heads (laguna)
 
 
 class Decoder:
@@ -137,8 +142,10 @@ class Decoder:
         out: dict[int, QuantWeight] = {}
         lins = [self.head]
         for layer in self.layers:
-            for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj):
-                lins.extend(p.parts if isinstance(p, Fused) else [p])
+            ps = [layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj, layer.head_gate]
+            ps += layer.moe.linears() if layer.moe is not None else []
+            for p in ps:
+                lins.extend(p.parts if isinstance(p, Fused) else [] if p is None else [p])
         for lin in lins:
             if isinstance(lin.weight, QuantWeight):
                 out.setdefault(id(lin.weight), lin.weight)
@@ -187,7 +194,8 @@ class Decoder:
             def attend_paged(i: int, q):
                 return ops.paged_prefill_attention(
                     q, pool.k[i], pool.v[i], pb.block_tables, pb.items, pool.block_size,
-                    c.attn_scale, c.layer_window[i], c.attn_logit_softcap)
+                    c.attn_scale, c.layer_window[i], c.attn_logit_softcap,
+                    self.layers[i].sinks)
 
             return self._run(ids, pb.rope, pool, step.write_slots, attend_paged,
                              step.logits_rows, pb.positions)
@@ -212,7 +220,8 @@ class Decoder:
                     sl = sp.slots[lo:ctx]
                     keys, values = kc.index_select(1, sl), vc.index_select(1, sl)
                 outs.append(ops.attention(q[row:row + sp.q_len], keys, values, sp.q_start, lo,
-                                          c.attn_scale, window, c.attn_logit_softcap))
+                                          c.attn_scale, window, c.attn_logit_softcap,
+                                          self.layers[i].sinks))
                 row += sp.q_len
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -229,7 +238,7 @@ class Decoder:
 
         def attend(i: int, q):
             return ops.attention_at(q, pool.k[i], pool.v[i], pos, c.layer_window[i],
-                                    c.attn_scale, c.attn_logit_softcap)
+                                    c.attn_scale, c.attn_logit_softcap, self.layers[i].sinks)
 
         if fused_decode.eligible(self):
             return fused_decode.run(self, ids, tables, pool, pos, attend)
@@ -248,7 +257,7 @@ class Decoder:
         def attend(i: int, q):
             return ops.paged_attention(q, pool.k[i], pool.v[i], block_tables, ctx_lens,
                                        pool.block_size, c.attn_scale, c.layer_window[i],
-                                       c.attn_logit_softcap)
+                                       c.attn_logit_softcap, self.layers[i].sinks)
 
         return self._run(ids, tables, pool, slots, attend, None, pos)
 
@@ -268,15 +277,20 @@ class Decoder:
         for i, layer in enumerate(self.layers):
             rope = self.ropes[i]
             cos, sin = tables[id(rope.spec)]  # [N|1, R], or [P, R] with positions
-            q = ops.qkv_rope_write(layer.qkv(x), c.num_heads, c.num_kv_heads, c.head_dim,
+            heads = c.heads(i)
+            q = ops.qkv_rope_write(layer.qkv(x), heads, c.num_kv_heads, c.head_dim,
                                    layer.q_norm, layer.k_norm, eps, off, rope.scale, cos, sin,
                                    rope.spec.traditional, pool.k[i], pool.v[i], slots,
                                    positions)
-            o = layer.o_proj(attend(i, q).reshape(n, c.q_size))
+            a = attend(i, q).reshape(n, heads * c.head_dim)
+            if layer.head_gate is not None:
+                a = ops.head_gate(a, layer.head_gate(x))
+            o = layer.o_proj(a)
             if layer.post_attn_norm is not None:
                 o = ops.rms_norm(o, layer.post_attn_norm, eps, off)
             h, x = self._add_norm(h, o, layer.mlp_norm)
-            m = layer.down_proj(_gated_act(layer.gate_up, x, c.hidden_act))
+            m = (layer.moe(x) if layer.moe is not None else
+                 layer.down_proj(_gated_act(layer.gate_up, x, c.hidden_act)))
             if layer.post_mlp_norm is not None:
                 m = ops.rms_norm(m, layer.post_mlp_norm, eps, off)
             if i + 1 < len(self.layers):

@@ -54,6 +54,8 @@ def eligible(dec) -> bool:
               and dt in (torch.bfloat16, torch.float16) and not c.clip_residual_fp16
               and _qualifies(dec.head, dt)
               and all(layer.post_attn_norm is None and layer.post_mlp_norm is None
+                      and layer.moe is None and layer.head_gate is None
+                      and layer.sinks is None and not c.layer_heads
                       and all(_qualifies(p, dt) for p in (layer.qkv, layer.o_proj,
                                                           layer.gate_up, layer.down_proj))
                       for layer in dec.layers))

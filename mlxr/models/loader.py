@@ -21,6 +21,7 @@ from ..quant import QuantWeight
 from ..quant.cuda_copies import COPY_MODES, decode_copy_bytes
 from ..quant.weight import dense_bytes
 from .decoder import Decoder, Fused, Layer
+from .moe_loader import build_moe
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +46,19 @@ def module_table(c: ModelConfig, tied: bool) -> dict[str, tuple[str, int, int, b
         mods["lm_head"] = ("linear", c.vocab_size, e, False)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
+        q_size = c.heads(i) * d
         if c.fused_qkv:
-            mods[p + "self_attn.qkv_proj"] = ("linear", c.q_size + 2 * c.kv_size, e, False)
+            mods[p + "self_attn.qkv_proj"] = ("linear", q_size + 2 * c.kv_size, e, False)
         else:
-            mods[p + "self_attn.q_proj"] = ("linear", c.q_size, e, c.qkv_bias)
+            mods[p + "self_attn.q_proj"] = ("linear", q_size, e, c.qkv_bias)
             mods[p + "self_attn.k_proj"] = ("linear", c.kv_size, e, c.qkv_bias)
             mods[p + "self_attn.v_proj"] = ("linear", c.kv_size, e, c.qkv_bias)
-        mods[p + "self_attn.o_proj"] = ("linear", e, c.q_size, c.o_bias)
-        if c.fused_gate_up:
+        mods[p + "self_attn.o_proj"] = ("linear", e, q_size, c.o_bias)
+        if c.attn_head_gate:
+            mods[p + "self_attn.g_proj"] = ("linear", c.heads(i), e, False)
+        if c.moe is not None and c.moe.sparse_layers[i]:
+            pass  # the MoE block's tensors: moe_loader.build_moe
+        elif c.fused_gate_up:
             mods[p + "mlp.gate_up_proj"] = ("linear", 2 * f, e, False)
         else:
             mods[p + "mlp.gate_proj"] = ("linear", f, e, c.mlp_bias)
@@ -153,13 +159,14 @@ class _Builder:
         return self.load(name).to(device="meta" if self.dry_run else self.device,
                                   dtype=self.dtype)
 
-    def quant_spec(self, path: str, out: int, inp: int) -> QuantSpec:
-        """The module's quantization: config entry if any, else inferred from shapes (mlx-lm)."""
+    def quant_spec(self, path: str, out: int, inp: int, rank: int = 2) -> QuantSpec:
+        """The module's quantization: config entry if any, else inferred from shapes (mlx-lm).
+        rank: of its weight (3 for stacked experts)."""
         q = self.config.quant
         if q is not None and path in q.overrides and q.overrides[path] is not None:
             return q.overrides[path]
         w, s = self._info(path + ".weight"), self._info(path + ".scales")
-        if len(w.shape) != 2 or len(s.shape) != 2 or s.shape[-1] == 0 or inp % s.shape[-1] \
+        if len(w.shape) != rank or len(s.shape) != rank or s.shape[-1] == 0 or inp % s.shape[-1] \
                 or (32 * w.shape[-1]) % inp:
             raise ModelFormatError(
                 f"{w.file.name}: quantized '{path}' has weight {list(w.shape)} / scales "
@@ -173,32 +180,35 @@ class _Builder:
                                    "match no MLX floating-point mode")
         return QuantSpec(mode, bits, group, path + ".global_scale" in self.ckpt.tensors)
 
-    def weight(self, path: str, out: int, inp: int) -> torch.Tensor | RawQuant:
-        """A linear/embedding weight [out, in]: float tensor, or the packed tensors."""
+    def weight(self, path: str, out: int, inp: int,
+               lead: tuple[int, ...] = ()) -> torch.Tensor | RawQuant:
+        """A linear/embedding weight [out, in] (a stack of them [*lead, out, in]: experts):
+        float tensor, or the packed tensors (a global scale of shape lead)."""
         q = self.config.quant
         if path + ".scales" not in self.ckpt.tensors:
             if q is not None and q.overrides.get(path, False) is not None and path in q.overrides:
                 raise ModelFormatError(f"config.json quantizes '{path}' but its "
                                        f"'{path}.scales' tensor is missing")
-            return self.float_tensor(path + ".weight", (out, inp))
+            return self.float_tensor(path + ".weight", (*lead, out, inp))
         if q is not None and path in q.overrides and q.overrides[path] is None:
             raise ModelFormatError(f"config.json marks '{path}' unquantized (false) but the "
                                    f"checkpoint has '{path}.scales'")
-        spec = self.quant_spec(path, out, inp)
+        spec = self.quant_spec(path, out, inp, 2 + len(lead))
         if inp % spec.group_size or (inp * spec.bits) % 32:
             raise ModelFormatError(f"'{path}': input size {inp} is not a multiple of group size "
                                    f"{spec.group_size}")
         w_info, s_info = self._info(path + ".weight"), self._info(path + ".scales")
-        self._expect(w_info, (out, inp * spec.bits // 32), {"U32"})
+        self._expect(w_info, (*lead, out, inp * spec.bits // 32), {"U32"})
         affine = spec.mode == "affine"
-        self._expect(s_info, (out, inp // spec.group_size), FLOAT_DTYPES if affine else {"U8"})
+        self._expect(s_info, (*lead, out, inp // spec.group_size),
+                     FLOAT_DTYPES if affine else {"U8"})
         biases = gscale = None
         if affine:
             b_info = self._info(path + ".biases")
             self._expect(b_info, tuple(s_info.shape), {s_info.dtype})
             biases = self.load(path + ".biases")
         if spec.global_scale:
-            self._expect(self._info(path + ".global_scale"), (), {"F32"})
+            self._expect(self._info(path + ".global_scale"), lead, {"F32"})
             gscale = self.load(path + ".global_scale")
         return RawQuant(self.load(path + ".weight"), self.load(path + ".scales"),
                         biases, spec, gscale)
@@ -246,6 +256,13 @@ class _Builder:
             bs = [self.float_tensor(path + ".bias", (out,)) if has else
                   torch.zeros(out, dtype=self.dtype, device=self.device)
                   for path, out, _, has in parts]
+        return self.stack(ws, bs, matmul, glu, gathered)
+
+    def stack(self, ws: list, bs: list, matmul: bool = True, glu: bool = False,
+              gathered: bool = False) -> Linear | Fused:
+        """One Linear of weights ws (float tensors or RawQuant, each [out_i, in]) and biases
+        bs (tensors, or all None) stacked along the output dim, or a Fused of them where
+        their storage formats differ."""
         bias = None if bs[0] is None else torch.cat(bs)
         if len(ws) == 1:
             return Linear(ws[0] if isinstance(ws[0], torch.Tensor) else
@@ -277,7 +294,8 @@ def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
     tied = c.tie_word_embeddings
     if tied is None:
         tied = "lm_head.weight" not in names
-    if tied and c.model_type in ("llama", "mistral", "qwen2", "qwen3"):
+    if tied and c.model_type in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
+                                 "laguna"):
         ignored |= {n for n in names if n.startswith("lm_head.")}
     table = module_table(c, tied)
     b = _Builder(ckpt, c, dtype, device, dry_run)
@@ -294,6 +312,7 @@ def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
         sandwich = c.sandwich_norm
+        sparse = c.moe is not None and c.moe.sparse_layers[i]
         layers.append(Layer(
             input_norm=norm(p + "input_layernorm"),
             qkv=linear(attn + "qkv_proj") if c.fused_qkv else linear(
@@ -301,9 +320,12 @@ def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
             o_proj=linear(attn + "o_proj"),
             mlp_norm=norm(p + ("pre_feedforward_layernorm" if sandwich else
                                "post_attention_layernorm")),
-            gate_up=linear(mlp + "gate_up_proj", glu=True) if c.fused_gate_up else linear(
-                mlp + "gate_proj", mlp + "up_proj", glu=True),
-            down_proj=linear(mlp + "down_proj"),
+            gate_up=None if sparse else linear(mlp + "gate_up_proj", glu=True)
+            if c.fused_gate_up else linear(mlp + "gate_proj", mlp + "up_proj", glu=True),
+            down_proj=None if sparse else linear(mlp + "down_proj"),
+            moe=build_moe(b, c, i) if sparse else None,
+            sinks=b.float_tensor(attn + "sinks", (c.heads(i),)) if c.attn_sinks else None,
+            head_gate=linear(attn + "g_proj") if c.attn_head_gate else None,
             q_norm=norm(attn + "q_norm") if c.qk_norm else None,
             k_norm=norm(attn + "k_norm") if c.qk_norm else None,
             post_attn_norm=norm(p + "post_attention_layernorm") if sandwich else None,

@@ -15,7 +15,11 @@ import os
 
 import torch
 
-from . import reference
+from . import moe_reference, reference
+from .moe_reference import combine as moe_combine
+from .moe_reference import expert_act as moe_expert_act
+from .moe_reference import head_gate
+from .moe_reference import route as moe_route
 from .reference import attention, paged_items, prefill_tile
 
 _fused = None  # mlxr.ops.triton_fused, imported at the first CUDA call (triton is slow to import)
@@ -55,8 +59,12 @@ def gated_act(gate, up, act: str):
     return reference.gated_act(gate, up, act)
 
 
-def attention_masked(q, k, v, visible, scale: float, softcap: float | None = None):
-    """GQA attention under a key-visibility mask (see reference.attention_masked)."""
+def attention_masked(q, k, v, visible, scale: float, softcap: float | None = None,
+                     sinks=None):
+    """GQA attention under a key-visibility mask (see reference.attention_masked; `sinks`:
+    the reference, on every device)."""
+    if sinks is not None:
+        return reference.attention_masked(q, k, v, visible, scale, softcap, sinks)
     if _fast(q):
         from .triton_attn import attention_masked as fast
         return fast(q, k, v, visible, scale, softcap)
@@ -64,9 +72,11 @@ def attention_masked(q, k, v, visible, scale: float, softcap: float | None = Non
 
 
 def attention_at(q, k, v, positions, window: int | None, scale: float,
-                 softcap: float | None = None):
+                 softcap: float | None = None, sinks=None):
     """attention_masked with the visibility from the rows' positions (device [T]), causal and
     windowed: key slot j at position j (see reference.attention_at)."""
+    if sinks is not None:
+        return reference.attention_at(q, k, v, positions, window, scale, softcap, sinks)
     if _fast(q):
         from .triton_attn import attention_at as fast
         return fast(q, k, v, positions, window, scale, softcap)
@@ -74,8 +84,11 @@ def attention_at(q, k, v, positions, window: int | None, scale: float,
 
 
 def paged_attention(q, k, v, block_tables, ctx_lens, block_size: int, scale: float,
-                    window: int | None = None, softcap: float | None = None):
+                    window: int | None = None, softcap: float | None = None, sinks=None):
     """Decode attention of B sequences over a paged cache (see reference.paged_attention)."""
+    if sinks is not None:
+        return reference.paged_attention(q, k, v, block_tables, ctx_lens, block_size, scale,
+                                         window, softcap, sinks)
     if _fast(q):
         from .triton_paged import paged_attention as fast
         return fast(q, k, v, block_tables, ctx_lens, block_size, scale, window, softcap)
@@ -105,9 +118,13 @@ def qkv_rope_write(qkv, n_heads: int, n_kv_heads: int, head_dim: int, q_norm, k_
 
 
 def paged_prefill_attention(q, k, v, block_tables, items, block_size: int, scale: float,
-                            window: int | None = None, softcap: float | None = None):
+                            window: int | None = None, softcap: float | None = None,
+                            sinks=None):
     """Causal attention of a mixed batch over a paged cache, by tiles of rows (see
     reference.paged_prefill_attention; `paged_items` makes the tiles)."""
+    if sinks is not None:
+        return reference.paged_prefill_attention(q, k, v, block_tables, items, block_size,
+                                                 scale, window, softcap, sinks)
     if _fast(q):
         from .triton_paged import paged_prefill_attention as fast
         return fast(q, k, v, block_tables, items, block_size, scale, window, softcap)
@@ -121,5 +138,6 @@ def fast_kernels(device) -> bool:
 
 
 __all__ = ["add_rms_norm", "attention", "attention_at", "attention_masked", "fast_kernels",
-           "gated_act", "paged_attention", "paged_items", "paged_prefill_attention", "prefill_tile",
-           "qkv_rope_write", "rms_norm", "rope"]
+           "gated_act", "head_gate", "moe_combine", "moe_expert_act", "moe_reference",
+           "moe_route", "paged_attention", "paged_items", "paged_prefill_attention",
+           "prefill_tile", "qkv_rope_write", "rms_norm", "rope"]

@@ -62,10 +62,12 @@ def attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention. q [T, H, D] at positions q_start.., k/v [K, S, D] at k_start...
 
-    Key j is visible to query i iff j <= i and (window is None or i - j < window).
+    Key j is visible to query i iff j <= i and (window is None or i - j < window). `sinks`
+    [H] (gpt-oss): one more logit per head in each softmax, attached to no value.
     Returns [T, H, D] in q's dtype.
     """
     t, h, d = q.shape
@@ -77,8 +79,8 @@ def attention(
         window is None or q_start + t - 1 - k_start < window)
     qh = q.transpose(0, 1)  # [H, T, D]
     rep = h // kh
-    if (q.is_cuda and softcap is None and window is None and q_start == k_start and t == s
-            and t > 1):
+    if (q.is_cuda and softcap is None and sinks is None and window is None
+            and q_start == k_start and t == s and t > 1):
         # a whole causal prompt: the flash kernel's own causal mask, no mask tensor
         out = F.scaled_dot_product_attention(qh[None], k[None], v[None], is_causal=True,
                                              scale=scale, enable_gqa=h != kh)[0]
@@ -90,7 +92,7 @@ def attention(
         mask = kpos[None, :] <= qpos[:, None]
         if window is not None:
             mask &= qpos[:, None] - kpos[None, :] < window
-    if softcap is None and (t * rep > 64 or q.is_cuda):
+    if softcap is None and sinks is None and (t * rep > 64 or q.is_cuda):
         attn_mask = mask
         # CPU: float32 SDPA beats bf16 (Qwen3-0.6B prefill 512: 254 vs 233 tok/s end to end)
         wide = torch.float32 if not q.is_cuda else q.dtype
@@ -112,15 +114,27 @@ def attention(
     if not all_visible:
         m = mask.repeat(rep, 1)  # rows ordered (rep, T) like qg
         scores = scores.masked_fill(~m, -math.inf)
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    probs = _softmax_sinks(scores, sinks, t).to(v.dtype)
     out = torch.bmm(probs, v)  # [K, rep*T, D]
     return out.reshape(h, t, d).transpose(0, 1).to(q.dtype)
 
 
+def _softmax_sinks(scores: torch.Tensor, sinks: torch.Tensor | None, t: int) -> torch.Tensor:
+    """Softmax over the last dim of float32 scores [K, rep*T, S] (rows (rep, T) of one kv
+    group), with sinks [H] (head = kv * rep + r) as one more logit of every row."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    kh, rows, _ = scores.shape
+    col = sinks.float().reshape(kh, -1, 1).repeat_interleave(t, dim=1)  # [K, rep*T, 1]
+    return torch.softmax(torch.cat((scores, col), dim=-1), dim=-1)[..., :-1]
+
+
 def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                     scale: float, softcap: float | None = None) -> torch.Tensor:
+                     scale: float, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """GQA attention with the visibility of each key given as a tensor (static shapes, no host
-    values: CUDA-graph friendly). q [T, H, D], k/v [K, S, D], visible [S] or [T, S] bool."""
+    values: CUDA-graph friendly). q [T, H, D], k/v [K, S, D], visible [S] or [T, S] bool;
+    sinks [H] as in `attention`."""
     t, h, d = q.shape
     kh = k.shape[0]
     rep = h // kh
@@ -130,26 +144,26 @@ def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
         scores = torch.tanh(scores / softcap) * softcap
     mask = visible if visible.dim() == 1 else visible.repeat(rep, 1)
     scores = scores.masked_fill(~mask, -math.inf)
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    probs = _softmax_sinks(scores, sinks, t).to(v.dtype)
     return torch.bmm(probs, v).reshape(h, t, d).transpose(0, 1)
 
 
 def attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                 window: int | None, scale: float,
-                 softcap: float | None = None) -> torch.Tensor:
+                 window: int | None, scale: float, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`attention_masked` of query rows at positions `positions` [T] (long, on q's device)
     over key slots 0..S-1 at positions equal to their slots: key j is visible to row t iff
     j <= positions[t] and (window is None or positions[t] - j < window)."""
     j = torch.arange(k.shape[1], device=k.device)
     p = positions[:, None]
     visible = (j <= p) if window is None else (j <= p) & (p - j < window)
-    return attention_masked(q, k, v, visible, scale, softcap)
+    return attention_masked(q, k, v, visible, scale, softcap, sinks)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     block_tables: torch.Tensor, ctx_lens: torch.Tensor, block_size: int,
-                    scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    scale: float, window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over a paged KV cache, one new token per sequence.
 
     q [B, H, D]: row b is the token at position ctx_lens[b] - 1 of sequence b (ctx_lens [B] >= 1).
@@ -163,7 +177,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         p = torch.arange(lo, n)
         slots = (tables[b, p // block_size] * block_size + p % block_size).to(k.device)
         outs.append(attention(q[b:b + 1], k.index_select(1, slots), v.index_select(1, slots),
-                              n - 1, lo, scale, window, softcap))
+                              n - 1, lo, scale, window, softcap, sinks))
     return torch.cat(outs) if outs else q.new_empty(q.shape)
 
 
@@ -207,7 +221,8 @@ def qkv_rope_write(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: i
 def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             block_tables: torch.Tensor, items: torch.Tensor, block_size: int,
                             scale: float, window: int | None = None,
-                            softcap: float | None = None) -> torch.Tensor:
+                            softcap: float | None = None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a mixed batch over a paged KV cache (K/V of the new tokens already
     written). q [N, H, D]; items [I, 4] (sequence s, first row of q, its position, number of
     rows): rows [r, r+n) of q are positions [p, p+n) of sequence s, whose position x lives in
@@ -220,7 +235,7 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         x = torch.arange(lo, p + n)
         slots = (tables[s, x // block_size] * block_size + x % block_size).to(k.device)
         out[r:r + n] = attention(q[r:r + n], k.index_select(1, slots), v.index_select(1, slots),
-                                 p, lo, scale, window, softcap)
+                                 p, lo, scale, window, softcap, sinks)
     return out
 
 
