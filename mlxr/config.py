@@ -91,6 +91,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     quant: QuantConfig | None = None
     torch_dtype: str | None = None
+    # hybrid / new-generation families: their per-layer structure (mlxr.config_hybrid's
+    # GatedDeltaSpec or Gemma4Spec); None for the dense families
+    arch: object | None = field(default=None, repr=False)
 
     @property
     def q_size(self) -> int:
@@ -123,7 +126,9 @@ LIMITS = {
     "max_position_embeddings": 1 << 24,
     "sliding_window": 1 << 24,
 }
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
+DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
+HYBRID = ("qwen3_5", "gemma4", "gemma4_text")  # parsed by mlxr.config_hybrid
+SUPPORTED = DENSE + HYBRID
 
 
 class _Reader:
@@ -257,6 +262,11 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
         raise ModelFormatError(
             f"{source}: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})"
         )
+    if mt in HYBRID:
+        # imported here: config_hybrid builds on this module's readers and dataclasses
+        from .config_hybrid import parse_hybrid
+
+        return parse_hybrid(raw, source)
     r = _Reader(raw, source)
     gemma3 = mt == "gemma3_text"
     d3 = gemma3  # gemma3_text has a default for every key

@@ -36,8 +36,9 @@ from .kv_cache import SequenceCache
 
 
 def graphable(decoder) -> bool:
-    """CUDA decoders whose RoPE does not depend on the sequence length (dynamic NTK does)."""
-    return decoder.device.type == "cuda" and not any(
+    """CUDA decoders whose RoPE does not depend on the sequence length (dynamic NTK does),
+    except those that say they cannot be captured (`graphable = False`: the hybrid families)."""
+    return decoder.device.type == "cuda" and getattr(decoder, "graphable", True) and not any(
         (r.spec.scaling or {}).get("rope_type") == "dynamic" for r in decoder.ropes)
 
 

@@ -158,7 +158,10 @@ class SequenceCache:
 
 
 def new_cache(decoder, capacity: int = 256) -> SequenceCache:
-    """A SequenceCache shaped for `decoder` (layers, kv heads, head dim, dtype, device)."""
+    """A SequenceCache shaped for `decoder` (layers, kv heads, head dim, dtype, device), or the
+    decoder's own single-sequence cache where it has one (the hybrid families)."""
+    if hasattr(decoder, "new_cache"):
+        return decoder.new_cache(max(1, capacity))
     c = decoder.config
     return SequenceCache(c.num_layers, c.num_kv_heads, c.head_dim, decoder.dtype,
                          decoder.device, max(1, capacity))
