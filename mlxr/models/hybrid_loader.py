@@ -15,10 +15,11 @@ import torch
 
 from ..checkpoint import Checkpoint
 from ..config import ModelConfig
-from ..config_hybrid import GatedDeltaSpec
+from ..config_hybrid import GatedDeltaSpec, Gemma4Spec
 from ..errors import ModelFormatError
 from ..layers import Embedding
 from .gated_delta import GatedDeltaMixer
+from .gemma4 import Gemma4Decoder, Gemma4Layer, PerLayerEmbedding
 from .loader import _Builder
 from .qwen3_5 import GatedAttention, HybridLayer, Qwen35Decoder
 
@@ -129,10 +130,63 @@ def build_qwen3_5(ckpt: Checkpoint, c: ModelConfig, dtype: torch.dtype, device,
     return Qwen35Decoder(c, Embedding(embed.weight), layers, norm, lm_head, dtype, device)
 
 
+def build_gemma4(ckpt: Checkpoint, c: ModelConfig, dtype: torch.dtype, device,
+                 dry_run: bool = False) -> Gemma4Decoder | None:
+    s: Gemma4Spec = c.arch
+    p = Parts(ckpt, c, dtype, device, dry_run)
+    e, h, dim = c.hidden_size, c.num_heads, s.ple_dim
+    layers, shared_kv = [], set()
+    for i in range(c.num_layers):
+        pre, d, kh, f = f"layers.{i}.", s.head_dims[i], s.kv_heads[i], s.mlp_sizes[i]
+        a = pre + "self_attn."
+        own = s.kv_source[i] == i
+        kv = None
+        if own:
+            parts = [(a + "k_proj", kh * d, e)] + ([] if s.k_eq_v[i] else [(a + "v_proj",
+                                                                             kh * d, e)])
+            kv = p.linear(*parts)
+        else:  # mlx-lm's sanitize drops a shared layer's own K/V weights if a file has them
+            shared_kv |= {n for n in p.names
+                          if n.startswith(tuple(p.model + a + m for m in
+                                                ("k_proj.", "v_proj.", "k_norm.")))}
+        ple = dict(ple_gate=p.linear((pre + "per_layer_input_gate", dim, e)),
+                   ple_proj=p.linear((pre + "per_layer_projection", e, dim)),
+                   ple_norm=p.norm(pre + "post_per_layer_input_norm", e)) if dim else {}
+        layers.append(Gemma4Layer(
+            input_norm=p.norm(pre + "input_layernorm", e), q_proj=p.linear((a + "q_proj",
+                                                                             h * d, e)),
+            kv=kv, o_proj=p.linear((a + "o_proj", e, h * d)), q_norm=p.norm(a + "q_norm", d),
+            k_norm=p.norm(a + "k_norm", d) if own else None,
+            post_attn_norm=p.norm(pre + "post_attention_layernorm", e),
+            pre_mlp_norm=p.norm(pre + "pre_feedforward_layernorm", e),
+            gate_up=p.linear((pre + "mlp.gate_proj", f, e), (pre + "mlp.up_proj", f, e),
+                             glu=True),
+            down_proj=p.linear((pre + "mlp.down_proj", e, f)),
+            post_mlp_norm=p.norm(pre + "post_feedforward_layernorm", e),
+            scalar=p.vector(pre + "layer_scalar", (1,)), **ple))
+    tied = c.tie_word_embeddings
+    embed = p.linear(("embed_tokens", c.vocab_size, e), matmul=tied, gathered=True)
+    ple_mod = None
+    if dim:
+        table = p.linear(("embed_tokens_per_layer", s.ple_vocab, c.num_layers * dim),
+                         matmul=False, gathered=True)
+        ple_mod = PerLayerEmbedding(
+            Embedding(table.weight), p.linear(("per_layer_model_projection",
+                                               c.num_layers * dim, e)),
+            p.norm("per_layer_projection_norm", dim))
+    lm_head = None if tied else p.b.linear([(p.head, c.vocab_size, e, False)])
+    norm = p.norm("norm", e)
+    p.finish(c.model_type, shared_kv)
+    if dry_run:
+        return None
+    return Gemma4Decoder(c, Embedding(embed.weight), ple_mod, layers, norm, lm_head, dtype,
+                         device)
+
+
 def build_hybrid(ckpt: Checkpoint, c: ModelConfig, dtype: torch.dtype, device,
                  dry_run: bool = False):
     """The decoder of a hybrid-family config (`c.arch` set), or None with dry_run (names,
     shapes and dtypes checked, no data read)."""
     if c.model_type == "qwen3_5":
         return build_qwen3_5(ckpt, c, dtype, device, dry_run)
-    raise ModelFormatError(f"model_type {c.model_type!r}: no decoder yet")
+    return build_gemma4(ckpt, c, dtype, device, dry_run)
