@@ -127,10 +127,10 @@ def _common(r: _Nested, raw: dict, mt: str, **kw) -> dict:
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or r.raw.get("dtype"), **kw)
 
 
-def _heads(r: _Nested, heads: int, kv: int) -> None:
+def _heads(r: _Nested, heads: int, kv: int, key: str = "num_key_value_heads") -> None:
     if heads % kv:
-        raise ModelFormatError(f"{r.source}: {r.prefix}num_attention_heads ({heads}) is not a "
-                               f"multiple of {r.prefix}num_key_value_heads ({kv})")
+        raise ModelFormatError(f"{r.source}: key '{r.prefix}num_attention_heads' ({heads}) is "
+                               f"not a multiple of '{r.prefix}{key}' ({kv})")
 
 
 def parse_qwen3_5(raw: dict, source: str) -> ModelConfig:
@@ -253,7 +253,7 @@ def parse_gemma4(raw: dict, source: str) -> ModelConfig:
             kv_source.append(source_of[t])
     k_eq_v_flag = r.bool("attention_k_eq_v", False)
     global_kv = r.int("num_global_key_value_heads", kv)
-    _heads(r, heads, global_kv)
+    _heads(r, heads, global_kv, "num_global_key_value_heads")
     full = [t == "full_attention" for t in types]
     k_eq_v = tuple(k_eq_v_flag and f for f in full)
     inter = r.int("intermediate_size", 6144)
@@ -279,6 +279,10 @@ def parse_gemma4(raw: dict, source: str) -> ModelConfig:
                         for i in range(layers)),
         ple_dim=ple_dim,
         ple_vocab=r.int("vocab_size_per_layer_input", 262144) if ple_dim else 0)
+    if ple_dim and spec.ple_vocab < vocab:
+        raise ModelFormatError(f"{source}: key '{r.prefix}vocab_size_per_layer_input' = "
+                               f"{spec.ple_vocab} is smaller than vocab_size {vocab} (token "
+                               "ids past it would read outside the per-layer table)")
     softcap = r.raw.get("final_logit_softcapping", 30.0)
     return ModelConfig(
         vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
@@ -287,7 +291,8 @@ def parse_gemma4(raw: dict, source: str) -> ModelConfig:
         tie_word_embeddings=r.bool("tie_word_embeddings", True), qk_norm=True,
         embed_scale=math.sqrt(hidden), hidden_act="gelu_tanh", sandwich_norm=True,
         attn_scale=1.0,
-        final_logit_softcap=None if softcap is None else r.float("final_logit_softcapping"),
+        final_logit_softcap=None if softcap is None else r.float("final_logit_softcapping",
+                                                                  30.0),
         layer_rope=ropes, layer_window=tuple(None if f else window for f in full), arch=spec,
         **_common(r, raw, raw.get("model_type")))
 

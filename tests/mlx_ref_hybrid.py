@@ -30,7 +30,7 @@ _GEMMA4_TEXT = dict(
     model_type="gemma4_text", hidden_size=64, num_hidden_layers=5, intermediate_size=128,
     num_attention_heads=2, num_key_value_heads=1, head_dim=32, global_head_dim=64,
     vocab_size=320, vocab_size_per_layer_input=320, hidden_size_per_layer_input=64,
-    num_kv_shared_layers=2, sliding_window=8, sliding_window_pattern=3, rms_norm_eps=1e-6,
+    num_kv_shared_layers=2, sliding_window=8, sliding_window_pattern=2, rms_norm_eps=1e-6,
     final_logit_softcapping=30.0, max_position_embeddings=4096)
 
 FAMILIES: dict[str, dict] = {
@@ -39,8 +39,8 @@ FAMILIES: dict[str, dict] = {
     "qwen3_5_untied": dict(model_type="qwen3_5", text_config=dict(
         _QWEN35_TEXT, tie_word_embeddings=False, linear_num_key_heads=4,
         attention_bias=True)),
-    # sliding, sliding, full (512-style wide head, proportional rope), then two KV-shared
-    # layers (double-wide MLPs) that read layers 2 (full) and 1 (sliding)
+    # sliding, full (512-style wide head, proportional rope), sliding, then two KV-shared
+    # layers (full, sliding; double-wide MLPs) that read layers 1 and 2
     "gemma4_text": _GEMMA4_TEXT,
     # the wrapper with k = v on full layers and their own kv head count
     "gemma4": dict(model_type="gemma4", vocab_size=320, text_config=dict(
