@@ -13,6 +13,7 @@ import torch
 
 from ..config_hybrid import GatedDeltaSpec
 from ..layers import Linear
+from .. import ops
 from ..ops import recurrent
 from .decoder import Fused
 
@@ -40,13 +41,13 @@ class GatedDeltaMixer:
         bsz, t, _ = x.shape
         proj = self.in_proj(x.reshape(bsz * t, -1)).reshape(bsz, t, -1)
         qkv, z, b, a = proj.split([s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads], -1)
-        mixed, new_conv = recurrent.conv1d_silu(qkv, conv_state, self.conv)
+        mixed, new_conv = ops.conv1d_silu(qkv, conv_state, self.conv)
         conv_state.copy_(new_conv)
         q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], -1)
         q, k = recurrent.l2norm_qk(q.reshape(bsz, t, s.num_k_heads, s.k_head_dim),
                                    k.reshape(bsz, t, s.num_k_heads, s.k_head_dim))
         g, beta = recurrent.delta_gates(a, b, self.a_log, self.dt_bias)
-        y, new_ssm = recurrent.gated_delta(q, k, v.reshape(bsz, t, s.num_v_heads, s.v_head_dim),
+        y, new_ssm = ops.gated_delta(q, k, v.reshape(bsz, t, s.num_v_heads, s.v_head_dim),
                                            g, beta, ssm_state)
         ssm_state.copy_(new_ssm)
         out = recurrent.rms_norm_gated(y, z.reshape(bsz, t, s.num_v_heads, s.v_head_dim),

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from . import reference
+from . import recurrent, reference
 from .reference import attention, paged_items, prefill_tile
 
 _fused = None  # mlxr.ops.triton_fused, imported at the first CUDA call (triton is slow to import)
@@ -115,11 +115,27 @@ def paged_prefill_attention(q, k, v, block_tables, items, block_size: int, scale
                                              window, softcap)
 
 
+def conv1d_silu(x, state, weight):
+    """Causal depthwise conv + SiLU with its rolling state (see recurrent.conv1d_silu)."""
+    if _fast(x):
+        from .triton_recurrent import conv1d_silu as fast
+        return fast(x, state, weight)
+    return recurrent.conv1d_silu(x, state, weight)
+
+
+def gated_delta(q, k, v, g, beta, state):
+    """The gated delta rule over T tokens, float32 state (see recurrent.gated_delta)."""
+    if _fast(q):
+        from .triton_recurrent import gated_delta as fast
+        return fast(q, k, v, g, beta, state)
+    return recurrent.gated_delta(q, k, v, g, beta, state)
+
+
 def fast_kernels(device) -> bool:
     """Whether ops on `device` run as Triton kernels (every op capturable in a CUDA graph)."""
     return _fast(torch.empty(0, device=device))
 
 
-__all__ = ["add_rms_norm", "attention", "attention_at", "attention_masked", "fast_kernels",
-           "gated_act", "paged_attention", "paged_items", "paged_prefill_attention", "prefill_tile",
-           "qkv_rope_write", "rms_norm", "rope"]
+__all__ = ["add_rms_norm", "attention", "attention_at", "attention_masked", "conv1d_silu",
+           "fast_kernels", "gated_act", "gated_delta", "paged_attention", "paged_items",
+           "paged_prefill_attention", "prefill_tile", "qkv_rope_write", "rms_norm", "rope"]
