@@ -63,22 +63,30 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     """The gated delta rule, token by token. q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g (float32)
     and beta [B, T, Hv]; state [B, Hv, Dv, Dk] float32 (value head h reads key head
     h // (Hv / Hk)). Per token: S <- S * g; d = (v - S k) * beta; S <- S + d k^T; y = S q.
-    Returns (y [B, T, Hv, Dv] in q's dtype, the new state)."""
-    rep = v.shape[2] // k.shape[2]
+    Returns (y [B, T, Hv, Dv] in q's dtype, the new state; `state` itself is not modified).
+
+    The state is updated in place in a float32 copy and the two readouts are batched
+    matrix-vector products (one pass over the state each): the same float32 math as mlx-lm's
+    step, its Dk sums in another order."""
+    bsz, t, hv, dv = v.shape
+    dk = k.shape[-1]
+    rep = hv // k.shape[2]
     if rep > 1:
         q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
-    qf, kf, vf = q.float(), k.float(), v.float()
-    bf, gf = beta.float(), g.float()
-    s = state.float()
+    qf = q.float().reshape(bsz, t, hv, dk, 1)
+    kf = k.float().reshape(bsz, t, hv, 1, dk)
+    vf, bf, gf = v.float(), beta.float(), g.float()
+    s = state.float().clone().reshape(bsz * hv, dv, dk)
     ys = []
-    for t in range(q.shape[1]):
-        kt = kf[:, t, :, None, :]  # [B, Hv, 1, Dk]
-        s = s * gf[:, t, :, None, None]
-        kv = (s * kt).sum(-1)  # [B, Hv, Dv]
-        delta = (vf[:, t] - kv) * bf[:, t, :, None]
-        s = s + kt * delta[..., None]
-        ys.append((s * qf[:, t, :, None, :]).sum(-1).to(q.dtype))
-    return torch.stack(ys, 1), s
+    for i in range(t):
+        kt = kf[:, i].reshape(bsz * hv, 1, dk)
+        s.mul_(gf[:, i].reshape(bsz * hv, 1, 1))
+        kv = torch.bmm(s, kt.transpose(1, 2))  # [B*Hv, Dv, 1]
+        delta = (vf[:, i].reshape(bsz * hv, dv, 1) - kv) * bf[:, i].reshape(bsz * hv, 1, 1)
+        s.baddbmm_(delta, kt)  # S + d k^T
+        y = torch.bmm(s, qf[:, i].reshape(bsz * hv, dk, 1))
+        ys.append(y.reshape(bsz, hv, dv).to(q.dtype))
+    return torch.stack(ys, 1), s.reshape(bsz, hv, dv, dk)
 
 
 def rms_norm_gated(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
