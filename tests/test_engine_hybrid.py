@@ -55,7 +55,7 @@ def _single(model, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("budget,num_blocks", [(256, None), (7, 14)])
-def test_batch_equals_single(model, budget, num_blocks):
+def test_batch_equals_single(model, budget, num_blocks, monkeypatch):
     """Concurrent greedy requests equal each run alone, also with prefill chunks of at most
     7 tokens (the recurrent state carried across chunks) and a pool of 14 blocks of 4 that forces
     preemption (the preempted sequence recomputed from a fresh state)."""
@@ -64,7 +64,12 @@ def test_batch_equals_single(model, budget, num_blocks):
     engine = LLMEngine(model, max_num_seqs=4, max_num_batched_tokens=budget,
                        num_blocks=num_blocks, block_size=4)
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    batched = []
+    inner = model.decoder.forward_batch
+    monkeypatch.setattr(model.decoder, "forward_batch",
+                        lambda ids, caches: batched.append(len(caches)) or inner(ids, caches))
     outs = _run(engine, [EngineRequest(p, params) for p in prompts])
+    assert batched and max(batched) > 1  # decodes ran together
     for p, o in zip(prompts, outs):
         assert _ids(o) == _single(model, p, n)
         assert o[-1].finish_reason == "length"

@@ -154,3 +154,31 @@ def test_fresh_sequence_resets_recurrent_state(built):
         cache.length = 0
         again = dec.forward(torch.tensor(b.seq[:12]), cache)
     assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+def test_forward_batch_equals_single(built, family):
+    """One decode token for several sequences at different positions (`forward_batch`, the
+    serving engine's decode step) equals each sequence's own forward, float32 (batched
+    projections sum in another order: 1e-4 of the range)."""
+    b = built(family, "q4g64")
+    dec = b.model32.decoder
+    lens = [3, 17, 9]
+    singles, caches = [], []
+    with torch.inference_mode():
+        for n in lens:
+            one, two = new_cache(dec, 4), new_cache(dec, 4)
+            dec.forward(torch.tensor(b.seq[:n]), one)
+            dec.forward(torch.tensor(b.seq[:n]), two)
+            singles.append(dec.forward(torch.tensor([b.seq[n]]), one)[0].numpy())
+            caches.append(two)
+        got = dec.forward_batch(torch.tensor([b.seq[n] for n in lens]), caches).numpy()
+        want = np.stack(singles)
+        err = np.abs(got - want).max(-1) / _range(want)
+        assert err.max() <= 1e-4, f"{err.max():.2e}"
+        assert [c.length for c in caches] == [n + 1 for n in lens]
+        # the caches advanced: a second batched step equals a second single step
+        nxt = dec.forward_batch(torch.tensor([b.seq[n + 1] for n in lens]), caches).numpy()
+        full = b.model32.logits(b.seq[:max(lens) + 2]).numpy()
+        want2 = full[[n + 1 for n in lens]]
+        assert (np.abs(nxt - want2).max(-1) / _range(want2)).max() <= 1e-4

@@ -9,8 +9,9 @@ is off for these models (`BlockManager(prefix_caching=False)`): a cached block h
 not the recurrent state at its end. The block manager still meters the tokens each sequence
 holds, so admission and preemption work as for the dense models.
 
-Each sequence's chunk runs as its own forward (the same computation as `Model.generate`, so
-batched output equals single output exactly); the step is not batched across sequences.
+Sequences that decode one token run as one batch (`forward_batch`: projections, MLPs and the
+recurrence batched; each sequence's attention over its own K/V); prefill chunks run as one
+forward per sequence (the same computation as `Model.generate`).
 """
 
 from __future__ import annotations
@@ -33,23 +34,38 @@ class SequenceCaches:
         for sid in [sid for sid in self.caches if sid not in live]:
             del self.caches[sid]
 
+    def _cache_at(self, seq: Sequence) -> object:
+        """The sequence's cache, holding exactly its computed positions (fresh at 0)."""
+        start = seq.num_computed
+        cache = self.caches.get(seq.id)
+        if cache is None or start == 0:
+            cache = self.caches[seq.id] = self.decoder.new_cache(len(seq.token_ids) + 16)
+        if cache.length != start:
+            raise RuntimeError(f"sequence {seq.id}: cache holds {cache.length} positions, "
+                               f"the step starts at {start}")
+        return cache
+
     def run(self, batch: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
-        """Compute each (sequence, n) chunk of the step into the sequence's cache. Returns the
-        sequences whose chunk reached their last token and their logits float32 [S, V]."""
-        done, rows = [], []
+        """Compute each (sequence, n) chunk of the step into the sequence's cache: sequences
+        decoding one token run together (`forward_batch`), the others one forward each.
+        Returns the sequences whose chunk reached their last token (in batch order) and
+        their logits float32 [S, V]."""
+        rows: dict[int, torch.Tensor] = {}
+        decodes = [seq for seq, n in batch if n == 1 and seq.num_computed > 0]
+        if len(decodes) > 1:
+            caches = [self._cache_at(seq) for seq in decodes]
+            ids = torch.tensor([seq.token_ids[seq.num_computed] for seq in decodes])
+            logits = self.decoder.forward_batch(ids, caches)
+            rows.update({seq.id: logits[j] for j, seq in enumerate(decodes)})
         for seq, n in batch:
+            if seq.id in rows:
+                continue
             start = seq.num_computed
-            cache = self.caches.get(seq.id)
-            if cache is None or start == 0:
-                cache = self.caches[seq.id] = self.decoder.new_cache(len(seq.token_ids) + 16)
-            if cache.length != start:
-                raise RuntimeError(f"sequence {seq.id}: cache holds {cache.length} positions, "
-                                   f"the step starts at {start}")
             ids = torch.tensor(seq.token_ids[start:start + n])
-            logits = self.decoder.forward(ids, cache, last_only=True)
+            logits = self.decoder.forward(ids, self._cache_at(seq), last_only=True)
             if start + n == len(seq.token_ids):
-                done.append(seq)
-                rows.append(logits[0])
-        if not rows:
+                rows[seq.id] = logits[0]
+        done = [seq for seq, _ in batch if seq.id in rows]
+        if not done:
             return done, torch.empty((0, self.decoder.config.vocab_size))
-        return done, torch.stack(rows)
+        return done, torch.stack([rows[seq.id] for seq in done])

@@ -101,14 +101,17 @@ class Gemma4Decoder:
         proj = ops.rms_norm(proj, p.norm, c.rms_norm_eps)
         return _scalar(proj + table, 2.0**-0.5)
 
-    def _attention(self, i: int, ly: Gemma4Layer, x: torch.Tensor, cache: HybridCache,
-                   start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _attend_rows(self, i: int, ly: Gemma4Layer, q: torch.Tensor, kv: torch.Tensor | None,
+                     cache: HybridCache, start: int, cos: torch.Tensor,
+                     sin: torch.Tensor) -> torch.Tensor:
+        """One sequence's rows of the q projection q [T, H*D] (and of [k | v], None on a
+        KV-shared layer) at positions [start, +T) -> attention output [T, H*D] (before o_proj);
+        the layer's own K/V written to the cache."""
         c, s = self.config, self.spec
-        t, d, kh = x.shape[0], s.head_dims[i], s.kv_heads[i]
+        t, d, kh = q.shape[0], s.head_dims[i], s.kv_heads[i]
         eps = c.rms_norm_eps
-        q = ops.rms_norm(ly.q_proj(x).reshape(t, c.num_heads, d), ly.q_norm, eps)
-        if ly.kv is not None:
-            kv = ly.kv(x)
+        q = ops.rms_norm(q.reshape(t, c.num_heads, d), ly.q_norm, eps)
+        if kv is not None:
             k = kv[:, :kh * d].reshape(t, kh, d)
             v = k if s.k_eq_v[i] else kv[:, kh * d:].reshape(t, kh, d)
             k = ops.rope(ops.rms_norm(k, ly.k_norm, eps), cos, sin, False)
@@ -120,25 +123,17 @@ class Gemma4Decoder:
         lo = 0 if window is None else max(0, start - window + 1)
         out = ops.attention(q, cache.k[src][:, lo:ctx], cache.v[src][:, lo:ctx], start, lo,
                             c.attn_scale, window)
-        return ly.o_proj(out.reshape(t, c.num_heads * d))
+        return out.reshape(t, c.num_heads * d)
 
-    def forward(self, ids: torch.Tensor, cache: HybridCache,
-                last_only: bool = False) -> torch.Tensor:
-        """Run ids [T] at positions [cache.length, +T); logits float32 [T|1, V]."""
+    def _layers(self, ids: torch.Tensor, attend) -> torch.Tensor:
+        """Embedding and the layers over rows ids [N]; attend(i, layer, x) -> the attention
+        output [N, E] (after o_proj). Returns h [N, E] before the final norm."""
         c = self.config
-        t, start = ids.shape[0], cache.length
-        cache.reserve(start + t)
-        ids = ids.to(self.device)
         eps = c.rms_norm_eps
         h = _scalar(self.embed(ids), c.embed_scale)
         ple = self._per_layer_inputs(ids, h) if self.ple is not None else None
-        tables: dict[int, tuple] = {}
         for i, ly in enumerate(self.layers):
-            rope = self.ropes[i]
-            if id(rope.spec) not in tables:
-                tables[id(rope.spec)] = rope.cos_sin(start, t)
-            a = self._attention(i, ly, ops.rms_norm(h, ly.input_norm, eps), cache, start,
-                                *tables[id(rope.spec)])
+            a = attend(i, ly, ops.rms_norm(h, ly.input_norm, eps))
             h = h + ops.rms_norm(a, ly.post_attn_norm, eps)
             m = ly.down_proj(_gated_act(ly.gate_up, ops.rms_norm(h, ly.pre_mlp_norm, eps),
                                         c.hidden_act))
@@ -147,9 +142,52 @@ class Gemma4Decoder:
                 g = ops.gated_act(ly.ple_gate(h), ple[:, i], c.hidden_act)
                 h = h + ops.rms_norm(ly.ple_proj(g), ly.ple_norm, eps)
             h = h * ly.scalar
-        if last_only:
-            h = h[-1:]
-        cache.length = start + t
-        logits = self.head(ops.rms_norm(h, self.norm, eps)).float()
-        cap = c.final_logit_softcap
+        return h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.head(ops.rms_norm(h, self.norm, self.config.rms_norm_eps)).float()
+        cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def forward(self, ids: torch.Tensor, cache: HybridCache,
+                last_only: bool = False) -> torch.Tensor:
+        """Run ids [T] at positions [cache.length, +T); logits float32 [T|1, V]."""
+        t, start = ids.shape[0], cache.length
+        cache.reserve(start + t)
+        tables = {id(r.spec): r.cos_sin(start, t) for r in self.ropes}
+
+        def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
+            kv = ly.kv(x) if ly.kv is not None else None
+            return ly.o_proj(self._attend_rows(i, ly, ly.q_proj(x), kv, cache, start,
+                                               *tables[id(self.ropes[i].spec)]))
+
+        h = self._layers(ids.to(self.device), attend)
+        cache.length = start + t
+        return self._logits(h[-1:] if last_only else h)
+
+    def forward_batch(self, ids: torch.Tensor, caches: list[HybridCache]) -> torch.Tensor:
+        """One new token for each of B sequences (ids [B]): projections, MLPs and PLE
+        batched, each sequence's attention over its own cache. Logits float32 [B, V]."""
+        starts = [c.length for c in caches]
+        for c in caches:
+            c.reserve(c.length + 1)
+        tables = {}
+        for r in self.ropes:
+            if id(r.spec) not in tables:
+                cs = [r.cos_sin(s, 1) for s in starts]
+                tables[id(r.spec)] = (torch.cat([a for a, _ in cs]),
+                                      torch.cat([b for _, b in cs]))
+
+        def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
+            q = ly.q_proj(x)
+            kv = ly.kv(x) if ly.kv is not None else None
+            cos, sin = tables[id(self.ropes[i].spec)]
+            return ly.o_proj(torch.cat([
+                self._attend_rows(i, ly, q[b:b + 1], None if kv is None else kv[b:b + 1], c,
+                                  starts[b], cos[b:b + 1], sin[b:b + 1])
+                for b, c in enumerate(caches)]))
+
+        h = self._layers(ids.to(self.device), attend)
+        for c, s in zip(caches, starts):
+            c.length = s + 1
+        return self._logits(h)

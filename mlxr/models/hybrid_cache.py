@@ -58,6 +58,12 @@ class HybridCache:
 
         return [one(s) for s in self.shapes], [one(s) for s in self.shapes]
 
+    def clear_states(self) -> None:
+        """Zero the recurrent states (a sequence starting at position 0)."""
+        for t in self.conv + self.ssm:
+            if t is not None:
+                t.zero_()
+
     def reserve(self, length: int) -> None:
         """Room for `length` positions (K/V grow geometrically, filled positions copied)."""
         if length <= self.capacity:

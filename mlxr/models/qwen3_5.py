@@ -89,11 +89,14 @@ class Qwen35Decoder:
     def new_cache(self, capacity: int = 256) -> HybridCache:
         return HybridCache(self.layer_shapes(), self.dtype, self.device, capacity)
 
-    def _attend(self, m: GatedAttention, x: torch.Tensor, cache: HybridCache, i: int,
-                start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _gated_attention(self, m: GatedAttention, proj: torch.Tensor, cache: HybridCache,
+                         i: int, start: int, cos: torch.Tensor,
+                         sin: torch.Tensor) -> torch.Tensor:
+        """One sequence's rows of the qkv projection proj [T, 2HD + 2KD] at positions
+        [start, +T) -> attention output times sigmoid(gate) [T, H*D] (before o_proj); K/V
+        written to the cache."""
         c = self.config
-        t, h, d = x.shape[0], c.num_heads, c.head_dim
-        proj = m.qkv(x)
+        t, h, d = proj.shape[0], c.num_heads, c.head_dim
         qg = proj[:, :2 * h * d].reshape(t, h, 2 * d)
         gate = qg[..., d:].reshape(t, h * d)
         qkv = torch.cat((qg[..., :d].reshape(t, h * d), proj[:, 2 * h * d:]), -1)
@@ -104,34 +107,71 @@ class Qwen35Decoder:
         ctx = start + t
         out = ops.attention(q, cache.k[i][:, :ctx], cache.v[i][:, :ctx], start, 0,
                             c.attn_scale)
-        return m.o_proj(out.reshape(t, h * d) * torch.sigmoid(gate))
+        return out.reshape(t, h * d) * torch.sigmoid(gate)
 
-    def forward(self, ids: torch.Tensor, cache: HybridCache,
-                last_only: bool = False) -> torch.Tensor:
-        """Run ids [T] at positions [cache.length, +T) and return logits float32 [T|1, V]. A
-        forward from position 0 starts from zero recurrent state."""
+    def _layers(self, h: torch.Tensor, mixer, last_only: bool) -> torch.Tensor:
+        """The layers over rows h [N, E]; mixer(i, layer, x) -> the mixer's output [N, E].
+        Returns the final-normed rows (the last one only with last_only)."""
         c = self.config
-        t, start = ids.shape[0], cache.length
-        cache.reserve(start + t)
-        if start == 0:
-            for s in cache.conv + cache.ssm:
-                if s is not None:
-                    s.zero_()
-        cos, sin = self.ropes[0].cos_sin(start, t)
         eps = c.rms_norm_eps
-        h = self.embed(ids.to(self.device))
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
-            m = layer.mixer
-            if isinstance(m, GatedDeltaMixer):
-                r = m(x[None], cache.conv[i], cache.ssm[i])[0]
-            else:
-                r = self._attend(m, x, cache, i, start, cos, sin)
-            h, x = ops.add_rms_norm(h, r, layer.mlp_norm, eps)
+            h, x = ops.add_rms_norm(h, mixer(i, layer, x), layer.mlp_norm, eps)
             r = layer.down_proj(_gated_act(layer.gate_up, x, c.hidden_act))
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             if nxt is self.norm and last_only:
                 h, r = h[-1:], r[-1:]
             h, x = ops.add_rms_norm(h, r, nxt, eps)
+        return x
+
+    def forward(self, ids: torch.Tensor, cache: HybridCache,
+                last_only: bool = False) -> torch.Tensor:
+        """Run ids [T] at positions [cache.length, +T) and return logits float32 [T|1, V]. A
+        forward from position 0 starts from zero recurrent state."""
+        t, start = ids.shape[0], cache.length
+        cache.reserve(start + t)
+        if start == 0:
+            cache.clear_states()
+        cos, sin = self.ropes[0].cos_sin(start, t)
+
+        def mixer(i: int, layer: HybridLayer, x: torch.Tensor) -> torch.Tensor:
+            m = layer.mixer
+            if isinstance(m, GatedDeltaMixer):
+                return m(x[None], cache.conv[i], cache.ssm[i])[0]
+            return m.o_proj(self._gated_attention(m, m.qkv(x), cache, i, start, cos, sin))
+
+        x = self._layers(self.embed(ids.to(self.device)), mixer, last_only)
         cache.length = start + t
+        return self.head(x).float()
+
+    def forward_batch(self, ids: torch.Tensor, caches: list[HybridCache]) -> torch.Tensor:
+        """One new token for each of B sequences (ids [B], the next position of each cache):
+        projections and MLPs batched, each sequence's attention and recurrent state its own.
+        Returns logits float32 [B, V]."""
+        starts = [c.length for c in caches]
+        for c in caches:
+            c.reserve(c.length + 1)
+            if c.length == 0:
+                c.clear_states()
+        cs = [self.ropes[0].cos_sin(s, 1) for s in starts]
+        cos, sin = torch.cat([a for a, _ in cs]), torch.cat([b for _, b in cs])
+
+        def mixer(i: int, layer: HybridLayer, x: torch.Tensor) -> torch.Tensor:
+            m = layer.mixer
+            if isinstance(m, GatedDeltaMixer):
+                conv = torch.cat([c.conv[i] for c in caches])
+                ssm = torch.cat([c.ssm[i] for c in caches])
+                out = m(x[:, None], conv, ssm)[:, 0]
+                for b, c in enumerate(caches):
+                    c.conv[i].copy_(conv[b:b + 1])
+                    c.ssm[i].copy_(ssm[b:b + 1])
+                return out
+            proj = m.qkv(x)
+            return m.o_proj(torch.cat([
+                self._gated_attention(m, proj[b:b + 1], c, i, starts[b], cos[b:b + 1],
+                                      sin[b:b + 1]) for b, c in enumerate(caches)]))
+
+        x = self._layers(self.embed(ids.to(self.device)), mixer, False)
+        for c, s in zip(caches, starts):
+            c.length = s + 1
         return self.head(x).float()
