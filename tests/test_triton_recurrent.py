@@ -58,11 +58,10 @@ def _inputs(bsz, t, hk, hv, dk, dv, dtype, g):
 def test_gated_delta_matches_reference(dtype, t, hk, hv, dv):
     g = _gen(dtype, t, hk, hv, dv)
     q, k, v, gate, beta, state = _inputs(2, t, hk, hv, 32, dv, dtype, g)
-    before = state.clone()
-    y, s = K.gated_delta(q, k, v, gate, beta, state)
-    y_ref, s_ref = R.gated_delta(q, k, v, gate, beta, state)
-    assert torch.equal(state, before)  # the caller's state is not touched
-    assert y.dtype == dtype and s.dtype == torch.float32
+    s, s_ref = state.clone(), state.clone()  # each updated in place
+    y = K.gated_delta(q, k, v, gate, beta, s)
+    y_ref = R.gated_delta(q, k, v, gate, beta, s_ref)
+    assert y.dtype == dtype and not torch.equal(s, state)
     s_tol = 2e-5 * s_ref.abs().max() + 1e-6
     assert (s - s_ref).abs().max() <= s_tol
     y_tol = 2e-5 * y_ref.float().abs().max() + 1e-6
@@ -75,11 +74,20 @@ def test_gated_delta_chunks_compose():
     """Two calls (T = 3, then T = 4) carrying the state equal one call over T = 7."""
     g = _gen("chunks")
     q, k, v, gate, beta, state = _inputs(1, 7, 2, 4, 32, 32, torch.float32, g)
-    y, s = K.gated_delta(q, k, v, gate, beta, state)
-    y1, s1 = K.gated_delta(q[:, :3], k[:, :3], v[:, :3], gate[:, :3], beta[:, :3], state)
-    y2, s2 = K.gated_delta(q[:, 3:], k[:, 3:], v[:, 3:], gate[:, 3:], beta[:, 3:], s1)
+    s, s2 = state.clone(), state.clone()
+    y = K.gated_delta(q, k, v, gate, beta, s)
+    y1 = K.gated_delta(q[:, :3], k[:, :3], v[:, :3], gate[:, :3], beta[:, :3], s2)
+    y2 = K.gated_delta(q[:, 3:], k[:, 3:], v[:, 3:], gate[:, 3:], beta[:, 3:], s2)
     assert torch.allclose(torch.cat((y1, y2), 1), y, rtol=0, atol=1e-6)
     assert torch.allclose(s2, s, rtol=0, atol=1e-6)
+
+
+def test_gated_delta_refuses_a_state_it_cannot_update():
+    q, k, v, gate, beta, state = _inputs(1, 1, 2, 2, 32, 32, torch.float32, _gen("bad"))
+    for bad in (state.bfloat16(), state.transpose(2, 3)):
+        for f in (K.gated_delta, R.gated_delta):
+            with pytest.raises(ValueError, match="contiguous float32"):
+                f(q, k, v, gate, beta, bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

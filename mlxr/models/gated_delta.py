@@ -35,8 +35,9 @@ class GatedDeltaMixer:
     def __call__(self, x: torch.Tensor, conv_state: torch.Tensor,
                  ssm_state: torch.Tensor) -> torch.Tensor:
         """x [B, T, E] (B sequences of T new tokens each) -> [B, T, E]. conv_state
-        [B, W-1, C] (x's dtype) and ssm_state [B, Hv, Dv, Dk] (float32) are the sequences'
-        states before these tokens; both are overwritten with the states after them."""
+        [B, W-1, C] (x's dtype) and ssm_state [B, Hv, Dv, Dk] (float32, contiguous) are the
+        sequences' states before these tokens; both are overwritten with the states after
+        them."""
         s = self.spec
         bsz, t, _ = x.shape
         proj = self.in_proj(x.reshape(bsz * t, -1)).reshape(bsz, t, -1)
@@ -47,9 +48,8 @@ class GatedDeltaMixer:
         q, k = recurrent.l2norm_qk(q.reshape(bsz, t, s.num_k_heads, s.k_head_dim),
                                    k.reshape(bsz, t, s.num_k_heads, s.k_head_dim))
         g, beta = recurrent.delta_gates(a, b, self.a_log, self.dt_bias)
-        y, new_ssm = ops.gated_delta(q, k, v.reshape(bsz, t, s.num_v_heads, s.v_head_dim),
-                                           g, beta, ssm_state)
-        ssm_state.copy_(new_ssm)
+        y = ops.gated_delta(q, k, v.reshape(bsz, t, s.num_v_heads, s.v_head_dim), g, beta,
+                            ssm_state)
         out = recurrent.rms_norm_gated(y, z.reshape(bsz, t, s.num_v_heads, s.v_head_dim),
                                        self.norm, self.eps)
         return self.out_proj(out.reshape(bsz * t, s.value_dim)).reshape(bsz, t, -1)

@@ -124,7 +124,8 @@ def conv1d_silu(x, state, weight):
 
 
 def gated_delta(q, k, v, g, beta, state):
-    """The gated delta rule over T tokens, float32 state (see recurrent.gated_delta)."""
+    """The gated delta rule over T tokens, float32 state updated in place (see
+    recurrent.gated_delta)."""
     if _fast(q):
         from .triton_recurrent import gated_delta as fast
         return fast(q, k, v, g, beta, state)

@@ -59,15 +59,14 @@ def delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
 
 
 def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """The gated delta rule, token by token. q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g (float32)
-    and beta [B, T, Hv]; state [B, Hv, Dv, Dk] float32 (value head h reads key head
-    h // (Hv / Hk)). Per token: S <- S * g; d = (v - S k) * beta; S <- S + d k^T; y = S q.
-    Returns (y [B, T, Hv, Dv] in q's dtype, the new state; `state` itself is not modified).
+    and beta [B, T, Hv]; state [B, Hv, Dv, Dk] float32, contiguous, updated in place (value
+    head h reads key head h // (Hv / Hk)). Per token: S <- S * g; d = (v - S k) * beta;
+    S <- S + d k^T; y = S q. Returns y [B, T, Hv, Dv] in q's dtype.
 
-    The state is updated in place in a float32 copy and the two readouts are batched
-    matrix-vector products (one pass over the state each): the same float32 math as mlx-lm's
-    step, its Dk sums in another order."""
+    The readouts are batched matrix-vector products (one pass over the state each): the same
+    float32 math as mlx-lm's step, its Dk sums in another order."""
     bsz, t, hv, dv = v.shape
     dk = k.shape[-1]
     rep = hv // k.shape[2]
@@ -76,7 +75,9 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     qf = q.float().reshape(bsz, t, hv, dk, 1)
     kf = k.float().reshape(bsz, t, hv, 1, dk)
     vf, bf, gf = v.float(), beta.float(), g.float()
-    s = state.float().clone().reshape(bsz * hv, dv, dk)
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError("gated_delta: the state must be a contiguous float32 tensor")
+    s = state.view(bsz * hv, dv, dk)
     ys = []
     for i in range(t):
         kt = kf[:, i].reshape(bsz * hv, 1, dk)
@@ -86,7 +87,7 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         s.baddbmm_(delta, kt)  # S + d k^T
         y = torch.bmm(s, qf[:, i].reshape(bsz * hv, dk, 1))
         ys.append(y.reshape(bsz, hv, dv).to(q.dtype))
-    return torch.stack(ys, 1), s.reshape(bsz, hv, dv, dk)
+    return torch.stack(ys, 1)
 
 
 def rms_norm_gated(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,

@@ -98,9 +98,9 @@ if HAVE_TRITON:
 
 
 def gated_delta(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                state: Tensor) -> tuple[Tensor, Tensor]:
-    """See `recurrent.gated_delta` (same shapes; q, k, v may be strided views; the new state is
-    written into a float32 copy of `state`)."""
+                state: Tensor) -> Tensor:
+    """See `recurrent.gated_delta` (same shapes; q, k, v may be strided views; `state`, float32
+    and contiguous, is updated in place)."""
     bsz, t, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -108,16 +108,17 @@ def gated_delta(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         q, k = q.contiguous(), k.contiguous()
     g = g.float().contiguous()
     beta = beta.contiguous()
-    new = state.float().contiguous().clone()
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError("gated_delta: the state must be a contiguous float32 tensor")
     y = torch.empty((bsz, t, hv, dv), dtype=q.dtype, device=q.device)
     block_k = triton.next_power_of_2(dk)
     block_v = min(triton.next_power_of_2(dv), max(16, 4096 // block_k))
     grid = (bsz, hv, triton.cdiv(dv, block_v))
     _gated_delta_kernel[grid](
-        q, k, v, g, beta, new, y, t, hv, q.stride(0), q.stride(1), q.stride(2),
+        q, k, v, g, beta, state, y, t, hv, q.stride(0), q.stride(1), q.stride(2),
         v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), REP=hv // hk,
         DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, OUT=_DTYPES[q.dtype])
-    return y, new
+    return y
 
 
 def conv1d_silu(x: Tensor, state: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
