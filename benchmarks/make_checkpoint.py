@@ -15,6 +15,8 @@ bf16, e_score_correction_bias float32, no global scales); gpt-oss-20b as mlx-com
 MXFP4-Q8 conversion (mxfp4 experts, everything else affine 8-bit g64). `--layers` keeps the
 first N layers (the laguna pattern and its per-layer lists cut to match).
 
+    python benchmarks/make_checkpoint.py qwen3.5-0.8b OUT_DIR   (also qwen3.5-2b, gemma-4-e2b)
+
 `--tokenizer` copies a real tokenizer's files (e.g. Qwen3's vocab.json, merges.txt,
 tokenizer_config.json; any model folder works, only its tokenizer files are taken) next to the
 weights, for benchmarks that need text (the server).
@@ -55,6 +57,26 @@ SHAPES = {
                             num_key_value_heads=8, vocab_size=32768, tie_word_embeddings=False,
                             rope_theta=1000000.0, rms_norm_eps=1e-5,
                             max_position_embeddings=32768),
+    # Qwen3.5 (hybrid: 3 gated DeltaNet layers per full-attention layer), text_config shapes
+    "qwen3.5-0.8b": dict(model_type="qwen3_5", tie_word_embeddings=True, text_config=dict(
+        model_type="qwen3_5_text", hidden_size=1024, num_hidden_layers=24,
+        intermediate_size=3584, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+        vocab_size=248320, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        max_position_embeddings=262144, rope_parameters=dict(
+            rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+            mrope_section=[11, 11, 10]))),
+    # Gemma 4 E2B: mlx-lm's gemma4_text defaults (per-layer embeddings, 20 KV-shared layers)
+    "gemma-4-e2b": dict(model_type="gemma4", vocab_size=262144, tie_word_embeddings=True,
+                        text_config=dict(
+        model_type="gemma4_text", hidden_size=1536, num_hidden_layers=35,
+        intermediate_size=6144, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
+        global_head_dim=512, sliding_window=512, sliding_window_pattern=5,
+        num_kv_shared_layers=20, hidden_size_per_layer_input=256,
+        vocab_size_per_layer_input=262144, vocab_size=262144, use_double_wide_mlp=True,
+        final_logit_softcapping=30.0, rms_norm_eps=1e-6, max_position_embeddings=131072,
+        tie_word_embeddings=True)),
 }
 _LAGUNA_L = 40
 MOE_SHAPES = {
@@ -93,6 +115,73 @@ MOE_SHAPES = {
                                           truncate=False)),
 }
 FP_MODES = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
+SHAPES["qwen3.5-2b"] = dict(SHAPES["qwen3.5-0.8b"], text_config=dict(
+    SHAPES["qwen3.5-0.8b"]["text_config"], hidden_size=2048, intermediate_size=6144))
+
+
+
+
+def _qwen35_tables(cfg: dict, g: torch.Generator) -> tuple[dict, dict, dict]:
+    """(linear modules -> (out, in), norms -> size, raw float tensors) of a qwen3_5 model."""
+    t = cfg["text_config"]
+    e, f, L = t["hidden_size"], t["intermediate_size"], t["num_hidden_layers"]
+    h, k, d = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    hk, hv = t["linear_num_key_heads"], t["linear_num_value_heads"]
+    dk, dv, w = t["linear_key_head_dim"], t["linear_value_head_dim"], t["linear_conv_kernel_dim"]
+    conv = 2 * hk * dk + hv * dv
+    m = "language_model.model."
+    mods = {m + "embed_tokens": (t["vocab_size"], e)}
+    norms, raw = {m + "norm": e}, {}
+    for i in range(L):
+        p = f"{m}layers.{i}."
+        if (i + 1) % t["full_attention_interval"]:
+            a = p + "linear_attn."
+            mods.update({a + "in_proj_qkv": (conv, e), a + "in_proj_z": (hv * dv, e),
+                         a + "in_proj_b": (hv, e), a + "in_proj_a": (hv, e),
+                         a + "out_proj": (e, hv * dv)})
+            norms[a + "norm"] = dv
+            raw[a + "conv1d.weight"] = (0.3 * torch.randn(conv, w, 1, generator=g)).bfloat16()
+            raw[a + "A_log"] = torch.log(1 + 15 * torch.rand(hv, generator=g))
+            raw[a + "dt_bias"] = torch.ones(hv, dtype=torch.bfloat16)
+        else:
+            a = p + "self_attn."
+            mods.update({a + "q_proj": (2 * h * d, e), a + "k_proj": (k * d, e),
+                         a + "v_proj": (k * d, e), a + "o_proj": (e, h * d)})
+            norms.update({a + "q_norm": d, a + "k_norm": d})
+        mods.update({p + "mlp.gate_proj": (f, e), p + "mlp.up_proj": (f, e),
+                     p + "mlp.down_proj": (e, f)})
+        norms.update({p + "input_layernorm": e, p + "post_attention_layernorm": e})
+    return mods, norms, raw
+
+
+def _gemma4_tables(cfg: dict, g: torch.Generator) -> tuple[dict, dict, dict]:
+    """The same for a gemma4 (E2B-style) model's text weights."""
+    t = cfg["text_config"]
+    e, f, L = t["hidden_size"], t["intermediate_size"], t["num_hidden_layers"]
+    h, k, pat = t["num_attention_heads"], t["num_key_value_heads"], t["sliding_window_pattern"]
+    ple, first_shared = t["hidden_size_per_layer_input"], L - t["num_kv_shared_layers"]
+    m = "language_model.model."
+    mods = {m + "embed_tokens": (cfg["vocab_size"], e),
+            m + "embed_tokens_per_layer": (t["vocab_size_per_layer_input"], L * ple),
+            m + "per_layer_model_projection": (L * ple, e)}
+    norms, raw = {m + "norm": e, m + "per_layer_projection_norm": ple}, {}
+    for i in range(L):
+        p, a = f"{m}layers.{i}.", f"{m}layers.{i}.self_attn."
+        d = t["global_head_dim"] if i % pat == pat - 1 else t["head_dim"]
+        fi = 2 * f if i >= first_shared else f
+        mods.update({a + "q_proj": (h * d, e), a + "o_proj": (e, h * d),
+                     p + "mlp.gate_proj": (fi, e), p + "mlp.up_proj": (fi, e),
+                     p + "mlp.down_proj": (e, fi), p + "per_layer_input_gate": (ple, e),
+                     p + "per_layer_projection": (e, ple)})
+        norms[a + "q_norm"] = d
+        if i < first_shared:
+            mods.update({a + "k_proj": (k * d, e), a + "v_proj": (k * d, e)})
+            norms[a + "k_norm"] = d
+        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm", "post_per_layer_input_norm"):
+            norms[p + n] = e
+        raw[p + "layer_scalar"] = torch.ones(1, dtype=torch.bfloat16)
+    return mods, norms, raw
 
 
 def quantized(out: int, inp: int, bits: int, group: int, mode: str, g: torch.Generator,
@@ -253,6 +342,9 @@ def write(name: str, out_dir: Path, bits: int, group: int, mode: str, seed: int 
     if mode != "affine":
         bits, group = FP_MODES[mode]
     g = torch.Generator().manual_seed(seed)
+    if cfg["model_type"] in ("qwen3_5", "gemma4"):
+        tables = _qwen35_tables if cfg["model_type"] == "qwen3_5" else _gemma4_tables
+        return _save(cfg, out_dir, bits, group, mode, g, *tables(cfg, g))
     e, f, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     h, k = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim", e // h)
@@ -269,6 +361,12 @@ def write(name: str, out_dir: Path, bits: int, group: int, mode: str, seed: int 
         norms.update({p + "input_layernorm": e, p + "post_attention_layernorm": e})
         if cfg["model_type"] == "qwen3":
             norms.update({p + "self_attn.q_norm": d, p + "self_attn.k_norm": d})
+    return _save(cfg, out_dir, bits, group, mode, g, mods, norms, {})
+
+
+def _save(cfg: dict, out_dir: Path, bits: int, group: int, mode: str, g: torch.Generator,
+          mods: dict, norms: dict, raw: dict) -> Path:
+    """Write the quantized modules, the (unit) norms and the raw float tensors, in shards."""
     out_dir.mkdir(parents=True, exist_ok=True)
     # Shards of <= ~2 GB keep peak memory low while writing.
     shard, shards, size, weight_map = {}, [], 0, {}
@@ -290,6 +388,7 @@ def write(name: str, out_dir: Path, bits: int, group: int, mode: str, seed: int 
             flush()
     for path, n in norms.items():
         shard[f"{path}.weight"] = torch.ones(n, dtype=torch.bfloat16)
+    shard.update(raw)
     flush()
     cfg["quantization"] = {"group_size": group, "bits": bits, "mode": mode}
     cfg["quantization_config"] = cfg["quantization"]

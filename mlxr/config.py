@@ -98,6 +98,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     quant: QuantConfig | None = None
     torch_dtype: str | None = None
+    # hybrid / new-generation families: their per-layer structure (mlxr.config_hybrid's
+    # GatedDeltaSpec or Gemma4Spec); None for the dense families
+    arch: object | None = field(default=None, repr=False)
 
     @property
     def q_size(self) -> int:
@@ -140,8 +143,9 @@ LIMITS = {
     "shared_expert_intermediate_size": 1 << 18,
     "decoder_sparse_step": 1024,
 }
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
-             "phi3") + MOE_TYPES
+DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
+HYBRID = ("qwen3_5", "gemma4", "gemma4_text")  # parsed by mlxr.config_hybrid
+SUPPORTED = DENSE + MOE_TYPES + HYBRID
 
 
 class _Reader:
@@ -278,6 +282,11 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
         raise ModelFormatError(
             f"{source}: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})"
         )
+    if mt in HYBRID:
+        # imported here: config_hybrid builds on this module's readers and dataclasses
+        from .config_hybrid import parse_hybrid
+
+        return parse_hybrid(raw, source)
     r = _Reader(raw, source)
     gemma3 = mt == "gemma3_text"
     d3 = gemma3  # gemma3_text has a default for every key

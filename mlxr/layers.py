@@ -102,6 +102,12 @@ def rope_inv_freq(spec: RopeSpec, seq_len: int) -> tuple[torch.Tensor, float]:
             return 1.0 if f <= 1 else 0.1 * m * math.log(f) + 1.0
 
         scale = mscale(s.get("mscale", 1)) / mscale(s.get("mscale_all_dim", 0))
+    elif kind == "proportional":
+        # gemma4's full layers: the first `rotated` dims turn with exponents over all d dims,
+        # the rest never turn (mlx: infinite periods; inverse frequency 0, cos 1, sin 0)
+        rot = s["rotated"]
+        periods = torch.cat((s["factor"] * periods[:rot // 2],
+                             torch.full(((d - rot) // 2,), math.inf)))
     elif kind in ("longrope", "su"):
         periods = torch.tensor(s["long_factor"], dtype=torch.float32) * periods
         old = s["original_max_position_embeddings"]

@@ -13,6 +13,7 @@ from .config import ModelConfig, load_config
 from .errors import MlxrError, ModelFormatError
 from .engine.kv_cache import new_cache
 from .generate import Chunk, check_prompt, stream_generate
+from .models.hybrid_loader import build_hybrid
 from .models.loader import build_decoder, check_checkpoint
 from .names import resolve_model
 from .sampling import SamplingParams
@@ -147,8 +148,9 @@ def load(path: str | Path, device: str | torch.device | None = None,
     _check_generation_config(gen, config.vocab_size)
     if not weights:
         return _with_tokenizer(Model(path, config, gen, None, dt, dev))
+    build = build_decoder if config.arch is None else build_hybrid
     with open_checkpoint(path) as ckpt:
-        decoder = build_decoder(ckpt, config, dt, dev)
+        decoder = build(ckpt, config, dt, dev)
     trace.instrument(decoder)  # prefill/decode spans when MLXR_TRACE is set; else a no-op
     return _with_tokenizer(Model(path, config, gen, decoder, dt, dev))
 
@@ -183,5 +185,8 @@ def validate(path: str | Path) -> ModelConfig:
     path = resolve_model(path)
     config, _ = load_config(path)
     with open_checkpoint(path) as ckpt:
-        check_checkpoint(ckpt, config)
+        if config.arch is None:
+            check_checkpoint(ckpt, config)
+        else:
+            build_hybrid(ckpt, config, torch.float32, torch.device("cpu"), dry_run=True)
     return config

@@ -123,7 +123,7 @@ def explain_unsupported(path: Path) -> None:
         arch = ", ".join(raw.get("architectures") or []) if isinstance(raw, dict) else ""
         raise ModelFormatError(
             f"{path}: architecture {mt!r}{f' ({arch})' if arch else ''} is not supported; "
-            f"mlxr runs the dense decoders {', '.join(SUPPORTED)}: pick an MLX conversion of "
+            f"mlxr runs the decoders {', '.join(SUPPORTED)}: pick an MLX conversion of "
             "one of those (`mlxr search`)")
     if not st:
         raise ModelFormatError(f"{path}: no *.safetensors weight files; {need}")

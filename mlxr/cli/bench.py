@@ -68,6 +68,11 @@ def weight_bytes_per_token(model) -> int:
         if model.decoder.lm_head is not None:
             emb = sum(t.nbytes for n, t in ckpt.tensors.items() if n.startswith("model.embed"))
             total -= emb - emb // model.config.vocab_size
+        # gemma4's per-layer-embedding table is only gathered: one row per token
+        ple = [t for n, t in ckpt.tensors.items() if ".embed_tokens_per_layer." in n]
+        if ple:
+            nbytes = sum(t.nbytes for t in ple)
+            total -= nbytes - nbytes // ple[0].shape[0]
     return total
 
 

@@ -38,8 +38,9 @@ from .kv_cache import SequenceCache
 def graphable(decoder) -> bool:
     """CUDA decoders whose RoPE does not depend on the sequence length (dynamic NTK does),
     without MoE blocks (their experts are chosen on the host) or attention sinks (served by
-    the reference attention, which reads block tables on the host)."""
-    return decoder.device.type == "cuda" and not any(
+    the reference attention, which reads block tables on the host), nor those that say they
+    cannot be captured (`graphable = False`: the hybrid families)."""
+    return decoder.device.type == "cuda" and getattr(decoder, "graphable", True) and not any(
         (r.spec.scaling or {}).get("rope_type") == "dynamic" for r in decoder.ropes) and all(
         layer.moe is None and layer.sinks is None for layer in decoder.layers)
 

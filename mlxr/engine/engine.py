@@ -21,6 +21,7 @@ from ..sampling import Sampler, SamplingParams
 from .decode_graphs import PagedDecodeRunner, supported
 from .kv_cache import BlockManager, KVPool
 from .scheduler import Scheduler, Sequence
+from .seq_caches import SequenceCaches
 
 
 class QueueFullError(MlxrError):
@@ -113,12 +114,17 @@ class LLMEngine:
             qw.add_batch_copy()
         n = num_blocks or _kv_blocks(model, block_size, max_num_seqs, memory_fraction)
         c = model.config
-        capture = supported(self.decoder)
-        use_paged = capture if paged_decode is None else paged_decode
+        # hybrid families: per-sequence caches (seq_caches), no shared pool, no prefix cache
+        self.seq_caches = SequenceCaches(self.decoder) if hasattr(self.decoder,
+                                                                  "new_cache") else None
+        hybrid = self.seq_caches is not None
+        capture = supported(self.decoder) and not hybrid
+        use_paged = capture if paged_decode is None or hybrid else paged_decode
         # one extra block when decoding in buckets: the padding rows' trash block
-        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, n + use_paged, block_size,
-                           self.decoder.dtype, self.decoder.device)
-        self.blocks = BlockManager(n, block_size)
+        self.pool = None if hybrid else KVPool(c.num_layers, c.num_kv_heads, c.head_dim,
+                                               n + use_paged, block_size, self.decoder.dtype,
+                                               self.decoder.device)
+        self.blocks = BlockManager(n, block_size, prefix_caching=not hybrid)
         self.paged = None
         if use_paged:
             with torch.inference_mode():
@@ -176,7 +182,12 @@ class LLMEngine:
                         if s.aborted]:
                 self.scheduler.finish(seq)
             batch = self.scheduler.schedule()
+            if self.seq_caches is not None:  # cancelled / preempted ones leave here
+                self.seq_caches.release_all_but(self.scheduler.running)
         if not batch:
+            return
+        if self.seq_caches is not None:
+            self._sequence_cache_step(batch)
             return
         if self.paged is not None and all(n == 1 and s.num_computed + 1 == len(s.token_ids)
                                           for s, n in batch):
@@ -218,6 +229,22 @@ class LLMEngine:
             seq.num_computed += n
             self.blocks.register(seq, seq.num_computed)
         self._emit_all(sampling, host, greedy, dict(zip(want, host_logits)))
+
+    def _sequence_cache_step(self, batch: list[tuple[_Request, int]]) -> None:
+        """A step of a hybrid-family model: each sequence's chunk through its own cache."""
+        for seq, _ in batch:
+            if seq.num_generated == 0:
+                seq.prompt_cached = 0
+        with torch.inference_mode(), trace.span("step", {"sequences": len(batch)}):
+            sampling, logits = self.seq_caches.run(batch)
+            host = self._needs_host(sampling)
+            greedy = logits.argmax(dim=-1).tolist()
+            host_logits = {r: logits[r].cpu() for r, h in enumerate(host) if h}
+        for seq, n in batch:
+            seq.num_computed += n
+        self._emit_all(sampling, host, greedy, host_logits)
+        with self.lock:  # finished ones leave here
+            self.seq_caches.release_all_but(self.scheduler.running)
 
     def _paged_batch(self, seqs: list[_Request], tiles: list[tuple], positions: list[int]):
         """The step as the paged attention kernel reads it: block tables [S, W] (padded with

@@ -49,8 +49,11 @@ class BlockManager:
     (leading blocks of its table already in the prefix cache; the manager keeps it).
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
         self.block_size = block_size
+        # off for models with recurrent layers: a cached block holds K/V, not the recurrent
+        # state at its end, so a sequence could not resume from it
+        self.prefix_caching = prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: deque[int] = deque(range(num_blocks))  # least recently freed first
         self.by_hash: dict[int, int] = {}
@@ -84,7 +87,7 @@ class BlockManager:
         h = -1
         for i in range(self.blocks_needed(len(ids))):
             tokens = tuple(ids[i * bs:(i + 1) * bs])
-            if len(tokens) < bs or (i + 1) * bs >= len(ids):
+            if len(tokens) < bs or (i + 1) * bs >= len(ids) or not self.prefix_caching:
                 break
             h = block_hash(h, tokens)
             self.queries += 1
@@ -103,6 +106,8 @@ class BlockManager:
 
     def register(self, seq, num_computed: int) -> None:
         """Enter `seq`'s full blocks whose KV is now computed into the prefix cache."""
+        if not self.prefix_caching:
+            return
         bs = self.block_size
         full = num_computed // bs
         # From the first block not yet entered: a step costs O(new blocks), not O(context).
@@ -158,7 +163,10 @@ class SequenceCache:
 
 
 def new_cache(decoder, capacity: int = 256) -> SequenceCache:
-    """A SequenceCache shaped for `decoder` (layers, kv heads, head dim, dtype, device)."""
+    """A SequenceCache shaped for `decoder` (layers, kv heads, head dim, dtype, device), or the
+    decoder's own single-sequence cache where it has one (the hybrid families)."""
+    if hasattr(decoder, "new_cache"):
+        return decoder.new_cache(max(1, capacity))
     c = decoder.config
     return SequenceCache(c.num_layers, c.num_kv_heads, c.head_dim, decoder.dtype,
                          decoder.device, max(1, capacity))

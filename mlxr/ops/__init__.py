@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from . import moe_reference, reference
+from . import moe_reference, recurrent, reference
 from .moe_reference import combine as moe_combine
 from .moe_reference import expert_act as moe_expert_act
 from .moe_reference import head_gate
@@ -132,12 +132,29 @@ def paged_prefill_attention(q, k, v, block_tables, items, block_size: int, scale
                                              window, softcap)
 
 
+def conv1d_silu(x, state, weight):
+    """Causal depthwise conv + SiLU with its rolling state (see recurrent.conv1d_silu)."""
+    if _fast(x):
+        from .triton_recurrent import conv1d_silu as fast
+        return fast(x, state, weight)
+    return recurrent.conv1d_silu(x, state, weight)
+
+
+def gated_delta(q, k, v, g, beta, state):
+    """The gated delta rule over T tokens, float32 state updated in place (see
+    recurrent.gated_delta)."""
+    if _fast(q):
+        from .triton_recurrent import gated_delta as fast
+        return fast(q, k, v, g, beta, state)
+    return recurrent.gated_delta(q, k, v, g, beta, state)
+
+
 def fast_kernels(device) -> bool:
     """Whether ops on `device` run as Triton kernels (every op capturable in a CUDA graph)."""
     return _fast(torch.empty(0, device=device))
 
 
-__all__ = ["add_rms_norm", "attention", "attention_at", "attention_masked", "fast_kernels",
-           "gated_act", "head_gate", "moe_combine", "moe_expert_act", "moe_reference",
-           "moe_route", "paged_attention", "paged_items", "paged_prefill_attention",
-           "prefill_tile", "qkv_rope_write", "rms_norm", "rope"]
+__all__ = ["add_rms_norm", "attention", "attention_at", "attention_masked", "conv1d_silu",
+           "fast_kernels", "gated_act", "gated_delta", "head_gate", "moe_combine",
+           "moe_expert_act", "moe_reference", "moe_route", "paged_attention", "paged_items",
+           "paged_prefill_attention", "prefill_tile", "qkv_rope_write", "rms_norm", "rope"]

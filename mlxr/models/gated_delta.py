@@ -1,0 +1,55 @@
+"""The gated DeltaNet mixer of qwen3_5's linear-attention layers (mlx-lm's GatedDeltaNet).
+
+x -> [qkv | z | b | a] (one projection) -> causal conv + SiLU over qkv (rolling state of the last
+W-1 inputs) -> q, k L2-normalised -> gated delta rule (float32 state [Hv, Dv, Dk]) ->
+RMSNormGated(y, z) -> out_proj. The states live in the caller's cache and are updated in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config_hybrid import GatedDeltaSpec
+from ..layers import Linear
+from .. import ops
+from ..ops import recurrent
+from .decoder import Fused
+
+
+@dataclass
+class GatedDeltaMixer:
+    """One layer's weights. in_proj: [qkv (C) | z (Hv*Dv) | b (Hv) | a (Hv)] outputs; conv
+    [C, W]; a_log [Hv] float32; dt_bias [Hv] and norm [Dv] in the compute dtype."""
+
+    spec: GatedDeltaSpec
+    in_proj: Linear | Fused
+    conv: torch.Tensor
+    a_log: torch.Tensor
+    dt_bias: torch.Tensor
+    norm: torch.Tensor
+    out_proj: Linear
+    eps: float
+
+    def __call__(self, x: torch.Tensor, conv_state: torch.Tensor,
+                 ssm_state: torch.Tensor) -> torch.Tensor:
+        """x [B, T, E] (B sequences of T new tokens each) -> [B, T, E]. conv_state
+        [B, W-1, C] (x's dtype) and ssm_state [B, Hv, Dv, Dk] (float32, contiguous) are the
+        sequences' states before these tokens; both are overwritten with the states after
+        them."""
+        s = self.spec
+        bsz, t, _ = x.shape
+        proj = self.in_proj(x.reshape(bsz * t, -1)).reshape(bsz, t, -1)
+        qkv, z, b, a = proj.split([s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads], -1)
+        mixed, new_conv = ops.conv1d_silu(qkv, conv_state, self.conv)
+        conv_state.copy_(new_conv)
+        q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], -1)
+        q, k = recurrent.l2norm_qk(q.reshape(bsz, t, s.num_k_heads, s.k_head_dim),
+                                   k.reshape(bsz, t, s.num_k_heads, s.k_head_dim))
+        g, beta = recurrent.delta_gates(a, b, self.a_log, self.dt_bias)
+        y = ops.gated_delta(q, k, v.reshape(bsz, t, s.num_v_heads, s.v_head_dim), g, beta,
+                            ssm_state)
+        out = recurrent.rms_norm_gated(y, z.reshape(bsz, t, s.num_v_heads, s.v_head_dim),
+                                       self.norm, self.eps)
+        return self.out_proj(out.reshape(bsz * t, s.value_dim)).reshape(bsz, t, -1)

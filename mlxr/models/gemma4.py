@@ -1,0 +1,193 @@
+"""The gemma4_text decoder (mlx-lm 0.32.2's gemma4_text; also the text part of gemma4).
+
+Per layer: sandwich-normed attention (scale 1.0; q/k RMSNorm with weights, v RMSNorm without;
+sliding layers rotate all head_dim features, full layers use a 512-wide head with proportional
+RoPE), a sandwich-normed GeGLU MLP, then the per-layer-embedding (PLE) gate
+h += norm(proj(gelu_tanh(gate(h)) * ple_i)), and the layer scalar. The last
+num_kv_shared_layers layers compute no K/V: they attend the cache of the last unshared layer of
+their type (stored once). Logits are soft-capped. Every Python-float scale multiplies in the
+activations' dtype, as mlx does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import ops
+from ..config import ModelConfig
+from ..config_hybrid import Gemma4Spec
+from ..layers import Embedding, Linear, Rope
+from ..ops.recurrent import _scalar
+from ..quant import QuantWeight
+from .decoder import Fused, _gated_act
+from .hybrid_cache import HybridCache, KVShape, LayerShape
+from .qwen3_5 import linears
+
+
+@dataclass
+class Gemma4Layer:
+    """One layer's weights; kv is None on KV-shared layers ([k | v], or k alone with k = v)."""
+
+    input_norm: torch.Tensor
+    q_proj: Linear
+    kv: Linear | Fused | None
+    o_proj: Linear
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor | None
+    post_attn_norm: torch.Tensor
+    pre_mlp_norm: torch.Tensor
+    gate_up: Linear | Fused
+    down_proj: Linear
+    post_mlp_norm: torch.Tensor
+    scalar: torch.Tensor  # [1]
+    ple_gate: Linear | None = None  # E -> P
+    ple_proj: Linear | None = None  # P -> E
+    ple_norm: torch.Tensor | None = None
+
+
+@dataclass
+class PerLayerEmbedding:
+    """table [V, L*P] (gathered), model_proj E -> L*P, norm [P]."""
+
+    table: Embedding
+    model_proj: Linear
+    norm: torch.Tensor
+
+
+class Gemma4Decoder:
+    """Embedding (+ PLE) -> layers -> final norm -> LM head -> soft-cap, over one sequence's
+    HybridCache. Eager (`graphable` False)."""
+
+    graphable = False
+
+    def __init__(self, config: ModelConfig, embed: Embedding, ple: PerLayerEmbedding | None,
+                 layers: list[Gemma4Layer], norm: torch.Tensor, lm_head: Linear | None,
+                 dtype: torch.dtype, device: torch.device):
+        self.config, self.embed, self.ple, self.layers = config, embed, ple, layers
+        self.norm, self.lm_head, self.dtype, self.device = norm, lm_head, dtype, device
+        self.spec: Gemma4Spec = config.arch
+        self.ropes = [Rope(r, device) for r in config.layer_rope]
+        self._ones = {d: torch.ones(d, dtype=dtype, device=device)
+                      for d in set(self.spec.head_dims)}
+
+    @property
+    def head(self) -> Linear:
+        return self.lm_head if self.lm_head is not None else self.embed.as_linear
+
+    def quant_weights(self) -> list[QuantWeight]:
+        lins = [self.head] + ([self.ple.model_proj] if self.ple else [])
+        for ly in self.layers:
+            lins += linears([p for p in (ly.q_proj, ly.kv, ly.o_proj, ly.gate_up, ly.down_proj,
+                                         ly.ple_gate, ly.ple_proj) if p is not None])
+        return list({id(ln.weight): ln.weight for ln in lins
+                     if isinstance(ln.weight, QuantWeight)}.values())
+
+    def layer_shapes(self) -> list[LayerShape]:
+        s = self.spec
+        return [KVShape(s.kv_heads[i], s.head_dims[i]) if s.kv_source[i] == i else None
+                for i in range(self.config.num_layers)]
+
+    def new_cache(self, capacity: int = 256) -> HybridCache:
+        return HybridCache(self.layer_shapes(), self.dtype, self.device, capacity)
+
+    def _per_layer_inputs(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """[T, L, P]: (norm(model_proj(h) * E^-0.5) + table[ids] * sqrt(P)) * 2^-0.5."""
+        c, p = self.config, self.ple
+        t, n, dim = ids.shape[0], c.num_layers, self.spec.ple_dim
+        table = _scalar(p.table(ids), dim**0.5).reshape(t, n, dim)
+        proj = _scalar(p.model_proj(h), c.hidden_size**-0.5).reshape(t, n, dim)
+        proj = ops.rms_norm(proj, p.norm, c.rms_norm_eps)
+        return _scalar(proj + table, 2.0**-0.5)
+
+    def _attend_rows(self, i: int, ly: Gemma4Layer, q: torch.Tensor, kv: torch.Tensor | None,
+                     cache: HybridCache, start: int, cos: torch.Tensor,
+                     sin: torch.Tensor) -> torch.Tensor:
+        """One sequence's rows of the q projection q [T, H*D] (and of [k | v], None on a
+        KV-shared layer) at positions [start, +T) -> attention output [T, H*D] (before o_proj);
+        the layer's own K/V written to the cache."""
+        c, s = self.config, self.spec
+        t, d, kh = q.shape[0], s.head_dims[i], s.kv_heads[i]
+        eps = c.rms_norm_eps
+        q = ops.rms_norm(q.reshape(t, c.num_heads, d), ly.q_norm, eps)
+        if kv is not None:
+            k = kv[:, :kh * d].reshape(t, kh, d)
+            v = k if s.k_eq_v[i] else kv[:, kh * d:].reshape(t, kh, d)
+            k = ops.rope(ops.rms_norm(k, ly.k_norm, eps), cos, sin, False)
+            v = ops.rms_norm(v, self._ones[d], eps)
+            cache.k[i][:, start:start + t] = k.transpose(0, 1)
+            cache.v[i][:, start:start + t] = v.transpose(0, 1)
+        q = ops.rope(q, cos, sin, False)
+        src, window, ctx = s.kv_source[i], c.layer_window[i], start + t
+        lo = 0 if window is None else max(0, start - window + 1)
+        out = ops.attention(q, cache.k[src][:, lo:ctx], cache.v[src][:, lo:ctx], start, lo,
+                            c.attn_scale, window)
+        return out.reshape(t, c.num_heads * d)
+
+    def _layers(self, ids: torch.Tensor, attend) -> torch.Tensor:
+        """Embedding and the layers over rows ids [N]; attend(i, layer, x) -> the attention
+        output [N, E] (after o_proj). Returns h [N, E] before the final norm."""
+        c = self.config
+        eps = c.rms_norm_eps
+        h = _scalar(self.embed(ids), c.embed_scale)
+        ple = self._per_layer_inputs(ids, h) if self.ple is not None else None
+        for i, ly in enumerate(self.layers):
+            a = attend(i, ly, ops.rms_norm(h, ly.input_norm, eps))
+            h = h + ops.rms_norm(a, ly.post_attn_norm, eps)
+            m = ly.down_proj(_gated_act(ly.gate_up, ops.rms_norm(h, ly.pre_mlp_norm, eps),
+                                        c.hidden_act))
+            h = h + ops.rms_norm(m, ly.post_mlp_norm, eps)
+            if ple is not None:
+                g = ops.gated_act(ly.ple_gate(h), ple[:, i], c.hidden_act)
+                h = h + ops.rms_norm(ly.ple_proj(g), ly.ple_norm, eps)
+            h = h * ly.scalar
+        return h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.head(ops.rms_norm(h, self.norm, self.config.rms_norm_eps)).float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def forward(self, ids: torch.Tensor, cache: HybridCache,
+                last_only: bool = False) -> torch.Tensor:
+        """Run ids [T] at positions [cache.length, +T); logits float32 [T|1, V]."""
+        t, start = ids.shape[0], cache.length
+        cache.reserve(start + t)
+        tables = {id(r.spec): r.cos_sin(start, t) for r in self.ropes}
+
+        def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
+            kv = ly.kv(x) if ly.kv is not None else None
+            return ly.o_proj(self._attend_rows(i, ly, ly.q_proj(x), kv, cache, start,
+                                               *tables[id(self.ropes[i].spec)]))
+
+        h = self._layers(ids.to(self.device), attend)
+        cache.length = start + t
+        return self._logits(h[-1:] if last_only else h)
+
+    def forward_batch(self, ids: torch.Tensor, caches: list[HybridCache]) -> torch.Tensor:
+        """One new token for each of B sequences (ids [B]): projections, MLPs and PLE
+        batched, each sequence's attention over its own cache. Logits float32 [B, V]."""
+        starts = [c.length for c in caches]
+        for c in caches:
+            c.reserve(c.length + 1)
+        tables = {}
+        for r in self.ropes:
+            if id(r.spec) not in tables:
+                cs = [r.cos_sin(s, 1) for s in starts]
+                tables[id(r.spec)] = (torch.cat([a for a, _ in cs]),
+                                      torch.cat([b for _, b in cs]))
+
+        def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
+            q = ly.q_proj(x)
+            kv = ly.kv(x) if ly.kv is not None else None
+            cos, sin = tables[id(self.ropes[i].spec)]
+            return ly.o_proj(torch.cat([
+                self._attend_rows(i, ly, q[b:b + 1], None if kv is None else kv[b:b + 1], c,
+                                  starts[b], cos[b:b + 1], sin[b:b + 1])
+                for b, c in enumerate(caches)]))
+
+        h = self._layers(ids.to(self.device), attend)
+        for c, s in zip(caches, starts):
+            c.length = s + 1
+        return self._logits(h)

@@ -1,0 +1,177 @@
+"""The qwen3_5 decoder (mlx-lm's qwen3_5 / Qwen3.5 dense): gated DeltaNet layers beside gated
+softmax-attention layers, each followed by a SwiGLU MLP.
+
+Full-attention layers (mlx-lm's Qwen3NextAttention): q_proj gives per head [q | gate] (the halves
+interleaved per head, not all q first); q/k RMSNorm over D, partial rotate-half RoPE, causal
+attention, then o_proj(out * sigmoid(gate)). Norm weights are used as stored (mlx-community
+files already hold HF's 1 + w).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import ops
+from ..config import ModelConfig
+from ..config_hybrid import GatedDeltaSpec
+from ..layers import Embedding, Linear, Rope
+from ..quant import QuantWeight
+from .decoder import Fused, _gated_act
+from .gated_delta import GatedDeltaMixer
+from .hybrid_cache import HybridCache, KVShape, LayerShape, StateShape
+
+
+@dataclass
+class GatedAttention:
+    """qkv: [q|gate per head (2*H*D) | k (K*D) | v (K*D)]; q_norm / k_norm [D]."""
+
+    qkv: Linear | Fused
+    o_proj: Linear
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+
+
+@dataclass
+class HybridLayer:
+    input_norm: torch.Tensor
+    mixer: GatedDeltaMixer | GatedAttention
+    mlp_norm: torch.Tensor
+    gate_up: Linear | Fused  # [gate | up]
+    down_proj: Linear
+
+
+def linears(parts: list) -> list[Linear]:
+    """The Linears of projections (a Fused one's parts)."""
+    out = []
+    for p in parts:
+        out.extend(p.parts if isinstance(p, Fused) else [p])
+    return out
+
+
+class Qwen35Decoder:
+    """Embedding -> hybrid layers -> final norm -> LM head over one sequence's HybridCache.
+    Not captured in CUDA graphs (`graphable` False): the recurrence runs eagerly."""
+
+    graphable = False
+
+    def __init__(self, config: ModelConfig, embed: Embedding, layers: list[HybridLayer],
+                 norm: torch.Tensor, lm_head: Linear | None, dtype: torch.dtype,
+                 device: torch.device):
+        self.config, self.embed, self.layers, self.norm = config, embed, layers, norm
+        self.lm_head, self.dtype, self.device = lm_head, dtype, device
+        self.spec: GatedDeltaSpec = config.arch
+        self.ropes = [Rope(config.layer_rope[0], device)]
+
+    @property
+    def head(self) -> Linear:
+        return self.lm_head if self.lm_head is not None else self.embed.as_linear
+
+    def quant_weights(self) -> list[QuantWeight]:
+        """Every quantized weight the forward multiplies by, once each."""
+        lins = [self.head]
+        for layer in self.layers:
+            m = layer.mixer
+            mix = [m.in_proj, m.out_proj] if isinstance(m, GatedDeltaMixer) else [m.qkv,
+                                                                                  m.o_proj]
+            lins += linears(mix + [layer.gate_up, layer.down_proj])
+        return list({id(ln.weight): ln.weight for ln in lins
+                     if isinstance(ln.weight, QuantWeight)}.values())
+
+    def layer_shapes(self) -> list[LayerShape]:
+        c, s = self.config, self.spec
+        return [StateShape((s.conv_kernel - 1, s.conv_dim),
+                           (s.num_v_heads, s.v_head_dim, s.k_head_dim))
+                if t == "linear_attention" else KVShape(c.num_kv_heads, c.head_dim)
+                for t in s.layer_types]
+
+    def new_cache(self, capacity: int = 256) -> HybridCache:
+        return HybridCache(self.layer_shapes(), self.dtype, self.device, capacity)
+
+    def _gated_attention(self, m: GatedAttention, proj: torch.Tensor, cache: HybridCache,
+                         i: int, start: int, cos: torch.Tensor,
+                         sin: torch.Tensor) -> torch.Tensor:
+        """One sequence's rows of the qkv projection proj [T, 2HD + 2KD] at positions
+        [start, +T) -> attention output times sigmoid(gate) [T, H*D] (before o_proj); K/V
+        written to the cache."""
+        c = self.config
+        t, h, d = proj.shape[0], c.num_heads, c.head_dim
+        qg = proj[:, :2 * h * d].reshape(t, h, 2 * d)
+        gate = qg[..., d:].reshape(t, h * d)
+        qkv = torch.cat((qg[..., :d].reshape(t, h * d), proj[:, 2 * h * d:]), -1)
+        slots = torch.arange(start, start + t, device=self.device)
+        q = ops.qkv_rope_write(qkv, h, c.num_kv_heads, d, m.q_norm, m.k_norm, c.rms_norm_eps,
+                               0.0, self.ropes[0].scale, cos, sin, False, cache.k[i],
+                               cache.v[i], slots)
+        ctx = start + t
+        out = ops.attention(q, cache.k[i][:, :ctx], cache.v[i][:, :ctx], start, 0,
+                            c.attn_scale)
+        return out.reshape(t, h * d) * torch.sigmoid(gate)
+
+    def _layers(self, h: torch.Tensor, mixer, last_only: bool) -> torch.Tensor:
+        """The layers over rows h [N, E]; mixer(i, layer, x) -> the mixer's output [N, E].
+        Returns the final-normed rows (the last one only with last_only)."""
+        c = self.config
+        eps = c.rms_norm_eps
+        x = ops.rms_norm(h, self.layers[0].input_norm, eps)
+        for i, layer in enumerate(self.layers):
+            h, x = ops.add_rms_norm(h, mixer(i, layer, x), layer.mlp_norm, eps)
+            r = layer.down_proj(_gated_act(layer.gate_up, x, c.hidden_act))
+            nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            if nxt is self.norm and last_only:
+                h, r = h[-1:], r[-1:]
+            h, x = ops.add_rms_norm(h, r, nxt, eps)
+        return x
+
+    def forward(self, ids: torch.Tensor, cache: HybridCache,
+                last_only: bool = False) -> torch.Tensor:
+        """Run ids [T] at positions [cache.length, +T) and return logits float32 [T|1, V]. A
+        forward from position 0 starts from zero recurrent state."""
+        t, start = ids.shape[0], cache.length
+        cache.reserve(start + t)
+        if start == 0:
+            cache.clear_states()
+        cos, sin = self.ropes[0].cos_sin(start, t)
+
+        def mixer(i: int, layer: HybridLayer, x: torch.Tensor) -> torch.Tensor:
+            m = layer.mixer
+            if isinstance(m, GatedDeltaMixer):
+                return m(x[None], cache.conv[i], cache.ssm[i])[0]
+            return m.o_proj(self._gated_attention(m, m.qkv(x), cache, i, start, cos, sin))
+
+        x = self._layers(self.embed(ids.to(self.device)), mixer, last_only)
+        cache.length = start + t
+        return self.head(x).float()
+
+    def forward_batch(self, ids: torch.Tensor, caches: list[HybridCache]) -> torch.Tensor:
+        """One new token for each of B sequences (ids [B], the next position of each cache):
+        projections and MLPs batched, each sequence's attention and recurrent state its own.
+        Returns logits float32 [B, V]."""
+        starts = [c.length for c in caches]
+        for c in caches:
+            c.reserve(c.length + 1)
+            if c.length == 0:
+                c.clear_states()
+        cs = [self.ropes[0].cos_sin(s, 1) for s in starts]
+        cos, sin = torch.cat([a for a, _ in cs]), torch.cat([b for _, b in cs])
+
+        def mixer(i: int, layer: HybridLayer, x: torch.Tensor) -> torch.Tensor:
+            m = layer.mixer
+            if isinstance(m, GatedDeltaMixer):
+                conv = torch.cat([c.conv[i] for c in caches])
+                ssm = torch.cat([c.ssm[i] for c in caches])
+                out = m(x[:, None], conv, ssm)[:, 0]
+                for b, c in enumerate(caches):
+                    c.conv[i].copy_(conv[b:b + 1])
+                    c.ssm[i].copy_(ssm[b:b + 1])
+                return out
+            proj = m.qkv(x)
+            return m.o_proj(torch.cat([
+                self._gated_attention(m, proj[b:b + 1], c, i, starts[b], cos[b:b + 1],
+                                      sin[b:b + 1]) for b, c in enumerate(caches)]))
+
+        x = self._layers(self.embed(ids.to(self.device)), mixer, False)
+        for c, s in zip(caches, starts):
+            c.length = s + 1
+        return self.head(x).float()

@@ -1,0 +1,99 @@
+"""Plain-torch ops of the gated DeltaNet layer (qwen3_5): the spec, the CPU path, the oracle of
+the Triton twins. Numerics follow mlx-lm 0.32.2 (`gated_delta.py`, `qwen3_next.py`): the
+recurrent state is float32 and the recurrence runs sequentially in time, also for prefill.
+
+Shapes: B sequences, T new tokens each, C conv channels (2*Hk*Dk + Hv*Dv), W conv kernel width,
+Hk / Hv key / value heads, Dk / Dv their dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _scalar(x: torch.Tensor, s: float) -> torch.Tensor:
+    """x * s with s first rounded to x's dtype, as mlx multiplies by a Python float."""
+    return x * torch.tensor(s, dtype=x.dtype, device=x.device)
+
+
+def conv1d_silu(x: torch.Tensor, state: torch.Tensor,
+                weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv over time, then SiLU. x [B, T, C] the new inputs, state [B, W-1, C]
+    the previous W-1 inputs (zeros at the start), weight [C, W] (tap j reads the input j-W+1
+    steps back). Returns (silu(conv) [B, T, C] in x's dtype, the new state [B, W-1, C]: the
+    last W-1 inputs)."""
+    w = weight.shape[1]
+    seq = torch.cat((state.to(x.dtype), x), dim=1)  # [B, W-1+T, C]
+    t = x.shape[1]
+    acc = seq[:, 0:t].float() * weight[:, 0].float()
+    for j in range(1, w):
+        acc = acc + seq[:, j:j + t].float() * weight[:, j].float()
+    return F.silu(acc.to(x.dtype)), seq[:, t:].contiguous()
+
+
+def l2norm_qk(q: torch.Tensor, k: torch.Tensor, eps: float = 1e-6
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """mlx-lm's `normalize_qk`: q [.., Dk] -> q / ||q|| * Dk^-0.5 and k -> k / ||k||, each
+    with eps added to the squared norm, written as its rms_norm (eps * Dk^-1 added to the mean
+    square) times a scalar in the inputs' dtype."""
+    dk = q.shape[-1]
+    inv = dk**-0.5
+    rms_eps = eps * inv**2
+
+    def unit_rms(x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + rms_eps)).to(x.dtype)
+
+    return _scalar(unit_rms(q), inv**2), _scalar(unit_rms(k), inv)
+
+
+def delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token, per-value-head gates from a, b [.., Hv]: decay g = exp(-exp(A_log) *
+    softplus(a + dt_bias)) in float32 (A_log [Hv] float32; softplus in a's dtype, as mlx), and
+    beta = sigmoid(b) in b's dtype."""
+    sp = torch.logaddexp(a + dt_bias.to(a.dtype), torch.zeros((), dtype=a.dtype))
+    g = torch.exp(-torch.exp(a_log.float()) * sp.float())
+    return g, torch.sigmoid(b)
+
+
+def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule, token by token. q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g (float32)
+    and beta [B, T, Hv]; state [B, Hv, Dv, Dk] float32, contiguous, updated in place (value
+    head h reads key head h // (Hv / Hk)). Per token: S <- S * g; d = (v - S k) * beta;
+    S <- S + d k^T; y = S q. Returns y [B, T, Hv, Dv] in q's dtype.
+
+    The readouts are batched matrix-vector products (one pass over the state each): the same
+    float32 math as mlx-lm's step, its Dk sums in another order."""
+    bsz, t, hv, dv = v.shape
+    dk = k.shape[-1]
+    rep = hv // k.shape[2]
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
+    qf = q.float().reshape(bsz, t, hv, dk, 1)
+    kf = k.float().reshape(bsz, t, hv, 1, dk)
+    vf, bf, gf = v.float(), beta.float(), g.float()
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError("gated_delta: the state must be a contiguous float32 tensor")
+    s = state.view(bsz * hv, dv, dk)
+    ys = []
+    for i in range(t):
+        kt = kf[:, i].reshape(bsz * hv, 1, dk)
+        s.mul_(gf[:, i].reshape(bsz * hv, 1, 1))
+        kv = torch.bmm(s, kt.transpose(1, 2))  # [B*Hv, Dv, 1]
+        delta = (vf[:, i].reshape(bsz * hv, dv, 1) - kv) * bf[:, i].reshape(bsz * hv, 1, 1)
+        s.baddbmm_(delta, kt)  # S + d k^T
+        y = torch.bmm(s, qf[:, i].reshape(bsz * hv, dk, 1))
+        ys.append(y.reshape(bsz, hv, dv).to(q.dtype))
+    return torch.stack(ys, 1)
+
+
+def rms_norm_gated(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """mlx-lm's RMSNormGated: rms_norm(y) * weight (rounded to y's dtype), then times
+    silu(z), both in float32, rounded to y's dtype. y, z [.., Dv]; weight [Dv]."""
+    y32 = y.float()
+    n = (y32 * torch.rsqrt(y32.pow(2).mean(-1, keepdim=True) + eps)).to(y.dtype) * weight
+    return (F.silu(z.float()) * n.float()).to(y.dtype)

@@ -1,0 +1,124 @@
+"""The serving engine with the hybrid families: per-sequence recurrent state beside the K/V,
+made, carried across prefill chunks, dropped on finish / cancel / preemption; batched greedy
+output equals each request run alone (float32); prefix caching is off for these models."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+hyb = pytest.importorskip("mlx_ref_hybrid")
+
+import mlxr  # noqa: E402
+from mlxr.engine import EngineRequest, LLMEngine  # noqa: E402
+from mlxr.sampling import SamplingParams  # noqa: E402
+
+FAMILIES = ["qwen3_5", "gemma4_text"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request, tmp_path_factory):
+    path = hyb.make_model(tmp_path_factory.mktemp(request.param), request.param,
+                          dict(bits=4, group_size=64))
+    return mlxr.load(path, device="cpu", dtype="float32")
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(320) for _ in range(n)] for n in (5, 23, 11, 17)]
+
+
+def _run(engine: LLMEngine, reqs: list[EngineRequest]) -> list[list]:
+    outs = [[] for _ in reqs]
+    for i, r in enumerate(reqs):
+        engine.add(r, outs[i].append)
+    for _ in range(10_000):
+        if not engine.has_work():
+            return outs
+        engine.step()
+    raise AssertionError("engine did not finish")
+
+
+def _ids(outs) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+_singles: dict = {}
+
+
+def _single(model, prompt: list[int], n: int) -> list[int]:
+    key = (id(model), tuple(prompt), n)
+    if key not in _singles:
+        _singles[key] = list(model.generate(prompt, max_tokens=n, ignore_eos=True))
+    return _singles[key]
+
+
+@pytest.mark.parametrize("budget,num_blocks", [(256, None), (7, 14)])
+def test_batch_equals_single(model, budget, num_blocks, monkeypatch):
+    """Concurrent greedy requests equal each run alone, also with prefill chunks of at most
+    7 tokens (the recurrent state carried across chunks) and a pool of 14 blocks of 4 that forces
+    preemption (the preempted sequence recomputed from a fresh state)."""
+    n = 12
+    prompts = _prompts()
+    engine = LLMEngine(model, max_num_seqs=4, max_num_batched_tokens=budget,
+                       num_blocks=num_blocks, block_size=4)
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    batched = []
+    inner = model.decoder.forward_batch
+    monkeypatch.setattr(model.decoder, "forward_batch",
+                        lambda ids, caches: batched.append(len(caches)) or inner(ids, caches))
+    outs = _run(engine, [EngineRequest(p, params) for p in prompts])
+    assert batched and max(batched) > 1  # decodes ran together
+    for p, o in zip(prompts, outs):
+        assert _ids(o) == _single(model, p, n)
+        assert o[-1].finish_reason == "length"
+    assert engine.blocks.num_free == len(engine.blocks.blocks)
+    assert engine.seq_caches.caches == {}  # dropped as each sequence finished
+    if num_blocks:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_prefix_cache_off_and_same_output(model):
+    """A repeated prompt reuses no block (a block holds no recurrent state) and gives the
+    same tokens."""
+    engine = LLMEngine(model, max_num_seqs=2, block_size=4)
+    prompt = _prompts()[1]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first = _run(engine, [EngineRequest(prompt, params)])[0]
+    second = _run(engine, [EngineRequest(prompt, params)])[0]
+    assert _ids(first) == _ids(second)
+    assert second[-1].cached_tokens == 0 and engine.blocks.hits == 0
+
+
+def test_cancel_drops_the_sequence_cache(model):
+    engine = LLMEngine(model, max_num_seqs=2, max_num_batched_tokens=4)
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    a = engine.add(EngineRequest(_prompts()[1], params), lambda o: None)
+    kept = []
+    engine.add(EngineRequest(_prompts()[0], SamplingParams(max_tokens=5, temperature=0,
+                                                           ignore_eos=True)), kept.append)
+    for _ in range(3):
+        engine.step()
+    assert a.id in engine.seq_caches.caches
+    engine.abort(a)
+    engine.step()
+    assert a.id not in engine.seq_caches.caches
+    while engine.has_work():
+        engine.step()
+    assert engine.seq_caches.caches == {}
+    assert _ids(kept) == _single(model, _prompts()[0], 5)
+
+
+def test_sampled_and_logprob_rows_come_from_the_right_sequence(model):
+    """Host-side rows (logprobs) of a mixed step belong to their own sequence."""
+    engine = LLMEngine(model, max_num_seqs=4)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    prompts = _prompts()[:3]
+    reqs = [EngineRequest(p, params, logprobs=2 if i == 1 else None)
+            for i, p in enumerate(prompts)]
+    outs = _run(engine, reqs)
+    for p, o in zip(prompts, outs):
+        assert _ids(o) == _single(model, p, 3)
+    lp = [x.logprobs[0] for x in outs[1] if x.logprobs]
+    assert lp and all(t.token_id == t.top[0][0] for t in lp)
