@@ -14,6 +14,7 @@ from .errors import MlxrError, ModelFormatError
 from .engine.kv_cache import new_cache
 from .generate import Chunk, check_prompt, stream_generate
 from .models.loader import build_decoder, check_checkpoint
+from .onnx.folder import is_onnx_model
 from .sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,7 +126,8 @@ def load(path: str | Path, device: str | torch.device | None = None,
     safetensors are not opened -- what a server process needs whose engine runs elsewhere.
     """
     path = Path(path)
-    if not path.is_dir():
+    onnx = is_onnx_model(path)
+    if not path.is_dir() and not onnx:
         raise ModelFormatError(f"{path}: not a directory")
     dev = _pick_device(device)
     if dtype is None:
@@ -136,6 +138,10 @@ def load(path: str | Path, device: str | torch.device | None = None,
         dt = DTYPES[dtype]
     else:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if onnx:  # an ONNX decoder folder or file (needs the `onnx` extra)
+        from .onnx.load import load_onnx
+
+        return load_onnx(path, dev, dt, weights)
     config, gen = load_config(path)
     if not weights:
         return Model(path, config, gen, None, dt, dev)
