@@ -40,3 +40,19 @@ ASSETS = SHARED / "assets"
 def assets() -> Path:
     assert ASSETS.is_dir(), f"test assets not found at {ASSETS} (shared/ must sit beside the repo)"
     return ASSETS
+
+
+@pytest.fixture(scope="session")
+def onnx_exports(tmp_path_factory) -> Path:
+    """Tiny random-weight decoder exports made by the ONNX Runtime GenAI model builder (every
+    variant of tests/onnx_build.py, one subprocess per test session, ~10-40 s)."""
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("onnx_exports")
+    log = root / "build.log"
+    with open(log, "w") as f:
+        r = subprocess.run([sys.executable, str(Path(__file__).parent / "onnx_build.py"),
+                            str(root)], stdout=f, stderr=subprocess.STDOUT, timeout=900)
+    assert r.returncode == 0, f"ONNX export build failed:\n{log.read_text()[-3000:]}"
+    return root

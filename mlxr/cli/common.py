@@ -26,7 +26,7 @@ def resolve_model(name: str | None) -> Path:
     if not name:
         return BUNDLED / DEFAULT_MODEL
     p = Path(name).expanduser()
-    if p.is_dir():
+    if p.is_dir() or (p.is_file() and p.suffix == ".onnx"):  # a bare ONNX decoder file too
         return p
     if (BUNDLED / name).is_dir():
         return BUNDLED / name
@@ -49,6 +49,7 @@ def ensure_model(name: str | None, allow_pull: bool) -> Path:
     """Like resolve_model, but a hub name missing locally is pulled when `allow_pull` (what `run`
     does after asking or with --yes; `serve` passes False). The directory is checked to be a
     supported format (GGUF, .bin-only or unknown architectures are explained)."""
+    from ..onnx.folder import is_onnx_model
     from ..store import explain_unsupported, parse_name
 
     try:
@@ -61,7 +62,8 @@ def ensure_model(name: str | None, allow_pull: bool) -> Path:
         from ..hub import pull
 
         path = pull(name).path
-    explain_unsupported(path)
+    if not is_onnx_model(path):  # ONNX decoders are validated by mlxr.onnx at load
+        explain_unsupported(path)
     return path
 
 

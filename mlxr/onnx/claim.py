@@ -92,7 +92,7 @@ class ClaimReport:
     def summary(self, total: int) -> str:
         if self.complete:
             return f"claimed all {total} nodes (mlxr's decoder)"
-        return (f"claimed {total - len(self.declined)} of {total} nodes; the graph runs on "
+        return (f"declined {len(self.declined)} of {total} nodes: the whole graph runs on "
                 "onnxruntime's CPU provider")
 
 

@@ -134,7 +134,9 @@ def _mlp(w: Walk, ck, x: str, p: str, at: onnx.NodeProto):
     """gate/up/down of one layer from the norm output x; returns (down output, F, biased)."""
     projs = [n for n in w.consumers(x) if n.op_type in PROJ_OPS]
     if len(projs) != 2 or len(w.consumers(x)) != 2:
-        raise Decline(at, "the MLP does not read the norm through two projections")
+        ops = sorted(n.op_type for n in w.consumers(x))
+        raise Decline(at, f"the MLP norm's output feeds {ops}, not the MLP's two projections "
+                          "(only gate/up SiLU MLPs are translated)")
     outs = {id(n): w.linear_out(n) for n in projs}
     gate = up = None
     for n in projs:
