@@ -1,0 +1,100 @@
+"""ONNX decoders through mlxr.load vs onnxruntime's CPU provider on the same file.
+
+Exports come from the ONNX Runtime GenAI builder at test time (conftest `onnx_exports`; tiny
+random weights, 2 layers, hidden 128). The reference disables ORT's int8-activation MatMulNBits
+path (accuracy_level=0, see tests/onnx_ref.py): mlxr computes in float.
+
+Tolerances (relative to the largest |logit|):
+* fp32 exports: both sides dequantize the same codes into float32 and differ only in
+  summation order: ~K*u per dot product (K <= 256, u = 6e-8: 1.5e-5), over ~8 matmul/norm
+  stages -> 1e-4.
+* fp16 exports: ORT rounds every activation to fp16 (u = 4.9e-4) over ~10 stages -> 1e-2;
+  mlxr computes them in float32.
+Greedy tokens must agree until ORT's top-2 gap falls under twice the tolerance (a near tie,
+where either choice is correct); free-running generation is compared the same way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mlxr
+from mlxr.onnx import inspect
+from onnx_ref import fp32_reference, greedy, prompt_logits, unfold_qk_norm
+
+TOL_FP32, TOL_FP16 = 1e-4, 1e-2
+# name -> (relative tolerance, what the export exercises)
+EXPORTS = {
+    "llama_int4_cpu": TOL_FP32,  # packed QKV MatMulNBits, GQA RoPE in-op, SkipSLN
+    "qwen2_int4_cpu": TOL_FP32,  # + q/k/v bias Add after the packed projection
+    "qwen3_int4_cpu": TOL_FP32,  # + Split, Reshape/SLN/Reshape per-head q/k norms
+    "llama_tied_shared": TOL_FP32,  # GatherBlockQuantized on the LM head's own weight
+    "llama_int4_gather": TOL_FP32,  # GatherBlockQuantized on a signed INT4 table
+    "llama_int4_zp128": TOL_FP32,  # uint8 zero points, block 128
+    "llama_fp32": TOL_FP32,  # plain MatMul
+    "llama_fp16": TOL_FP16,  # fp16 I/O and scales
+    "llama_dml": TOL_FP16,  # separate q/k/v, standalone RotaryEmbedding, position_ids
+    "qwen3_fp16": TOL_FP16,  # q/k norms folded into GroupQueryAttention (inputs 14/15)
+}
+PROMPT = [1, 40, 7, 199, 23, 310, 5, 88, 142, 61, 250, 3, 99, 17, 230, 44, 8, 300, 12, 76]
+
+
+def reference(root, name):
+    # ORT CPU refuses GQA's folded q/k norms: its reference moves them back out of the op
+    return unfold_qk_norm(root / name) if name == "qwen3_fp16" else fp32_reference(root / name)
+
+
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_whole_graph_is_claimed(onnx_exports, name):
+    ins = inspect(onnx_exports / name)
+    assert ins.report.complete, ins.report.lines()
+    assert ins.translation is not None
+    c = ins.translation.config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == (2, 128, 4, 2)
+    assert c.tie_word_embeddings == (name == "llama_tied_shared")
+    assert c.qkv_bias == (name == "qwen2_int4_cpu")
+    assert c.qk_norm == name.startswith("qwen3")
+    assert (ins.translation.position_ids == "position_ids") == (name == "llama_dml")
+
+
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_prompt_logits_match_onnxruntime(onnx_exports, name):
+    ref = prompt_logits(reference(onnx_exports, name), PROMPT)
+    model = mlxr.load(onnx_exports / name, device="cpu", dtype="float32")
+    got = model.logits(PROMPT).numpy()
+    tol = EXPORTS[name] * np.abs(ref).max()
+    assert got.shape == ref.shape
+    assert np.abs(got - ref).max() <= tol
+    top2 = np.sort(ref, -1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2 * tol
+    assert clear.sum() >= len(PROMPT) // 2
+    assert (got.argmax(-1) == ref.argmax(-1))[clear].all()
+
+
+@pytest.mark.parametrize("name", ["llama_int4_cpu", "qwen3_int4_cpu", "llama_tied_shared",
+                                  "llama_int4_zp128", "llama_dml", "qwen3_fp16"])
+def test_greedy_generation_matches_onnxruntime(onnx_exports, name):
+    n = 16
+    want, rows = greedy(reference(onnx_exports, name), PROMPT[:6], n)
+    model = mlxr.load(onnx_exports / name, device="cpu", dtype="float32")
+    got = list(model.generate(PROMPT[:6], max_tokens=n, ignore_eos=True))
+    assert len(got) == n
+    for i, (a, b, row) in enumerate(zip(got, want, rows)):
+        top2 = np.sort(row)[-2:]
+        if top2[1] - top2[0] <= 2 * EXPORTS[name] * np.abs(row).max():
+            break  # a near tie: both tokens are right, the sequences may part here
+        assert a == b, f"token {i}: mlxr {a}, onnxruntime {b}"
+
+
+def test_text_generation_and_chat_template_come_from_the_folder(onnx_exports):
+    model = mlxr.load(onnx_exports / "llama_int4_cpu", device="cpu", dtype="float32")
+    assert model.eos_token_ids[0] == 2
+    ids = model.tokenizer.encode("hello quick brown fox")
+    chunks = list(model.stream("hello quick brown fox", max_tokens=5, temperature=0.0))
+    assert sum(len(c.token_ids) for c in chunks) >= 1
+    assert isinstance("".join(c.text for c in chunks), str)
+    text = model.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                               add_generation_prompt=True)
+    assert "<|user|>hi" in text and text.endswith("<|assistant|>")
+    assert len(ids) > 0
