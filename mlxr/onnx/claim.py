@@ -48,6 +48,7 @@ SCHEMAS: dict[tuple[str, str], set[str]] = {
 PLAIN_OPS = {"Constant", "ReduceSum", "Sub", "Cast", "Shape", "Gather", "Mul", "Sigmoid", "Add",
              "Reshape", "Split", "MatMul", "Squeeze", "Unsqueeze"}
 MAX_HEADS = 1024
+MIN_GROUP = 32  # mlxr's affine kernels take groups of 32, 64 or 128
 
 
 def attrs(node: onnx.NodeProto) -> dict:
@@ -165,6 +166,8 @@ def _matmul_nbits(g: OnnxGraph, node, a: dict) -> str | None:
             return "bias is not an initializer of N values"
     if k % bs:
         return f"K={k} is not a multiple of block_size={bs} (padded last block)"
+    if bs < MIN_GROUP:
+        return f"block_size={bs}: mlxr's affine groups are 32 to 128 (larger blocks split)"
     return None
 
 
@@ -247,6 +250,8 @@ def _gather_bq(g: OnnxGraph, node, a: dict) -> str | None:
         raise ModelFormatError(f"{where(node)}: bits={bits}, block_size={bs} are invalid")
     if a.get("gather_axis", 0) != 0 or a.get("quantize_axis", 1) not in (1, -1):
         return "only row gathers of row-quantized tables are supported"
+    if bs < MIN_GROUP:
+        return f"block_size={bs}: mlxr's affine groups are 32 to 128 (larger blocks split)"
     return None
 
 

@@ -17,6 +17,14 @@ import torch
 from ..errors import ModelFormatError
 
 
+MAX_GROUP = 128  # mlxr's largest affine group
+
+
+def group_size(block: int) -> int:
+    """The MLX group size a block of `block` elements repacks to."""
+    return min(block, MAX_GROUP)
+
+
 class AffineWeight(NamedTuple):
     """MLX affine tensors of one [out, in] weight: words int32 [out, in*bits/32] (uint32 bits),
     scales and biases float32 [out, in/group]."""
@@ -54,7 +62,10 @@ def block_affine(data: torch.Tensor, scales: torch.Tensor, zero_points: torch.Te
     else:
         zp = zero_points.reshape(rows, blocks).float()
     words = data.view(torch.int32)  # little-endian bytes -> uint32 words, same bit order
-    return AffineWeight(words, s.contiguous(), (-s * zp).contiguous())
+    bias = -s * zp
+    if block > MAX_GROUP:  # one block = block/128 MLX groups sharing its scale and bias
+        s, bias = (t.repeat_interleave(block // MAX_GROUP, dim=1) for t in (s, bias))
+    return AffineWeight(words, s.contiguous(), bias.contiguous())
 
 
 def signed_int4_to_unsigned(data: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 from ..checkpoint import TensorInfo
 from ..errors import ModelFormatError
 from .graph import OnnxGraph
-from .repack import AffineWeight, block_affine, signed_int4_to_unsigned
+from .repack import AffineWeight, block_affine, group_size, signed_int4_to_unsigned
 
 FLOAT_NAMES = {onnx.TensorProto.FLOAT: "F32", onnx.TensorProto.FLOAT16: "F16",
                onnx.TensorProto.BFLOAT16: "BF16"}
@@ -143,7 +143,7 @@ class OnnxCheckpoint:
             self.add(path + ".weight", FLOAT_NAMES[init.elem], (b - a, proj.cols),
                      lambda: proj.value()[a:b])
             return
-        groups = proj.cols // proj.block
+        groups = proj.cols // group_size(proj.block)
         self.add(path + ".weight", "U32", (b - a, proj.cols * proj.bits // 32),
                  lambda: proj.value().words[a:b])
         self.add(path + ".scales", "F32", (b - a, groups), lambda: proj.value().scales[a:b])
