@@ -98,3 +98,41 @@ def test_text_generation_and_chat_template_come_from_the_folder(onnx_exports):
                                                add_generation_prompt=True)
     assert "<|user|>hi" in text and text.endswith("<|assistant|>")
     assert len(ids) > 0
+
+
+def _edit_attention(folder, change) -> None:
+    import onnx
+
+    m = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    for n in m.graph.node:
+        if n.op_type == "GroupQueryAttention":
+            change(n)
+    onnx.save(m, str(folder / "model.onnx"))
+
+
+@pytest.mark.parametrize("attr,value", [("local_window_size", 5), ("softcap", 0.75),
+                                        ("rotary_interleaved", 1), ("scale", 0.05)])
+def test_attention_variants_match_onnxruntime(onnx_exports, tmp_path, attr, value):
+    """GroupQueryAttention's sliding window (W keys including the current one), logit
+    soft-cap, interleaved rotary and explicit scale, set on the llama export's nodes: mlxr's
+    attention must follow each as ORT does."""
+    import onnx
+
+    from onnx_ref import copy_folder
+
+    folder = copy_folder(onnx_exports / "llama_int4_cpu", tmp_path / "m")
+
+    def change(n):
+        for a in list(n.attribute):
+            if a.name == attr:
+                n.attribute.remove(a)
+        n.attribute.append(onnx.helper.make_attribute(attr, value))
+
+    _edit_attention(folder, change)
+    ins = inspect(folder)
+    assert ins.report.complete, ins.report.lines()
+    ref = prompt_logits(fp32_reference(folder), PROMPT)
+    got = mlxr.load(folder, device="cpu", dtype="float32").logits(PROMPT).numpy()
+    assert np.abs(got - ref).max() <= TOL_FP32 * np.abs(ref).max()
+    base = prompt_logits(fp32_reference(onnx_exports / "llama_int4_cpu"), PROMPT)
+    assert np.abs(base - ref).max() > 100 * TOL_FP32 * np.abs(ref).max()  # the edit matters
