@@ -77,3 +77,39 @@ def test_mlxr_show_prints_the_claim_report(odd_graph, onnx_exports):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "claimed all 51 nodes" in out.stdout and "qk norm True" in out.stdout
+
+
+def test_attention_sinks_are_declined_and_run_on_onnxruntime(onnx_exports, tmp_path):
+    """GroupQueryAttention with head_sink (gpt-oss's sinks) is valid but not in mlxr's
+    attention: declined with that reason, and the graph's answer comes from onnxruntime."""
+    folder = copy_folder(onnx_exports / "llama_int4_cpu", tmp_path / "sinks")
+    m = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    m.graph.initializer.append(onnx.helper.make_tensor("sinks", onnx.TensorProto.FLOAT, [4],
+                                                       [0.5, -1.0, 2.0, 0.0]))
+    for n in m.graph.node:
+        if n.op_type == "GroupQueryAttention":
+            while len(n.input) < 12:
+                n.input.append("")
+            n.input[11] = "sinks"
+    onnx.save(m, str(folder / "model.onnx"))
+    ins = mlxr.onnx.inspect(folder)
+    assert ins.report.lines() == ["declined com.microsoft:GroupQueryAttention x2: input "
+                                  "head_sink (sinks) is not in mlxr's attention"]
+    model = mlxr.load(folder, device="cpu", dtype="float32")
+    assert isinstance(model.decoder, OrtDecoder)
+    ref = session(folder / "model.onnx")
+    assert np.array_equal(model.logits(PROMPT).numpy(), prompt_logits(ref, PROMPT))
+
+
+def test_extra_graph_output_is_declined(onnx_exports, tmp_path):
+    """A graph that also exports a hidden state is not only a decoder: mlxr's decoder cannot
+    produce that output, so the graph runs on onnxruntime."""
+    folder = copy_folder(onnx_exports / "llama_int4_cpu", tmp_path / "extra")
+    m = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    hidden = next(n for n in m.graph.node if n.op_type == "SimplifiedLayerNormalization")
+    m.graph.output.append(onnx.helper.make_tensor_value_info(hidden.output[0],
+                                                             onnx.TensorProto.FLOAT, None))
+    onnx.save(m, str(folder / "model.onnx"))
+    ins = mlxr.onnx.inspect(folder)
+    assert ins.translation is None
+    assert ins.report.lines()[0].startswith("declined graph x1: graph inputs/outputs [")

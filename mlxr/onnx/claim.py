@@ -78,7 +78,8 @@ class ClaimReport:
     """Per node: claimed, or declined with a reason."""
 
     claimed: set[int] = field(default_factory=set)  # id() of claimed nodes
-    declined: list[tuple[onnx.NodeProto, str]] = field(default_factory=list)
+    # (node, or None for the graph as a whole, and why)
+    declined: list[tuple[onnx.NodeProto | None, str]] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -86,7 +87,7 @@ class ClaimReport:
 
     def lines(self) -> list[str]:
         """One line per (op, reason): how many nodes, and what to do about it."""
-        counts = Counter((f"{n.domain or 'ai.onnx'}:{n.op_type}", why)
+        counts = Counter(("graph" if n is None else f"{n.domain or 'ai.onnx'}:{n.op_type}", why)
                          for n, why in self.declined)
         return [f"declined {op} x{k}: {why}" for (op, why), k in sorted(counts.items())]
 

@@ -52,7 +52,7 @@ def inspect(path) -> Inspection:
         try:
             translation = translate(g, report, files.meta, kv)
         except Decline as d:
-            report.declined.append((d.node if d.node is not None else g.nodes[0], d.reason))
+            report.declined.append((d.node, d.reason))
         else:
             rest = [n for n in g.nodes if id(n) not in report.claimed]
             for n in rest:

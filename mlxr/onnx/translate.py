@@ -293,7 +293,20 @@ def translate(g: OnnxGraph, report: ClaimReport, meta: dict, kv: list[KVNames]) 
         raise Decline(None, f"norms use different epsilons {sorted(w.eps)}")
     config = _config(g, meta, props, len(gqas), head_proj.rows, tied, w.eps.pop(), ropes,
                      windows)
-    return Translation(config, w.ck, tables, _positions(w))
+    positions = _positions(w)
+    _check_io(g, kv, out, positions)
+    return Translation(config, w.ck, tables, positions)
+
+
+def _check_io(g: OnnxGraph, kv: list[KVNames], logits: str, positions: str | None) -> None:
+    """The graph's I/O must be exactly what mlxr's decoder computes and consumes."""
+    cache = {n for k in kv for n in (k.past_key, k.past_value)}
+    want_in = {"input_ids", "attention_mask"} | cache | ({positions} if positions else set())
+    want_out = {logits} | {n for k in kv for n in (k.present_key, k.present_value)}
+    if set(g.inputs) != want_in or set(g.outputs) != want_out:
+        extra = sorted((set(g.inputs) - want_in) | (set(g.outputs) - want_out))
+        raise Decline(None, f"graph inputs/outputs {extra or 'missing'} are not the "
+                            "decoder's (input_ids, attention_mask, KV, logits)")
 
 
 def _embedding_weights(w: Walk, ck, embed, head, head_proj, hidden: int) -> bool:
