@@ -176,17 +176,17 @@ class OnnxGraph:
                 got = f.seek(info.offset) == info.offset and f.readinto(raw)
             if got != info.nbytes:
                 raise ModelFormatError(f"{info.file.name}: initializer '{name}' is truncated")
-        buf = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=
-                                                                                    torch.uint8)
-        if bits == 4:
+        raw = raw if isinstance(raw, bytearray) else bytearray(raw)  # writable, owned
+        buf = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        if bits == 4:  # ONNX packs 4-bit elements over the flat tensor: rows must fill bytes
             last = info.shape[-1] if info.shape else 1
-            shape = (*info.shape[:-1], (last + 1) // 2)
-            if info.numel % 2 and len(info.shape) > 1 and info.shape[-1] % 2:
-                raise ModelFormatError(f"initializer '{name}': odd 4-bit rows are not supported")
-            return buf.clone().reshape(shape)
+            if last % 2:
+                raise ModelFormatError(f"initializer '{name}': 4-bit rows of odd length "
+                                       f"{last} are not supported")
+            return buf.reshape(*info.shape[:-1], last // 2)
         if dtype == torch.bool and bool((buf > 1).any()):
             raise ModelFormatError(f"initializer '{name}': BOOL bytes other than 0/1")
-        return buf.clone().view(dtype).reshape(info.shape)
+        return buf.view(dtype).reshape(info.shape)
 
     @staticmethod
     def _proto_bytes(t: TensorProto, info: Initializer) -> bytes:
