@@ -56,13 +56,12 @@ def block_affine(data: torch.Tensor, scales: torch.Tensor, zero_points: torch.Te
     blocks = data.shape[1] * 8 // bits // block
     s = scales.reshape(rows, blocks).float()
     if zero_points is None:
-        zp = torch.full_like(s, default_zp)
+        bias = s * -default_zp
     elif zero_points.dtype == torch.uint8:
-        zp = unpack_codes(zero_points.reshape(rows, -1), bits, blocks).float()
+        bias = -s * unpack_codes(zero_points.reshape(rows, -1), bits, blocks)
     else:
-        zp = zero_points.reshape(rows, blocks).float()
+        bias = -s * zero_points.reshape(rows, blocks).float()
     words = data.view(torch.int32)  # little-endian bytes -> uint32 words, same bit order
-    bias = -s * zp
     if block > MAX_GROUP:  # one block = block/128 MLX groups sharing its scale and bias
         s, bias = (t.repeat_interleave(block // MAX_GROUP, dim=1) for t in (s, bias))
     return AffineWeight(words, s.contiguous(), bias.contiguous())
