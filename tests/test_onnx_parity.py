@@ -136,3 +136,26 @@ def test_attention_variants_match_onnxruntime(onnx_exports, tmp_path, attr, valu
     assert np.abs(got - ref).max() <= TOL_FP32 * np.abs(ref).max()
     base = prompt_logits(fp32_reference(onnx_exports / "llama_int4_cpu"), PROMPT)
     assert np.abs(base - ref).max() > 100 * TOL_FP32 * np.abs(ref).max()  # the edit matters
+
+
+def test_bare_onnx_file_loads_without_genai_config(onnx_exports):
+    """A bare decoder .onnx (no genai_config.json): layers and KV names come from the graph."""
+    path = onnx_exports / "llama_int4_cpu" / "model.onnx"
+    got = mlxr.load(path, device="cpu", dtype="float32").logits(PROMPT[:8]).numpy()
+    want = mlxr.load(path.parent, device="cpu", dtype="float32").logits(PROMPT[:8]).numpy()
+    assert np.array_equal(got, want)
+
+
+def test_mlx_path_never_imports_onnx():
+    import subprocess
+    import sys
+
+    code = ("import sys, mlxr; m = mlxr.load('mlxr/bundled/stories260K', device='cpu'); "
+            "list(m.generate([1, 2], max_tokens=2)); "
+            "assert not [k for k in sys.modules if k.split('.')[0] in ('onnx', 'onnxruntime')]")
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
