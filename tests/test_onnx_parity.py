@@ -159,3 +159,22 @@ def test_mlx_path_never_imports_onnx():
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_onnx_rms_normalization_matches_onnxruntime(onnx_exports, tmp_path):
+    """Mobius emits the standard RMSNormalization (opset 23+) for the first norm where the
+    builder emits ORT's SimplifiedLayerNormalization: both are claimed as the same norm."""
+    import onnx
+
+    from onnx_ref import copy_folder
+
+    folder = copy_folder(onnx_exports / "llama_int4_cpu", tmp_path / "m")
+    m = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    next(o for o in m.opset_import if o.domain in ("", "ai.onnx")).version = 23
+    n = next(n for n in m.graph.node if n.op_type == "SimplifiedLayerNormalization")
+    n.op_type = "RMSNormalization"
+    onnx.save(m, str(folder / "model.onnx"))
+    assert inspect(folder).report.complete
+    ref = prompt_logits(fp32_reference(folder), PROMPT)
+    got = mlxr.load(folder, device="cpu", dtype="float32").logits(PROMPT).numpy()
+    assert np.abs(got - ref).max() <= TOL_FP32 * np.abs(ref).max()
