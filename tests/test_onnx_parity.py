@@ -178,3 +178,34 @@ def test_onnx_rms_normalization_matches_onnxruntime(onnx_exports, tmp_path):
     ref = prompt_logits(fp32_reference(folder), PROMPT)
     got = mlxr.load(folder, device="cpu", dtype="float32").logits(PROMPT).numpy()
     assert np.abs(got - ref).max() <= TOL_FP32 * np.abs(ref).max()
+
+
+def test_separate_qkv_with_rotary_in_attention(onnx_exports, tmp_path):
+    """Mobius' layout: separate q/k/v projections feeding GroupQueryAttention with RoPE in the
+    op. Made from the DML export by folding its RotaryEmbedding nodes into the attention."""
+    import onnx
+
+    from onnx_ref import copy_folder
+
+    folder = copy_folder(onnx_exports / "llama_dml", tmp_path / "m")
+    m = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    g = m.graph
+    ropes = {n.output[0]: n for n in g.node if n.op_type == "RotaryEmbedding"}
+    for n in g.node:
+        if n.op_type == "GroupQueryAttention":
+            cos, sin = ropes[n.input[0]].input[2:4]
+            n.input[0], n.input[1] = ropes[n.input[0]].input[0], ropes[n.input[1]].input[0]
+            n.input[7], n.input[8] = cos, sin
+            next(a for a in n.attribute if a.name == "do_rotary").i = 1
+    kept = [n for n in g.node if n.op_type != "RotaryEmbedding"]
+    g.ClearField("node")
+    g.node.extend(kept)
+    inputs = [i for i in g.input if i.name != "position_ids"]
+    g.ClearField("input")
+    g.input.extend(inputs)
+    onnx.save(m, str(folder / "model.onnx"))
+    ins = inspect(folder)
+    assert ins.report.complete and ins.translation.position_ids is None
+    ref = prompt_logits(fp32_reference(folder), PROMPT)
+    got = mlxr.load(folder, device="cpu", dtype="float32").logits(PROMPT).numpy()
+    assert np.abs(got - ref).max() <= TOL_FP16 * np.abs(ref).max()
