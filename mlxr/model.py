@@ -16,6 +16,7 @@ from .generate import Chunk, check_prompt, stream_generate
 from .models.hybrid_loader import build_hybrid
 from .models.loader import build_decoder, check_checkpoint
 from .names import resolve_model
+from .onnx.folder import is_onnx_model
 from .sampling import SamplingParams
 from .tokenizer_checks import check_token_ids
 
@@ -135,6 +136,7 @@ def load(path: str | Path, device: str | torch.device | None = None,
     safetensors are not opened -- what a server process needs whose engine runs elsewhere.
     """
     path = resolve_model(path)
+    onnx = is_onnx_model(path)
     dev = _pick_device(device)
     if dtype is None:
         dt = torch.bfloat16
@@ -144,6 +146,10 @@ def load(path: str | Path, device: str | torch.device | None = None,
         dt = DTYPES[dtype]
     else:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if onnx:  # an ONNX decoder folder or file (needs the `onnx` extra)
+        from .onnx.load import load_onnx
+
+        return load_onnx(path, dev, dt, weights)
     config, gen = load_config(path)
     _check_generation_config(gen, config.vocab_size)
     if not weights:

@@ -72,8 +72,9 @@ def _hint(name: str) -> str:
 
 
 def resolve_model(name: str | Path | None) -> Path:
-    """A model argument -> its directory: none = the default bundled model, a directory, a bundled
-    name, an alias or a Hub name already pulled into the Hugging Face cache (never downloads).
+    """A model argument -> its directory (or a bare .onnx file): none = the default bundled model,
+    a directory, a bundled name, an alias or a Hub name already pulled into the Hugging Face
+    cache (never downloads).
     Raises NotDownloadedError for a Hub name (or alias) that `mlxr pull` would fetch."""
     from .store import hub_cache, local_snapshot, parse_name, repo_dir
 
@@ -81,7 +82,7 @@ def resolve_model(name: str | Path | None) -> Path:
         return BUNDLED / DEFAULT_MODEL
     name = str(name)
     p = Path(name).expanduser()
-    if p.is_dir():
+    if p.is_dir() or (p.is_file() and p.suffix == ".onnx"):  # a bare ONNX decoder file too
         return p
     if "/" not in name and (BUNDLED / name / "config.json").is_file():
         return BUNDLED / name

@@ -81,3 +81,19 @@ def assets(tmp_path_factory) -> Path:
     """The test assets (tests/assets, gzipped files unpacked): the only way tests reach them."""
     assert ASSETS.is_dir(), f"test assets not found at {ASSETS}"
     return unpacked_copy(ASSETS, tmp_path_factory.mktemp("assets"))
+
+
+@pytest.fixture(scope="session")
+def onnx_exports(tmp_path_factory) -> Path:
+    """Tiny random-weight decoder exports made by the ONNX Runtime GenAI model builder (every
+    variant of tests/onnx_build.py, one subprocess per test session, ~10-40 s)."""
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("onnx_exports")
+    log = root / "build.log"
+    with open(log, "w") as f:
+        r = subprocess.run([sys.executable, str(Path(__file__).parent / "onnx_build.py"),
+                            str(root)], stdout=f, stderr=subprocess.STDOUT, timeout=900)
+    assert r.returncode == 0, f"ONNX export build failed:\n{log.read_text()[-3000:]}"
+    return root

@@ -51,6 +51,7 @@ def ensure_model(name: str | None, allow_pull: bool) -> Path:
     """Like resolve_model, but a Hub name or alias missing locally is pulled when `allow_pull`
     (what `run` does after asking or with --yes; `serve` passes False). The directory is checked
     to be a supported format (GGUF, .bin-only or unknown architectures are explained)."""
+    from ..onnx.folder import is_onnx_model
     from ..store import explain_unsupported
 
     try:
@@ -61,7 +62,8 @@ def ensure_model(name: str | None, allow_pull: bool) -> Path:
         from ..hub import pull
 
         path = pull(expand_alias(name)).path
-    explain_unsupported(path)
+    if not is_onnx_model(path):  # ONNX decoders are validated by mlxr.onnx at load
+        explain_unsupported(path)
     return path
 
 

@@ -94,10 +94,19 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    from ..onnx.folder import is_onnx_model
     from ..store import describe, human
     from .common import resolve_model
 
-    d = describe(resolve_model(args.model))
+    path = resolve_model(args.model)
+    if is_onnx_model(path):  # graph, claim report (each declined op, how many, why)
+        from ..onnx.load import describe as describe_onnx
+
+        print(f"model         {args.model}")
+        for line in describe_onnx(path):
+            print(line)
+        return 0
+    d = describe(path)
     yn = {True: "yes", False: "no", None: "auto"}
     print(f"model         {args.model}")
     print(f"path          {d['path']}")

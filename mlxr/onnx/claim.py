@@ -1,0 +1,284 @@
+"""Which nodes of an ONNX decoder mlxr can run, and why it declines the others.
+
+Every contrib op is checked against the attributes and inputs of the schema mlxr was written
+for (onnxruntime 1.32's com.microsoft ops, version 1): an attribute name outside that schema,
+an invalid value (bits=3, a block size that is not a power of two, K/N that disagree with the
+weight) or an EP-specific prepacked layout is a ModelFormatError naming the node -- the file
+is not what mlxr (or the CPU provider) would compute correctly. A valid feature that mlxr's
+decoder does not have (attention sinks, a quantized KV cache, MoE experts) is *declined* with a
+reason: the graph then runs on onnxruntime's CPU provider.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+
+import onnx
+
+from ..errors import ModelFormatError
+from .graph import FLOAT_TYPES, OnnxGraph, type_name
+
+MS = "com.microsoft"
+# attribute names of each op as of onnxruntime 1.32 (schema version 1 / ONNX opset noted)
+SCHEMAS: dict[tuple[str, str], set[str]] = {
+    (MS, "MatMulNBits"): {"K", "N", "accuracy_level", "bits", "block_size", "weight_prepacked"},
+    (MS, "GroupQueryAttention"): {
+        "causal", "do_rotary", "k_norm_epsilon", "k_quant_type", "kv_cache_bit_width",
+        "kv_num_heads", "local_window_size", "num_heads", "q_norm_epsilon", "qk_norm_epsilon",
+        "qk_output", "rotary_interleaved", "scale", "sliding_window_cache", "smooth_softmax",
+        "softcap", "v_quant_type"},
+    (MS, "SkipSimplifiedLayerNormalization"): {"epsilon"},
+    (MS, "RotaryEmbedding"): {"interleaved", "is_packed_batching", "num_heads",
+                              "rotary_embedding_dim", "scale"},
+    (MS, "GatherBlockQuantized"): {"bits", "block_size", "gather_axis", "quantize_axis"},
+    (MS, "QMoE"): {
+        "accuracy_level", "activation_alpha", "activation_beta", "activation_type",
+        "block_size", "expert_weight_bits", "fc1_expert_weight_bits", "fc2_expert_weight_bits",
+        "fc3_expert_weight_bits", "k", "normalize_routing_weights", "quant_type",
+        "swiglu_fusion", "swiglu_limit", "swiglu_limit_after_activation", "use_sparse_mixer",
+        "weights_prepacked"},
+    ("", "SimplifiedLayerNormalization"): {"axis", "epsilon", "stash_type"},
+    ("", "RMSNormalization"): {"axis", "epsilon", "stash_type"},
+}
+# standard ops that appear in the decoder chain (the mask reformat, embedding, SiLU, biases,
+# q/k-norm reshapes); they are claimed only where the translator finds them in that chain
+PLAIN_OPS = {"Constant", "ReduceSum", "Sub", "Cast", "Shape", "Gather", "Mul", "Sigmoid", "Add",
+             "Reshape", "Split", "MatMul", "Squeeze", "Unsqueeze"}
+MAX_HEADS = 1024
+MIN_GROUP = 32  # mlxr's affine kernels take groups of 32, 64 or 128
+
+
+def attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def where(node: onnx.NodeProto) -> str:
+    return f"node {node.name or '(unnamed)'!r} ({node.op_type})"
+
+
+def _int_attr(node, a: dict, key: str, default=None, lo: int = 0, hi: int = 1 << 40) -> int:
+    v = a.get(key, default)
+    if v is None:
+        raise ModelFormatError(f"{where(node)}: required attribute '{key}' is missing")
+    if not isinstance(v, int) or not lo <= v <= hi:
+        raise ModelFormatError(f"{where(node)}: attribute {key}={v!r} is out of range "
+                               f"[{lo}, {hi}]")
+    return v
+
+
+def _input(node: onnx.NodeProto, i: int) -> str:
+    return node.input[i] if i < len(node.input) else ""
+
+
+@dataclass
+class ClaimReport:
+    """Per node: claimed, or declined with a reason."""
+
+    claimed: set[int] = field(default_factory=set)  # id() of claimed nodes
+    # (node, or None for the graph as a whole, and why)
+    declined: list[tuple[onnx.NodeProto | None, str]] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return not self.declined
+
+    def lines(self) -> list[str]:
+        """One line per (op, reason): how many nodes, and what to do about it."""
+        counts = Counter(("graph" if n is None else f"{n.domain or 'ai.onnx'}:{n.op_type}", why)
+                         for n, why in self.declined)
+        return [f"declined {op} x{k}: {why}" for (op, why), k in sorted(counts.items())]
+
+    def summary(self, total: int) -> str:
+        if self.complete:
+            return f"claimed all {total} nodes (mlxr's decoder)"
+        return (f"declined {len(self.declined)} of {total} nodes: the whole graph runs on "
+                "onnxruntime's CPU provider")
+
+
+def check_opsets(g: OnnxGraph) -> None:
+    v = g.opsets.get(MS)
+    if v is not None and v != 1:
+        raise ModelFormatError(f"{g.path.name}: opset com.microsoft version {v} is unknown to "
+                               "mlxr (written for version 1)")
+
+
+def check_node(g: OnnxGraph, node: onnx.NodeProto) -> str | None:
+    """None if mlxr can translate the node, else why not. Raises ModelFormatError for a node
+    that is invalid or laid out for one execution provider only."""
+    key = (node.domain if node.domain != "ai.onnx" else "", node.op_type)
+    a = attrs(node)
+    known = SCHEMAS.get(key)
+    if known is not None:
+        unknown = sorted(set(a) - known)
+        if unknown:
+            raise ModelFormatError(f"{where(node)}: attributes {unknown} are not in the "
+                                   f"{node.op_type} schema mlxr knows (onnxruntime 1.32)")
+    elif key[0] == "" and node.op_type in PLAIN_OPS:
+        return None
+    else:
+        return "mlxr has no translation for this op"
+    check = CHECKS.get(node.op_type)
+    return check(g, node, a) if check else None
+
+
+def _matmul_nbits(g: OnnxGraph, node, a: dict) -> str | None:
+    k = _int_attr(node, a, "K", lo=1)
+    n = _int_attr(node, a, "N", lo=1)
+    bits = _int_attr(node, a, "bits", 4, 1, 8)
+    bs = _int_attr(node, a, "block_size", lo=16, hi=1 << 16)
+    _int_attr(node, a, "accuracy_level", 0, 0, 4)
+    if _int_attr(node, a, "weight_prepacked", 0, 0, 255):
+        raise ModelFormatError(f"{where(node)}: weight_prepacked={a['weight_prepacked']} is a "
+                               "CUDA-only layout; export with matmulnbits_weights_prepacked=0")
+    if bits not in (2, 4, 8) or bs & (bs - 1):
+        raise ModelFormatError(f"{where(node)}: bits={bits}, block_size={bs}: expected bits in "
+                               "2/4/8 and a power-of-two block size >= 16")
+    kb = -(-k // bs)
+    b = g.inits.get(_input(node, 1))
+    s = g.inits.get(_input(node, 2))
+    if b is None or s is None:
+        return "weight or scales are computed at run time, not initializers"
+    if b.elem != onnx.TensorProto.UINT8 or b.shape != (n, kb, bs * bits // 8):
+        raise ModelFormatError(f"{where(node)}: B is {type_name(b.elem)}{list(b.shape)}, "
+                               f"K={k} N={n} bits={bits} block_size={bs} need UINT8"
+                               f"{[n, kb, bs * bits // 8]}")
+    if s.elem not in FLOAT_TYPES or s.numel != n * kb:
+        raise ModelFormatError(f"{where(node)}: scales {type_name(s.elem)}{list(s.shape)} do not "
+                               f"hold N*k_blocks = {n * kb} floats")
+    zp_name, bias_name = _input(node, 3), _input(node, 5)
+    if zp_name:
+        zp = g.inits.get(zp_name)
+        if zp is None:
+            return "zero points are computed at run time"
+        packed = n * -(-kb * bits // 8)
+        if not ((zp.elem == onnx.TensorProto.UINT8 and zp.numel == packed)
+                or (zp.elem in FLOAT_TYPES and zp.numel == n * kb)):
+            raise ModelFormatError(f"{where(node)}: zero_points {type_name(zp.elem)}"
+                                   f"{list(zp.shape)} fit neither the packed uint8 nor the "
+                                   "float layout")
+    if _input(node, 4):
+        return "g_idx (act-order) is not supported"
+    if bias_name:
+        bias = g.inits.get(bias_name)
+        if bias is None or bias.numel != n:
+            return "bias is not an initializer of N values"
+    if k % bs:
+        return f"K={k} is not a multiple of block_size={bs} (padded last block)"
+    if bs < MIN_GROUP:
+        return f"block_size={bs}: mlxr's affine groups are 32 to 128 (larger blocks split)"
+    return None
+
+
+def _gqa(g: OnnxGraph, node, a: dict) -> str | None:
+    nq = _int_attr(node, a, "num_heads", lo=1, hi=MAX_HEADS)
+    nkv = _int_attr(node, a, "kv_num_heads", lo=1, hi=MAX_HEADS)
+    if nq % nkv:
+        raise ModelFormatError(f"{where(node)}: num_heads={nq} is not a multiple of "
+                               f"kv_num_heads={nkv}")
+    for key, lo, hi in (("do_rotary", 0, 1), ("rotary_interleaved", 0, 1), ("causal", 0, 1),
+                        ("sliding_window_cache", 0, 1), ("qk_output", 0, 3),
+                        ("smooth_softmax", -1, 1), ("local_window_size", -1, 1 << 24)):
+        _int_attr(node, a, key, {"causal": 1, "smooth_softmax": -1,
+                                 "local_window_size": -1}.get(key, 0), lo, hi)
+    for key in ("scale", "softcap"):
+        v = a.get(key, 0.0)
+        if not isinstance(v, float) or v != v or abs(v) == float("inf") or v < 0:
+            raise ModelFormatError(f"{where(node)}: attribute {key}={v!r} is invalid")
+    for key in ("k_quant_type", "v_quant_type"):
+        v = a.get(key, b"NONE")
+        v = v.decode() if isinstance(v, bytes) else v
+        if v not in ("NONE", "PER_TENSOR", "PER_CHANNEL"):
+            raise ModelFormatError(f"{where(node)}: {key}={v!r} is unknown")
+        if v != "NONE":
+            return "quantized KV cache (k/v_quant_type) is not in mlxr's attention"
+    if a.get("causal", 1) != 1:
+        return "non-causal attention"
+    if a.get("smooth_softmax", -1) == 1:
+        return "smooth_softmax (a zero sink logit) is not in mlxr's attention"
+    if a.get("sliding_window_cache", 0):
+        return "window-sized KV buffers (sliding_window_cache=1) are not supported"
+    if a.get("qk_output", 0):
+        return "qk_output is not supported"
+    for i, what in ((9, "position_ids"), (10, "attention_bias"), (11, "head_sink (sinks)"),
+                    (12, "k_scale"), (13, "v_scale"), (16, "query_seqlens")):
+        if _input(node, i):
+            return f"input {what} is not in mlxr's attention"
+    if len(node.input) > 17:
+        raise ModelFormatError(f"{where(node)}: {len(node.input)} inputs, the schema has 17")
+    if a.get("do_rotary", 0):
+        cos, sin = g.inits.get(_input(node, 7)), g.inits.get(_input(node, 8))
+        if cos is None or sin is None:
+            return "rotary cos/sin caches are not initializers"
+    return None
+
+
+def _norm(g: OnnxGraph, node, a: dict) -> str | None:
+    eps = a.get("epsilon", 1e-5)
+    if not isinstance(eps, float) or not 0 <= eps < 1:
+        raise ModelFormatError(f"{where(node)}: epsilon={eps!r} is invalid")
+    if a.get("axis", -1) != -1:
+        return f"normalization over axis {a['axis']} (only the last axis is supported)"
+    if a.get("stash_type", 1) != 1:
+        return "stash_type other than float32"
+    if node.op_type == "SkipSimplifiedLayerNormalization" and _input(node, 3):
+        return "SkipSimplifiedLayerNormalization with a bias input"
+    if node.op_type == "SkipSimplifiedLayerNormalization" and (len(node.output) > 1 and any(
+            node.output[1:3])):
+        return "mean / inv_std outputs are consumed"
+    return None
+
+
+def _rotary(g: OnnxGraph, node, a: dict) -> str | None:
+    _int_attr(node, a, "interleaved", 0, 0, 1)
+    _int_attr(node, a, "num_heads", 0, 0, MAX_HEADS)
+    _int_attr(node, a, "rotary_embedding_dim", 0, 0, 1 << 16)
+    if a.get("is_packed_batching", 0):
+        return "packed batching is not supported"
+    if a.get("scale", 1.0) != 1.0:
+        return "a rotary scale other than 1"
+    if g.inits.get(_input(node, 2)) is None or g.inits.get(_input(node, 3)) is None:
+        return "rotary cos/sin caches are not initializers"
+    return None
+
+
+def _gather_bq(g: OnnxGraph, node, a: dict) -> str | None:
+    bits = _int_attr(node, a, "bits", 4, 1, 8)
+    bs = _int_attr(node, a, "block_size", 128, 16, 1 << 16)
+    if bits not in (2, 4, 8) or bs & (bs - 1):
+        raise ModelFormatError(f"{where(node)}: bits={bits}, block_size={bs} are invalid")
+    if a.get("gather_axis", 0) != 0 or a.get("quantize_axis", 1) not in (1, -1):
+        return "only row gathers of row-quantized tables are supported"
+    if bs < MIN_GROUP:
+        return f"block_size={bs}: mlxr's affine groups are 32 to 128 (larger blocks split)"
+    return None
+
+
+def _qmoe(g: OnnxGraph, node, a: dict) -> str | None:
+    prepacked = a.get("weights_prepacked", -1)
+    w, s = g.inits.get(_input(node, 2)), g.inits.get(_input(node, 3))
+    raw = w is not None and s is not None and len(w.shape) == 3 and len(s.shape) >= 2 \
+        and w.shape[1] == s.shape[1]
+    if prepacked == 1 or (prepacked == -1 and w is not None and s is not None and not raw):
+        raise ModelFormatError(f"{where(node)}: expert weights are in an EP-specific prepacked "
+                               "layout; export with qmoe_weights_prepacked=0")
+    return "MoE experts (QMoE) are not in mlxr's dense decoder yet"
+
+
+CHECKS = {"MatMulNBits": _matmul_nbits, "GroupQueryAttention": _gqa,
+          "SkipSimplifiedLayerNormalization": _norm, "SimplifiedLayerNormalization": _norm,
+          "RMSNormalization": _norm, "RotaryEmbedding": _rotary,
+          "GatherBlockQuantized": _gather_bq, "QMoE": _qmoe}
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("MLXR_ONNX_CLAIM_DEBUG", "") not in ("", "0")
+
+
+def print_report(report: ClaimReport, total: int, name: str) -> None:
+    """The claim report on stderr (MLXR_ONNX_CLAIM_DEBUG=1)."""
+    print(f"[mlxr onnx] {name}: {report.summary(total)}", file=sys.stderr)
+    for line in report.lines():
+        print(f"[mlxr onnx]   {line}", file=sys.stderr)

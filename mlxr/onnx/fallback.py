@@ -1,0 +1,95 @@
+"""Whole-graph fallback: a decoder graph mlxr does not fully claim runs on onnxruntime's CPU
+provider behind the same `forward(ids, cache)` the Model and generation loop call.
+
+The KV cache stays in mlxr's SequenceCache (k[layer] [kv heads, slots, head dim]); each step
+feeds its filled prefix as the graph's past (B=1, growing cache) and writes the present back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..config import ModelConfig
+from ..errors import ModelFormatError
+from .folder import KVNames
+from .graph import OnnxGraph
+
+NP_TYPES = {1: np.float32, 10: np.float16, 16: None}
+
+
+def ort_session(path, threads: int = 0):
+    """An onnxruntime CPU session (imported here: only the ONNX path needs onnxruntime)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if threads:
+        so.intra_op_num_threads = threads
+    try:
+        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own exception types for bad graphs
+        raise ModelFormatError(f"{path.name}: onnxruntime cannot load it ({e})") from None
+
+
+class OrtDecoder:
+    """The decoder interface (config, dtype, device, forward) over an onnxruntime session."""
+
+    def __init__(self, g: OnnxGraph, config: ModelConfig, kv: list[KVNames], logits: str):
+        kv_elem = g.inputs[kv[0].past_key].elem
+        if NP_TYPES.get(kv_elem) is None:
+            raise ModelFormatError(f"{g.path.name}: KV cache type {kv_elem} is not float32/16")
+        self.config, self.kv, self.logits_name = config, kv, logits
+        self.dtype = torch.float32 if kv_elem == 1 else torch.float16
+        self.device = torch.device("cpu")
+        self.position_ids = "position_ids" if "position_ids" in g.inputs else None
+        self.session = ort_session(g.path)
+
+    def forward(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+        t, start = ids.shape[0], cache.length
+        cache.reserve(start + t)
+        pool = cache.pool
+        feeds = {"input_ids": ids.reshape(1, t).to(torch.int64).numpy(),
+                 "attention_mask": np.ones((1, start + t), np.int64)}
+        if self.position_ids:
+            feeds[self.position_ids] = np.arange(start, start + t, dtype=np.int64)[None]
+        for i, names in enumerate(self.kv):
+            feeds[names.past_key] = pool.k[i][:, :start].unsqueeze(0).numpy()
+            feeds[names.past_value] = pool.v[i][:, :start].unsqueeze(0).numpy()
+        wanted = [self.logits_name] + [n for k in self.kv for n in (k.present_key,
+                                                                     k.present_value)]
+        out = dict(zip(wanted, self.session.run(wanted, feeds)))
+        for i, names in enumerate(self.kv):
+            pool.k[i][:, :start + t] = torch.from_numpy(out[names.present_key][0])
+            pool.v[i][:, :start + t] = torch.from_numpy(out[names.present_value][0])
+        cache.length = start + t
+        logits = torch.from_numpy(out[self.logits_name][0]).float()
+        return logits[-1:] if last_only else logits
+
+
+def fallback_config(g: OnnxGraph, meta: dict, kv: list[KVNames], logits: str) -> ModelConfig:
+    """What the Model and the KV cache need, from genai_config.json and the graph's I/O."""
+    dec = meta.get("decoder") if isinstance(meta.get("decoder"), dict) else {}
+    dims = g.inputs[kv[0].past_key].dims if kv else ()
+    vocab = g.outputs[logits].dims[-1] if logits in g.outputs else None
+    vocab = vocab if isinstance(vocab, int) else meta.get("vocab_size")
+    kv_heads = dims[1] if len(dims) == 4 and isinstance(dims[1], int) else \
+        dec.get("num_key_value_heads")
+    head = dims[3] if len(dims) == 4 and isinstance(dims[3], int) else dec.get("head_size")
+    heads = dec.get("num_attention_heads", kv_heads)
+    ctx = meta.get("context_length", 4096)
+    for key, v in (("vocab_size", vocab), ("num_key_value_heads", kv_heads),
+                   ("head_size", head), ("num_attention_heads", heads), ("context_length", ctx)):
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= 1 << 24:
+            raise ModelFormatError(f"{g.path.name}: cannot tell the decoder's {key} from the "
+                                   "graph or genai_config.json")
+    if not kv:
+        raise ModelFormatError(f"{g.path.name}: no past_key_values inputs: not a KV decoder")
+    eos = meta.get("eos_token_id")
+    eos = tuple(x for x in (eos if isinstance(eos, list) else [eos]) if isinstance(x, int))
+    return ModelConfig(model_type=str(meta.get("type") or "onnx"), vocab_size=vocab,
+                       hidden_size=dec.get("hidden_size", heads * head), num_layers=len(kv),
+                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head,
+                       intermediate_size=0, rms_norm_eps=0.0, max_position_embeddings=ctx,
+                       tie_word_embeddings=False, eos_token_ids=eos,
+                       bos_token_id=meta.get("bos_token_id"))

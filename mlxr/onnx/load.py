@@ -1,0 +1,125 @@
+"""`mlxr.load` for ONNX decoders: validate the graph, decide what mlxr claims, and build the
+same Model as for MLX files -- mlxr's decoder when every node is claimed, onnxruntime's CPU
+provider for the whole graph otherwise (with the claim report saying why)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .. import trace
+from ..errors import ModelFormatError
+from ..models.loader import build_decoder
+from .claim import ClaimReport, check_node, check_opsets, debug_enabled, print_report
+from .fallback import OrtDecoder, fallback_config
+from .folder import KVNames, OnnxFolder, kv_names, resolve
+from .graph import OnnxGraph
+from .rope import TableRope
+from .translate import Translation, translate
+from .walk import Decline
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Inspection:
+    """A validated graph, what mlxr claims of it, and (if everything) its translation."""
+
+    files: OnnxFolder
+    graph: OnnxGraph
+    report: ClaimReport
+    kv: list[KVNames]
+    logits: str
+    translation: Translation | None
+
+
+def inspect(path) -> Inspection:
+    files = resolve(path)
+    g = OnnxGraph(files.model)
+    check_opsets(g)
+    kv = kv_names(g, files.meta)
+    logits = _logits_name(g, files.meta)
+    report = ClaimReport()
+    for node in g.nodes:
+        why = check_node(g, node)
+        if why is not None:
+            report.declined.append((node, why))
+    translation = None
+    if report.complete:
+        try:
+            translation = translate(g, report, files.meta, kv)
+        except Decline as d:
+            report.declined.append((d.node, d.reason))
+        else:
+            rest = [n for n in g.nodes if id(n) not in report.claimed]
+            for n in rest:
+                report.declined.append((n, "not part of the recognised decoder structure"))
+            if rest:
+                translation = None
+    if debug_enabled():
+        print_report(report, len(g.nodes), files.model.name)
+    return Inspection(files, g, report, kv, logits, translation)
+
+
+def _logits_name(g: OnnxGraph, meta: dict) -> str:
+    dec = meta.get("decoder") if isinstance(meta.get("decoder"), dict) else {}
+    name = (dec.get("outputs") or {}).get("logits", "logits")
+    if name not in g.outputs:
+        raise ModelFormatError(f"{g.path.name}: no '{name}' output: not a decoder graph")
+    return name
+
+
+def build_translated(ins: Inspection, dtype: torch.dtype, device: torch.device):
+    """mlxr's decoder from a complete translation; logs the repack time."""
+    t = ins.translation
+    t0 = time.perf_counter()
+    decoder = build_decoder(t.checkpoint, t.config, dtype, device)
+    tables = {}
+    ropes = []
+    for spec, (cos, sin) in zip(t.config.layer_rope, t.rope_tables):
+        if (cos, sin) not in tables:
+            tables[(cos, sin)] = TableRope(spec, ins.graph.tensor(cos).float(),
+                                           ins.graph.tensor(sin).float(), device)
+        ropes.append(tables[(cos, sin)])
+    decoder.ropes = ropes
+    log.info("%s: translated in %.3f s (weight repack %.3f s)", ins.files.model.name,
+             time.perf_counter() - t0, t.checkpoint.repack_s[0])
+    return decoder
+
+
+def load_onnx(path, device: torch.device, dtype: torch.dtype, weights: bool = True):
+    """The Model for an ONNX decoder folder or file (see mlxr.load)."""
+    from ..model import Model
+
+    ins = inspect(path)
+    if ins.translation is not None:
+        config = ins.translation.config
+        decoder = build_translated(ins, dtype, device) if weights else None
+    else:
+        config = fallback_config(ins.graph, ins.files.meta, ins.kv, ins.logits)
+        for line in ins.report.lines():
+            log.warning("%s: %s", ins.files.model.name, line)
+        decoder = OrtDecoder(ins.graph, config, ins.kv, ins.logits) if weights else None
+        if decoder is not None:
+            dtype, device = decoder.dtype, decoder.device
+    if decoder is not None:
+        trace.instrument(decoder)
+    return Model(ins.files.folder, config, dict(ins.files.search), decoder, dtype, device)
+
+
+def describe(path) -> list[str]:
+    """`mlxr show` lines for an ONNX decoder: file, claim summary, each declined op."""
+    ins = inspect(path)
+    g = ins.graph
+    lines = [f"onnx: {ins.files.model}", f"nodes: {len(g.nodes)}, layers: {len(ins.kv)}",
+             f"claim: {ins.report.summary(len(g.nodes))}"]
+    lines += [f"  {x}" for x in ins.report.lines()]
+    if ins.translation is not None:
+        c = ins.translation.config
+        lines.append(f"decoder: hidden {c.hidden_size}, heads {c.num_heads}/{c.num_kv_heads}, "
+                     f"head dim {c.head_dim}, vocab {c.vocab_size}, tied "
+                     f"{c.tie_word_embeddings}, qk norm {c.qk_norm}")
+    return lines

@@ -1,0 +1,348 @@
+"""Recognise a decoder in an ONNX graph from its data flow and translate it into mlxr's
+ModelConfig and weights: embedding, per-layer attention and MLP, final norm, LM head.
+
+The walk starts at `input_ids`, follows the residual stream through the norms, and traces
+every GroupQueryAttention's inputs back to its projections (`mlxr.onnx.walk`). Every node it
+consumes is claimed; anything unexpected raises Decline (the node and why), and the graph then
+runs on onnxruntime instead."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+
+from ..config import ModelConfig
+from .claim import MS, ClaimReport, attrs
+from .graph import OnnxGraph
+from .mask import check_mask_inputs
+from .folder import KVNames
+from .walk import (NORM_OPS, PROJ_OPS, Decline, Traced, Walk, fit_rope_base, float_name,
+                   rope_spec)
+from .weights import OnnxCheckpoint, Projection
+
+SKIP = {"SkipSimplifiedLayerNormalization"}
+
+
+def _embedding(w: Walk, g: OnnxGraph):
+    if "input_ids" not in g.inputs:
+        raise Decline(None, "the graph has no input_ids input")
+    cons = w.consumers("input_ids")
+    if len(cons) != 1 or cons[0].op_type not in ("Gather", "GatherBlockQuantized"):
+        raise Decline(cons[0] if cons else None, "input_ids does not feed one embedding gather")
+    e = cons[0]
+    if e.op_type == "Gather" and (e.input[0] not in g.inits or e.input[1] != "input_ids"
+                                  or attrs(e).get("axis", 0) != 0):
+        raise Decline(e, "input_ids is not gathered from an embedding table")
+    if e.op_type == "GatherBlockQuantized" and e.input[1] != "input_ids":
+        raise Decline(e, "input_ids is not the gathered indices")
+    w.claim(e)
+    if e.op_type == "GatherBlockQuantized":
+        src = g.producer.get(e.input[0])
+        if src is not None:
+            w.claim(src)
+    return e
+
+
+def _attention(w: Walk, gqa: onnx.NodeProto, x: str, a: dict):
+    """Trace one layer's q/k/v; returns (heads, kv heads, head dim, traced q, k, v)."""
+    nq, nkv = a["num_heads"], a["kv_num_heads"]
+    ins = list(gqa.input) + [""] * 17
+    if ins[1] and ins[2]:
+        q, k, v = (w.trace(ins[j], gqa) for j in range(3))
+        d = q.n // nq
+    elif not ins[1] and not ins[2]:
+        t = w.trace(ins[0], gqa)
+        d = t.n // (nq + 2 * nkv)
+        sizes = (nq * d, nkv * d, nkv * d)
+        if t.norm or t.rope:
+            raise Decline(gqa, "a norm or rotary on packed QKV")
+        q, k, v = (Traced(t.proj, t.start + sum(sizes[:j]), sizes[j], None if t.bias is None
+                           else (t.bias[0], t.bias[1] + sum(sizes[:j])), None, None)
+                   for j in range(3))
+    else:
+        raise Decline(gqa, "only one of key/value is given")
+    if (q.n, k.n, v.n) != (nq * d, nkv * d, nkv * d) or d < 2 or d % 2:
+        raise Decline(gqa, f"q/k/v widths {q.n}/{k.n}/{v.n} do not fit {nq}/{nkv} heads")
+    for t in (q, k, v):
+        if t.proj.node.input[0] != x:
+            raise Decline(t.proj.node, "attention projection does not read the layer's norm")
+    if v.norm or v.rope or bool(q.norm) != bool(k.norm) or bool(q.rope) != bool(k.rope):
+        raise Decline(gqa, "q/k norms or rotary are not applied to q and k alike")
+    return nq, nkv, d, q, k, v
+
+
+def _rope(w: Walk, gqa: onnx.NodeProto, a: dict, q: Traced, k: Traced, d: int):
+    """(cos, sin) initializer names and interleaving of the layer's rotary embedding."""
+    g = w.g
+    if a.get("do_rotary", 0):
+        if q.rope:
+            raise Decline(q.rope, "rotary applied twice (RotaryEmbedding and in attention)")
+        cos, sin, inter = gqa.input[7], gqa.input[8], bool(a.get("rotary_interleaved", 0))
+    elif q.rope:
+        ra, rb = attrs(q.rope), attrs(k.rope)
+        if list(q.rope.input[1:]) != list(k.rope.input[1:]) or ra != rb:
+            raise Decline(k.rope, "q and k use different rotary tables")
+        if q.rope.input[1] not in g.inputs:
+            raise Decline(q.rope, "rotary positions are not a graph input")
+        cos, sin, inter = q.rope.input[2], q.rope.input[3], bool(ra.get("interleaved", 0))
+        rot = ra.get("rotary_embedding_dim", 0)
+        if rot not in (0, 2 * g.inits[cos].shape[-1]) or (ra.get("num_heads", 0) and
+                                                         ra["num_heads"] * d != q.n):
+            raise Decline(q.rope, "rotary dims / heads disagree with the attention")
+    else:
+        raise Decline(gqa, "attention without rotary embedding")
+    c, s = g.inits[cos], g.inits[sin]
+    if len(c.shape) != 2 or c.shape != s.shape or 2 * c.shape[1] > d or c.elem != s.elem:
+        raise Decline(gqa, f"cos/sin caches {list(c.shape)}/{list(s.shape)} do not fit head "
+                           f"dim {d}")
+    return cos, sin, inter
+
+
+def _add_traced(w: Walk, ck, path: str, t: Traced, bias: bool) -> None:
+    ck.add_projection(path, t.proj, t.start, t.start + t.n)
+    if bias:
+        _add_bias(w, ck, path, t.bias, t.n)
+
+
+def _add_bias(w: Walk, ck, path: str, bias: tuple[str, int] | None, n: int) -> None:
+    g = w.g
+    if bias is None:
+        import torch
+
+        ck.add(path + ".bias", "F32", (n,), lambda: torch.zeros(n))
+        return
+    name, off = bias
+    if g.inits[name].numel < off + n or g.inits[name].elem not in (1, 10, 16):
+        raise Decline(None, f"bias '{name}' is too short or not float")
+    ck.add(path + ".bias", "F32", (n,), lambda: g.tensor(name).flatten()[off:off + n].float())
+
+
+def _norm_tensor(w: Walk, ck, name: str, node: onnx.NodeProto, size: int) -> None:
+    init = w.norm_weight(node, size)
+    ck.add(name, float_name(w.g.inits[init].elem), (size,), lambda: w.g.tensor(init))
+
+
+def _skip_norm(w: Walk, value: str, residual: str, at: onnx.NodeProto) -> onnx.NodeProto:
+    n = w.one(value, SKIP, at)
+    if n.domain != MS or sorted(n.input[:2]) != sorted([value, residual]):
+        raise Decline(n, "residual add + norm does not combine the expected values")
+    return n
+
+
+def _mlp(w: Walk, ck, x: str, p: str, at: onnx.NodeProto):
+    """gate/up/down of one layer from the norm output x; returns (down output, F, biased)."""
+    projs = [n for n in w.consumers(x) if n.op_type in PROJ_OPS]
+    if len(projs) != 2 or len(w.consumers(x)) != 2:
+        ops = sorted(n.op_type for n in w.consumers(x))
+        raise Decline(at, f"the MLP norm's output feeds {ops}, not the MLP's two projections "
+                          "(only gate/up SiLU MLPs are translated)")
+    outs = {id(n): w.linear_out(n) for n in projs}
+    gate = up = None
+    for n in projs:
+        if any(c.op_type == "Sigmoid" for c in w.consumers(outs[id(n)][0])):
+            gate = n
+        else:
+            up = n
+    if gate is None or up is None:
+        raise Decline(at, "no SiLU gate (x * Sigmoid(x)) in the MLP")
+    gv, uv = outs[id(gate)][0], outs[id(up)][0]
+    sig = w.one(gv, {"Sigmoid"}, gate)
+    act = w.one(sig.output[0], {"Mul"}, sig)
+    if sorted(act.input) != sorted([gv, sig.output[0]]):
+        raise Decline(act, "gate activation is not x * Sigmoid(x)")
+    mul = w.one(act.output[0], {"Mul"}, act)
+    if sorted(mul.input) != sorted([act.output[0], uv]):
+        raise Decline(mul, "the MLP product is not act(gate) * up")
+    down = w.one(mul.output[0], PROJ_OPS, mul)
+    w.claim(sig, act, mul)
+    gp, upp, dp = w.proj(gate), w.proj(up), w.proj(down)
+    if gp.rows != upp.rows or dp.cols != gp.rows:
+        raise Decline(down, "gate/up/down sizes disagree")
+    dv, db = w.linear_out(down)
+    biased = any(b is not None for b in (outs[id(gate)][1], outs[id(up)][1], db))
+    for name, pr, b in (("gate_proj", gp, outs[id(gate)][1]), ("up_proj", upp, outs[id(up)][1]),
+                        ("down_proj", dp, db)):
+        ck.add_projection(p + "mlp." + name, pr, 0, pr.rows)
+        if biased:
+            _add_bias(w, ck, p + "mlp." + name, None if b is None else (b, 0), pr.rows)
+    return dv, gp.rows, biased
+
+
+@dataclass
+class Translation:
+    config: ModelConfig
+    checkpoint: OnnxCheckpoint
+    rope_tables: list[tuple[str, str]]  # per layer: (cos, sin) initializer names
+    position_ids: str | None  # graph input feeding standalone RotaryEmbedding nodes
+
+
+def _qk_norms(w: Walk, ck, gqa, a: dict, p: str, q: Traced, k: Traced, d: int) -> bool:
+    """Per-head q/k RMSNorm weights: from the traced norm nodes or GQA's own inputs 14/15."""
+    if q.norm:
+        _norm_tensor(w, ck, p + "self_attn.q_norm.weight", q.norm, d)
+        _norm_tensor(w, ck, p + "self_attn.k_norm.weight", k.norm, d)
+        return True
+    ins = list(gqa.input) + [""] * 17
+    if not ins[14] and not ins[15]:
+        return False
+    e = w.g.inits
+    for j, name, key in ((14, "q_norm", "q_norm_epsilon"), (15, "k_norm", "k_norm_epsilon")):
+        init = ins[j]
+        if init not in e or e[init].shape != (d,):
+            raise Decline(gqa, f"{name} weight is not an initializer of {d} values")
+        w.eps.add(a.get(key, a.get("qk_norm_epsilon", 1e-6)))
+        ck.add(p + f"self_attn.{name}.weight", float_name(e[init].elem), (d,),
+               lambda init=init: w.g.tensor(init))
+    return True
+
+
+def _layer(w: Walk, gqa, i: int, x: str, h: str, names: KVNames, last: bool):
+    """Translate layer i (its input norm output x, residual h); returns (the next norm output,
+    residual, this layer's properties, rope spec, (cos, sin), window)."""
+    g, ck, p, a = w.g, w.ck, f"model.layers.{i}.", attrs(gqa)
+    nq, nkv, d, q, k, v = _attention(w, gqa, x, a)
+    hidden = q.proj.cols
+    qkv_bias = any(t.bias for t in (q, k, v))
+    for name, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+        _add_traced(w, ck, p + "self_attn." + name, t, qkv_bias)
+    qk_norm = _qk_norms(w, ck, gqa, a, p, q, k, d)
+    cos, sin, inter = _rope(w, gqa, a, q, k, d)
+    w.claim(gqa, *(t.rope for t in (q, k) if t.rope))
+    ins = list(gqa.input)
+    if (ins[3], ins[4], gqa.output[1], gqa.output[2]) != (
+            names.past_key, names.past_value, names.present_key, names.present_value):
+        raise Decline(gqa, f"attention KV is not {names} of the graph's I/O")
+    o_node = w.one(gqa.output[0], PROJ_OPS, gqa)
+    o_proj = w.proj(o_node)
+    o, ob = w.linear_out(o_node)
+    ck.add_projection(p + "self_attn.o_proj", o_proj, 0, o_proj.rows)
+    if ob is not None:
+        _add_bias(w, ck, p + "self_attn.o_proj", (ob, 0), o_proj.rows)
+    post = _skip_norm(w, o, h, o_node)
+    _norm_tensor(w, ck, p + "post_attention_layernorm.weight", post, hidden)
+    h, x = _residual(post), post.output[0]
+    m, inter_size, mlp_bias = _mlp(w, ck, x, p, post)
+    nxt = _skip_norm(w, m, h, post)
+    _norm_tensor(w, ck, "model.norm.weight" if last else
+                 f"model.layers.{i + 1}.input_layernorm.weight", nxt, hidden)
+    props = dict(nq=nq, nkv=nkv, d=d, scale=a.get("scale", 0.0) or d ** -0.5,
+                 cap=a.get("softcap", 0.0) or None, hidden=hidden, qk_norm=qk_norm,
+                 qkv_bias=qkv_bias, o_bias=ob is not None, mlp_bias=mlp_bias, inter=inter_size)
+    rows = g.inits[cos].shape[0]
+    ct, st = g.tensor(cos).float(), g.tensor(sin).float()
+    base = fit_rope_base(ct[1].tolist() if rows > 1 else [],
+                         st[1].tolist() if rows > 1 else [], 2 * ct.shape[1])
+    win = a.get("local_window_size", -1)
+    return (nxt.output[0], None if last else _residual(nxt), props,
+            rope_spec(2 * ct.shape[1], base, inter, rows), (cos, sin), win if win > 0 else None)
+
+
+def _residual(norm: onnx.NodeProto) -> str:
+    if len(norm.output) < 4 or not norm.output[3]:
+        raise Decline(norm, "the residual sum (output 3) is not produced")
+    return norm.output[3]
+
+
+def translate(g: OnnxGraph, report: ClaimReport, meta: dict, kv: list[KVNames]) -> Translation:
+    """The decoder in `g` as mlxr config + checkpoint, claiming nodes in `report`.
+    `meta`: genai_config.json's model section (or {}); kv: the graph's KV names per layer."""
+    w = Walk(g, report)
+    gqas = [n for n in g.nodes if n.op_type == "GroupQueryAttention" and n.domain == MS]
+    if not gqas or len(gqas) != len(kv):
+        raise Decline(None, f"{len(gqas)} GroupQueryAttention nodes for {len(kv)} KV layers: "
+                            "not a recognised decoder")
+    if any(n.input[5:7] != gqas[0].input[5:7] for n in gqas):
+        raise Decline(gqas[0], "layers read different seqlens_k / total_sequence_length")
+    mask_nodes = check_mask_inputs(g, gqas[0].input[5], gqas[0].input[6])
+    if mask_nodes is None:
+        raise Decline(gqas[0], "seqlens_k / total_sequence_length are not the standard values "
+                               "of attention_mask")
+    w.claimed |= mask_nodes
+    embed = _embedding(w, g)
+    h = embed.output[0]
+    first = [n for n in w.consumers(h) if n.op_type in NORM_OPS]
+    if len(first) != 1:
+        raise Decline(embed, "the embedding does not feed one RMS norm")
+    x = first[0].output[0]
+    props, ropes, windows, tables = None, [], [], []
+    for i, gqa in enumerate(gqas):
+        x, h_next, this, rope, table, win = _layer(w, gqa, i, x, h, kv[i], i == len(gqas) - 1)
+        if props is not None and props != this:
+            raise Decline(gqa, "layers differ in heads, scale, softcap, norms or biases")
+        if i == 0:
+            _norm_tensor(w, w.ck, "model.layers.0.input_layernorm.weight", first[0],
+                         this["hidden"])
+        props, h = this, h_next
+        ropes.append(rope)
+        tables.append(table)
+        windows.append(win)
+    head = w.one(x, PROJ_OPS, None)
+    head_proj = w.proj(head)
+    out = head.output[0]
+    cast = [n for n in w.consumers(out) if n.op_type == "Cast"]
+    if out not in g.outputs and len(cast) == 1 and cast[0].output[0] in g.outputs:
+        w.claim(cast[0])
+        out = cast[0].output[0]
+    if out not in g.outputs or (len(head.input) > 5 and head.input[5]):
+        raise Decline(head, "the LM head does not produce a graph output without bias")
+    tied = _embedding_weights(w, w.ck, embed, head, head_proj, props["hidden"])
+    if not tied:
+        w.ck.add_projection("lm_head", head_proj, 0, head_proj.rows)
+    if len(w.eps) != 1:
+        raise Decline(None, f"norms use different epsilons {sorted(w.eps)}")
+    config = _config(g, meta, props, len(gqas), head_proj.rows, tied, w.eps.pop(), ropes,
+                     windows)
+    positions = _positions(w)
+    _check_io(g, kv, out, positions)
+    return Translation(config, w.ck, tables, positions)
+
+
+def _check_io(g: OnnxGraph, kv: list[KVNames], logits: str, positions: str | None) -> None:
+    """The graph's I/O must be exactly what mlxr's decoder computes and consumes."""
+    cache = {n for k in kv for n in (k.past_key, k.past_value)}
+    want_in = {"input_ids", "attention_mask"} | cache | ({positions} if positions else set())
+    want_out = {logits} | {n for k in kv for n in (k.present_key, k.present_value)}
+    if set(g.inputs) != want_in or set(g.outputs) != want_out:
+        extra = sorted((set(g.inputs) - want_in) | (set(g.outputs) - want_out))
+        raise Decline(None, f"graph inputs/outputs {extra or 'missing'} are not the "
+                            "decoder's (input_ids, attention_mask, KV, logits)")
+
+
+def _embedding_weights(w: Walk, ck, embed, head, head_proj, hidden: int) -> bool:
+    """Add the embedding table; True when it is the LM head's own weight (tied)."""
+    ep = Projection(w.g, embed, ck.repack_s)
+    if ep.cols != hidden or ep.rows != head_proj.rows:
+        raise Decline(embed, f"embedding [{ep.rows}, {ep.cols}] does not fit hidden {hidden} "
+                             f"and vocabulary {head_proj.rows}")
+    tied = (embed.op_type == "GatherBlockQuantized" and head.op_type == "MatMulNBits"
+            and ep.gbq_data()[0].name == head.input[1] and embed.input[2] == head.input[2]
+            and embed.input[3:4] == head.input[3:4])
+    ck.add_projection("model.embed_tokens", head_proj if tied else ep, 0, ep.rows)
+    return tied
+
+
+def _positions(w: Walk) -> str | None:
+    names = {t.input[1] for t in w.g.nodes if t.op_type == "RotaryEmbedding"
+             and id(t) in w.claimed}
+    return names.pop() if len(names) == 1 else None
+
+
+def _config(g: OnnxGraph, meta: dict, glob: dict, layers: int, vocab: int, tied: bool,
+            eps: float, ropes, windows) -> ModelConfig:
+    eos = meta.get("eos_token_id")
+    eos = tuple(x for x in (eos if isinstance(eos, list) else [eos])
+                if isinstance(x, int) and not isinstance(x, bool) and x >= 0)
+    bos = meta.get("bos_token_id")
+    past = g.inputs.get("past_key_values.0.key")
+    return ModelConfig(
+        model_type=str(meta.get("type") or "onnx"), vocab_size=vocab,
+        hidden_size=glob["hidden"], num_layers=layers, num_heads=glob["nq"],
+        num_kv_heads=glob["nkv"], head_dim=glob["d"], intermediate_size=glob["inter"],
+        rms_norm_eps=eps, max_position_embeddings=min(r.max_position_embeddings for r in ropes),
+        tie_word_embeddings=tied, qkv_bias=glob["qkv_bias"], o_bias=glob["o_bias"],
+        mlp_bias=glob["mlp_bias"], qk_norm=glob["qk_norm"], attn_scale=glob["scale"],
+        attn_logit_softcap=glob["cap"], layer_rope=tuple(ropes), layer_window=tuple(windows),
+        bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
+        eos_token_ids=eos, torch_dtype=None if past is None else
+        {1: "float32", 10: "float16", 16: "bfloat16"}.get(past.elem))

@@ -1,0 +1,127 @@
+"""onnxruntime (CPU provider) as the reference for the ONNX tests.
+
+CPU exports set MatMulNBits accuracy_level=4, with which ORT quantizes activations to int8
+per block before the int4 dot product (~0.5 % per matmul). mlxr computes in float, so the
+parity reference *disables* that path: `fp32_reference` writes a copy of the graph with
+accuracy_level=0 beside the original (same external data) and ORT runs that in float32.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def session(path: Path) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def fp32_reference(folder: Path) -> ort.InferenceSession:
+    """ORT on the folder's model.onnx with accuracy_level=0 on every MatMulNBits."""
+    out = folder / "model_acc0.onnx"
+    if not out.is_file():
+        m = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+        for n in m.graph.node:
+            for a in n.attribute:
+                if a.name == "accuracy_level":
+                    a.i = 0
+        onnx.save(m, str(out))
+    return session(out)
+
+
+def copy_folder(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model_acc0.onnx"))
+    return dst
+
+
+def empty_past(sess: ort.InferenceSession, batch: int) -> dict[str, np.ndarray]:
+    feeds = {}
+    for i in sess.get_inputs():
+        if i.name.startswith("past_key_values."):
+            _, kv, _, d = i.shape
+            feeds[i.name] = np.zeros((batch, kv, 0, d if isinstance(d, int) else 32),
+                                     NP[i.type])
+    return feeds
+
+
+def step_feeds(sess, ids: np.ndarray, past: dict, start: int) -> dict[str, np.ndarray]:
+    b, s = ids.shape
+    feeds = {"input_ids": ids.astype(np.int64),
+             "attention_mask": np.ones((b, start + s), np.int64), **past}
+    if any(i.name == "position_ids" for i in sess.get_inputs()):
+        feeds["position_ids"] = np.tile(np.arange(start, start + s, dtype=np.int64), (b, 1))
+    return feeds
+
+
+def prompt_logits(sess, ids: list[int]) -> np.ndarray:
+    """Teacher-forced logits [T, V] float32 of one prompt."""
+    feeds = step_feeds(sess, np.array([ids]), empty_past(sess, 1), 0)
+    return sess.run(["logits"], feeds)[0][0].astype(np.float32)
+
+
+def greedy(sess, ids: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
+    """n greedy tokens with a growing KV cache, and the logits each was chosen from."""
+    names = [o.name for o in sess.get_outputs()]
+    past, start, cur = empty_past(sess, 1), 0, np.array([ids])
+    tokens, rows = [], []
+    for _ in range(n):
+        out = dict(zip(names, sess.run(names, step_feeds(sess, cur, past, start))))
+        row = out["logits"][0, -1].astype(np.float32)
+        tokens.append(int(row.argmax()))
+        rows.append(row)
+        start += cur.shape[1]
+        past = {k.replace("present.", "past_key_values."): v for k, v in out.items()
+                if k.startswith("present.")}
+        cur = np.array([[tokens[-1]]])
+    return tokens, rows
+
+
+def unfold_qk_norm(folder: Path) -> ort.InferenceSession:
+    """ORT CPU refuses GroupQueryAttention's q_norm_weight / k_norm_weight inputs (the fp16
+    "CUDA" export folds Qwen3's per-head norms there). The reference moves them back out:
+    Reshape [.., heads, D] -> SimplifiedLayerNormalization -> Reshape on q and k before the
+    attention, with the same weights and epsilon -- what the CPU export computes."""
+    out = folder / "model_unfolded.onnx"
+    m = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    g = m.graph
+    nodes = []
+    for n in g.node:
+        if n.op_type == "GroupQueryAttention" and len(n.input) > 15 and n.input[14]:
+            a = {x.name: onnx.helper.get_attribute_value(x) for x in n.attribute}
+            d = next(t for t in g.initializer if t.name == n.input[14]).dims[0]
+            for j, w, key in ((0, n.input[14], "q_norm_epsilon"), (1, n.input[15],
+                                                                   "k_norm_epsilon")):
+                heads = a["num_heads"] if j == 0 else a["kv_num_heads"]
+                eps = a.get(key, a.get("qk_norm_epsilon", 1e-6))
+                base = f"{n.name}/unfold{j}"
+                nodes += [
+                    onnx.helper.make_node("Constant", [], [base + "/s1"], value=onnx.helper.
+                                          make_tensor(base + "/s1v", 7, [3], [0, -1, d])),
+                    onnx.helper.make_node("Constant", [], [base + "/s2"], value=onnx.helper.
+                                          make_tensor(base + "/s2v", 7, [3],
+                                                      [0, -1, heads * d])),
+                    onnx.helper.make_node("Reshape", [n.input[j], base + "/s1"], [base + "/r1"]),
+                    onnx.helper.make_node("SimplifiedLayerNormalization", [base + "/r1", w],
+                                          [base + "/n"], epsilon=eps, axis=-1, stash_type=1),
+                    onnx.helper.make_node("Reshape", [base + "/n", base + "/s2"],
+                                          [base + "/out"]),
+                ]
+                n.input[j] = base + "/out"
+            n.input[14] = n.input[15] = ""
+            for key in ("q_norm_epsilon", "k_norm_epsilon", "qk_norm_epsilon"):
+                for x in list(n.attribute):
+                    if x.name == key:
+                        n.attribute.remove(x)
+        nodes.append(n)
+    del g.node[:]
+    g.node.extend(nodes)
+    onnx.save(m, str(out))
+    return session(out)
