@@ -195,6 +195,8 @@ def interactive(session: Session) -> int:
 def cmd_run(args) -> int:
     import mlxr
 
+    from ..config import load_config
+    from ..onnx.folder import is_onnx_model
     from ..tokenizer import check_tokenizer_files
 
     if args.model == "-" and args.prompt is None:  # `mlxr run -`: the default model, stdin
@@ -208,7 +210,9 @@ def cmd_run(args) -> int:
         if not confirm(f"{e.name} is not downloaded. Pull it now?", args.yes):
             raise
         path = ensure_model(args.model, allow_pull=True)
-    check_tokenizer_files(path)  # run needs text: say so before loading any weights
+    if not is_onnx_model(path):  # the config, then the tokenizer: both before any weights
+        load_config(path)
+        check_tokenizer_files(path)  # run needs text
     model = mlxr.load(path, device=args.device, dtype=args.dtype)
     fields = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
     kw = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}

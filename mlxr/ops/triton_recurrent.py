@@ -87,10 +87,8 @@ if HAVE_TRITON:
                          mask=(mt & ~from_x)[:, None] & mc[None, :], other=0.0)
             inp = tl.where(from_x[:, None], xs.to(tl.float32), ss.to(tl.float32))
             wj = tl.load(w + rc * W + j, mask=mc, other=0.0).to(tl.float32)
-            if j == 0:
-                acc = inp * wj[None, :]
-            else:
-                acc = acc + inp * wj[None, :]
+            acc = acc + inp * wj[None, :]  # from zeros: 0 + x is x exactly (the compiler
+            # needs acc defined before the loop; the interpreter did not)
         a = _cast(acc, OUT).to(tl.float32)
         out = _cast(a * tl.sigmoid(a), OUT)
         tl.store(y + b * s_yb + rt[:, None] * s_yt + rc[None, :], out,
