@@ -30,11 +30,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _cast(x, kind: tl.constexpr):
+        # one return: the GPU compiler refuses returns of different types (the interpreter not)
         if kind == 1:
-            return x.to(tl.bfloat16)
+            y = x.to(tl.bfloat16)
         elif kind == 2:
-            return x.to(tl.float16)
-        return x
+            y = x.to(tl.float16)
+        else:
+            y = x
+        return y
 
     @triton.jit
     def _gated_delta_kernel(q, k, v, g, beta, state, y, T, HV,
