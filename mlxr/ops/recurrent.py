@@ -53,7 +53,7 @@ def delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
     """The per-token, per-value-head gates from a, b [.., Hv]: decay g = exp(-exp(A_log) *
     softplus(a + dt_bias)) in float32 (A_log [Hv] float32; softplus in a's dtype, as mlx), and
     beta = sigmoid(b) in b's dtype."""
-    sp = torch.logaddexp(a + dt_bias.to(a.dtype), torch.zeros((), dtype=a.dtype))
+    sp = torch.logaddexp(a + dt_bias.to(a.dtype), torch.zeros((), dtype=a.dtype, device=a.device))
     g = torch.exp(-torch.exp(a_log.float()) * sp.float())
     return g, torch.sigmoid(b)
 
