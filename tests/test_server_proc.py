@@ -208,7 +208,7 @@ def test_proc_engine(engine):
             await collect([10 ** 6])
         with pytest.raises(MlxrError, match="cannot be sent"):
             await collect(prompts[0], logits_processor=lambda ids, x: x)
-        with pytest.raises(MlxrError, match="engine failure: boom"):
+        with pytest.raises(MlxrError, match="engine failure: RuntimeError: boom"):
             await collect(prompts[0], logits_processor=boom)
         return got, await collect(prompts[1])
     got, again = asyncio.run(main())
