@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import importlib
+import random
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -294,3 +296,20 @@ def router_choices(path: Path, family: str, seq: list[int]) -> tuple[np.ndarray,
         sets.append(np.sort(order[:, -k:], -1))
     return np.stack(sets), np.stack(gaps)
 
+
+
+def stable_prompt(family: str, quant: str, vocab: int, n: int = 24) -> list[int]:
+    """A random prompt of `n` ids, the same for a (family, quant) case on every run."""
+    rng = random.Random(zlib.crc32(f"{family}/{quant}".encode()))
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def logit_range(logits: np.ndarray) -> np.ndarray:
+    """Each position's logit range: the scale the parity tolerances are fractions of."""
+    return logits.max(-1) - logits.min(-1)
+
+
+def top2_margin(logits: np.ndarray) -> np.ndarray:
+    """Each position's gap between its two largest logits (a greedy near-tie when small)."""
+    part = np.sort(logits, axis=-1)
+    return part[..., -1] - part[..., -2]

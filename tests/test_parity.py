@@ -16,8 +16,6 @@ Tolerances:
 
 from __future__ import annotations
 
-import random
-import zlib
 
 import numpy as np
 import pytest
@@ -53,21 +51,11 @@ def built(tmp_path_factory):
         key = (family, quant)
         if key not in _cache:
             path = mlx_ref.make_model(tmp_path_factory.mktemp(f"{family}-{quant}"), family, quant)
-            rng = random.Random(zlib.crc32(f"{family}/{quant}".encode()))  # stable across runs
-            prompt = [rng.randrange(mlx_ref.BASE["vocab_size"]) for _ in range(24)]
+            prompt = mlx_ref.stable_prompt(family, quant, mlx_ref.BASE["vocab_size"])
             _cache[key] = Built(path, mlx_ref.reference(path, prompt))
         return _cache[key]
 
     return get
-
-
-def _range(logits: np.ndarray) -> np.ndarray:
-    return logits.max(-1) - logits.min(-1)
-
-
-def _top2_margin(logits: np.ndarray) -> np.ndarray:
-    part = np.sort(logits, axis=-1)
-    return part[..., -1] - part[..., -2]
 
 
 @pytest.mark.parametrize("family,quant", CASES)
@@ -76,7 +64,7 @@ def test_float32_logits_match_mlx_lm(built, family, quant):
     ours = b.model32.logits(b.seq).numpy()
     ref = b.ref.logits32
     assert ours.shape == ref.shape
-    err = np.abs(ours - ref).max(-1) / _range(ref)
+    err = np.abs(ours - ref).max(-1) / mlx_ref.logit_range(ref)
     assert err.max() <= F32_TOL, f"worst position {err.argmax()}: {err.max():.2e} of range"
 
 
@@ -85,7 +73,7 @@ def test_float32_greedy_matches_mlx_lm(built, family, quant):
     b = built(family, quant)
     ref = b.ref.logits32
     ours = b.model32.logits(b.seq).numpy()
-    tie = _top2_margin(ref) < TIE_TOL * _range(ref)
+    tie = mlx_ref.top2_margin(ref) < TIE_TOL * mlx_ref.logit_range(ref)
     # Teacher-forced: every position, our argmax vs the reference's.
     differ = ours.argmax(-1) != ref.argmax(-1)
     assert not (differ & ~tie).any(), (
@@ -110,7 +98,7 @@ def test_default_dtype_close_to_reference(built, family, quant):
     model = mlxr.load(b.path, device="cpu")
     ref = b.ref.logits32
     ours = model.logits(b.seq).numpy()
-    scale = _range(ref)
+    scale = mlx_ref.logit_range(ref)
     ours_err = (np.abs(ours - ref).max(-1) / scale).max()
     mlx_err = (np.abs(b.ref.logits_bf16 - ref).max(-1) / scale).max()
     assert ours_err <= 1.5 * mlx_err + 0.01, f"bf16 error {ours_err:.3f} vs mlx-lm's {mlx_err:.3f}"
@@ -137,9 +125,9 @@ def test_prefill_then_decode_equals_full_recompute(built, family, dtype, tol):
             step.append(dec.forward(torch.tensor([t]), cache, last_only=True)[0].numpy())
     step = np.stack(step[:-1])
     want = full[19:-1]
-    err = np.abs(step - want).max(-1) / _range(want)
+    err = np.abs(step - want).max(-1) / mlx_ref.logit_range(want)
     assert err.max() <= tol, f"{err.max():.2e}"
-    margin_ok = _top2_margin(want) > 2 * tol * _range(want)
+    margin_ok = mlx_ref.top2_margin(want) > 2 * tol * mlx_ref.logit_range(want)
     assert (step.argmax(-1) == want.argmax(-1))[margin_ok].all()
 
 

@@ -11,8 +11,6 @@ different op shapes), bf16 5%.
 
 from __future__ import annotations
 
-import random
-import zlib
 
 import numpy as np
 import pytest
@@ -51,21 +49,11 @@ def built(tmp_path_factory):
         if key not in _cache:
             path = hyb.make_model(tmp_path_factory.mktemp(f"{family}-{quant}"), family,
                                   QUANTS[quant])
-            rng = random.Random(zlib.crc32(f"{family}/{quant}".encode()))
-            prompt = [rng.randrange(320) for _ in range(24)]
+            prompt = mlx_ref.stable_prompt(family, quant, 320)
             _cache[key] = Built(path, mlx_ref.reference(path, prompt))
         return _cache[key]
 
     return get
-
-
-def _range(logits: np.ndarray) -> np.ndarray:
-    return logits.max(-1) - logits.min(-1)
-
-
-def _top2_margin(logits: np.ndarray) -> np.ndarray:
-    part = np.sort(logits, axis=-1)
-    return part[..., -1] - part[..., -2]
 
 
 @pytest.mark.parametrize("family,quant", CASES)
@@ -74,9 +62,9 @@ def test_float32_logits_and_greedy_match_mlx_lm(built, family, quant):
     ref = b.ref.logits32
     ours = b.model32.logits(b.seq).numpy()
     assert ours.shape == ref.shape
-    err = np.abs(ours - ref).max(-1) / _range(ref)
+    err = np.abs(ours - ref).max(-1) / mlx_ref.logit_range(ref)
     assert err.max() <= F32_TOL, f"worst position {err.argmax()}: {err.max():.2e} of range"
-    tie = _top2_margin(ref) < TIE_TOL * _range(ref)
+    tie = mlx_ref.top2_margin(ref) < TIE_TOL * mlx_ref.logit_range(ref)
     differ = ours.argmax(-1) != ref.argmax(-1)
     assert not (differ & ~tie).any(), f"argmax differs at {np.where(differ & ~tie)}"
     assert tie.mean() <= MAX_TIE_FRACTION
@@ -95,7 +83,7 @@ def test_default_dtype_close_to_reference(built, family, quant):
     b = built(family, quant)
     ours = mlxr.load(b.path, device="cpu").logits(b.seq).numpy()
     ref = b.ref.logits32
-    scale = _range(ref)
+    scale = mlx_ref.logit_range(ref)
     ours_err = (np.abs(ours - ref).max(-1) / scale).max()
     mlx_err = (np.abs(b.ref.logits_bf16 - ref).max(-1) / scale).max()
     assert ours_err <= 1.5 * mlx_err + 0.01, f"bf16 error {ours_err:.3f} vs mlx-lm's {mlx_err:.3f}"
@@ -123,9 +111,9 @@ def test_prefill_then_decode_equals_full_recompute(built, family, dtype, tol):
     cuts = [0, 20] + list(range(21, 41))
     step = _incremental(model, seq, cuts)
     want = full[[z - 1 for z in cuts[1:]]]
-    err = np.abs(step - want).max(-1) / _range(want)
+    err = np.abs(step - want).max(-1) / mlx_ref.logit_range(want)
     assert err.max() <= tol, f"{err.max():.2e}"
-    margin_ok = _top2_margin(want) > 2 * tol * _range(want)
+    margin_ok = mlx_ref.top2_margin(want) > 2 * tol * mlx_ref.logit_range(want)
     assert (step.argmax(-1) == want.argmax(-1))[margin_ok].all()
 
 
@@ -139,7 +127,7 @@ def test_chunked_prefill_equals_whole(built, family):
     cuts = [0, 5, 6, 13, 29, 37]
     got = _incremental(b.model32, seq, cuts)
     want = full[[z - 1 for z in cuts[1:]]]
-    err = np.abs(got - want).max(-1) / _range(want)
+    err = np.abs(got - want).max(-1) / mlx_ref.logit_range(want)
     assert err.max() <= 1e-4, f"{err.max():.2e}"
 
 
@@ -174,11 +162,11 @@ def test_forward_batch_equals_single(built, family):
             caches.append(two)
         got = dec.forward_batch(torch.tensor([b.seq[n] for n in lens]), caches).numpy()
         want = np.stack(singles)
-        err = np.abs(got - want).max(-1) / _range(want)
+        err = np.abs(got - want).max(-1) / mlx_ref.logit_range(want)
         assert err.max() <= 1e-4, f"{err.max():.2e}"
         assert [c.length for c in caches] == [n + 1 for n in lens]
         # the caches advanced: a second batched step equals a second single step
         nxt = dec.forward_batch(torch.tensor([b.seq[n + 1] for n in lens]), caches).numpy()
         full = b.model32.logits(b.seq[:max(lens) + 2]).numpy()
         want2 = full[[n + 1 for n in lens]]
-        assert (np.abs(nxt - want2).max(-1) / _range(want2)).max() <= 1e-4
+        assert (np.abs(nxt - want2).max(-1) / mlx_ref.logit_range(want2)).max() <= 1e-4

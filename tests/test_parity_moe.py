@@ -17,7 +17,6 @@ Tolerances (test_parity.py derives the logit ones):
 from __future__ import annotations
 
 import random
-import zlib
 
 import numpy as np
 import pytest
@@ -90,21 +89,11 @@ def built(tmp_path_factory):
         key = (family, quant)
         if key not in _cache:
             path = mlx_ref.make_model(tmp_path_factory.mktemp(f"{family}-{quant}"), family, quant)
-            rng = random.Random(zlib.crc32(f"{family}/{quant}".encode()))
-            prompt = [rng.randrange(mlx_ref.BASE["vocab_size"]) for _ in range(24)]
+            prompt = mlx_ref.stable_prompt(family, quant, mlx_ref.BASE["vocab_size"])
             _cache[key] = Built(path, family, mlx_ref.reference(path, prompt))
         return _cache[key]
 
     return get
-
-
-def _range(logits: np.ndarray) -> np.ndarray:
-    return logits.max(-1) - logits.min(-1)
-
-
-def _top2_margin(logits: np.ndarray) -> np.ndarray:
-    part = np.sort(logits, axis=-1)
-    return part[..., -1] - part[..., -2]
 
 
 @pytest.mark.parametrize("family,quant", CASES)
@@ -117,9 +106,9 @@ def test_float32_logits_and_greedy_match_mlx_lm(built, family, quant):
     assert n >= len(b.seq) // 2, f"first router near-tie at position {n}"
     ref = b.ref.logits32[:n]
     ours = b.model32.logits(b.seq).numpy()[:n]
-    err = np.abs(ours - ref).max(-1) / _range(ref)
+    err = np.abs(ours - ref).max(-1) / mlx_ref.logit_range(ref)
     assert err.max() <= F32_TOL, f"worst position {err.argmax()}: {err.max():.2e} of range"
-    tie = _top2_margin(ref) < TIE_TOL * _range(ref)
+    tie = mlx_ref.top2_margin(ref) < TIE_TOL * mlx_ref.logit_range(ref)
     differ = ours.argmax(-1) != ref.argmax(-1)
     assert not (differ & ~tie).any(), f"argmax differs at non-ties {np.where(differ & ~tie)}"
     assert tie.mean() <= MAX_TIE_FRACTION, f"{tie.sum()} near-ties in {len(tie)} positions"
@@ -150,7 +139,7 @@ def test_default_dtype_close_to_reference(built, family, quant):
     model = mlxr.load(b.path, device="cpu")
     n = b.clean
     ref = b.ref.logits32[:n]
-    scale = _range(ref)
+    scale = mlx_ref.logit_range(ref)
     ours = np.abs(model.logits(b.seq).numpy()[:n] - ref).max(-1) / scale
     mlx = np.abs(b.ref.logits_bf16[:n] - ref).max(-1) / scale
     beyond = ours > 1.5 * mlx.max() + 0.01
@@ -182,9 +171,9 @@ def test_prefill_then_decode_equals_full_recompute(built, family):
     want = b.model32.logits(seq).numpy()[19:-1]
     step, routes = _decode_logits(b.model32, seq, 20)
     assert (routes == full_routes).all()
-    err = np.abs(step - want).max(-1) / _range(want)
+    err = np.abs(step - want).max(-1) / mlx_ref.logit_range(want)
     assert err.max() <= 1e-4, f"{err.max():.2e}"
-    margin_ok = _top2_margin(want) > 2e-4 * _range(want)
+    margin_ok = mlx_ref.top2_margin(want) > 2e-4 * mlx_ref.logit_range(want)
     assert (step.argmax(-1) == want.argmax(-1))[margin_ok].all()
 
 
@@ -198,7 +187,7 @@ def test_bf16_decode_close_to_reference(built, family):
     seq = b.seq[:40]
     step, _ = _decode_logits(mlxr.load(b.path, device="cpu"), seq, 20)
     ref = b.ref.logits32[19:39]
-    scale = _range(ref)
+    scale = mlx_ref.logit_range(ref)
     ours = np.abs(step - ref).max(-1) / scale
     mlx = np.abs(b.ref.logits_bf16[19:39] - ref).max(-1) / scale
     assert (ours > 1.5 * mlx.max() + 0.01).mean() <= 0.1, f"{np.sort(ours)[-5:]}"
@@ -274,11 +263,11 @@ def test_stacked_experts_equal_split(built, family, quant, monkeypatch):
     seq = b.seq[:40]
     want = b.model32.logits(seq).numpy()
     got = model.logits(seq).numpy()
-    assert (np.abs(got - want).max(-1) / _range(want)).max() <= 1e-5
+    assert (np.abs(got - want).max(-1) / mlx_ref.logit_range(want)).max() <= 1e-5
     step, routes = _decode_logits(model, seq, 20)
     assert (routes == _our_choices(b.model32, seq)[:, 20:-1]).all()
     want = want[19:-1]
-    assert (np.abs(step - want).max(-1) / _range(want)).max() <= 1e-4
+    assert (np.abs(step - want).max(-1) / mlx_ref.logit_range(want)).max() <= 1e-4
 
 
 @pytest.mark.parametrize("mode", ["split", "stacked"])
