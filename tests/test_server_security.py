@@ -105,6 +105,16 @@ def test_body_limits(server):
         "Content-Type": "application/json"}))
     assert r.status_code == 413
 
+    # the whole chunked body in one write: the server reads it as one message that both
+    # crosses the limit and ends the body (it once waited for more and never answered)
+    body = b"".join(b"3e8\r\n" + b" " * 1000 + b"\r\n" for _ in range(30)) + b"0\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+                  b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
+        s.settimeout(5)
+        assert s.recv(100).startswith(b"HTTP/1.1 413")
+
 
 def test_slow_headers_are_cut_off(server):
     with socket.create_connection(("127.0.0.1", server.port)) as s:

@@ -165,9 +165,9 @@ class SecurityMiddleware:
             body: bytes | None = b""
             try:  # asyncio.timeout, not wait_for: no task per request (3.11's wait_for makes one)
                 async with asyncio.timeout(cfg.body_timeout):
-                    body = None if length > cfg.max_body_bytes else \
+                    body, done = (None, False) if length > cfg.max_body_bytes else \
                         await self._read_body(receive)
-                    if body is None:  # read what the client sends before answering: a reply
+                    if not done:  # read what the client sends before answering: a reply
                         await _drain(receive)  # over unread data is lost to a TCP reset
             except TimeoutError:
                 if body is None:
@@ -184,7 +184,10 @@ class SecurityMiddleware:
             receive = _replay(body, receive)
         return await self.app(scope, receive, send)
 
-    async def _read_body(self, receive) -> bytes | None:
+    async def _read_body(self, receive) -> tuple[bytes | None, bool]:
+        """(body, done): body None once it passes the limit; done when the client's last
+        message was read (a body over the limit can end in the very message that crossed it,
+        and draining after that would wait for a message that never comes)."""
         chunks, size = [], 0
         while True:
             msg = await receive()
@@ -192,11 +195,12 @@ class SecurityMiddleware:
                 raise asyncio.CancelledError
             chunk = msg.get("body", b"")
             size += len(chunk)
+            done = not msg.get("more_body")
             if size > self.cfg.max_body_bytes:
-                return None
+                return None, done
             chunks.append(chunk)
-            if not msg.get("more_body"):
-                return b"".join(chunks)
+            if done:
+                return b"".join(chunks), True
 
 
 PROBE_INTERVAL = 0.5  # seconds between probes of a client that shut down its sending side
