@@ -7,14 +7,14 @@ from pathlib import Path
 
 import torch
 
-from . import trace
+from .harness import trace
 from .checkpoint import open_checkpoint
 from .config import ModelConfig, load_config
 from .errors import MlxrError, ModelFormatError
 from .engine.kv_cache import new_cache
 from .generate import Chunk, check_prompt, stream_generate
 from .models.loader import build_decoder, check_checkpoint
-from .sampling import SamplingParams
+from .text.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,7 +40,7 @@ class Model:
         """The model directory's tokenizer (loaded on first use, ids checked against the
         embedding table)."""
         if self._tokenizer is None:
-            from .tokenizer import load_tokenizer
+            from .text.tokenizer import load_tokenizer
 
             tok = load_tokenizer(self.path)
             if tok.vocab_size > self.config.vocab_size:

@@ -15,7 +15,7 @@ import pytest
 import mlxr
 from mlxr.cli.common import BUNDLED
 from mlxr.engine.engine import RequestOutput
-from mlxr.sampling import SamplingParams
+from mlxr.text.sampling import SamplingParams
 from mlxr.server import ollama, render
 from mlxr.server.app import Job
 from mlxr.server.metrics import Metrics

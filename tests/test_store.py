@@ -211,10 +211,10 @@ def test_offline(hub, monkeypatch, capsys):
 
 
 def test_disk_space_checked_before_download(hub, monkeypatch, capsys):
-    import mlxr.hub
+    import mlxr.store.hub
 
     hub.add_dir(NAME, STORIES)
-    monkeypatch.setattr(mlxr.hub, "_free_bytes", lambda path: 10_000)
+    monkeypatch.setattr(mlxr.store.hub, "_free_bytes", lambda path: 10_000)
     rc, _, err = run(capsys, "pull", NAME)
     assert rc == 1 and "not enough disk space" in err and "1.1 MB" in err
     assert hub.resolves() == []

@@ -1,7 +1,8 @@
-"""The fused prefill GEMM (mlxr.ops.triton_qgemm) and the dequantizer (mlxr.ops.triton_dequant)
+"""The fused prefill GEMM (mlxr.ops.matmul.prefill_gemm) and the dequantizer
+(mlxr.ops.matmul.prefill_dequant)
 under the CPU interpreter.
 
-Reference (`triton_qmm.qgemm_ref`): the weight dequantized in fp32 (mlxr.quant's unpacker),
+Reference (`generic_qmm.qgemm_ref`): the weight dequantized in fp32 (mlxr.quant's unpacker),
 rounded once to bf16, then an fp32 matmul. The kernel feeds tl.dot the same bf16 weights (the
 interpreter path rounds to nearest even with integer ops, as the GPU's cvt does) and multiplies
 in fp32 (input_precision="ieee"); bf16 x bf16 products are exact in fp32, so only the order of
@@ -27,9 +28,9 @@ pytest.importorskip("triton")
 from test_triton_qmm import random_weight
 
 from mlxr.config import QuantSpec
-from mlxr.ops import triton_dequant as D
-from mlxr.ops import triton_qgemm as Q
-from mlxr.ops import triton_qmm as T
+from mlxr.ops.matmul import prefill_dequant as D
+from mlxr.ops.matmul import prefill_gemm as Q
+from mlxr.ops.matmul import generic_qmm as T
 from mlxr.quant import QuantWeight, dequantize
 from mlxr.quant import cuda as qcuda
 from mlxr.quant.affine import unpack_codes
@@ -308,7 +309,7 @@ def test_auto_prefill_gemm_rule(monkeypatch):
 
 
 def test_gpu_sweep_smoke():
-    """benchmarks/gpu_qgemm_sweep.py runs and passes its correctness checks (--smoke, and
+    """benchmarks/gpu/gpu_qgemm_sweep.py runs and passes its correctness checks (--smoke, and
     --smoke --dequant-bits for the straddling widths)."""
     import subprocess
     import sys

@@ -21,7 +21,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 def resolve_model(name: str | None) -> Path:
     """A model argument -> its directory: none = the bundled model, a path, a bundled name, or a
     hub name `ORG/REPO[@REV]` already pulled into the Hugging Face cache (never downloads)."""
-    from ..store import hub_cache, local_snapshot, parse_name, repo_dir
+    from ..store.local import hub_cache, local_snapshot, parse_name, repo_dir
 
     if not name:
         return BUNDLED / DEFAULT_MODEL
@@ -49,7 +49,7 @@ def ensure_model(name: str | None, allow_pull: bool) -> Path:
     """Like resolve_model, but a hub name missing locally is pulled when `allow_pull` (what `run`
     does after asking or with --yes; `serve` passes False). The directory is checked to be a
     supported format (GGUF, .bin-only or unknown architectures are explained)."""
-    from ..store import explain_unsupported, parse_name
+    from ..store.local import explain_unsupported, parse_name
 
     try:
         path = resolve_model(name)
@@ -58,7 +58,7 @@ def ensure_model(name: str | None, allow_pull: bool) -> Path:
             raise
         if not allow_pull:
             raise
-        from ..hub import pull
+        from ..store.hub import pull
 
         path = pull(name).path
     explain_unsupported(path)

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import MlxrError
-from ..sampling import SamplingParams
+from ..text.sampling import SamplingParams
 from .common import add_model_flags, confirm, ensure_model, resolve_model
 
 HELP = """Commands:

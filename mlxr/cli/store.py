@@ -38,7 +38,7 @@ def register(sub) -> None:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from ..hub import pull
+    from ..store.hub import pull
 
     pull(args.model, show_progress=not args.quiet)
     return 0
@@ -51,8 +51,8 @@ def _table(rows: list[list[str]], header: list[str]) -> None:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from ..hub import search
-    from ..store import human
+    from ..store.hub import search
+    from ..store.local import human
 
     hits = search(args.query, limit=args.limit, author=args.author)
     if not hits:
@@ -65,7 +65,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from ..store import hub_cache, human, list_local
+    from ..store.local import hub_cache, human, list_local
 
     models = list_local()
     if not models:
@@ -77,7 +77,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from ..store import describe, human
+    from ..store.local import describe, human
     from .common import resolve_model
 
     d = describe(resolve_model(args.model))
@@ -104,7 +104,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    from ..store import dir_size, human, parse_name, remove, repo_dir
+    from ..store.local import dir_size, human, parse_name, remove, repo_dir
     from .common import confirm
 
     hub = parse_name(args.model)

@@ -2,10 +2,11 @@
 
 `mlxr.ops.reference` holds the plain-torch versions (the spec, the CPU path, the test oracle).
 On CUDA tensors, with triton importable and MLXR_KERNELS != "torch" (read at each call), the
-per-layer ops run as one Triton launch each (`mlxr.ops.triton_fused`), behind the same
+per-layer ops run as one Triton launch each (`mlxr.ops.layer.norm_rope_act`), behind the same
 signatures; `paged_attention` (the batched decode step over the paged cache) runs
-`mlxr.ops.triton_paged`; `add_rms_norm` and `qkv_rope_write` (a layer's glue between its
-matmuls, fused) run `mlxr.ops.triton_layer`. `attention` (eager, host positions) always runs
+`mlxr.ops.attention.paged`; `add_rms_norm` and `qkv_rope_write` (a layer's glue between its
+matmuls, fused) run `mlxr.ops.layer.add_norm_qkv_rope`. `attention` (eager, host positions) always
+runs
 the reference.
 """
 
@@ -18,7 +19,8 @@ import torch
 from . import reference
 from .reference import attention, paged_items, prefill_tile
 
-_fused = None  # mlxr.ops.triton_fused, imported at the first CUDA call (triton is slow to import)
+_fused = None  # mlxr.ops.layer.norm_rope_act, imported at the first CUDA call (triton is slow to
+               # import)
 
 
 def _fast(x) -> bool:
@@ -27,10 +29,10 @@ def _fast(x) -> bool:
         return False
     if _fused is None:
         try:
-            from . import triton_fused
+            from .layer import norm_rope_act
         except ImportError:  # pragma: no cover
-            triton_fused = False
-        _fused = triton_fused if triton_fused and triton_fused.HAVE_TRITON else False
+            norm_rope_act = False
+        _fused = norm_rope_act if norm_rope_act and norm_rope_act.HAVE_TRITON else False
     return bool(_fused)
 
 
@@ -58,7 +60,7 @@ def gated_act(gate, up, act: str):
 def attention_masked(q, k, v, visible, scale: float, softcap: float | None = None):
     """GQA attention under a key-visibility mask (see reference.attention_masked)."""
     if _fast(q):
-        from .triton_attn import attention_masked as fast
+        from .attention.masked import attention_masked as fast
         return fast(q, k, v, visible, scale, softcap)
     return reference.attention_masked(q, k, v, visible, scale, softcap)
 
@@ -68,7 +70,7 @@ def attention_at(q, k, v, positions, window: int | None, scale: float,
     """attention_masked with the visibility from the rows' positions (device [T]), causal and
     windowed: key slot j at position j (see reference.attention_at)."""
     if _fast(q):
-        from .triton_attn import attention_at as fast
+        from .attention.masked import attention_at as fast
         return fast(q, k, v, positions, window, scale, softcap)
     return reference.attention_at(q, k, v, positions, window, scale, softcap)
 
@@ -77,7 +79,7 @@ def paged_attention(q, k, v, block_tables, ctx_lens, block_size: int, scale: flo
                     window: int | None = None, softcap: float | None = None):
     """Decode attention of B sequences over a paged cache (see reference.paged_attention)."""
     if _fast(q):
-        from .triton_paged import paged_attention as fast
+        from .attention.paged import paged_attention as fast
         return fast(q, k, v, block_tables, ctx_lens, block_size, scale, window, softcap)
     return reference.paged_attention(q, k, v, block_tables, ctx_lens, block_size, scale, window,
                                      softcap)
@@ -86,7 +88,7 @@ def paged_attention(q, k, v, block_tables, ctx_lens, block_size: int, scale: flo
 def add_rms_norm(h, r, weight, eps: float, offset: float = 0.0):
     """(h + r, rms_norm(h + r)): a residual add and the norm after it (see reference)."""
     if _fast(h):
-        from .triton_layer import add_rms_norm as fast
+        from .layer.add_norm_qkv_rope import add_rms_norm as fast
         return fast(h, r, weight, eps, offset)
     return reference.add_rms_norm(h, r, weight, eps, offset)
 
@@ -99,7 +101,7 @@ def qkv_rope_write(qkv, n_heads: int, n_kv_heads: int, head_dim: int, q_norm, k_
     args = (qkv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, offset, rope_scale, cos,
             sin, traditional, k_cache, v_cache, slots, positions)
     if _fast(qkv):
-        from .triton_layer import qkv_rope_write as fast
+        from .layer.add_norm_qkv_rope import qkv_rope_write as fast
         return fast(*args)
     return reference.qkv_rope_write(*args)
 
@@ -109,7 +111,7 @@ def paged_prefill_attention(q, k, v, block_tables, items, block_size: int, scale
     """Causal attention of a mixed batch over a paged cache, by tiles of rows (see
     reference.paged_prefill_attention; `paged_items` makes the tiles)."""
     if _fast(q):
-        from .triton_paged import paged_prefill_attention as fast
+        from .attention.paged import paged_prefill_attention as fast
         return fast(q, k, v, block_tables, items, block_size, scale, window, softcap)
     return reference.paged_prefill_attention(q, k, v, block_tables, items, block_size, scale,
                                              window, softcap)

@@ -22,7 +22,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from ..errors import MlxrError
-from ..sampling import SamplingParams
+from ..text.sampling import SamplingParams
 from .metrics import Metrics
 from .protocol import (
     APIError,
