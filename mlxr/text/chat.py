@@ -19,14 +19,34 @@ import json
 import re
 from datetime import datetime
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mlxr.errors import TokenizerError
 
-if TYPE_CHECKING:  # pragma: no cover
-    from mlxr.text.tokenizer import Tokenizer
-
 __all__ = ["apply_chat_template", "compile_template", "render_chat_template", "select_template"]
+
+
+
+class ChatTokenizer(Protocol):
+    """What rendering and encoding a chat needs of a tokenizer (`mlxr.text.tokenizer.Tokenizer`
+    is one). A protocol, so that this module does not import the tokenizer module, which
+    imports this one for `Tokenizer.apply_chat_template`."""
+
+    name: str
+    added_tokens: dict[int, Any]  # id -> tokenizers.AddedToken (.content, .special)
+    _chat_templates: str | dict[str, str] | None
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]: ...
+
+    def added_tokens_content(self) -> list[str]: ...
+
+    def token_to_id(self, token: str) -> int | None: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def encode_plain(self, text: str) -> list[int]: ...
+
 
 _MARK_START = "\U000f0000"
 _MARK_END = "\U000f0001"
@@ -215,7 +235,7 @@ def _mark(obj: Any, pattern: re.Pattern) -> Any:
     return obj
 
 
-def _control_tokens(tokenizer: Tokenizer, source: str) -> tuple[str, ...]:
+def _control_tokens(tokenizer: ChatTokenizer, source: str) -> tuple[str, ...]:
     """Added tokens treated as control tokens: special ones, plus non-whitespace added tokens the
     template writes."""
     literal = _template_literal_text(source)
@@ -265,7 +285,7 @@ def render_chat_template(
         raise TokenizerError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _encode_marked(tokenizer: Tokenizer, rendered: str, markers_re: re.Pattern) -> list[int]:
+def _encode_marked(tokenizer: ChatTokenizer, rendered: str, markers_re: re.Pattern) -> list[int]:
     pieces = markers_re.split(rendered)
     if len(pieces) == 1:
         return tokenizer.encode(rendered, add_special_tokens=False)
@@ -296,7 +316,7 @@ def _encode_marked(tokenizer: Tokenizer, rendered: str, markers_re: re.Pattern) 
 
 
 def apply_chat_template(
-    tokenizer: Tokenizer,
+    tokenizer: ChatTokenizer,
     messages,
     tools=None,
     documents=None,

@@ -29,6 +29,7 @@ try:  # the import itself is cheap, but keep the error readable if the dependenc
 except ImportError as exc:  # pragma: no cover
     raise ImportError("mlxr needs the `tokenizers` package: pip install tokenizers") from exc
 
+from mlxr.text.chat import apply_chat_template, select_template
 from mlxr.text.tokenizer_formats import (
     _SPECIAL_KEYS,
     LLAMA3_SPLIT_REGEX,  # noqa: F401  (re-exported: imported from this module elsewhere)
@@ -152,8 +153,6 @@ class Tokenizer:
 
     # -- chat -------------------------------------------------------------------------------------
     def get_chat_template(self, tools=None) -> str:
-        from mlxr.text.chat import select_template
-
         return select_template(self._chat_templates, tools, self.name)
 
     def apply_chat_template(
@@ -166,8 +165,6 @@ class Tokenizer:
         chat_template: str | None = None,
         **template_kwargs,
     ):
-        from mlxr.text.chat import apply_chat_template
-
         return apply_chat_template(
             self,
             messages,
