@@ -32,7 +32,6 @@ except ImportError as exc:  # pragma: no cover
 from mlxr.text.chat import apply_chat_template, select_template
 from mlxr.text.tokenizer_formats import (
     _SPECIAL_KEYS,
-    LLAMA3_SPLIT_REGEX,  # noqa: F401  (re-exported: imported from this module elsewhere)
     _add_tokens,
     _is_tiktoken_file,
     _load_sentencepiece,
