@@ -718,7 +718,7 @@ def test_batch_rows_route_between_tinygemm_and_the_fused_gemm(monkeypatch):
 
 
 def test_build_picks_each_formats_decode_copy():
-    """`cuda_copies.build` (what a CUDA load runs on each matmul weight, here on CPU-held
+    """`cuda.build_copies` (what a CUDA load runs on each matmul weight, here on CPU-held
     tensors): affine 4-bit gets q4tc's copy where preferred (a tall weight), else q4gemv's,
     and q4tc's wherever the words are to go; mxfp4 / mxfp8 their fp copies; 3-bit its nibble
     planes; a gathered-only weight nothing."""
@@ -744,21 +744,21 @@ def test_build_picks_each_formats_decode_copy():
 
     tall, square = (8192, 1024), (1024, 1024)
     qw = fresh(QuantSpec("affine", 4, 64), *tall)
-    qcopies.build(qw, True, True)
+    qcuda.build_copies(qw, True, True)
     assert qw.tc is not None and qw.tc_glu and qw.q4 is None
     qw = fresh(QuantSpec("affine", 4, 64), *square)
-    qcopies.build(qw, False, True)
+    qcuda.build_copies(qw, False, True)
     assert qw.q4 is not None and qw.tc is None
     qw = fresh(QuantSpec("affine", 4, 64), *square)
-    qcopies.build(qw, False, False)
+    qcuda.build_copies(qw, False, False)
     assert qw.tc is not None and qw.q4 is None
     for spec, check in [(QuantSpec("mxfp4", 4, 32), lambda q: q.tc_fp4),
                         (QuantSpec("mxfp8", 8, 32), lambda q: q.tc_fp8),
                         (QuantSpec("affine", 3, 64), lambda q: q.tc.shape == (64, 2048))]:
         qw = fresh(spec, *square)
-        qcopies.build(qw, False, True)
+        qcuda.build_copies(qw, False, True)
         assert qw.tc is not None and check(qw), spec
     qw = fresh(QuantSpec("affine", 4, 64), *square)
     qw.matmul = False
-    qcopies.build(qw, False, True)
+    qcuda.build_copies(qw, False, True)
     assert qw.tc is None and qw.q4 is None

@@ -298,7 +298,7 @@ def test_copy_dequant_is_dequant_affine(bits, glu):
     from mlxr.config import QuantSpec
     from mlxr.ops.matmul.prefill_dequant import dequant_affine, dequant_copy
     from mlxr.ops.matmul.decode_gemv_tc_layout import dequant_copy_ref, repack_codes
-    from mlxr.quant.weight import nibble_planes
+    from mlxr.quant.fp import nibble_planes
 
     group = (32, 64, 128)[bits % 3] if bits != 4 else 64
     n, k, dtype = 48, 640 if group != 128 else 768, torch.bfloat16 if bits % 2 else torch.float16

@@ -20,7 +20,7 @@ from mlxr.config import QuantSpec  # noqa: E402
 from mlxr.ops.matmul.prefill_dequant import dequant_affine, dequant_copy  # noqa: E402
 from mlxr.ops.matmul.decode_gemv_tc import repack  # noqa: E402
 from mlxr.ops.matmul.decode_gemv_tc_layout import repack_codes  # noqa: E402
-from mlxr.quant.weight import nibble_planes  # noqa: E402
+from mlxr.quant.fp import nibble_planes  # noqa: E402
 
 SHAPES = {"8b_qkv": (6144, 4096), "8b_o": (4096, 4096), "8b_gate_up": (28672, 4096),
           "8b_down": (4096, 14336), "0.6b_qkv": (4096, 1024), "0.6b_gate_up": (6144, 1024),

@@ -48,7 +48,7 @@
 - decode (1-16 rows) of mxfp8 weights (bf16): `decode_gemv_tc` over their fp8 copy
   (`fp8_tc_supported`; the E4M3 codes, 1 B each, two words per mma step). Env
   `MLXR_FP8_TC=0` at load keeps the generic GEMV.
-The copies are built at load by `mlxr.quant.cuda_copies`.
+The copies are built at load (`build_copies`, by `mlxr.quant.cuda_copies`' packers).
 Env `MLXR_GEMV=triton` (read at every call, so A/B runs need no reload) routes decode (M <= 16)
 of every format, affine 4-bit included, to the GEMV of `mlxr.ops.matmul.decode_gemv` instead of
 tinygemm
@@ -62,6 +62,7 @@ import os
 import torch
 from torch import Tensor
 
+from . import cuda_copies
 from .affine import PLANE_BITS, planes_on
 from .cuda_copies import INNER_K_TILES, fp4_tc_on, fp8_tc_on, plane_count
 
@@ -360,3 +361,39 @@ def linear(qw, x: Tensor) -> Tensor | None:
                                       group=sp.group_size)
         return x @ dequantize(qw, x.dtype).t()
     return None
+
+
+def build_copies(qw, glu: bool, keep_words: bool) -> None:
+    """The decode copies a CUDA weight gets at load (its MLX words in `qw.packed`): q4tc's
+    (affine 4-bit, in `glu_rows` order if glu) or q4gemv's, the fp4 / fp8 copies, the nibble
+    planes of the other affine widths, and tinygemm's where none serves one row (or
+    `MLXR_Q4GEMV=0`). keep_words=False (the loader's budget or `MLXR_WORDS=drop`): q4tc's
+    copy also where q4gemv would serve, so that the words can go."""
+    if qw.matmul and q4gemv_supported(qw):  # single-request decode (M = 1)
+        # the tensor-core GEMV; also where q4gemv was measured faster if the words are to go
+        # (prefill can dequantize from q4tc's layout only; 0.6B o: 3.0 vs 2.7 us)
+        if q4tc_preferred(qw) or (not keep_words and q4tc_supported(qw)):
+            qw.tc_glu = glu
+            qw.tc, qw.q4_sb = cuda_copies.q4tc_pack(qw.packed, qw.scales, qw.biases, glu=glu)
+        else:
+            qw.q4, qw.q4_sb = cuda_copies.q4gemv_pack(qw.packed, qw.scales, qw.biases)
+    elif qw.matmul and fp4_tc_supported(qw):  # mxfp4 / nvfp4 decode
+        tc = cuda_copies.fp4_tc_pack(qw, glu=glu)
+        if tc is not None:
+            qw.tc, qw.q4_sb, qw.tc_gs = tc
+            qw.tc_glu = glu
+    elif qw.matmul and fp8_tc_supported(qw):  # mxfp8 decode
+        tc = cuda_copies.fp8_tc_pack(qw, glu=glu)
+        if tc is not None:
+            qw.tc, qw.q4_sb = tc
+            qw.tc_glu = glu
+    elif qw.matmul and planes_supported(qw):  # the other widths' decode
+        tc = cuda_copies.planes_pack(qw, glu=glu)
+        if tc is not None:
+            qw.tc, qw.q4_sb, qw.planes = tc
+            qw.tc_glu = glu
+    # tinygemm serves M = 1 where q4gemv / q4tc do not (or are switched off for an A/B run:
+    # MLXR_Q4GEMV=0 at load); else its copy is built on demand
+    one_row = qw.q4 is not None or qw.tc is not None
+    if qw.matmul and (not one_row or os.environ.get("MLXR_Q4GEMV") == "0"):
+        qw.add_batch_copy()

@@ -1,6 +1,6 @@
-"""The load-time copies the CUDA decode kernels read (`mlxr.quant.cuda` routes the calls): each
-built once per weight from its MLX words, beside them or in their place
-(`QuantWeight.drop_words`).
+"""The load-time copies the CUDA decode kernels read (`mlxr.quant.cuda` routes the calls and,
+in `build_copies`, picks which copies a weight gets): each built once per weight from its MLX
+words, beside them or in their place (`QuantWeight.drop_words`).
 
 - `q4tc_pack`: affine 4-bit words in `decode_gemv_tc`'s lane order (an MLP's gate_up in
   `glu_rows` order: `glu_order`) and (scale, bias) pairs;
@@ -20,6 +20,7 @@ from torch import Tensor
 
 from . import int4pack
 from .affine import PLANE_BITS, planes_on
+from .fp import nibble_planes
 
 INNER_K_TILES = 8  # tinygemm's inner K tiles (its int4 layout)
 FP4_TC_MODES = ("mxfp4", "nvfp4")  # E2M1 codes: q4tc's fp4 copy
@@ -155,7 +156,6 @@ def planes_pack(qw, glu: bool = False, chunk_rows: int = 4096
     the compute dtype (`planes_supported`)."""
     from ..ops.matmul import decode_gemv_q4
     from ..ops.matmul.decode_gemv_tc_layout import repack_codes
-    from .weight import nibble_planes
 
     packed, scales, biases = qw.packed, qw.scales, qw.biases
     if glu:
@@ -181,41 +181,3 @@ def q4gemv_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tensor,
     from ..ops.matmul import decode_gemv_q4
 
     return decode_gemv_q4.repack(packed), decode_gemv_q4.pair_scales(scales, biases)
-
-
-def build(qw, glu: bool, keep_words: bool) -> None:
-    """The decode copies a CUDA weight gets at load (its MLX words in `qw.packed`): q4tc's
-    (affine 4-bit, in `glu_rows` order if glu) or q4gemv's, the fp4 / fp8 copies, the nibble
-    planes of the other affine widths, and tinygemm's where none serves one row (or
-    `MLXR_Q4GEMV=0`). keep_words=False (the loader's budget or `MLXR_WORDS=drop`): q4tc's
-    copy also where q4gemv would serve, so that the words can go."""
-    from . import cuda
-
-    if qw.matmul and cuda.q4gemv_supported(qw):  # single-request decode (M = 1)
-        # the tensor-core GEMV; also where q4gemv was measured faster if the words are to go
-        # (prefill can dequantize from q4tc's layout only; 0.6B o: 3.0 vs 2.7 us)
-        if cuda.q4tc_preferred(qw) or (not keep_words and cuda.q4tc_supported(qw)):
-            qw.tc_glu = glu
-            qw.tc, qw.q4_sb = q4tc_pack(qw.packed, qw.scales, qw.biases, glu=glu)
-        else:
-            qw.q4, qw.q4_sb = q4gemv_pack(qw.packed, qw.scales, qw.biases)
-    elif qw.matmul and cuda.fp4_tc_supported(qw):  # mxfp4 / nvfp4 decode
-        tc = fp4_tc_pack(qw, glu=glu)
-        if tc is not None:
-            qw.tc, qw.q4_sb, qw.tc_gs = tc
-            qw.tc_glu = glu
-    elif qw.matmul and cuda.fp8_tc_supported(qw):  # mxfp8 decode
-        tc = fp8_tc_pack(qw, glu=glu)
-        if tc is not None:
-            qw.tc, qw.q4_sb = tc
-            qw.tc_glu = glu
-    elif qw.matmul and cuda.planes_supported(qw):  # the other widths' decode
-        tc = planes_pack(qw, glu=glu)
-        if tc is not None:
-            qw.tc, qw.q4_sb, qw.planes = tc
-            qw.tc_glu = glu
-    # tinygemm serves M = 1 where q4gemv / q4tc do not (or are switched off for an A/B run:
-    # MLXR_Q4GEMV=0 at load); else its copy is built on demand
-    one_row = qw.q4 is not None or qw.tc is not None
-    if qw.matmul and (not one_row or os.environ.get("MLXR_Q4GEMV") == "0"):
-        qw.add_batch_copy()

@@ -49,9 +49,9 @@ from mlxr.config import QuantSpec
 from mlxr.errors import ModelFormatError
 
 from . import cuda, cuda_copies, int4pack
-from .affine import PLANE_BITS, merge_planes, planes, planes_on, unpack_codes
+from .affine import PLANE_BITS, merge_planes, planes_on, unpack_codes
 from .dequant import validate
-from .fp import code_table, fp4_codes, fp4_planes, fp_scales
+from .fp import code_table, fp4_codes, fp_scales, nibble_planes
 
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -62,17 +62,6 @@ def _use_triton(qw: QuantWeight) -> bool:
         return False
     from mlxr.ops.matmul import generic_qmm
     return generic_qmm.supported(qw) or qw.words_dropped
-
-
-def nibble_planes(spec: QuantSpec, packed: Tensor, scales: Tensor, biases: Tensor | None,
-                  in_features: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The nibble planes of packed rows (the int4 kernels' input on both devices): affine
-    codes by `affine.planes`, mxfp4 by `fp.fp4_planes` (fp32 scales and biases). Raises
-    ValueError where a plane's scale overflows or is not finite."""
-    q = unpack_codes(packed, spec.bits, in_features)
-    if spec.mode == "mxfp4":
-        return fp4_planes(q, fp_scales(scales, spec.mode))
-    return planes(q, scales, biases, spec.bits)
 
 
 DENSE_MODES = ("nvfp4", "mxfp8")  # fp modes torch's int4 kernel cannot take (group 16, 8-bit)
@@ -181,7 +170,7 @@ class QuantWeight:
             self.dense = self._dense_copy()
         elif dev.type == "cuda":
             self.packed = packed.contiguous()  # Triton kernels read the mlx words as shipped
-            cuda_copies.build(self, glu and os.environ.get("MLXR_Q4TC_GLU") != "0", keep_words)
+            cuda.build_copies(self, glu and os.environ.get("MLXR_Q4TC_GLU") != "0", keep_words)
             if not keep_words:
                 self.drop_words()
         elif bits == 8:
