@@ -17,7 +17,7 @@ from mlxr.cli.common import BUNDLED
 from mlxr.engine.engine import RequestOutput
 from mlxr.text.sampling import SamplingParams
 from mlxr.server import ollama, render
-from mlxr.server.app import Job
+from mlxr.server.jobs import Job
 from mlxr.server.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[1]
