@@ -1,6 +1,6 @@
 """The fused layer glue (mlxr.ops.layer.add_norm_qkv_rope: add_rms_norm, qkv_rope_write) vs the
-reference
-compositions, in the CPU interpreter, and the decoder built on them vs the previous composition.
+reference compositions, in the CPU interpreter, and the decoder built on them vs the previous
+composition.
 
 Tolerances (elementwise; see tests/test_triton_fused.py for the derivations):
 * add_rms_norm: s is one fp32 add rounded to the dtype: fp32 exact, bf16 exactly the

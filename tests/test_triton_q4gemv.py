@@ -1,6 +1,5 @@
 """mlxr.ops.matmul.decode_gemv_q4 (the 4-bit decode GEMV on repacked words) against its torch twin
-and
-against fp64, under TRITON_INTERPRET=1 on the CPU (the H200 runs the same checks in
+and against fp64, under TRITON_INTERPRET=1 on the CPU (the H200 runs the same checks in
 benchmarks/gpu/gpu_q4gemv_sweep.py)."""
 
 from __future__ import annotations

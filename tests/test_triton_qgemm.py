@@ -1,6 +1,5 @@
 """The fused prefill GEMM (mlxr.ops.matmul.prefill_gemm) and the dequantizer
-(mlxr.ops.matmul.prefill_dequant)
-under the CPU interpreter.
+(mlxr.ops.matmul.prefill_dequant) under the CPU interpreter.
 
 Reference (`generic_qmm.qgemm_ref`): the weight dequantized in fp32 (mlxr.quant's unpacker),
 rounded once to bf16, then an fp32 matmul. The kernel feeds tl.dot the same bf16 weights (the

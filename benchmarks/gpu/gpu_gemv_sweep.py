@@ -1,6 +1,5 @@
 """Decode GEMV sweep on one CUDA GPU: mlxr.ops.matmul.decode_gemv launch variants vs tinygemm and
-the
-old generic_qmm kernel, at real shapes. One call, < 4 minutes on an H200:
+the old generic_qmm kernel, at real shapes. One call, < 4 minutes on an H200:
 
     PYTHONPATH=. python benchmarks/gpu/gpu_gemv_sweep.py [--budget-s 200] [--only SUBSTR]
     PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/gpu/gpu_gemv_sweep.py --smoke   # CPU check

@@ -1,13 +1,11 @@
 """The single dispatch point for compute ops.
 
-`mlxr.ops.reference` holds the plain-torch versions (the spec, the CPU path, the test oracle).
-On CUDA tensors, with triton importable and MLXR_KERNELS != "torch" (read at each call), the
-per-layer ops run as one Triton launch each (`mlxr.ops.layer.norm_rope_act`), behind the same
-signatures; `paged_attention` (the batched decode step over the paged cache) runs
-`mlxr.ops.attention.paged`; `add_rms_norm` and `qkv_rope_write` (a layer's glue between its
-matmuls, fused) run `mlxr.ops.layer.add_norm_qkv_rope`. `attention` (eager, host positions) always
-runs
-the reference.
+`mlxr.ops.reference` holds the plain-torch versions (the spec, the CPU path, the test oracle). On
+CUDA tensors, with triton importable and MLXR_KERNELS != "torch" (read at each call), the per-layer
+ops run as one Triton launch each (`mlxr.ops.layer.norm_rope_act`), behind the same signatures;
+`paged_attention` (the batched decode step over the paged cache) runs `mlxr.ops.attention.paged`;
+`add_rms_norm` and `qkv_rope_write` (a layer's glue between its matmuls, fused) run
+`mlxr.ops.layer.add_norm_qkv_rope`. `attention` (eager, host positions) always runs the reference.
 """
 
 from __future__ import annotations
@@ -19,8 +17,8 @@ import torch
 from . import reference
 from .reference import attention, paged_items, prefill_tile
 
-_fused = None  # mlxr.ops.layer.norm_rope_act, imported at the first CUDA call (triton is slow to
-               # import)
+# mlxr.ops.layer.norm_rope_act, imported at the first CUDA call (triton is slow to import)
+_fused = None
 
 
 def _fast(x) -> bool:

@@ -49,10 +49,9 @@
   (`fp8_tc_supported`; the E4M3 codes, 1 B each, two words per mma step). Env
   `MLXR_FP8_TC=0` at load keeps the generic GEMV.
 The copies are built at load (`build_copies`, by `mlxr.quant.cuda_copies`' packers).
-Env `MLXR_GEMV=triton` (read at every call, so A/B runs need no reload) routes decode (M <= 16)
-of every format, affine 4-bit included, to the GEMV of `mlxr.ops.matmul.decode_gemv` instead of
-tinygemm
-/ `generic_qmm` (benchmarks/gpu/gpu_gemv_sweep.py measures both).
+Env `MLXR_GEMV=triton` (read at every call, so A/B runs need no reload) routes decode (M <= 16) of
+every format, affine 4-bit included, to the GEMV of `mlxr.ops.matmul.decode_gemv` instead of
+tinygemm / `generic_qmm` (benchmarks/gpu/gpu_gemv_sweep.py measures both).
 """
 
 from __future__ import annotations

@@ -9,17 +9,15 @@ Storage (chosen at load time, see `from_tensors`):
                  codes; 2/3/5/6/8-bit and mxfp4 over their nibble planes, `planes` of them, see
                  `mlxr.quant.affine.planes` and `fp.fp4_planes`; the codes are decoded back
                  from it).
-On CUDA `packed` is kept unless the loader drops it (`drop_words`: prefill then reads the
-`tc` copy); affine 4-bit adds repacks of it for decode at load: for one
-row either `tc` (`mlxr.ops.matmul.decode_gemv_tc`, where `cuda.q4tc_preferred`; it also serves 2-16
-rows; an MLP's gate_up gets it with gate and up rows interleaved, `tc_glu`, so `gated` runs
-the activation in its epilogue) or `q4` (`mlxr.ops.matmul.decode_gemv_q4`), each with `q4_sb`
-(scale,
-bias pairs); and
-`i4`/`i4_sz` (tinygemm, 2-32 rows) only where neither applies. Affine 2/3/5/6/8-bit weights
-get `tc` too, over nibble planes (`planes`: 1, or 2 for 5/6/8-bit; `cuda_copies.planes_pack`), and
-mxfp4 / nvfp4 weights an fp4 `tc` of their E2M1 codes (`tc_fp4`, `cuda_copies.fp4_tc_pack`),
-mxfp8 weights an fp8 `tc` of their E4M3 codes (`tc_fp8`, `cuda_copies.fp8_tc_pack`).
+On CUDA `packed` is kept unless the loader drops it (`drop_words`: prefill then reads the `tc`
+copy); affine 4-bit adds repacks of it for decode at load: for one row either `tc`
+(`mlxr.ops.matmul.decode_gemv_tc`, where `cuda.q4tc_preferred`; it also serves 2-16 rows; an MLP's
+gate_up gets it with gate and up rows interleaved, `tc_glu`, so `gated` runs the activation in its
+epilogue) or `q4` (`mlxr.ops.matmul.decode_gemv_q4`), each with `q4_sb` (scale, bias pairs); and
+`i4`/`i4_sz` (tinygemm, 2-32 rows) only where neither applies. Affine 2/3/5/6/8-bit weights get `tc`
+too, over nibble planes (`planes`: 1, or 2 for 5/6/8-bit; `cuda_copies.planes_pack`), and mxfp4 /
+nvfp4 weights an fp4 `tc` of their E2M1 codes (`tc_fp4`, `cuda_copies.fp4_tc_pack`), mxfp8 weights
+an fp8 `tc` of their E4M3 codes (`tc_fp8`, `cuda_copies.fp8_tc_pack`).
 The batching engine asks for the several-row copy (`add_batch_copy`): `tc` where a `q4`
 weight lacks it, else tinygemm's.
 Scales/biases stay in their file dtype, except in exact mode (compute_dtype float32) where they
@@ -28,14 +26,11 @@ mlx computes with fp32 params.
 
 `linear` dispatches on device: CPU -> `mlxr.quant.cpu.linear`; CUDA -> the Triton kernels of
 `mlxr.ops.matmul.generic_qmm` (GEMV for small batches, tensor-core GEMM for prefill) reading the
-packed
-words as shipped (on CUDA `packed` is always kept, never unpacked codes), after the measured
+packed words as shipped (on CUDA `packed` is always kept, never unpacked codes), after the measured
 fast paths of `mlxr.quant.cuda` (q4gemv / tinygemm 4-bit decode, `mlxr.ops.matmul.decode_gemv` for
-2/3-bit
-at M = 1, dequant + cuBLAS prefill; env
-`MLXR_GEMV=triton` sends all decode to `mlxr.ops.matmul.decode_gemv`); env `MLXR_KERNELS=torch` (or
-no
-triton) selects the generic tiled torch path instead.
+2/3-bit at M = 1, dequant + cuBLAS prefill; env `MLXR_GEMV=triton` sends all decode to
+`mlxr.ops.matmul.decode_gemv`); env `MLXR_KERNELS=torch` (or no triton) selects the generic tiled
+torch path instead.
 """
 
 from __future__ import annotations

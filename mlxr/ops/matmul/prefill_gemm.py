@@ -26,8 +26,7 @@ divisor of the group size, so a tile holds whole groups or lies in one):
   Optional split-K writes fp32 partials [S, M, N], summed in a fixed order by one small
   kernel (small-M shapes whose output tiles cannot fill the GPU).
 `mlxr.ops.matmul.prefill_dequant.dequant_affine` writes the same weights
-(`weight_tiles._affine_tile`)
-to an [N, K] matrix for cuBLAS.
+(`weight_tiles._affine_tile`) to an [N, K] matrix for cuBLAS.
 
 Under TRITON_INTERPRET (CPU tests) the interpreter's bf16 dot is broken and its fp32 -> bf16
 cast truncates: the dot runs in fp32 (`input_precision="ieee"`, exact bf16 inputs) and the
