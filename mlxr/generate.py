@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .harness import trace
 from .engine.cuda_graph import GraphCache
 from .engine.kv_cache import new_cache
 from .errors import ContextLengthError
+from .harness import trace
 from .models.decoder import Decoder
 from .text.sampling import Sampler, SamplingParams, StopMatcher
 

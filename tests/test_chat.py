@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mlxr.text.chat import render_chat_template
 from mlxr.errors import TokenizerError
+from mlxr.text.chat import render_chat_template
 from mlxr.text.tokenizer import load_chat_template, load_tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 import mlxr
-from mlxr.harness import goldens
 from mlxr.cli import main
+from mlxr.harness import goldens
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDENS = Path(__file__).resolve().parent / "goldens"

@@ -296,8 +296,8 @@ def test_copy_dequant_is_dequant_affine(bits, glu):
     `dequant_affine`'s values bit for bit, from 4-bit's repack or the other widths' nibble
     planes, in either row order; its torch twin too. K = 640 leaves a partial column tile."""
     from mlxr.config import QuantSpec
-    from mlxr.ops.matmul.prefill_dequant import dequant_affine, dequant_copy
     from mlxr.ops.matmul.decode_gemv_tc_layout import dequant_copy_ref, repack_codes
+    from mlxr.ops.matmul.prefill_dequant import dequant_affine, dequant_copy
     from mlxr.quant.fp import nibble_planes
 
     group = (32, 64, 128)[bits % 3] if bits != 4 else 64
@@ -539,8 +539,8 @@ def test_copy_dequant_of_fp4_is_dequant_fp(mode, gs, glu):
     words bit for bit (E2M1 value x scale in fp32, nvfp4 times its global scale / 2688), in
     either row order; its torch twin too; the copy's codes come back as the words' codes.
     K = 640 leaves a partial column tile."""
-    from mlxr.ops.matmul.prefill_dequant import dequant_copy, dequant_fp
     from mlxr.ops.matmul.decode_gemv_tc_layout import copy_rows_codes, dequant_copy_ref
+    from mlxr.ops.matmul.prefill_dequant import dequant_copy, dequant_fp
 
     group = 32 if mode == "mxfp4" else 16
     n, k = 48, 640
@@ -569,8 +569,8 @@ def test_copy_dequant_of_fp8_is_dequant_fp(glu):
     """`dequant_copy(mode="mxfp8")` from an fp8 copy gives `dequant_fp`'s values from the MLX
     words bit for bit, in either row order; its torch twin too; the copy's codes come back as
     the words' codes. K = 640 leaves a partial column tile."""
-    from mlxr.ops.matmul.prefill_dequant import dequant_copy, dequant_fp
     from mlxr.ops.matmul.decode_gemv_tc_layout import copy_rows_codes, dequant_copy_ref
+    from mlxr.ops.matmul.prefill_dequant import dequant_copy, dequant_fp
 
     n, k = 48, 640
     g = torch.Generator().manual_seed(80 + glu)

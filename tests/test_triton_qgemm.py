@@ -27,9 +27,9 @@ pytest.importorskip("triton")
 from test_triton_qmm import random_weight
 
 from mlxr.config import QuantSpec
+from mlxr.ops.matmul import generic_qmm as T
 from mlxr.ops.matmul import prefill_dequant as D
 from mlxr.ops.matmul import prefill_gemm as Q
-from mlxr.ops.matmul import generic_qmm as T
 from mlxr.quant import QuantWeight, dequantize
 from mlxr.quant import cuda as qcuda
 from mlxr.quant.affine import unpack_codes

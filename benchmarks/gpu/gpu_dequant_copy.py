@@ -17,9 +17,9 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gpu_timing import L2_BYTES, graph_time_us  # noqa: E402
 
 from mlxr.config import QuantSpec  # noqa: E402
-from mlxr.ops.matmul.prefill_dequant import dequant_affine, dequant_copy  # noqa: E402
 from mlxr.ops.matmul.decode_gemv_tc import repack  # noqa: E402
 from mlxr.ops.matmul.decode_gemv_tc_layout import repack_codes  # noqa: E402
+from mlxr.ops.matmul.prefill_dequant import dequant_affine, dequant_copy  # noqa: E402
 from mlxr.quant.fp import nibble_planes  # noqa: E402
 
 SHAPES = {"8b_qkv": (6144, 4096), "8b_o": (4096, 4096), "8b_gate_up": (28672, 4096),

@@ -35,8 +35,8 @@ from gpu_timing import graph_time_us
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from mlxr.ops.layer import norm_rope_act as F
 from mlxr.ops.layer import add_norm_qkv_rope as L
+from mlxr.ops.layer import norm_rope_act as F
 
 MODELS = {  # name: E, H, K, D, q/k norms, layers
     "qwen3-0.6b": (1024, 16, 8, 128, True, 28),

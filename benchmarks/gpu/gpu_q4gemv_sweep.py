@@ -60,7 +60,7 @@ def prologue(name, n, k, wrs) -> dict:
     """The default launch with its decode-step prologue (rms_norm(h + r) before qkv, gate_up
     and the head; act(gate) * up before down) against the unfused pair (the add+norm or
     gated-act kernel, then the plain GEMV), and the plain GEMV alone; us per call."""
-    from mlxr.ops.layer import norm_rope_act, add_norm_qkv_rope
+    from mlxr.ops.layer import add_norm_qkv_rope, norm_rope_act
 
     if name == "o":
         return {}

@@ -51,9 +51,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from mlxr.config import QuantSpec
+from mlxr.ops.matmul import generic_qmm as T
 from mlxr.ops.matmul import prefill_dequant as D
 from mlxr.ops.matmul import prefill_gemm as Q
-from mlxr.ops.matmul import generic_qmm as T
 from mlxr.quant import dequantize
 
 SHAPES = [("8B qkv", 6144, 4096), ("8B o", 4096, 4096), ("8B gate_up", 28672, 4096),

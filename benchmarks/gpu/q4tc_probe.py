@@ -169,8 +169,8 @@ def rows(ms: list[int], only: str = "") -> None:
     import torch
     from gpu_timing import graph_time_us
 
-    from mlxr.ops.matmul.prefill_gemm import qgemm
     from mlxr.ops.matmul.generic_qmm import dequant_f32
+    from mlxr.ops.matmul.prefill_gemm import qgemm
     from mlxr.quant.cuda_copies import tinygemm_pack
 
     g = 64

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .. import ops
-from ..harness import trace
 from ..errors import MlxrError
 from ..generate import TextStream, check_prompt
+from ..harness import trace
 from ..models.decoder import PagedBatch, Step, span_for, write_slots_for
 from ..text.sampling import Sampler, SamplingParams
 from .decode_graphs import PagedDecodeRunner, supported

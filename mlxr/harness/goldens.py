@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import trace
 from ..errors import MlxrError
+from . import trace
 
 FORMAT = "mlxr-golden/1"
 DEFAULT_TIE_TOL = 1e-6

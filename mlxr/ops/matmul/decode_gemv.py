@@ -42,8 +42,8 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .codes import _code_value, _group_scale, _pick
-    from .prefill_gemm import _sum_splits_kernel
     from .generic_qmm import _interpret
+    from .prefill_gemm import _sum_splits_kernel
 
 __all__ = ["MAX_M", "GemvConfig", "default_config", "qgemv", "qgemv_ref"]
 

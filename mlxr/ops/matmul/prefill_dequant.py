@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .prefill_gemm import _validate
 from .generic_qmm import HAVE_TRITON, _interpret
+from .prefill_gemm import _validate
 
 if HAVE_TRITON:
     import triton
