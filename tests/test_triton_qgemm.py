@@ -316,12 +316,12 @@ def test_gpu_sweep_smoke():
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_qgemm_sweep.py"),
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu" / "gpu_qgemm_sweep.py"),
                         "--smoke"], env=env, capture_output=True, text=True, timeout=300,
                        check=False)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "0 wrong or failed, 0 dq inexact" in r.stdout and "wa_split" in r.stdout
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_qgemm_sweep.py"),
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu" / "gpu_qgemm_sweep.py"),
                         "--smoke", "--dequant-bits", "3,5,6"], env=env, capture_output=True,
                        text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
