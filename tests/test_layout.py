@@ -1,4 +1,5 @@
-"""The package's shape (issue #27): no import cycles inside mlxr, no file past MAX_LINES.
+"""The package's shape (issue #27): no import cycles inside mlxr, no file past MAX_LINES, no
+package attribute shadowed by a submodule of the same name.
 
 The import graph is read from the source (ast), with every import: module level, inside
 functions, under `if TYPE_CHECKING`. An import hidden in a function to dodge a cycle is still
@@ -129,3 +130,24 @@ def test_no_file_past_max_lines():
     unexpected = {p: n for p, n in long.items() if p not in LONG_FILES}
     assert unexpected == {}, f"files past {MAX_LINES} lines (split them by concern): {unexpected}"
     assert LONG_FILES <= set(long), f"exceptions no longer needed: {LONG_FILES - set(long)}"
+
+
+def test_no_submodule_shadows_a_package_name():
+    """Importing `p.x` sets the attribute `p.x` to the submodule: a function `x` that p's
+    __init__ defines or imports (e.g. `mlxr.ops.attention`, the eager op) would be replaced by
+    the module as soon as any kernel under it is imported."""
+    clashes = []
+    for init in sorted((ROOT / "mlxr").rglob("__init__.py")):
+        subs = {p.stem for p in init.parent.glob("*.py") if p.stem != "__init__"}
+        subs |= {p.name for p in init.parent.iterdir() if (p / "__init__.py").is_file()}
+        for node in ast.parse(init.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            elif isinstance(node, ast.ImportFrom) and not (node.level == 1 and not node.module):
+                names = [a.asname or a.name for a in node.names]
+            else:
+                continue
+            clashes += [f"{init.parent.relative_to(ROOT)}: {n}" for n in names if n in subs]
+    assert clashes == [], f"names bound in a package and also its submodules: {clashes}"

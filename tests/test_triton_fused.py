@@ -32,7 +32,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarn
 
 from mlxr import ops
 from mlxr.ops import reference as R
-from mlxr.ops.attention import masked as A
+from mlxr.ops.kv_attention import masked as A
 from mlxr.ops.layer import norm_rope_act as F
 
 INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU

@@ -1,4 +1,4 @@
-"""The single request's decode attention (mlxr.ops.attention.masked.attention_masked, what the
+"""The single request's decode attention (mlxr.ops.kv_attention.masked.attention_masked, what the
 CUDA-graph decode step runs) launch sweep on one CUDA GPU: splits x keys per tile.
 
     PYTHONPATH=. python benchmarks/gpu/gpu_attn_decode_sweep.py [--budget-s 90] [--default-only]
@@ -27,7 +27,7 @@ import time
 import torch
 from gpu_timing import graph_time_us
 
-from mlxr.ops.attention import masked as F
+from mlxr.ops.kv_attention import masked as F
 
 SHAPES = {"0.6B": (16, 8, 128), "8B": (32, 8, 128)}
 LOADS = [(1024, 600), (2048, 600), (4096, 3000)]

@@ -35,7 +35,7 @@ from gpu_timing import L2_BYTES, graph_time_us
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from mlxr.ops import reference as R
-from mlxr.ops.attention import masked as A
+from mlxr.ops.kv_attention import masked as A
 from mlxr.ops.layer import norm_rope_act as F
 
 MODELS = {  # name: E, H, K, D, F

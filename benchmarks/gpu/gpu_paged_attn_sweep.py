@@ -1,5 +1,5 @@
-"""Paged decode attention (mlxr.ops.attention.paged.paged_attention) launch sweep on one CUDA GPU:
-keys per tile x warps x splits, at the serving engine's shapes, against the KV-read bound.
+"""Paged decode attention (mlxr.ops.kv_attention.paged.paged_attention) launch sweep on one CUDA
+GPU: keys per tile x warps x splits, at the serving engine's shapes, against the KV-read bound.
 
     PYTHONPATH=. python benchmarks/gpu/gpu_paged_attn_sweep.py [--budget-s 120]
 
@@ -21,7 +21,7 @@ import time
 import torch
 from gpu_timing import graph_time_us
 
-from mlxr.ops.attention import paged as P
+from mlxr.ops.kv_attention import paged as P
 
 SHAPES = {"0.6B": (16, 8, 128), "8B": (32, 8, 128)}
 LOADS = [(256, 96), (64, 512), (8, 2048), (1, 8192)]

@@ -3,7 +3,7 @@
 `mlxr.ops.reference` holds the plain-torch versions (the spec, the CPU path, the test oracle). On
 CUDA tensors, with triton importable and MLXR_KERNELS != "torch" (read at each call), the per-layer
 ops run as one Triton launch each (`mlxr.ops.layer.norm_rope_act`), behind the same signatures;
-`paged_attention` (the batched decode step over the paged cache) runs `mlxr.ops.attention.paged`;
+`paged_attention` (the batched decode step over the paged cache) runs `mlxr.ops.kv_attention.paged`;
 `add_rms_norm` and `qkv_rope_write` (a layer's glue between its matmuls, fused) run
 `mlxr.ops.layer.add_norm_qkv_rope`. `attention` (eager, host positions) always runs the reference.
 """
@@ -58,7 +58,7 @@ def gated_act(gate, up, act: str):
 def attention_masked(q, k, v, visible, scale: float, softcap: float | None = None):
     """GQA attention under a key-visibility mask (see reference.attention_masked)."""
     if _fast(q):
-        from .attention.masked import attention_masked as fast
+        from .kv_attention.masked import attention_masked as fast
         return fast(q, k, v, visible, scale, softcap)
     return reference.attention_masked(q, k, v, visible, scale, softcap)
 
@@ -68,7 +68,7 @@ def attention_at(q, k, v, positions, window: int | None, scale: float,
     """attention_masked with the visibility from the rows' positions (device [T]), causal and
     windowed: key slot j at position j (see reference.attention_at)."""
     if _fast(q):
-        from .attention.masked import attention_at as fast
+        from .kv_attention.masked import attention_at as fast
         return fast(q, k, v, positions, window, scale, softcap)
     return reference.attention_at(q, k, v, positions, window, scale, softcap)
 
@@ -77,7 +77,7 @@ def paged_attention(q, k, v, block_tables, ctx_lens, block_size: int, scale: flo
                     window: int | None = None, softcap: float | None = None):
     """Decode attention of B sequences over a paged cache (see reference.paged_attention)."""
     if _fast(q):
-        from .attention.paged import paged_attention as fast
+        from .kv_attention.paged import paged_attention as fast
         return fast(q, k, v, block_tables, ctx_lens, block_size, scale, window, softcap)
     return reference.paged_attention(q, k, v, block_tables, ctx_lens, block_size, scale, window,
                                      softcap)
@@ -109,7 +109,7 @@ def paged_prefill_attention(q, k, v, block_tables, items, block_size: int, scale
     """Causal attention of a mixed batch over a paged cache, by tiles of rows (see
     reference.paged_prefill_attention; `paged_items` makes the tiles)."""
     if _fast(q):
-        from .attention.paged import paged_prefill_attention as fast
+        from .kv_attention.paged import paged_prefill_attention as fast
         return fast(q, k, v, block_tables, items, block_size, scale, window, softcap)
     return reference.paged_prefill_attention(q, k, v, block_tables, items, block_size, scale,
                                              window, softcap)

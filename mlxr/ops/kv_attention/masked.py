@@ -43,7 +43,7 @@ if HAVE_TRITON:
     @triton.jit
     def _scores(q, k, qk_scale, inv_cap, cap2, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr):
         """q [M, D] . k [S, D]^T in log2 units (scale, or softcap, applied): fp32 [M, S].
-        Shared by every attention kernel (here and mlxr.ops.attention.paged)."""
+        Shared by every attention kernel (here and mlxr.ops.kv_attention.paged)."""
         if DOT_F32:  # fp32 inputs, or the interpreter (its bf16 dot is broken)
             sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
