@@ -1,7 +1,8 @@
 """The ASGI app: OpenAI routes (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models),
-/health, /metrics and the Ollama routes (ollama.py, ollama_models.py), over the batching engine
-(`mlxr.engine.AsyncEngine` on a thread, or `mlxr.engine.proc_engine.ProcEngine` in a process of
-its own, when this process then loads the config and tokenizer only).
+/health, /metrics, the Ollama routes (ollama.py, ollama_models.py), embeddings (embeddings.py)
+and the web page (page.py), over one batching engine per loaded model (`mlxr.engine.AsyncEngine`
+on a thread, or `mlxr.engine.proc_engine.ProcEngine` in a process of its own, when this process
+then loads the config and tokenizer only); models_manager.py loads and unloads them.
 
 Requests are validated here and turned into a `Job` (prompt ids, sampling params, grammar, tool
 and reasoning parsing) by `jobs.py`; `render.py` turns the engine's outputs into each API's wire
@@ -23,7 +24,7 @@ from pydantic import ValidationError
 
 from .. import bounded_json
 from ..errors import MlxrError
-from . import error_handlers, ollama, ollama_models, render, request_checks
+from . import embeddings, error_handlers, ollama, ollama_models, page, render, request_checks
 from .jobs import chat_job, completion_job
 from .metrics import Metrics
 from .models_manager import ModelManager, resolver
@@ -256,6 +257,8 @@ def create_app(state: ServerState, security: SecurityConfig, load_in_background:
 
     ollama.register(app, state, _parse)  # /api/generate, /api/chat, /api/version
     ollama_models.register(app, state, _parse)  # /api/tags, show, ps, pull, delete
+    embeddings.register(app, state, _parse)  # /v1/embeddings, /api/embed
+    page.register(app, state)  # the web page at /, its static files, Hub search
     app.add_middleware(SecurityMiddleware, cfg=security)
     return app
 

@@ -102,6 +102,22 @@ class Loaded:
         return bool(s.get("running", 0) or s.get("waiting", 0))
 
 
+def default_budget(device: str | None) -> int:
+    """--memory-budget auto: 90% of the GPU's memory on CUDA, 75% of the RAM on CPU."""
+    from ..model import _pick_device
+
+    dev = _pick_device(device)
+    if dev.type == "cuda":
+        import torch
+
+        return int(torch.cuda.get_device_properties(dev).total_memory * 0.9)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 * 3 // 4
+    return 8 << 30
+
+
 def weight_file_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
 

@@ -32,7 +32,8 @@ CORS_ALLOW_HEADERS = ("authorization, content-type, accept, openai-beta, openai-
                       "x-stainless-runtime, x-stainless-runtime-version, "
                       "x-stainless-read-timeout, x-stainless-timeout, x-stainless-raw-response, "
                       "x-stainless-helper-method, x-stainless-stream-helper")
-PUBLIC_PATHS = {"/health"}
+PUBLIC_PATHS = {"/health", "/"}  # and the page's files under /static/ (no secret in them)
+STATIC_PREFIX = "/static/"
 OLLAMA_PREFIX = "/api/"
 BODY_METHODS = ("POST", "PUT", "PATCH", "DELETE")
 
@@ -141,7 +142,7 @@ class SecurityMiddleware:
                     (b"access-control-allow-headers", CORS_ALLOW_HEADERS.encode()),
                     (b"access-control-max-age", b"600")]})
                 return await send({"type": "http.response.body", "body": b""})
-        if cfg.api_key and path not in PUBLIC_PATHS:
+        if cfg.api_key and path not in PUBLIC_PATHS and not path.startswith(STATIC_PREFIX):
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
