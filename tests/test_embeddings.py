@@ -5,11 +5,13 @@ config), pooled and L2-normalised by `model.embed` and by transformers' Qwen3Mod
 pooling Qwen3-Embedding's model card gives. Then the server: /v1/embeddings and /api/embed, a
 400 for a model that is not an embedding model."""
 
+import base64
 import json
 import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import torch
@@ -75,7 +77,7 @@ def reference(path: Path, texts: list[str]) -> torch.Tensor:
     import transformers as T
 
     tok = T.AutoTokenizer.from_pretrained(path, padding_side="left")
-    model = T.AutoModel.from_pretrained(path, torch_dtype=torch.float32).eval()
+    model = T.AutoModel.from_pretrained(path, dtype=torch.float32).eval()
     batch = tok(texts, padding=True, return_tensors="pt")
     with torch.no_grad():
         h = model(**batch).last_hidden_state
@@ -125,11 +127,15 @@ def test_server_routes(server, embed_dir):
     got = torch.tensor([d.embedding for d in r.data])
     assert [d.index for d in r.data] == list(range(len(TEXTS)))
     assert (got * reference(embed_dir, TEXTS)).sum(-1).min() >= 0.9999
-    assert r.usage.prompt_tokens == sum(len(x) for x in mlxr.load(
-        embed_dir, device="cpu", dtype="float32", weights=False).tokenizer(TEXTS)["input_ids"]) \
-        if False else r.usage.prompt_tokens > 0
-    b64 = client.embeddings.create(model=name, input="hello", encoding_format="base64")
-    assert len(b64.data[0].embedding) == 64
+    tok = mlxr.load(embed_dir, device="cpu", weights=False).tokenizer
+    assert r.usage.prompt_tokens == sum(len(tok.encode(t)) for t in TEXTS)
+    b64 = client.embeddings.create(model=name, input=TEXTS[3], encoding_format="base64")
+    vec = np.frombuffer(base64.b64decode(b64.data[0].embedding), "<f4")
+    assert vec.shape == (64,) and np.allclose(vec, got[3].numpy(), atol=1e-6)
+    r = client.embeddings.create(model=name, input=TEXTS[:1], dimensions=16)
+    short = torch.tensor(r.data[0].embedding)
+    assert short.shape == (16,) and torch.allclose(
+        short, torch.nn.functional.normalize(got[0, :16], dim=0), atol=1e-5)
     r = httpx.post(server.url + "/api/embed", json={"model": name, "input": TEXTS[:2]})
     assert r.status_code == 200, r.text
     assert len(r.json()["embeddings"]) == 2 and r.json()["model"] == name
