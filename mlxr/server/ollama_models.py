@@ -1,9 +1,11 @@
 """Ollama's model-management routes: `GET /api/tags`, `POST /api/show`, `GET /api/ps`,
 `POST /api/pull` and `DELETE /api/delete`, in Ollama's request and response shapes.
 
-mlxr serves one model directory, so /api/tags, /api/show and /api/ps know that model only.
-Names are mlxr's (a directory name, the --served-model-name, or a Hub name ORG/REPO[@REV]);
-Ollama's default tag ":latest" is accepted and dropped.
+/api/tags lists every model this server can load by name (those on its command line, the
+bundled ones, the complete Hub models in the cache); /api/ps the loaded ones, with their measured
+bytes (weights and KV cache), device and expiry (models_manager.py). Names are mlxr's (a
+directory name, the --served-model-name, or a Hub name ORG/REPO[@REV]); Ollama's default tag
+":latest" is accepted and dropped.
 
 /api/pull downloads a Hub model into the shared Hugging Face cache (mlxr.store.hub.pull, as
 `mlxr pull`) and streams Ollama's NDJSON progress: {"status"} lines, then per file {"status",
@@ -11,8 +13,8 @@ Ollama's default tag ":latest" is accepted and dropped.
 removes a Hub model from the cache (mlxr.store.local.remove, as `mlxr rm`), never the model being
 served. Both change the machine (network, disk), so each is off unless `serve` was started with
 its flag: --allow-pull, --allow-delete (separate: letting clients fetch models is not letting
-them destroy any). Off, they answer 403 in Ollama's error shape. A pulled model is not served
-by this server: start `mlxr serve ORG/REPO` for that.
+them destroy any). Off, they answer 403 in Ollama's error shape. A pulled model can be loaded
+by name right away; a loaded one cannot be deleted.
 """
 
 from __future__ import annotations
