@@ -111,7 +111,8 @@ def done_count(page) -> int:
 
 
 def set_max_tokens(page, n: int | str) -> None:
-    page.click("#settings summary")
+    if page.get_attribute("#settings", "open") is None:
+        page.click("#settings summary")
     page.fill("#max_tokens", str(n))
     page.dispatch_event("#max_tokens", "change")
 

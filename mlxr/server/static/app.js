@@ -230,13 +230,15 @@
     const sel = $("model");
     const want = store.get("model", "") || sel.value;
     const names = [];
+    let ok = true;
+    sel.dataset.ready = "";
     try {
       const v1 = await (await api("GET", "/v1/models")).json();
       v1.data.forEach(function (m) { names.push(m.id); });
       const tags = await (await api("GET", "/api/tags")).json();
       tags.models.forEach(function (m) { if (names.indexOf(m.name) < 0) names.push(m.name); });
       fillLocal(tags.models);
-    } catch (e) { showError(e.message); }
+    } catch (e) { ok = false; showError(e.message); }
     sel.replaceChildren.apply(sel, names.map(function (n) {
       const o = document.createElement("option");
       o.value = o.textContent = n;
@@ -246,7 +248,7 @@
     else if (state.info.default_model && names.indexOf(state.info.default_model) >= 0) {
       sel.value = state.info.default_model;
     }
-    sel.dataset.ready = "1";
+    if (ok) sel.dataset.ready = "1";
   }
 
   function fillLocal(models) {
@@ -288,6 +290,7 @@
       const r = await api("POST", "/api/pull", { model: name, stream: true });
       const reader = r.body.getReader();
       const decoder = new TextDecoder();
+      const files = {};
       let buf = "";
       for (;;) {
         const { value, done } = await reader.read();
@@ -299,7 +302,13 @@
           buf = buf.slice(cut + 1);
           if (line.error) throw new Error(line.error);
           status.textContent = line.status;
-          if (line.total) { progress.max = line.total; progress.value = line.completed || 0; }
+          if (line.total) {  // per file: the bar shows the sum over the files seen so far
+            files[line.digest] = [line.total, line.completed || 0];
+            let total = 0, done = 0;
+            Object.values(files).forEach(function (f) { total += f[0]; done += f[1]; });
+            progress.max = total;
+            progress.value = done;
+          }
           if (line.status === "success") progress.value = progress.max;
         }
       }
