@@ -206,6 +206,8 @@ class AsyncEngine:
         merged into one). Raises QueueFullError, MlxrError or what the logits processor's
         `prepare()` raises (if it has one) before streaming; leaving the loop
         early aborts the request and frees its KV blocks."""
+        if self._closed:  # the model server unloaded this model
+            raise engine_failure(MlxrError("the model was unloaded"))
         if len(self.engine.scheduler.waiting) >= self.max_queued:
             raise QueueFullError("too many requests are waiting; retry later", retry_after=1)
         prepare = getattr(req.logits_processor, "prepare", None)

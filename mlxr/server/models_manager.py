@@ -154,25 +154,34 @@ class ModelManager:
         """The loaded model a request names (loading it if needed), marked as just used.
         keep_alive: the request's (Ollama's duration forms), None = the server's default."""
         ka = self.default_keep_alive if keep_alive is None else self.keep_alive_seconds(keep_alive)
-        entry, start = self._entry(name, ka, False)
-        if not entry.ready.is_set():
-            loop = asyncio.get_running_loop()
-            fut = loop.create_future()
-            with self.lock:
-                waiting = not entry.ready.is_set()
-                if waiting:
-                    entry.waiters.append((loop, fut))
-            if start:
-                threading.Thread(target=self._load, args=(entry,), daemon=True,
-                                 name="mlxr-load").start()
-            if waiting:
-                await fut
+        while True:
+            entry = await self._wait_for(name, ka)
+            if entry.error or entry.engine is not None:
+                break  # else it was unloaded (evicted, stopped) just now: load it again
         if entry.error:
             raise APIError(500, f"the model {entry.model_id!r} failed to load: {entry.error}",
                            "server_error", code="model_load_failed")
         entry.last_used = time.monotonic()
         if keep_alive is not None:  # the request's own keep_alive replaces the entry's
             entry.keep_alive = ka
+        return entry
+
+    async def _wait_for(self, name: str | None, keep_alive: float | None) -> Loaded:
+        """The entry for `name` once its load ended (starting the load if nobody has)."""
+        entry, start = self._entry(name, keep_alive, False)
+        if entry.ready.is_set():
+            return entry
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self.lock:
+            waiting = not entry.ready.is_set()
+            if waiting:
+                entry.waiters.append((loop, fut))
+        if start:
+            threading.Thread(target=self._load, args=(entry,), daemon=True,
+                             name="mlxr-load").start()
+        if waiting:
+            await fut
         return entry
 
     @staticmethod

@@ -16,6 +16,7 @@ this engine cannot (mirostat, typical_p, tfs_z) are a 400 unless neutral, as are
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from datetime import UTC, datetime
@@ -277,7 +278,7 @@ def register(app, state, parse) -> None:
                     state.models.keep_alive_seconds(req.keep_alive) == 0:
                 # Ollama: unload the model (`mlxr stop`), generate nothing
                 mid = state.models.resolve(req.model)[0]
-                state.models.unload(mid)
+                await asyncio.to_thread(state.models.unload, mid)  # joins threads, collects
                 return JSONResponse(dict(model=mid, created_at=_now(), **_piece(kind, "", ""),
                                          done=True, done_reason="unload"))
             entry = await state.acquire(req.model, req.keep_alive)

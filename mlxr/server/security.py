@@ -5,6 +5,9 @@ protocol subclass against slow-loris clients).
 Every rejection is answered in the OpenAI error envelope, or on Ollama's routes (/api/*) in
 Ollama's `{"error": "..."}`.
 
+The web page (`/` and `/static/*`) needs no API key: it holds no secret and is where the key is
+entered; the Host check still applies to it, and every route it calls needs the key.
+
 Browser origins: those named by --allow-origin, and by default this server's own loopback
 origins (http://localhost:PORT, http://127.0.0.1:PORT, http://[::1]:PORT with PORT the port it
 listens on), as Ollama allows localhost origins; any other origin is refused.
