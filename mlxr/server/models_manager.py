@@ -144,7 +144,7 @@ class ModelManager:
         unloaded when idle (a model named on the command line)."""
         entry, start = self._entry(name, None if pin else keep_alive, pin)
         if start:
-            self._load(entry)
+            self._load(entry, report=False)  # the caller reports it (the runner: one line)
         entry.ready.wait()
         if entry.error:
             raise MlxrError(entry.error)
@@ -205,7 +205,7 @@ class ModelManager:
             self.models[model_id] = entry
             return entry, True
 
-    def _load(self, entry: Loaded) -> None:
+    def _load(self, entry: Loaded, report: bool = True) -> None:
         with self.load_lock:
             t0 = time.monotonic()
             log.info("loading %s (%s)", entry.model_id, entry.path)
@@ -224,7 +224,8 @@ class ModelManager:
             except Exception as e:  # each waiter gets it; the server serves the others
                 log.debug("loading %s failed", entry.path, exc_info=True)
                 entry.error = str(e) if isinstance(e, MlxrError) else f"{type(e).__name__}: {e}"
-                log.error("loading %s failed: %s", entry.model_id, entry.error)
+                if report:
+                    log.error("loading %s failed: %s", entry.model_id, entry.error)
                 with self.lock:
                     if self.models.get(entry.model_id) is entry:
                         del self.models[entry.model_id]  # the next request tries again
