@@ -55,8 +55,8 @@ def test_options_go_anywhere_for_every_verb(argv, want):
 
 def test_every_verb_is_covered_and_every_argument_has_help():
     _, verbs = build_parser()
-    assert set(verbs) == {"run", "serve", "ps", "stop", "bench", "golden", "check", "bench-pair", "pull",
-                          "search", "list", "ls", "show", "rm"}
+    assert set(verbs) == {"run", "serve", "ps", "stop", "bench", "golden", "check", "bench-pair",
+                          "pull", "search", "list", "ls", "show", "rm"}
     for name, parser in verbs.items():
         fmt = HelpFormatter(parser.prog)
         for action in parser._actions:
