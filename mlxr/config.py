@@ -144,7 +144,7 @@ LIMITS = {
     "decoder_sparse_step": 1024,
 }
 DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
-HYBRID = ("qwen3_5", "gemma4", "gemma4_text")  # parsed by mlxr.config_hybrid
+HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma4", "gemma4_text")  # config_hybrid
 SUPPORTED = DENSE + MOE_TYPES + HYBRID
 
 
