@@ -16,11 +16,11 @@ import torch
 
 from ..checkpoint import Checkpoint
 from ..config import ModelConfig
-from ..config_hybrid import QWEN_HYBRID, GatedDeltaSpec, Gemma4Spec
+from ..config.hybrid import QWEN_HYBRID, GatedDeltaSpec, Gemma4Spec
 from ..errors import ModelFormatError
 from ..layers import Embedding
 from .gated_delta import GatedDeltaMixer
-from ..ops.recurrent import _scalar
+from ..ops.recurrent.reference import _scalar
 from .gemma4 import Gemma4Decoder, Gemma4Experts, Gemma4Layer, PerLayerEmbedding
 from .loader import RawQuant, _Builder
 from .moe_loader import build_moe
