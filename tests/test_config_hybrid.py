@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import mlxr
+from hybrid_configs import FAMILIES
 from mlxr.config import parse_config
 from mlxr.config.hybrid import GatedDeltaSpec, Gemma4Spec
 from mlxr.errors import ModelFormatError
@@ -148,6 +149,36 @@ def test_bad_gemma4_moe_keys_name_the_key(kw, key):
     with pytest.raises(ModelFormatError) as e:
         parse_config(cfg, "config.json")
     assert str(e.value).startswith("config.json: ") and key in str(e.value)
+
+
+HOSTILE = [0, -1, 1, 2, 1e308, -1e308, 1e-300, 0.5, None, "", "x", [], {}, True, False,
+           1 << 40, 2**63, 10**400, [1, 2], 3.0, {"__float__": "NaN"}, {"__float__": "Infinity"}]
+
+
+def _key_paths(d: dict, pre: tuple = ()):
+    for k, v in d.items():
+        yield pre + (k,)
+        if isinstance(v, dict):
+            yield from _key_paths(v, pre + (k,))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_key_of_every_hybrid_takes_hostile_values(family):
+    """Each key (nested ones too) of each tiny hybrid config set to each hostile value: the
+    config parses, or the error is a ModelFormatError naming config.json (no OverflowError
+    from 1e308 partial rotary factors or 400-digit integers, no TypeError)."""
+    base = dict(copy.deepcopy(FAMILIES[family]), quantization=dict(group_size=64, bits=4))
+    for path in list(_key_paths(base)):
+        for v in HOSTILE:
+            cfg = copy.deepcopy(base)
+            node = cfg
+            for k in path[:-1]:
+                node = node[k]
+            node[path[-1]] = v
+            try:
+                parse_config(cfg, "config.json")
+            except ModelFormatError as e:
+                assert str(e).startswith("config.json: "), (path, v, str(e))
 
 
 def test_text_config_must_be_an_object():

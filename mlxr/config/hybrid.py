@@ -156,10 +156,11 @@ def _qwen_rope(r: _Nested, head_dim: int, max_pos: int, next_: bool) -> RopeSpec
         scaling = None if kind in ("default", "mrope") else _rope_scaling(r, "rope_parameters")
         theta, partial = pr.float("rope_theta", 100000.0), pr.float("partial_rotary_factor",
                                                                     0.25)
-    rope_dims = int(head_dim * partial)
+    rope_dims = int(head_dim * partial) if 0 < partial <= 1 else 0  # (1e308: no overflow)
     if not 2 <= rope_dims <= head_dim or rope_dims % 2:
         raise ModelFormatError(f"{r.source}: key '{r.prefix}{key}partial_rotary_factor' = "
-                               f"{partial} gives {rope_dims} rotated dims of head_dim {head_dim}")
+                               f"{partial} does not rotate an even number >= 2 of the "
+                               f"{head_dim} head dims")
     return RopeSpec(rope_dims, theta, False, scaling, max_pos)
 
 
@@ -227,10 +228,12 @@ def _gemma4_rope(r: _Nested, params: dict, kind_key: str, dims: int,
         return RopeSpec(dims, theta, False, {"rope_type": "linear",
                                              "factor": pr.float("factor")}, max_pos)
     if kind == "proportional":
-        rotated = int(dims * pr.float("partial_rotary_factor", 1.0))
-        if not 0 <= rotated <= dims or rotated % 2:
-            raise ModelFormatError(f"{r.source}: key '{pr.prefix}partial_rotary_factor' gives "
-                                   f"{rotated} rotated dims of {dims}")
+        partial = pr.float("partial_rotary_factor", 1.0)
+        rotated = int(dims * partial) if 0 <= partial <= 1 else -1  # (1e308: no overflow)
+        if rotated < 0 or rotated % 2:
+            raise ModelFormatError(f"{r.source}: key '{pr.prefix}partial_rotary_factor' = "
+                                   f"{partial} does not rotate an even number of the {dims} "
+                                   "head dims")
         return RopeSpec(dims, theta, False, {"rope_type": "proportional", "rotated": rotated,
                                              "factor": pr.float("factor", 1.0)}, max_pos)
     raise ModelFormatError(f"{r.source}: key '{pr.prefix}rope_type' = {kind!r} is not "
