@@ -6,8 +6,9 @@ for bf16), beside its norms (path -> size) and raw tensors (name -> tensor).
 
 Names and layouts are what mlx-lm 0.32.2 saves after its `sanitize`: conv1d [C, W, 1],
 A_log float32, experts stacked [X, out, in] under switch_mlp / switch_glu, qwen3_next's
-in_proj_qkvz / in_proj_ba grouped per key head. Routers and shared-expert gates are affine
-8-bit g64, as the families' quant_predicate makes mlx_lm.convert write them.
+in_proj_qkvz / in_proj_ba grouped per key head. In quantized files the routers and
+shared-expert gates are affine 8-bit g64, as the families' quant_predicate makes
+mlx_lm.convert write them; recipe None writes everything bf16.
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ def _qwen_moe(mods: dict, p: str, t: dict, recipe) -> None:
         mods[p + "mlp.switch_mlp." + name] = (o, n, (x,), recipe)
     for name, o, n in (("gate_proj", s, e), ("up_proj", s, e), ("down_proj", e, s)):
         mods[p + "mlp.shared_expert." + name] = (o, n, (), recipe)
-    mods[p + "mlp.gate"] = (x, e, (), Q8)
-    mods[p + "mlp.shared_expert_gate"] = (1, e, (), Q8)
+    router = None if recipe is None else Q8
+    mods[p + "mlp.gate"] = (x, e, (), router)
+    mods[p + "mlp.shared_expert_gate"] = (1, e, (), router)
 
 
 def qwen_tables(cfg: dict, g: torch.Generator, recipe) -> tuple[dict, dict, dict]:
@@ -178,7 +180,7 @@ def gemma4_tables(cfg: dict, g: torch.Generator, recipe) -> tuple[dict, dict, di
             x, fm = t["num_experts"], t["moe_intermediate_size"]
             for name, o, n in (("gate_proj", fm, e), ("up_proj", fm, e), ("down_proj", e, fm)):
                 mods[p + "experts.switch_glu." + name] = (o, n, (x,), recipe)
-            mods[p + "router.proj"] = (x, e, (), Q8)
+            mods[p + "router.proj"] = (x, e, (), None if recipe is None else Q8)
             raw[p + "router.scale"] = torch.ones(e, dtype=torch.bfloat16)
             raw[p + "router.per_expert_scale"] = torch.ones(x, dtype=torch.bfloat16)
             names += ["pre_feedforward_layernorm_2", "post_feedforward_layernorm_1",

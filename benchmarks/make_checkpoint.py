@@ -244,10 +244,11 @@ def write_moe(name: str, out_dir: Path, layers: int | None, seed: int = 0) -> Pa
     return write_modules(cfg, *moe_modules(cfg), default, g, out_dir)
 
 
-def write_hybrid(cfg: dict, out_dir: Path, recipe: tuple, layers: int | None = None,
+def write_hybrid(cfg: dict, out_dir: Path, recipe: tuple | None, layers: int | None = None,
                  seed: int = 0) -> Path:
     """A hybrid config (qwen3_5, qwen3_5_moe, qwen3_next, gemma4 and its MoE variant; see
-    hybrid_tables), every module at `recipe` (bits, group, mode) but the routers (8-bit)."""
+    hybrid_tables), every module at `recipe` (bits, group, mode) but the routers (8-bit), or
+    all bf16 (recipe None)."""
     if layers:
         cfg = hybrid_tables.cut(cfg, layers)
     g = torch.Generator().manual_seed(seed)
@@ -269,11 +270,12 @@ def write_modules(cfg: dict, mods: dict, norms: dict, extra: dict, default: tupl
         yield from ((f"{p}.weight", torch.ones(n, dtype=torch.bfloat16))
                     for p, n in norms.items())
 
-    quant = dict(zip(("bits", "group_size", "mode"), default))
-    for path, (_, _, _, recipe) in mods.items():
-        if recipe is not None and recipe != default:
-            quant[path] = dict(zip(("bits", "group_size", "mode"), recipe))
-    cfg["quantization"] = cfg["quantization_config"] = quant
+    if default is not None:  # (None: a bf16 file, no quantization key)
+        quant = dict(zip(("bits", "group_size", "mode"), default))
+        for path, (_, _, _, recipe) in mods.items():
+            if recipe is not None and recipe != default:
+                quant[path] = dict(zip(("bits", "group_size", "mode"), recipe))
+        cfg["quantization"] = cfg["quantization_config"] = quant
     return save_sharded(tensors(), cfg, out_dir)
 
 

@@ -4,7 +4,7 @@ shapes. Needs torch and triton, not mlx.
     PYTHONPATH=. python scripts/hybrid_gpu_check.py DIR [--layers 4] [--no-bench]
 
 1. Parity, for every tiny config of tests/hybrid_configs.py (qwen3_5, qwen3_5_untied,
-   qwen3_5_moe, qwen3_next, gemma4_text, gemma4, gemma4_moe) in q4g64 and mxfp4. A model
+   qwen3_5_moe, qwen3_next, gemma4_text, gemma4, gemma4_moe) in q4g64, mxfp4 and bf16. A model
    already in DIR/<family>-<quant> is used as it is (e.g. made by mlx-lm elsewhere with
    tests/mlx_ref_hybrid.make_model); the others are written with make_checkpoint's random
    real-format tensors. Checked, MoE models with the experts split and stacked (MLXR_MOE):
@@ -45,7 +45,7 @@ from mlxr.engine import EngineRequest, LLMEngine  # noqa: E402
 from mlxr.engine.kv_cache import new_cache  # noqa: E402
 from mlxr.text.sampling import SamplingParams  # noqa: E402
 
-QUANTS = {"q4g64": (4, 64, "affine"), "mxfp4": (4, 32, "mxfp4")}
+QUANTS = {"q4g64": (4, 64, "affine"), "mxfp4": (4, 32, "mxfp4"), "bf16": None}
 VOCAB = 320  # hybrid_configs' vocab_size
 F32_TOL, STEP_TOL = 1e-3, 1e-4
 BENCH_SHAPES = ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b")

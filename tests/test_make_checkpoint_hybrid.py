@@ -29,14 +29,16 @@ def mc():
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_written_tiny_hybrids_load(mc, family, tmp_path):
-    out = mc.write_hybrid(copy.deepcopy(FAMILIES[family]), tmp_path / family, (4, 64, "affine"))
+@pytest.mark.parametrize("recipe", [(4, 64, "affine"), None])
+def test_written_tiny_hybrids_load(mc, family, recipe, tmp_path):
+    out = mc.write_hybrid(copy.deepcopy(FAMILIES[family]), tmp_path / family, recipe)
     model = mlxr.load(out, device="cpu", dtype="float32")  # every tensor checked, none left
     logits = model.logits([1, 2, 3, 4, 5])
     assert logits.shape == (5, 320) and torch.isfinite(logits).all()
-    quant = json.loads((out / "config.json").read_text())["quantization"]
+    quant = json.loads((out / "config.json").read_text()).get("quantization", {})
+    assert bool(quant) == (recipe is not None)
     routers = [k for k in quant if k.endswith((".mlp.gate", "shared_expert_gate", "router.proj"))]
-    assert bool(routers) == (model.config.moe is not None)
+    assert bool(routers) == (model.config.moe is not None and recipe is not None)
     assert all(quant[k] == dict(bits=8, group_size=64, mode="affine") for k in routers)
 
 

@@ -84,11 +84,13 @@ class Parts:
 def _rows(w: torch.Tensor | RawQuant, idx: torch.Tensor) -> torch.Tensor | RawQuant:
     """Output rows idx of a float or packed weight (quantization groups run along the input:
     rows move with their scales and biases)."""
+    def pick(t: torch.Tensor) -> torch.Tensor:  # a float weight is on the device already
+        return t.index_select(0, idx.to(t.device))
+
     if isinstance(w, torch.Tensor):
-        return w.index_select(0, idx)
-    return w._replace(weight=w.weight.index_select(0, idx),
-                      scales=w.scales.index_select(0, idx),
-                      biases=None if w.biases is None else w.biases.index_select(0, idx))
+        return pick(w)
+    return w._replace(weight=pick(w.weight), scales=pick(w.scales),
+                      biases=None if w.biases is None else pick(w.biases))
 
 
 def _grouped_in_proj(p: Parts, s: GatedDeltaSpec, pre: str, e: int):
