@@ -37,7 +37,7 @@ QUANTS = {"q4g64": dict(bits=4, group_size=64), "mxfp4": dict(mode="mxfp4"), "bf
 MOE_FAMILIES = ["qwen3_5_moe", "qwen3_next", "gemma4_moe"]
 FAMILIES = ["qwen3_5", "qwen3_5_untied", "gemma4_text", "gemma4"] + MOE_FAMILIES
 CASES = ([(f, "q4g64") for f in FAMILIES] + [("qwen3_5", "bf16"), ("gemma4_text", "bf16")]
-         + [(f, "mxfp4") for f in MOE_FAMILIES] + [("qwen3_next", "bf16")])
+         + [(f, "mxfp4") for f in MOE_FAMILIES] + [("qwen3_next", "bf16"), ("gemma4_moe", "bf16")])
 
 
 class Built:
