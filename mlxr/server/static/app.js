@@ -158,7 +158,8 @@
     const controller = new AbortController();
     state.controller = controller;
     setBusy(true);
-    let t0 = performance.now(), tFirst = null, tokens = 0, usage = null;
+    const t0 = performance.now();
+    let tFirst = null, tokens = 0, usage = null;
     const update = function () {
       const fresh = bubble(answer);
       fresh.dataset.streaming = "1";
@@ -181,9 +182,12 @@
           update();
         }
       }
+      // tok/s over the whole answer (first token included: outputs that queued up arrive
+      // merged, so a rate from the first token on overstates short answers)
       const n = usage ? usage.completion_tokens : tokens;
-      const secs = (performance.now() - (tFirst || t0)) / 1000;
-      answer.stats = n + " tokens, " + (secs > 0 ? (n / secs).toFixed(1) : "-") + " tok/s";
+      const secs = (performance.now() - t0) / 1000;
+      answer.stats = n + " tokens, " + (n / secs).toFixed(1) + " tok/s, first token " +
+        ((tFirst === null ? secs * 1000 : tFirst - t0) / 1000).toFixed(2) + " s";
     } catch (e) {
       if (e.name === "AbortError") {
         answer.stats = "stopped (" + tokens + " chunks)";
