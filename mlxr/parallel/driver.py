@@ -1,0 +1,73 @@
+"""Rank 0's decoder: the local shard's decoder, whose forward calls are first sent to the
+followers (`wire`) so that every rank runs the same step; everything else (config, dtype,
+device, layers, ropes) is the local decoder's."""
+
+from __future__ import annotations
+
+import torch
+
+from .launcher import Team
+from .wire import CallEncoder
+
+
+class _MirroredWeight:
+    """A rank-0 QuantWeight whose `add_batch_copy` (the engine's, before it sizes the KV
+    pool) runs on every rank."""
+
+    def __init__(self, inner, index: int, team: Team):
+        self._inner, self._index, self._team = inner, index, team
+
+    def add_batch_copy(self) -> int:
+        self._team.send(("batch_copy", self._index))
+        return self._inner.add_batch_copy()
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+class DriverDecoder:
+    """Rank 0 of a tensor-parallel model. Not captured in CUDA graphs (`graphable`): the
+    followers mirror calls, and a replayed graph would not reach them."""
+
+    graphable = False
+
+    def __init__(self, local, team: Team):
+        self._local, self._team = local, team
+        self._calls = CallEncoder(local)
+
+    @property
+    def world(self) -> int:
+        return self._team.world
+
+    def __getattr__(self, name: str):
+        return getattr(self._local, name)
+
+    def forward(self, *args, **kw) -> torch.Tensor:
+        return self._call("forward", args, kw)
+
+    def forward_step(self, *args, **kw) -> torch.Tensor:
+        return self._call("forward_step", args, kw)
+
+    def forward_static(self, *args, **kw) -> torch.Tensor:
+        return self._call("forward_static", args, kw)
+
+    def forward_paged(self, *args, **kw) -> torch.Tensor:
+        return self._call("forward_paged", args, kw)
+
+    def _call(self, method: str, args: tuple, kw: dict) -> torch.Tensor:
+        """Send the call to the followers, then run it here (the collectives inside it meet
+        theirs)."""
+        enc = self._calls
+        self._team.send(("call", method, enc.encode(args), enc.encode(kw), enc.released()))
+        try:
+            return getattr(self._local, method)(*args, **kw)
+        except Exception as e:
+            raise self._team.failure(e) from e
+
+    def quant_weights(self) -> list:
+        return [_MirroredWeight(w, i, self._team)
+                for i, w in enumerate(self._local.quant_weights())]
+
+    def close(self) -> None:
+        """Stop the followers (the model cannot compute afterwards)."""
+        self._team.close()
