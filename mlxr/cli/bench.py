@@ -17,7 +17,7 @@ import sys
 import time
 
 from ..pairbench import add_pair_args, run_pair
-from .common import add_model_flags, resolve_model
+from .common import add_model_flags, add_parallel_flag, resolve_model
 
 
 DEFAULT_LENS = (512, 128)  # prompt, decode tokens
@@ -54,6 +54,7 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
     p.add_argument("--pair", action="store_true", help="paired A/B benchmark (bench-pair flags)")
     add_model_flags(p)
+    add_parallel_flag(p)
     add_pair_args(p)
     p.set_defaults(func=cmd_bench)
 
@@ -122,7 +123,8 @@ def cmd_bench(args) -> int:
 
     if (args.prompt_len or 1) < 1 or (args.num_tokens or 2) < 2 or args.repeats < 1:
         raise mlxr.MlxrError("need -p >= 1, -n >= 2 and --repeats >= 1")
-    model = mlxr.load(resolve_model(args.model), device=args.device, dtype=args.dtype)
+    model = mlxr.load(resolve_model(args.model), device=args.device, dtype=args.dtype,
+                      tensor_parallel=args.tensor_parallel)
     c = model.config
     args.prompt_len, args.num_tokens, note = fit_lengths(args.prompt_len, args.num_tokens,
                                                          c.context_length)
@@ -150,6 +152,7 @@ def cmd_bench(args) -> int:
     achieved = wbytes * decode
     out = {
         "model": str(model.path.name), "device": model.device.type, "dtype": str(model.dtype),
+        "tensor_parallel": args.tensor_parallel,
         "prompt_tokens": args.prompt_len, "decode_tokens": args.num_tokens,
         "prefill_tok_s": round(prefill, 2), "decode_tok_s": round(decode, 2),
         "weight_gb_per_token": round(wbytes / 1e9, 4), "achieved_gb_s": round(achieved / 1e9, 2),

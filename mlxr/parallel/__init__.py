@@ -44,7 +44,7 @@ def load_decoder(path: Path, config: ModelConfig, dtype: torch.dtype, device: to
     team = Team(world)
     try:
         team.start(path, config, device, dtype)
-        local = build_shard(path, config, world, 0, dtype, device)
+        local = build_shard(path, config, team.group, dtype, device)
         team.wait_ready()
     except BaseException:
         team.close()

@@ -12,6 +12,7 @@ from ..checkpoint import open_checkpoint
 from ..config import ModelConfig
 from ..models.decoder import Decoder
 from ..models.loader import build_decoder
+from .group import Group
 from .layers import AllReduced, GatheredHead, VocabEmbedding
 from .plan import make_plan
 from .sharded_checkpoint import ShardedCheckpoint
@@ -28,26 +29,27 @@ def check_shards(path: Path, config: ModelConfig, world: int) -> None:
                           torch.device("cpu"), dry_run=True)
 
 
-def build_shard(path: Path, config: ModelConfig, world: int, rank: int, dtype: torch.dtype,
+def build_shard(path: Path, config: ModelConfig, group: Group, dtype: torch.dtype,
                 device: torch.device) -> Decoder:
     """Rank `rank`'s decoder: local heads, KV heads, intermediate and vocabulary rows, read
     from the file as that shard only; its config is the local one with the full vocabulary
     (what samplers and logits see)."""
-    plan = make_plan(config, world, rank)
+    world = group.world
+    plan = make_plan(config, world, group.rank)
     with open_checkpoint(path) as ckpt:
         dec = build_decoder(ShardedCheckpoint(ckpt, plan), plan.local, dtype, device)
     v0, v1 = plan.vocab
     vocab = config.vocab_size
     width = -(-vocab // world)  # every rank's logits padded to this for the gather
     for layer in dec.layers:
-        layer.o_proj = AllReduced(layer.o_proj)
+        layer.o_proj = AllReduced(layer.o_proj, group)
         if layer.moe is not None:
-            layer.moe = AllReduced(layer.moe)
+            layer.moe = AllReduced(layer.moe, group)
         else:
-            layer.down_proj = AllReduced(layer.down_proj)
-    dec.embed = VocabEmbedding(dec.embed, v0, v1, width, vocab)
+            layer.down_proj = AllReduced(layer.down_proj, group)
+    dec.embed = VocabEmbedding(dec.embed, group, v0, v1, width, vocab)
     if dec.lm_head is not None:
-        dec.lm_head = GatheredHead(dec.lm_head, width, vocab)
+        dec.lm_head = GatheredHead(dec.lm_head, group, width, vocab)
     dec.config = replace(plan.local, vocab_size=vocab)
     dec.graphable = False  # the followers mirror calls, not graph replays (docs/tensor_parallel.md)
     return dec

@@ -45,35 +45,46 @@ def master_store(world: int) -> dist.TCPStore:
     return dist.TCPStore(HOST, 0, world, is_master=True, timeout=td, wait_for_workers=False)
 
 
-def join(store: dist.TCPStore | None, port: int, rank: int, world: int,
-         device: torch.device) -> None:
-    """Join the group as `rank` (rank 0 passes its master store, the others its port)."""
-    set_process_env()
-    td = datetime.timedelta(seconds=collective_timeout())
-    if store is None:
-        store = dist.TCPStore(HOST, port, world, is_master=False, timeout=td)
-    kw = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(BACKENDS[device.type], store=store, rank=rank, world_size=world,
-                            timeout=td, **kw)
+class Group:
+    """One model's ranks: a gloo or NCCL process group of its own (not torch's global default
+    group, so that one process can hold several tensor-parallel models), joined as `rank`
+    through rank 0's store (rank 0 passes it, the others its port)."""
 
+    def __init__(self, store: dist.TCPStore | None, port: int, rank: int, world: int,
+                 device: torch.device):
+        set_process_env()
+        td = datetime.timedelta(seconds=collective_timeout())
+        if store is None:
+            store = dist.TCPStore(HOST, port, world, is_master=False, timeout=td)
+        self.rank, self.world, self.backend = rank, world, BACKENDS[device.type]
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = td
+            self.pg = dist.ProcessGroupNCCL(store, rank, world, opts)
+        else:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = td
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
+            self.pg = dist.ProcessGroupGloo(store, rank, world, opts)
 
-def leave() -> None:
-    """Destroy this process's group (a no-op when there is none)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of t, in place (and returned)."""
+        self.pg.allreduce([t]).wait()
+        return t
 
+    def all_gather_last(self, t: torch.Tensor, width: int, total: int) -> torch.Tensor:
+        """t [..., w_r] of every rank (w_r <= width: the last shards may be shorter)
+        concatenated along the last dim in rank order, cut to `total` columns: [..., total]."""
+        if t.shape[-1] < width:
+            t = torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        self.pg.allgather([parts], [t]).wait()
+        return torch.cat(parts, dim=-1)[..., :total]
 
-def all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """The sum over the ranks of t, in place (and returned)."""
-    dist.all_reduce(t)
-    return t
-
-
-def all_gather_last(t: torch.Tensor, width: int, total: int) -> torch.Tensor:
-    """t [..., w_r] of every rank (w_r <= width: the last shards may be shorter) concatenated
-    along the last dim in rank order, cut to `total` columns: [..., total]."""
-    if t.shape[-1] < width:
-        t = torch.nn.functional.pad(t, (0, width - t.shape[-1]))
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
-    return torch.cat(parts, dim=-1)[..., :total]
+    def abort(self) -> None:
+        """Fail this rank's pending and later collectives at once (NCCL's communicator is
+        aborted; gloo's fail by themselves when a peer's connections close)."""
+        abort = getattr(self.pg, "abort", None)
+        if self.backend == "nccl" and abort is not None:
+            abort()

@@ -58,6 +58,7 @@ class Team:
         self._closing = threading.Event()
         self._watch: threading.Thread | None = None
         self._store = None
+        self.group: group.Group | None = None
 
     def start(self, path: Path, config: ModelConfig, device: torch.device,
               dtype: torch.dtype) -> None:
@@ -81,7 +82,7 @@ class Team:
         self._watch.start()
         for rank in range(1, self.world):  # each follower is up before rank 0 rendezvous
             self._expect(rank, "started")
-        group.join(self._store, self._store.port, 0, self.world, device)
+        self.group = group.Group(self._store, self._store.port, 0, self.world, device)
 
     def wait_ready(self) -> None:
         for rank in range(1, self.world):
@@ -120,7 +121,9 @@ class Team:
             dead = [i for i, p in enumerate(self.procs) if p.poll() is not None]
             if not dead or self._closing.is_set():
                 continue
-            rank = dead[0] + 1
+            # the cause rather than a consequence: a rank ended by a signal (killed, out of
+            # memory, a crash) before one that exited on the error its collective then raised
+            rank = min(dead, key=lambda i: (self.procs[i].returncode >= 0, i)) + 1
             p = self.procs[rank - 1]
             why = self._reported(rank)
             self.broken = (f"tensor-parallel rank {rank} (pid {p.pid}) died (exit code "
@@ -146,13 +149,11 @@ class Team:
         """End the other followers, so that no rank stays blocked in a collective (gloo then
         fails at once on the closed connections; NCCL's communicator is aborted)."""
         self._terminate()
-        if torch.cuda.is_available():
-            abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
-            if abort is not None:
-                try:
-                    abort()
-                except Exception:  # noqa: BLE001 -- best effort on the way down
-                    pass
+        if self.group is not None:
+            try:
+                self.group.abort()
+            except Exception:  # noqa: BLE001 -- best effort on the way down
+                pass
 
     def _terminate(self) -> None:
         for p in self.procs:
@@ -213,4 +214,4 @@ class Team:
         self._terminate()
         for conn in self.conns:
             conn.close()
-        group.leave()
+        self.group = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import group
+from .group import Group
 
 
 class AllReduced:
@@ -15,11 +15,11 @@ class AllReduced:
     y = sum over ranks of inner(x) [N, E]. Other attributes are the inner layer's (its
     `weight` for `Decoder.quant_weights`, a MoE block's `linears`)."""
 
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, group: Group):
+        self.inner, self.group = inner, group
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return group.all_reduce(self.inner(x))
+        return self.group.all_reduce(self.inner(x))
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
@@ -28,11 +28,11 @@ class AllReduced:
 class GatheredHead:
     """The LM head over this rank's vocabulary rows, gathered: x [N, E] -> logits [N, V]."""
 
-    def __init__(self, inner, width: int, vocab: int):
-        self.inner, self.width, self.vocab = inner, width, vocab
+    def __init__(self, inner, group: Group, width: int, vocab: int):
+        self.inner, self.group, self.width, self.vocab = inner, group, width, vocab
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return group.all_gather_last(self.inner(x), self.width, self.vocab)
+        return self.group.all_gather_last(self.inner(x), self.width, self.vocab)
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
@@ -42,9 +42,9 @@ class VocabEmbedding:
     """The embedding over this rank's rows [start, stop) of the vocabulary: each id's row
     comes from the one rank that holds it (the others add zeros, so the sum is exact)."""
 
-    def __init__(self, inner, start: int, stop: int, width: int, vocab: int):
-        self.inner, self.start, self.stop = inner, start, stop
-        self.as_linear = GatheredHead(inner.as_linear, width, vocab)
+    def __init__(self, inner, group: Group, start: int, stop: int, width: int, vocab: int):
+        self.inner, self.group, self.start, self.stop = inner, group, start, stop
+        self.as_linear = GatheredHead(inner.as_linear, group, width, vocab)
 
     @property
     def weight(self):
@@ -54,4 +54,4 @@ class VocabEmbedding:
         local = ids - self.start
         mine = (local >= 0) & (local < self.stop - self.start)
         h = self.inner(torch.where(mine, local, torch.zeros_like(local)))
-        return group.all_reduce(torch.where(mine[:, None], h, torch.zeros_like(h)))
+        return self.group.all_reduce(torch.where(mine[:, None], h, torch.zeros_like(h)))

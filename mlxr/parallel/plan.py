@@ -84,7 +84,7 @@ def make_plan(c: ModelConfig, world: int, rank: int) -> ShardPlan:
     if c.arch is not None:
         raise ModelFormatError(f"{c.model_type}: tensor parallelism covers the dense and MoE "
                                "decoder families, not the hybrid ones")
-    d, e = c.head_dim, c.hidden_size
+    d = c.head_dim
     k0, k1 = kv_heads(c.num_kv_heads, c.num_heads, world, rank)
     kv = Split("out", c.kv_size, ((k0 * d, k1 * d),))
     f0, f1 = _even(c.intermediate_size, world, rank, "intermediate_size")

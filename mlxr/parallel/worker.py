@@ -62,9 +62,8 @@ def run(rank: int, world: int, port: int, path: str, config, device: str, dtype:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         wire.send(conn, ("started",))
-        group.join(None, port, rank, world, dev)
-
-        decoder = build_shard(Path(path), config, world, rank, dtype, dev)
+        ranks = group.Group(None, port, rank, world, dev)
+        decoder = build_shard(Path(path), config, ranks, dtype, dev)
         wire.send(conn, ("ready",))
         _serve(decoder, conn)
     except EOFError:  # rank 0 closed the pipe: it is gone or stopping
@@ -76,7 +75,6 @@ def run(rank: int, world: int, port: int, path: str, config, device: str, dtype:
         except OSError:
             pass
         os._exit(1)
-    group.leave()
 
 
 def _serve(decoder, conn) -> None:

@@ -1,0 +1,193 @@
+"""Tensor parallelism on the CPU (gloo, 2 and 4 processes that mlxr starts itself): tiny
+random models made and quantized by mlx-lm, TP=N against the single-process model.
+
+Tolerance: the ranks compute the same float32 math as one process; only sums are regrouped
+(o_proj's and down_proj's input columns are reduced in N partial sums, then all-reduced, and
+their bias is added after or before that sum), i.e. a summation-order difference, the same
+kind test_parity.py allows between mlxr and mlx-lm: logits within 1e-3 of each position's
+logit range (measured here: ~1e-6 of the range), greedy tokens equal wherever TP=1's top two
+logits are further apart than twice that.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+mlx_ref = pytest.importorskip("mlx_ref")
+
+import mlxr  # noqa: E402
+from mlxr.engine import EngineRequest, LLMEngine  # noqa: E402
+from mlxr.errors import ModelFormatError  # noqa: E402
+from mlxr.parallel import TensorParallelError  # noqa: E402
+from mlxr.sampling import SamplingParams  # noqa: E402
+
+F32_TOL = 1e-3
+TIE_TOL = 2 * F32_TOL
+GEN = 12
+os.environ["NCCL_NVLS_ENABLE"] = "0"  # every process this file starts (the ranks inherit it)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(family, quant) -> model directory, made on first use; loaded models are cached."""
+    root = tmp_path_factory.mktemp("tp")
+    made: dict = {}
+
+    def get(family: str, quant: str) -> Path:
+        if (family, quant) not in made:
+            made[family, quant] = mlx_ref.make_model(root / f"{family}-{quant}", family, quant)
+        return made[family, quant]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def loaded(models):
+    """(family, quant, N) -> a float32 CPU model over N ranks (closed at the module's end)."""
+    cache: dict = {}
+
+    def get(family: str, quant: str, world: int):
+        key = (family, quant, world)
+        if key not in cache:
+            cache[key] = mlxr.load(models(family, quant), device="cpu", dtype="float32",
+                                   tensor_parallel=world)
+        return cache[key]
+
+    yield get
+    for m in cache.values():
+        m.close()
+
+
+def _check_logits(one: torch.Tensor, many: torch.Tensor) -> None:
+    a, b = one.numpy(), many.numpy()
+    scale = mlx_ref.logit_range(a)
+    err = np.abs(a - b).max(-1)
+    assert (err <= F32_TOL * scale).all(), f"max {float((err / scale).max()):.2e} of the range"
+    clear = mlx_ref.top2_margin(a) > TIE_TOL * scale
+    assert (a.argmax(-1) == b.argmax(-1))[clear].all()
+
+
+@pytest.mark.parametrize("family,quant,world", [
+    ("llama_tp", "q4g64", 2), ("llama_tp", "q4g64", 4), ("llama_tp", "q8g64", 2),
+    ("qwen3", "bf16", 2), ("mixtral", "q4g64", 2)])
+def test_logits_and_greedy_equal_one_process(loaded, family, quant, world):
+    """Teacher-forced float32 logits and greedy decode (prefill, then one token at a time
+    through the KV cache) of N ranks equal the single-process model's (dense 4-/8-bit with
+    an untied head, biases and, at N=4, KV heads replicated; a tied bf16 head with q/k
+    norms; a 4-bit mixture-of-experts)."""
+    one, many = loaded(family, quant, 1), loaded(family, quant, world)
+    prompt = mlx_ref.stable_prompt(family, quant, mlx_ref.BASE["vocab_size"])
+    greedy = list(one.generate(prompt, max_tokens=GEN, ignore_eos=True))
+    _check_logits(one.logits(prompt + greedy), many.logits(prompt + greedy))
+    assert list(many.generate(prompt, max_tokens=GEN, ignore_eos=True)) == greedy
+
+
+def test_one_rank_is_the_plain_load(models):
+    """tensor_parallel=1 is today's load: the same decoder class, bit-identical logits."""
+    path = models("llama_tp", "q4g64")
+    plain = mlxr.load(path, device="cpu", dtype="float32")
+    one = mlxr.load(path, device="cpu", dtype="float32", tensor_parallel=1)
+    assert type(one.decoder) is type(plain.decoder)
+    ids = mlx_ref.stable_prompt("llama_tp", "q4g64", mlx_ref.BASE["vocab_size"])
+    assert torch.equal(one.logits(ids), plain.logits(ids))
+
+
+def test_splits_that_cut_groups_or_heads_are_refused(models):
+    """Before any worker starts: a split through a quantization group names the tensor; a
+    head count that does not divide names the key."""
+    q4 = models("qwen3", "q4g64")  # o_proj's 128 inputs in groups of 64: 4 ranks cut them
+    with pytest.raises(ModelFormatError, match=r"o_proj.*would cut.*group of 64"):
+        mlxr.load(q4, device="cpu", dtype="float32", tensor_parallel=4)
+    with pytest.raises(ModelFormatError, match="num_key_value_heads = 2 neither splits"):
+        mlxr.load(q4, device="cpu", dtype="float32", tensor_parallel=3)
+    with pytest.raises(mlxr.MlxrError, match="tensor_parallel=0"):
+        mlxr.load(q4, device="cpu", tensor_parallel=0)
+
+
+def _run_all(engine: LLMEngine, reqs: list[EngineRequest]) -> list[list[int]]:
+    outs: list[list] = [[] for _ in reqs]
+    for i, r in enumerate(reqs):
+        engine.add(r, outs[i].append)
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        assert steps < 10_000
+    return [[t for o in out for t in o.token_ids] for out in outs]
+
+
+@pytest.mark.parametrize("paged", [None, True])
+def test_engine_batch_equals_one_process(loaded, paged):
+    """The serving engine over 2 ranks (continuous batching, small prefill chunks, with
+    paged=True the paged decode step) gives the single-process engine's greedy tokens."""
+    prompts = [mlx_ref.stable_prompt("llama_tp", str(n), mlx_ref.BASE["vocab_size"], n)
+               for n in (5, 17, 11)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+    def run(world):
+        engine = LLMEngine(loaded("llama_tp", "q4g64", world), max_num_seqs=3,
+                           max_num_batched_tokens=13, paged_decode=paged)
+        return _run_all(engine, [EngineRequest(p, params) for p in prompts])
+
+    assert run(2) == run(1)
+
+
+def test_a_dead_worker_is_a_clear_error_within_seconds(models):
+    """SIGKILL one follower: rank 0's next call fails at once naming the rank and its exit;
+    the other followers are stopped (no process left waiting in a collective)."""
+    m = mlxr.load(models("llama_tp", "q4g64"), device="cpu", dtype="float32", tensor_parallel=4)
+    procs = m.decoder._team.procs
+    try:
+        os.kill(procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"rank 2 \(pid \d+\) died \(exit code -9"):
+            m.logits([1, 2, 3])
+        assert time.monotonic() - t0 < 10
+        deadline = time.monotonic() + 10
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(p.poll() is not None for p in procs)
+    finally:
+        m.close()
+
+
+DRIVER = """
+import os, sys, mlxr
+m = mlxr.load(sys.argv[1], device="cpu", dtype="float32", tensor_parallel=2)
+print(" ".join(str(p.pid) for p in m.decoder._team.procs), flush=True)
+m.logits([1, 2, 3])
+if sys.argv[2] == "kill":
+    os.kill(os.getpid(), 9)
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_workers_end_with_rank_zero(models, how):
+    """A script that loads a TP model (no __main__ guard) and exits, or is SIGKILLed, leaves
+    no worker behind: stopped at exit, or ending themselves when rank 0 is gone."""
+    cwd = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", DRIVER, str(models("llama_tp", "q4g64")), how],
+                         capture_output=True, text=True, cwd=cwd, timeout=120)
+    assert out.returncode == (0 if how == "exit" else -9), out.stderr[-2000:]
+    pids = [int(p) for p in out.stdout.split()]
+    deadline = time.monotonic() + 10
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, pids))
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie that its new parent has not reaped yet counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
