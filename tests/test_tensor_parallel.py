@@ -191,3 +191,45 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of `pid`."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            out += [int(child), *_children(int(child))]
+    return out
+
+
+def _workers(pid: int) -> list[int]:
+    return [c for c in _children(pid)
+            if b"mlxr.parallel.worker" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+@pytest.mark.parametrize("engine_process", ["off", "on"])
+def test_server_answers_over_two_ranks(engine_process):
+    """`mlxr serve --tensor-parallel 2 --device cpu` (the engine in the server process, or
+    in its engine process, as rank 0) answers the openai client with the single-process
+    model's greedy text, and leaves no worker behind when it stops."""
+    import openai
+    from test_server_helpers import BUNDLED, Server
+
+    s = Server(BUNDLED, "--tensor-parallel", "2", "--device", "cpu", "--engine-process",
+               engine_process)
+    try:
+        workers = _workers(s.proc.pid)
+        assert len(workers) == 1
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        got = client.completions.create(model=Path(BUNDLED).name, prompt="Once upon a time",
+                                        max_tokens=16, temperature=0)
+    finally:
+        s.stop()
+    model = mlxr.load(BUNDLED, device="cpu", dtype="float32")
+    want = "".join(c.text for c in model.stream("Once upon a time", max_tokens=16,
+                                                temperature=0))
+    assert got.choices[0].text == want
+    deadline = time.monotonic() + 10
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, workers))
