@@ -233,3 +233,23 @@ def test_server_answers_over_two_ranks(engine_process):
     while any(map(_alive, workers)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(map(_alive, workers))
+
+
+def test_a_stalled_worker_times_out_with_a_clear_error(models, monkeypatch):
+    """SIGSTOP one follower (alive, never answering): the step's collective times out after
+    MLXR_TP_TIMEOUT seconds, and rank 0 raises one error saying the ranks are out of step;
+    the followers are ended."""
+    monkeypatch.setenv("MLXR_TP_TIMEOUT", "3")
+    m = mlxr.load(models("llama_tp", "q4g64"), device="cpu", dtype="float32", tensor_parallel=2)
+    procs = m.decoder._team.procs
+    try:
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match="out of step"):
+            m.logits([1, 2, 3])
+        assert time.monotonic() - t0 < 3 + 10
+        with pytest.raises(TensorParallelError, match="out of step"):
+            m.logits([1, 2, 3])
+        assert all(p.poll() is not None for p in procs)
+    finally:
+        m.close()

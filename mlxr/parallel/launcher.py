@@ -125,6 +125,8 @@ class Team:
             # memory, a crash) before one that exited on the error its collective then raised
             rank = min(dead, key=lambda i: (self.procs[i].returncode >= 0, i)) + 1
             p = self.procs[rank - 1]
+            if self.broken is not None:  # ended by `failure` (rank 0's own error)
+                return
             why = self._reported(rank)
             self.broken = (f"tensor-parallel rank {rank} (pid {p.pid}) died (exit code "
                            f"{p.returncode}){': ' + why if why else ''}; this model cannot "
@@ -176,10 +178,12 @@ class Team:
         except OSError:
             self._fail_dead()
 
-    def failure(self, e: BaseException) -> BaseException:
-        """What rank 0 raises for an exception inside a call: the team's death when that is
+    def failure(self, e: BaseException) -> TensorParallelError:
+        """What rank 0 raises for an exception inside a call. A follower's death when that is
         the cause (a collective fails as soon as a rank's connections close, which can be a
-        moment before its process is reaped), else `e` itself."""
+        moment before its process is reaped). Otherwise the ranks are out of step (a
+        collective timed out, or rank 0 failed between two collectives that the followers
+        then wait in): the followers are ended and the team is broken either way."""
         for _ in range(50):
             if self.broken or not self._all_alive():
                 break
@@ -189,7 +193,13 @@ class Team:
                 self._fail_dead()
             except TensorParallelError as err:
                 return err
-        return TensorParallelError(self.broken) if self.broken else e
+        if self.broken is None:
+            self.broken = (f"tensor-parallel rank 0 failed in a step ({type(e).__name__}: "
+                           f"{e}); the ranks are out of step: this model cannot compute any "
+                           "more: load it again")
+            log.error("%s", self.broken)
+            self._abort()
+        return TensorParallelError(self.broken)
 
     def _all_alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)
