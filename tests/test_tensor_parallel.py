@@ -28,7 +28,7 @@ import mlxr  # noqa: E402
 from mlxr.engine import EngineRequest, LLMEngine  # noqa: E402
 from mlxr.errors import ModelFormatError  # noqa: E402
 from mlxr.parallel import TensorParallelError  # noqa: E402
-from mlxr.sampling import SamplingParams  # noqa: E402
+from mlxr.text.sampling import SamplingParams  # noqa: E402
 
 F32_TOL = 1e-3
 TIE_TOL = 2 * F32_TOL

@@ -170,7 +170,10 @@ class GraphCache:
             cap *= 2
         if cap not in self.entries:
             cache = make_cache(decoder, cap)
-            graph = GraphDecoder(decoder, cache) if graphable(decoder) else None
+            # a decoder that captures its own way (a tensor-parallel rank 0: every rank)
+            make = getattr(decoder, "graph_decoder", None)
+            graph = make(cache) if make is not None else \
+                GraphDecoder(decoder, cache) if graphable(decoder) else None
             self.entries[cap] = (cache, graph)
         cache, graph = self.entries[cap]
         cache.length = 0

@@ -51,5 +51,4 @@ def build_shard(path: Path, config: ModelConfig, group: Group, dtype: torch.dtyp
     if dec.lm_head is not None:
         dec.lm_head = GatheredHead(dec.lm_head, group, width, vocab)
     dec.config = replace(plan.local, vocab_size=vocab)
-    dec.graphable = False  # the followers mirror calls, not graph replays (docs/tensor_parallel.md)
     return dec

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.kv_cache import SequenceCache
+from .graphs import MirroredGraphDecoder, enabled
 from .launcher import Team
 from .wire import CallEncoder
 
@@ -26,8 +28,10 @@ class _MirroredWeight:
 
 
 class DriverDecoder:
-    """Rank 0 of a tensor-parallel model. Not captured in CUDA graphs (`graphable`): the
-    followers mirror calls, and a replayed graph would not reach them."""
+    """Rank 0 of a tensor-parallel model. Not `graphable` as one GPU's decoder is (a graph
+    that rank 0 replays alone would not reach the followers): the single-request decode step
+    is captured on every rank by `graph_decoder` instead, where enabled; prefill graphs and
+    the serving engine's paged decode graphs stay off."""
 
     graphable = False
 
@@ -63,6 +67,13 @@ class DriverDecoder:
             return getattr(self._local, method)(*args, **kw)
         except Exception as e:
             raise self._team.failure(e) from e
+
+    def graph_decoder(self, cache: SequenceCache) -> MirroredGraphDecoder | None:
+        """The captured decode step on every rank, where enabled (`graphs.enabled`); else
+        None: the step runs eagerly, each call mirrored."""
+        if not enabled(self._local):
+            return None
+        return MirroredGraphDecoder(self._local, self._team, self._calls.key(cache), cache)
 
     def quant_weights(self) -> list:
         return [_MirroredWeight(w, i, self._team)

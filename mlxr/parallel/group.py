@@ -78,9 +78,12 @@ class Group:
         if t.shape[-1] < width:
             t = torch.nn.functional.pad(t, (0, width - t.shape[-1]))
         t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(self.world)]
-        self.pg.allgather([parts], [t]).wait()
-        return torch.cat(parts, dim=-1)[..., :total]
+        # one collective into one buffer [W * N, width] (ranks along dim 0; no per-rank list,
+        # so it is also what a CUDA graph captures): [W, N, width] -> [N, W * width]
+        out = t.new_empty((self.world * t.shape[0], *t.shape[1:]))
+        self.pg._allgather_base(out, t).wait()
+        full = out.view(self.world, *t.shape).movedim(0, -2)
+        return full.reshape(*t.shape[:-1], self.world * width)[..., :total]
 
     def abort(self) -> None:
         """Fail this rank's pending and later collectives at once (NCCL's communicator is

@@ -149,18 +149,22 @@ class Team:
 
     def _abort(self) -> None:
         """End the other followers, so that no rank stays blocked in a collective (gloo then
-        fails at once on the closed connections; NCCL's communicator is aborted)."""
-        self._terminate()
+        fails at once on the closed connections; NCCL's communicator is aborted). Killed, not
+        asked: the team is broken, and a stopped process would not take SIGTERM."""
+        self._terminate(force=True)
         if self.group is not None:
             try:
                 self.group.abort()
             except Exception:  # noqa: BLE001 -- best effort on the way down
                 pass
 
-    def _terminate(self) -> None:
+    def _terminate(self, force: bool = False) -> None:
         for p in self.procs:
             if p.poll() is None:
-                p.terminate()
+                if force:
+                    p.kill()
+                else:
+                    p.terminate()
         for p in self.procs:
             try:
                 p.wait(JOIN_S)

@@ -57,7 +57,8 @@ class CallEncoder:
         self._next = itertools.count()
         self._released: list[int] = []
 
-    def _key(self, obj) -> int:
+    def key(self, obj) -> int:
+        """The key that names `obj` (a pool or cache of rank 0) to the followers."""
         key = self._keys.get(obj)
         if key is None:
             key = self._keys[obj] = next(self._next)
@@ -72,9 +73,9 @@ class CallEncoder:
         if isinstance(obj, torch.Tensor):
             return obj.detach().cpu()
         if isinstance(obj, KVPool):
-            return PoolRef(self._key(obj), obj.num_blocks, obj.block_size)
+            return PoolRef(self.key(obj), obj.num_blocks, obj.block_size)
         if isinstance(obj, SequenceCache):
-            return CacheRef(self._key(obj), obj.capacity, obj.length)
+            return CacheRef(self.key(obj), obj.capacity, obj.length)
         if isinstance(obj, dict) and obj and all(k in self._rope_index for k in obj):
             return RopeTables({self._rope_index[k]: self.encode(v) for k, v in obj.items()})
         if is_dataclass(obj) and not isinstance(obj, type):
@@ -100,6 +101,13 @@ class CallDecoder:
             self.pools.pop(key, None)
             self.caches.pop(key, None)
 
+    def cache(self, key: int, capacity: int) -> SequenceCache:
+        """The follower's cache for rank 0's cache `key` (made at `capacity` on first use)."""
+        cache = self.caches.get(key)
+        if cache is None:
+            cache = self.caches[key] = new_cache(self.decoder, capacity)
+        return cache
+
     def decode(self, obj):
         d = self.decoder
         if isinstance(obj, torch.Tensor):
@@ -113,9 +121,7 @@ class CallDecoder:
                                                     d.device)
             return pool
         if isinstance(obj, CacheRef):
-            cache = self.caches.get(obj.key)
-            if cache is None:
-                cache = self.caches[obj.key] = new_cache(d, obj.capacity)
+            cache = self.cache(obj.key, obj.capacity)
             cache.length = obj.length
             return cache
         if isinstance(obj, RopeTables):

@@ -6,6 +6,8 @@ Messages on the pipe from rank 0 (pickled tuples):
                                     references resolved; `released`: pool/cache keys that
                                     rank 0 dropped)
   ("batch_copy", index)             quant_weights()[index].add_batch_copy() (the engine's)
+  ("graph", key, capacity), ("graph_start", key, token, position), ("graph_replay", key)
+                                    the captured decode step (`graphs`)
   ("stop",)                         leave the group and exit 0
 To rank 0: ("started",) before the rendezvous, ("ready",) after the load, ("failed", text)
 when the load or a call raised (then exit 1).
@@ -26,6 +28,7 @@ import torch
 
 from . import group, wire
 from .build import build_shard
+from .graphs import FollowerGraphs
 from .wire import CallDecoder
 
 PARENT_POLL_S = 0.5
@@ -79,6 +82,7 @@ def run(rank: int, world: int, port: int, path: str, config, device: str, dtype:
 
 def _serve(decoder, conn) -> None:
     calls = CallDecoder(decoder)
+    graphs = FollowerGraphs(calls)
     while True:
         msg = wire.recv(conn)
         if msg[0] == "stop":
@@ -86,8 +90,12 @@ def _serve(decoder, conn) -> None:
         if msg[0] == "batch_copy":
             decoder.quant_weights()[msg[1]].add_batch_copy()
             continue
+        if msg[0].startswith("graph"):
+            graphs.handle(msg)
+            continue
         _, method, args, kw, released = msg
         calls.release(released)
+        graphs.release(released)
         with torch.inference_mode():
             getattr(decoder, method)(*calls.decode(args), **calls.decode(kw))
 
