@@ -78,11 +78,13 @@ class ShardedCheckpoint:
         for a, b in split.ranges:
             if (a * stored) % split.size or (b * stored) % split.size:
                 unit = split.size // stored if stored and split.size % stored == 0 else None
-                group = f" (a quantization group of {unit})" if unit else ""
+                what = ("a packed 32-bit word" if info.dtype == "U32" else
+                        f"a quantization group of {unit}" if unit else "a unit of storage")
+                cols = "input columns" if split.axis == "in" else "output rows"
                 raise ModelFormatError(
-                    f"{info.file.name}: tensor '{info.name}' {list(info.shape)}: the "
-                    f"{self.plan.world}-way split at {a}..{b} of {split.size} would cut "
-                    f"through a unit of storage{group}; use fewer tensor-parallel ranks")
+                    f"{info.file.name}: tensor '{info.name}' {list(info.shape)}: a "
+                    f"{self.plan.world}-way split of its {split.size} {cols} at {a}..{b} would "
+                    f"cut {what}; use fewer tensor-parallel ranks")
             ranges.append((a * stored // split.size, b * stored // split.size))
         return axis, ranges
 
