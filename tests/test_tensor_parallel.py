@@ -78,12 +78,15 @@ def _check_logits(one: torch.Tensor, many: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("family,quant,world", [
     ("llama_tp", "q4g64", 2), ("llama_tp", "q4g64", 4), ("llama_tp", "q8g64", 2),
-    ("qwen3", "bf16", 2), ("mixtral", "q4g64", 2)])
+    ("qwen3", "bf16", 2), ("mixtral", "q4g64", 2), ("qwen3_moe", "bf16", 4),
+    ("gpt_oss", "bf16", 2), ("laguna", "bf16", 2)])
 def test_logits_and_greedy_equal_one_process(loaded, family, quant, world):
     """Teacher-forced float32 logits and greedy decode (prefill, then one token at a time
-    through the KV cache) of N ranks equal the single-process model's (dense 4-/8-bit with
-    an untied head, biases and, at N=4, KV heads replicated; a tied bf16 head with q/k
-    norms; a 4-bit mixture-of-experts)."""
+    through the KV cache) of N ranks equal the single-process model's: dense 4-/8-bit with
+    an untied head, biases and, at N=4, KV heads replicated; a tied bf16 head with q/k norms;
+    mixture-of-experts 4-bit (mixtral), at 4 ranks beside a dense layer (qwen3_moe), with
+    attention sinks and expert biases (gpt-oss), per-layer head counts, a head gate and a
+    shared expert (laguna)."""
     one, many = loaded(family, quant, 1), loaded(family, quant, world)
     prompt = mlx_ref.stable_prompt(family, quant, mlx_ref.BASE["vocab_size"])
     greedy = list(one.generate(prompt, max_tokens=GEN, ignore_eos=True))
