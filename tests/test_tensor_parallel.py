@@ -257,3 +257,29 @@ def test_a_stalled_worker_times_out_with_a_clear_error(models, monkeypatch):
         assert all(p.poll() is not None for p in procs)
     finally:
         m.close()
+
+
+def test_ctrl_c_stops_mlxr_run_and_its_workers():
+    """Ctrl-C (SIGINT) while `mlxr run --tensor-parallel 2` generates: the reply stops at the
+    end of the step in flight, the process exits, and its worker with it."""
+    from test_server_helpers import BUNDLED
+
+    cmd = [sys.executable, "-m", "mlxr", "run", str(BUNDLED), "Once upon a time", "--device",
+           "cpu", "--tensor-parallel", "2", "--max", "400"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         cwd=Path(__file__).resolve().parents[1],
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert p.stdout.read(8)  # generating
+        workers = _workers(p.pid)
+        assert len(workers) == 1
+        p.send_signal(signal.SIGINT)
+        p.wait(30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode in (0, 130), p.stdout.read().decode()[-2000:]
+    deadline = time.monotonic() + 10
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, workers))

@@ -4,12 +4,44 @@ device, layers, ropes) is the local decoder's."""
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from ..engine.kv_cache import SequenceCache
 from .graphs import MirroredGraphDecoder, enabled
 from .launcher import Team
 from .wire import CallEncoder
+
+
+@contextmanager
+def _step_finishes() -> Iterator[None]:
+    """Ctrl-C during a step takes effect when the step is done: a step that rank 0 left
+    between two collectives would leave the followers waiting in the next one (the model
+    then out of step for good). A second Ctrl-C interrupts at once (the model is then
+    broken). Only the main thread receives signals; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list = []
+
+    def defer(signum, frame):
+        if pending:
+            raise KeyboardInterrupt
+        pending.append((signum, frame))
+
+    previous = signal.signal(signal.SIGINT, defer)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending and callable(previous):
+        previous(*pending[0])
+    elif pending and previous == signal.SIG_DFL:
+        raise KeyboardInterrupt
 
 
 class _MirroredWeight:
@@ -62,11 +94,16 @@ class DriverDecoder:
         """Send the call to the followers, then run it here (the collectives inside it meet
         theirs)."""
         enc = self._calls
-        self._team.send(("call", method, enc.encode(args), enc.encode(kw), enc.released()))
-        try:
-            return getattr(self._local, method)(*args, **kw)
-        except Exception as e:
-            raise self._team.failure(e) from e
+        with _step_finishes():
+            self._team.send(("call", method, enc.encode(args), enc.encode(kw),
+                             enc.released()))
+            try:
+                return getattr(self._local, method)(*args, **kw)
+            except Exception as e:
+                raise self._team.failure(e) from e
+            except BaseException as e:  # a second Ctrl-C: the followers are mid-step
+                self._team.failure(e)
+                raise
 
     def graph_decoder(self, cache: SequenceCache) -> MirroredGraphDecoder | None:
         """The captured decode step on every rank, where enabled (`graphs.enabled`); else

@@ -69,6 +69,9 @@ def run(rank: int, world: int, port: int, path: str, config, device: str, dtype:
         decoder = build_shard(Path(path), config, ranks, dtype, dev)
         wire.send(conn, ("ready",))
         _serve(decoder, conn)
+        # stopped: nothing to flush; skipping the interpreter's teardown (the process group's
+        # destructors) ends the process at once, and exit frees its memory, GPU's included
+        os._exit(0)
     except EOFError:  # rank 0 closed the pipe: it is gone or stopping
         os._exit(0)
     except BaseException as e:  # noqa: BLE001 -- reported to rank 0, then this process ends
