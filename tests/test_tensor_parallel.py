@@ -79,19 +79,48 @@ def _check_logits(one: torch.Tensor, many: torch.Tensor) -> None:
 @pytest.mark.parametrize("family,quant,world", [
     ("llama_tp", "q4g64", 2), ("llama_tp", "q4g64", 4), ("llama_tp", "q8g64", 2),
     ("qwen3", "bf16", 2), ("mixtral", "q4g64", 2), ("qwen3_moe", "bf16", 4),
-    ("gpt_oss", "bf16", 2), ("laguna", "bf16", 2)])
+    ("gpt_oss", "bf16", 2), ("laguna", "bf16", 2), ("phi3", "q4g64", 2)])
 def test_logits_and_greedy_equal_one_process(loaded, family, quant, world):
     """Teacher-forced float32 logits and greedy decode (prefill, then one token at a time
     through the KV cache) of N ranks equal the single-process model's: dense 4-/8-bit with
     an untied head, biases and, at N=4, KV heads replicated; a tied bf16 head with q/k norms;
     mixture-of-experts 4-bit (mixtral), at 4 ranks beside a dense layer (qwen3_moe), with
     attention sinks and expert biases (gpt-oss), per-layer head counts, a head gate and a
-    shared expert (laguna)."""
+    shared expert (laguna); fused qkv_proj and gate_up_proj cut in three / two row ranges
+    (phi3, 4-bit)."""
     one, many = loaded(family, quant, 1), loaded(family, quant, world)
     prompt = mlx_ref.stable_prompt(family, quant, mlx_ref.BASE["vocab_size"])
     greedy = list(one.generate(prompt, max_tokens=GEN, ignore_eos=True))
     _check_logits(one.logits(prompt + greedy), many.logits(prompt + greedy))
     assert list(many.generate(prompt, max_tokens=GEN, ignore_eos=True)) == greedy
+
+
+@pytest.mark.parametrize("family,world", [("llama_tp", 4), ("phi3", 2)])
+def test_a_rank_reads_only_its_slices(models, family, world, monkeypatch):
+    """Building a rank's decoder never reads a split tensor whole (those come through
+    safetensors' get_slice), and its split weights hold ~1/N of each tensor's bytes."""
+    from mlxr.checkpoint import Checkpoint, open_checkpoint
+    from mlxr.config import load_config
+    from mlxr.models.loader import build_decoder
+    from mlxr.parallel.plan import make_plan
+    from mlxr.parallel.sharded_checkpoint import ShardedCheckpoint
+
+    path = models(family, "q4g64")
+    config, _ = load_config(path)
+    whole: list[str] = []
+    read = Checkpoint.load
+    monkeypatch.setattr(Checkpoint, "load", lambda self, name: whole.append(name) or
+                        read(self, name))
+    with open_checkpoint(path) as ckpt:
+        plan = make_plan(config, world, world - 1)
+        view = ShardedCheckpoint(ckpt, plan)
+        build_decoder(view, plan.local, torch.float32, torch.device("cpu"))
+        split = [n for n, info in view.tensors.items() if info.shape != ckpt.tensors[n].shape]
+        assert split and not set(split) & set(whole)
+        for n in split:
+            full, mine = ckpt.tensors[n].nbytes, view.tensors[n].nbytes
+            assert mine * world == full or (n.split(".")[-2] in ("k_proj", "v_proj")
+                                            and mine * config.num_kv_heads == full)
 
 
 def test_one_rank_is_the_plain_load(models):
