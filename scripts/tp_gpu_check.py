@@ -97,25 +97,8 @@ def parity(a) -> dict:
     return out
 
 
-def _weight_bytes(path: Path, world: int) -> int:
-    """Bytes of the weights rank 0 reads per decode token (its shard; an untied embedding
-    table one row)."""
-    from mlxr.checkpoint import open_checkpoint
-    from mlxr.config import load_config
-    from mlxr.parallel.plan import make_plan
-    from mlxr.parallel.sharded_checkpoint import ShardedCheckpoint
-
-    config, _ = load_config(path)
-    with open_checkpoint(path) as ckpt:
-        view = ShardedCheckpoint(ckpt, make_plan(config, world, 0)) if world > 1 else ckpt
-        total = sum(t.nbytes for t in view.tensors.values())
-        if "lm_head.weight" in view.tensors:
-            emb = [t for n, t in view.tensors.items() if n.startswith("model.embed")]
-            total -= sum(t.nbytes - t.nbytes // t.shape[0] for t in emb)
-    return total
-
-
 def speed(a) -> dict:
+    from mlxr.cli.bench import weight_bytes_per_token
     from mlxr.cli.common import resolve_model
 
     path = resolve_model(a.model)
@@ -132,12 +115,12 @@ def speed(a) -> dict:
 
         once(model)
         runs = [once(model) for _ in range(3)]
+        wbytes = weight_bytes_per_token(model)
         model.close()
         del model
         _free()
         decode = statistics.median(r.decode_tps for r in runs)
         prefill = statistics.median(r.prefill_tps for r in runs)
-        wbytes = _weight_bytes(path, world)
         out[f"tp{world}"] = {"decode_tok_s": round(decode, 1), "prefill_tok_s": round(prefill, 1),
                              "weight_gb_per_rank_token": round(wbytes / 1e9, 3),
                              "gb_s_per_rank": round(wbytes * decode / 1e9, 1)}

@@ -61,14 +61,22 @@ def register(sub) -> None:
 
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights one decode step reads: every tensor once, except that an untied
-    embedding table contributes one row (the LM head is then its own matrix)."""
+    embedding table contributes one row (the LM head is then its own matrix). A
+    tensor-parallel model: what rank 0 reads (its shard), the bytes one device streams."""
     from ..checkpoint import open_checkpoint
 
+    world = getattr(model.decoder, "world", 1)
     with open_checkpoint(model.path) as ckpt:
+        if world > 1:
+            from ..parallel.plan import make_plan
+            from ..parallel.sharded_checkpoint import ShardedCheckpoint
+
+            ckpt = ShardedCheckpoint(ckpt, make_plan(model.config, world, 0))
         total = sum(t.nbytes for t in ckpt.tensors.values())
         if model.decoder.lm_head is not None:
             emb = sum(t.nbytes for n, t in ckpt.tensors.items() if n.startswith("model.embed"))
-            total -= emb - emb // model.config.vocab_size
+            rows = ckpt.tensors["model.embed_tokens.weight"].shape[0]
+            total -= emb - emb // rows
         # gemma4's per-layer-embedding table is only gathered: one row per token
         ple = [t for n, t in ckpt.tensors.items() if ".embed_tokens_per_layer." in n]
         if ple:
