@@ -181,10 +181,11 @@ class GraphCache:
 
     def prefill_graph(self, decoder, cache: SequenceCache, n: int) -> PrefillGraph | None:
         """The prefill graph for an n-token prompt into `cache` (from `get`), captured on first
-        use; None where there is none (no bucket, not graphable, or the capture failed: that
-        bucket then stays eager, with a warning)."""
+        use; None where there is none (no bucket, not graphable, a decoder whose prefill is
+        not captured (`prefill_graphs` False: a tensor-parallel rank 0), or the capture
+        failed: that bucket then stays eager, with a warning)."""
         bucket = prefill_bucket(n, cache.capacity)
-        if bucket is None or not graphable(decoder):
+        if bucket is None or not graphable(decoder) or not getattr(decoder, "prefill_graphs", True):
             return None
         key = (cache.capacity, bucket)
         if key not in self.prefill:

@@ -130,9 +130,11 @@ class LLMEngine:
         self.paged = None
         if use_paged:
             with torch.inference_mode():
-                self.paged = PagedDecodeRunner(self.decoder, self.pool, n, max_num_seqs,
-                                               min(c.context_length, n * block_size),
-                                               capture)
+                args = (self.pool, n, max_num_seqs, min(c.context_length, n * block_size),
+                        capture)
+                # a tensor-parallel rank 0 makes one that every rank runs
+                make = getattr(self.decoder, "paged_runner", None)
+                self.paged = make(*args) if make else PagedDecodeRunner(self.decoder, *args)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.decoder.device.type == "cuda" else 256
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)

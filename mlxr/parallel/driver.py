@@ -11,8 +11,8 @@ from contextlib import contextmanager
 
 import torch
 
-from ..engine.kv_cache import SequenceCache
-from .graphs import MirroredGraphDecoder, enabled
+from ..engine.kv_cache import KVPool, SequenceCache
+from .graphs import MirroredGraphDecoder, MirroredPagedRunner, enabled
 from .launcher import Team
 from .wire import CallEncoder
 
@@ -60,16 +60,21 @@ class _MirroredWeight:
 
 
 class DriverDecoder:
-    """Rank 0 of a tensor-parallel model. Not `graphable` as one GPU's decoder is (a graph
-    that rank 0 replays alone would not reach the followers): the single-request decode step
-    is captured on every rank by `graph_decoder` instead, where enabled; prefill graphs and
-    the serving engine's paged decode graphs stay off."""
+    """Rank 0 of a tensor-parallel model. A graph that rank 0 replayed alone would not reach
+    the followers: the decode steps are captured on every rank (`graph_decoder`,
+    `paged_runner`) where enabled, and prefill graphs stay off."""
 
-    graphable = False
+    prefill_graphs = False  # captured on rank 0 alone, a prefill would not reach the others
 
     def __init__(self, local, team: Team):
         self._local, self._team = local, team
         self._calls = CallEncoder(local)
+
+    @property
+    def graphable(self) -> bool:
+        """Whether the decode steps are captured (on every rank: `graph_decoder`,
+        `paged_runner`); where not, they run eagerly, every call mirrored."""
+        return enabled(self._local)
 
     @property
     def world(self) -> int:
@@ -111,6 +116,12 @@ class DriverDecoder:
         if not enabled(self._local):
             return None
         return MirroredGraphDecoder(self._local, self._team, self._calls.key(cache), cache)
+
+    def paged_runner(self, pool: KVPool, trash_block: int, max_batch: int,
+                     max_positions: int, capture: bool) -> MirroredPagedRunner:
+        """The serving engine's decode runner, run by every rank over its own pool."""
+        return MirroredPagedRunner(self._local, self._team, self._calls.key(pool), pool,
+                                   trash_block, max_batch, max_positions, capture)
 
     def quant_weights(self) -> list:
         return [_MirroredWeight(w, i, self._team)

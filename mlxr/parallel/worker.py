@@ -6,8 +6,10 @@ Messages on the pipe from rank 0 (pickled tuples):
                                     references resolved; `released`: pool/cache keys that
                                     rank 0 dropped)
   ("batch_copy", index)             quant_weights()[index].add_batch_copy() (the engine's)
-  ("graph", key, capacity), ("graph_start", key, token, position), ("graph_replay", key)
-                                    the captured decode step (`graphs`)
+  ("graph", key, capacity), ("graph_start", key, token, position), ("graph_replay", key),
+  ("paged_new", pool, trash, max_batch, max_positions, capture),
+  ("paged_launch", key, bucket, width, rows, tables)
+                                    the decode steps (`graphs`)
   ("stop",)                         leave the group and exit 0
 To rank 0: ("started",) before the rendezvous, ("ready",) after the load, ("failed", text)
 when the load or a call raised (then exit 1).
@@ -93,8 +95,9 @@ def _serve(decoder, conn) -> None:
         if msg[0] == "batch_copy":
             decoder.quant_weights()[msg[1]].add_batch_copy()
             continue
-        if msg[0].startswith("graph"):
-            graphs.handle(msg)
+        if msg[0].startswith(("graph", "paged")):
+            with torch.inference_mode():
+                graphs.handle(msg)
             continue
         _, method, args, kw, released = msg
         calls.release(released)
