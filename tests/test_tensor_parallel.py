@@ -5,8 +5,8 @@ Tolerance: the ranks compute the same float32 math as one process; only sums are
 (o_proj's and down_proj's input columns are reduced in N partial sums, then all-reduced, and
 their bias is added after or before that sum), i.e. a summation-order difference, the same
 kind test_parity.py allows between mlxr and mlx-lm: logits within 1e-3 of each position's
-logit range (measured here: 4e-7 to 2.5e-6 of the range), greedy tokens equal wherever TP=1's top two
-logits are further apart than twice that.
+logit range (measured here: 4e-7 to 2.5e-6 of the range), greedy tokens equal wherever
+TP=1's top two logits are further apart than twice that.
 """
 
 from __future__ import annotations
