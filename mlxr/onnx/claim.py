@@ -6,7 +6,8 @@ an invalid value (bits=3, a block size that is not a power of two, K/N that disa
 weight) or an EP-specific prepacked layout is a ModelFormatError naming the node -- the file
 is not what mlxr (or the CPU provider) would compute correctly. A valid feature that mlxr's
 decoder does not have (attention sinks, a quantized KV cache, MoE experts) is *declined* with a
-reason: the graph then runs on onnxruntime's CPU provider.
+reason: the layer holding it then runs on onnxruntime's CPU provider (`regions`), or the
+whole graph where the node lies outside the layers.
 """
 
 from __future__ import annotations
@@ -80,20 +81,28 @@ class ClaimReport:
     claimed: set[int] = field(default_factory=set)  # id() of claimed nodes
     # (node, or None for the graph as a whole, and why)
     declined: list[tuple[onnx.NodeProto | None, str]] = field(default_factory=list)
+    # layers that run on onnxruntime while mlxr runs the rest: (layer index, why)
+    regions: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
-        return not self.declined
+        return not self.declined and not self.regions
 
     def lines(self) -> list[str]:
-        """One line per (op, reason): how many nodes, and what to do about it."""
+        """One line per (op, reason): how many nodes, and what to do about it; then one line
+        per layer left to onnxruntime."""
         counts = Counter(("graph" if n is None else f"{n.domain or 'ai.onnx'}:{n.op_type}", why)
                          for n, why in self.declined)
-        return [f"declined {op} x{k}: {why}" for (op, why), k in sorted(counts.items())]
+        out = [f"declined {op} x{k}: {why}" for (op, why), k in sorted(counts.items())]
+        return out + [f"layer {i}: onnxruntime CPU ({why})" for i, why in self.regions]
 
     def summary(self, total: int) -> str:
         if self.complete:
             return f"claimed all {total} nodes (mlxr's decoder)"
+        if self.regions:
+            where = ", ".join(str(i) for i, _ in self.regions)
+            return (f"claimed {len(self.claimed)} of {total} nodes: mlxr runs the decoder, "
+                    f"onnxruntime's CPU provider layer(s) {where}")
         return (f"declined {len(self.declined)} of {total} nodes: the whole graph runs on "
                 "onnxruntime's CPU provider")
 

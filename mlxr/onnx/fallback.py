@@ -18,8 +18,9 @@ from .graph import OnnxGraph
 NP_TYPES = {1: np.float32, 10: np.float16, 16: None}
 
 
-def ort_session(path, threads: int = 0):
-    """An onnxruntime CPU session (imported here: only the ONNX path needs onnxruntime)."""
+def ort_session(path, threads: int = 0, model: bytes | None = None):
+    """An onnxruntime CPU session on the file `path`, or on the serialized `model` (a subgraph
+    of `path`). onnxruntime is imported here: only the ONNX path needs it."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -27,9 +28,11 @@ def ort_session(path, threads: int = 0):
     if threads:
         so.intra_op_num_threads = threads
     try:
-        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(model if model is not None else str(path), so,
+                                    providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own exception types for bad graphs
-        raise ModelFormatError(f"{path.name}: onnxruntime cannot load it ({e})") from None
+        what = "a region of it" if model is not None else "it"
+        raise ModelFormatError(f"{path.name}: onnxruntime cannot load {what} ({e})") from None
 
 
 class OrtDecoder:
