@@ -161,28 +161,43 @@ def test_mlxr_show_prints_the_claim_report(odd_graph, onnx_exports):
     assert "claimed all 51 nodes" in out.stdout and "qk norm True" in out.stdout
 
 
-def test_attention_sinks_are_declined_and_run_on_onnxruntime(onnx_exports, tmp_path):
-    """GroupQueryAttention with head_sink (gpt-oss's sinks) is valid but not in mlxr's
-    attention: declined with that reason, and the graph's answer comes from onnxruntime."""
-    folder = copy_folder(onnx_exports / "llama_int4_cpu", tmp_path / "sinks")
+def _with_sinks(src, dst, layers: set[int]):
+    folder = copy_folder(src, dst)
     m = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     m.graph.initializer.append(onnx.helper.make_tensor("sinks", onnx.TensorProto.FLOAT, [4],
                                                        [0.5, -1.0, 2.0, 0.0]))
-    for n in m.graph.node:
-        if n.op_type == "GroupQueryAttention":
+    gqas = [n for n in m.graph.node if n.op_type == "GroupQueryAttention"]
+    for i, n in enumerate(gqas):
+        if i in layers:
             while len(n.input) < 12:
                 n.input.append("")
             n.input[11] = "sinks"
     onnx.save(m, str(folder / "model.onnx"))
+    return folder
+
+
+def test_attention_sinks_match_onnxruntime(onnx_exports, tmp_path):
+    """GroupQueryAttention's head_sink (gpt-oss's sinks: one more logit per head in the
+    softmax, no value) is mlxr's attention sinks."""
+    folder = _with_sinks(onnx_exports / "llama_int4_cpu", tmp_path / "sinks", {0, 1})
     ins = mlxr.onnx.inspect(folder)
-    assert ins.report.lines() == ["declined com.microsoft:GroupQueryAttention x2: input "
-                                  "head_sink (sinks) is not in mlxr's attention",
-                                  "declined graph x1: no layer is translated (every layer "
-                                  "runs on onnxruntime)"]
-    model = mlxr.load(folder, device="cpu", dtype="float32")
-    assert isinstance(model.decoder, OrtDecoder)
-    ref = session(folder / "model.onnx")
-    assert np.array_equal(model.logits(PROMPT).numpy(), prompt_logits(ref, PROMPT))
+    assert ins.report.complete, ins.report.lines()
+    assert ins.translation.config.attn_sinks
+    ref = prompt_logits(fp32_reference(folder), PROMPT)
+    _close(mlxr.load(folder, device="cpu", dtype="float32").logits(PROMPT).numpy(), ref)
+    base = prompt_logits(fp32_reference(onnx_exports / "llama_int4_cpu"), PROMPT)
+    assert np.abs(base - ref).max() > 100 * TOL * np.abs(ref).max()  # the sinks matter
+
+
+def test_a_layer_unlike_the_others_runs_on_onnxruntime(onnx_exports, tmp_path):
+    """Sinks on layer 1 only: mlxr's decoder has one attention variant for all layers, so
+    layer 1 is left to onnxruntime, with that reason."""
+    folder = _with_sinks(onnx_exports / "llama_int4_cpu", tmp_path / "sinks1", {1})
+    ins = mlxr.onnx.inspect(folder)
+    assert ins.report.lines() == ["layer 1: onnxruntime CPU (the layer differs from the others "
+                                  "in heads, scale, softcap, sinks, norms or biases)"]
+    ref = prompt_logits(fp32_reference(folder), PROMPT)
+    _close(mlxr.load(folder, device="cpu", dtype="float32").logits(PROMPT).numpy(), ref)
 
 
 def test_extra_graph_output_is_declined(onnx_exports, tmp_path):

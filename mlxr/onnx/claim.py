@@ -5,7 +5,7 @@ for (onnxruntime 1.32's com.microsoft ops, version 1): an attribute name outside
 an invalid value (bits=3, a block size that is not a power of two, K/N that disagree with the
 weight) or an EP-specific prepacked layout is a ModelFormatError naming the node -- the file
 is not what mlxr (or the CPU provider) would compute correctly. A valid feature that mlxr's
-decoder does not have (attention sinks, a quantized KV cache, MoE experts) is *declined* with a
+decoder does not have (a quantized KV cache, window-sized KV buffers) is *declined* with a
 reason: the layer holding it then runs on onnxruntime's CPU provider (`regions`), or the
 whole graph where the node lies outside the layers.
 """
@@ -211,10 +211,13 @@ def _gqa(g: OnnxGraph, node, a: dict) -> str | None:
         return "window-sized KV buffers (sliding_window_cache=1) are not supported"
     if a.get("qk_output", 0):
         return "qk_output is not supported"
-    for i, what in ((9, "position_ids"), (10, "attention_bias"), (11, "head_sink (sinks)"),
-                    (12, "k_scale"), (13, "v_scale"), (16, "query_seqlens")):
+    for i, what in ((9, "position_ids"), (10, "attention_bias"), (12, "k_scale"),
+                    (13, "v_scale"), (16, "query_seqlens")):
         if _input(node, i):
             return f"input {what} is not in mlxr's attention"
+    sink = g.inits.get(_input(node, 11)) if _input(node, 11) else None
+    if _input(node, 11) and (sink is None or sink.elem not in FLOAT_TYPES or sink.shape != (nq,)):
+        return f"head_sink is not an initializer of num_heads={nq} floats"
     if len(node.input) > 17:
         raise ModelFormatError(f"{where(node)}: {len(node.input)} inputs, the schema has 17")
     if a.get("do_rotary", 0):

@@ -210,6 +210,10 @@ def _layer(w: Walk, gqa, i: int, x: str, h: str, names: KVNames, last: bool):
     for name, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
         _add_traced(w, ck, p + "self_attn." + name, t, qkv_bias)
     qk_norm = _qk_norms(w, ck, gqa, a, p, q, k, d)
+    sinks = gqa.input[11] if len(gqa.input) > 11 and gqa.input[11] else None
+    if sinks:  # head_sink: one more logit per head in the softmax (gpt-oss's sinks)
+        ck.add(p + "self_attn.sinks", float_name(g.inits[sinks].elem), (nq,),
+               lambda: g.tensor(sinks))
     cos, sin, inter = _rope(w, gqa, a, q, k, d)
     w.claim(gqa, *(t.rope for t in (q, k) if t.rope))
     ins = list(gqa.input)
@@ -231,7 +235,8 @@ def _layer(w: Walk, gqa, i: int, x: str, h: str, names: KVNames, last: bool):
                  f"model.layers.{i + 1}.input_layernorm.weight", nxt, hidden)
     props = dict(nq=nq, nkv=nkv, d=d, scale=a.get("scale", 0.0) or d ** -0.5,
                  cap=a.get("softcap", 0.0) or None, hidden=hidden, qk_norm=qk_norm,
-                 qkv_bias=qkv_bias, o_bias=ob is not None, mlp_bias=mlp_bias, inter=inter_size)
+                 qkv_bias=qkv_bias, o_bias=ob is not None, mlp_bias=mlp_bias, inter=inter_size,
+                 sinks=sinks is not None)
     rows = g.inits[cos].shape[0]
     ct, st = g.tensor(cos).float(), g.tensor(sin).float()
     base = fit_rope_base(ct[1].tolist() if rows > 1 else [],
@@ -390,7 +395,8 @@ def _config(g: OnnxGraph, meta: dict, glob: dict, layers: int, vocab: int, tied:
         num_kv_heads=glob["nkv"], head_dim=glob["d"], intermediate_size=glob["inter"],
         rms_norm_eps=eps, max_position_embeddings=min(r.max_position_embeddings for r in ropes),
         tie_word_embeddings=tied, qkv_bias=glob["qkv_bias"], o_bias=glob["o_bias"],
-        mlp_bias=glob["mlp_bias"], qk_norm=glob["qk_norm"], attn_scale=glob["scale"],
+        mlp_bias=glob["mlp_bias"], qk_norm=glob["qk_norm"], attn_sinks=glob["sinks"],
+        attn_scale=glob["scale"],
         attn_logit_softcap=glob["cap"], layer_rope=tuple(ropes), layer_window=tuple(windows),
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
         eos_token_ids=eos, torch_dtype=None if past is None else
