@@ -8,7 +8,9 @@ with the layer's initializers copied in. mlxr computes x and h, hands them acros
 the graph's activation dtype), and continues from (h_mid, m) with its own add + norm; the
 layer's KV stays in mlxr's cache (past fed in, the new rows of present written back). The
 region's MatMulNBits run with accuracy_level=0 (float activations), the numerics of the
-mlxr layers around it, not ORT's int8-activation path.
+mlxr layers around it, not ORT's int8-activation path; a sliding-window attention with a
+window-sized buffer (sliding_window_cache=1) reads mlxr's full cache instead, which gives the
+same attention.
 
 `RegionDecoder` is mlxr's Decoder for one sequence at a time (the single-request path, and
 the serving engine's per-sequence caches, as for the hybrid families); with MLXR_TRACE each
@@ -61,10 +63,12 @@ def region_model(g: OnnxGraph, cut: LayerCut, kv: KVNames, act_elem: int) -> byt
     for n in cut.nodes:
         c = onnx.NodeProto()
         c.CopyFrom(n)
-        if c.op_type == "MatMulNBits":
-            for a in c.attribute:
-                if a.name == "accuracy_level":
-                    a.i = 0
+        for a in c.attribute:
+            # float activations, as mlxr's layers; a window-sized KV buffer becomes mlxr's
+            # full cache (the attention is the same: the window masks the rest)
+            if (c.op_type, a.name) in (("MatMulNBits", "accuracy_level"),
+                                       ("GroupQueryAttention", "sliding_window_cache")):
+                a.i = 0
         nodes.append(c)
     names = {i for n in cut.nodes for i in n.input if i in g.inits}
     inits = [g.tensor_proto(name) for name in sorted(names)]

@@ -17,6 +17,7 @@ from .chain import LayerCut, residual_stream
 from .claim import MS, ClaimReport, attrs
 from .graph import OnnxGraph
 from .mask import check_mask_inputs
+from .qmoe import is_qmoe, moe_spec, translate_qmoe
 from .folder import KVNames
 from .walk import (PROJ_OPS, Decline, Traced, Walk, fit_rope_base, float_name,
                    rope_spec)
@@ -229,14 +230,19 @@ def _layer(w: Walk, gqa, i: int, x: str, h: str, names: KVNames, last: bool):
     post = _skip_norm(w, o, h, o_node)
     _norm_tensor(w, ck, p + "post_attention_layernorm.weight", post, hidden)
     h, x = _residual(post), post.output[0]
-    m, inter_size, mlp_bias = _mlp(w, ck, x, p, post)
+    moe = [n for n in w.consumers(x) if is_qmoe(n)]
+    if moe:
+        m, moe_props = translate_qmoe(w, ck, x, p, post, moe[0])
+        inter_size, mlp_bias = moe_props["width"], False
+    else:
+        (m, inter_size, mlp_bias), moe_props = _mlp(w, ck, x, p, post), None
     nxt = _skip_norm(w, m, h, post)
     _norm_tensor(w, ck, "model.norm.weight" if last else
                  f"model.layers.{i + 1}.input_layernorm.weight", nxt, hidden)
     props = dict(nq=nq, nkv=nkv, d=d, scale=a.get("scale", 0.0) or d ** -0.5,
                  cap=a.get("softcap", 0.0) or None, hidden=hidden, qk_norm=qk_norm,
                  qkv_bias=qkv_bias, o_bias=ob is not None, mlp_bias=mlp_bias, inter=inter_size,
-                 sinks=sinks is not None)
+                 sinks=sinks is not None, moe=moe_props)
     rows = g.inits[cos].shape[0]
     ct, st = g.tensor(cos).float(), g.tensor(sin).float()
     base = fit_rope_base(ct[1].tolist() if rows > 1 else [],
@@ -396,6 +402,7 @@ def _config(g: OnnxGraph, meta: dict, glob: dict, layers: int, vocab: int, tied:
         rms_norm_eps=eps, max_position_embeddings=min(r.max_position_embeddings for r in ropes),
         tie_word_embeddings=tied, qkv_bias=glob["qkv_bias"], o_bias=glob["o_bias"],
         mlp_bias=glob["mlp_bias"], qk_norm=glob["qk_norm"], attn_sinks=glob["sinks"],
+        moe=moe_spec(glob, layers) if glob["moe"] else None,
         attn_scale=glob["scale"],
         attn_logit_softcap=glob["cap"], layer_rope=tuple(ropes), layer_window=tuple(windows),
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
