@@ -25,13 +25,16 @@ def session(path: Path) -> ort.InferenceSession:
 
 
 def fp32_reference(folder: Path) -> ort.InferenceSession:
-    """ORT on the folder's model.onnx with accuracy_level=0 on every MatMulNBits."""
+    """ORT on the folder's model.onnx with accuracy_level=0 on every MatMulNBits, and
+    full-length KV buffers where a sliding-window attention keeps a window-sized one
+    (sliding_window_cache=0: the same attention, fed the growing cache of `greedy`; test_onnx_moe
+    checks the two agree)."""
     out = folder / "model_acc0.onnx"
     if not out.is_file():
         m = onnx.load(str(folder / "model.onnx"), load_external_data=False)
         for n in m.graph.node:
             for a in n.attribute:
-                if a.name == "accuracy_level":
+                if a.name in ("accuracy_level", "sliding_window_cache"):
                     a.i = 0
         onnx.save(m, str(out))
     return session(out)

@@ -195,7 +195,7 @@ def test_a_layer_unlike_the_others_runs_on_onnxruntime(onnx_exports, tmp_path):
     folder = _with_sinks(onnx_exports / "llama_int4_cpu", tmp_path / "sinks1", {1})
     ins = mlxr.onnx.inspect(folder)
     assert ins.report.lines() == ["layer 1: onnxruntime CPU (the layer differs from the others "
-                                  "in heads, scale, softcap, sinks, norms or biases)"]
+                                  "in heads, scale, softcap, sinks, MoE, norms or biases)"]
     ref = prompt_logits(fp32_reference(folder), PROMPT)
     _close(mlxr.load(folder, device="cpu", dtype="float32").logits(PROMPT).numpy(), ref)
 

@@ -354,7 +354,7 @@ def _claim_layer(w: Walk, cut: LayerCut, names: KVNames, last: bool, props: dict
                                " are not part of the recognised layer")
     if props is not None and props != this:
         raise Decline(gqa[0], "the layer differs from the others in heads, scale, softcap, "
-                              "sinks, norms or biases")
+                              "sinks, MoE, norms or biases")
     return this, rope, table, win
 
 
