@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import mlxr
-from mlxr import trace
+from mlxr.harness import trace
 from mlxr.onnx.fallback import OrtDecoder
 from mlxr.onnx.regions import RegionDecoder
 from onnx_ref import copy_folder, fp32_reference, greedy, prompt_logits, session

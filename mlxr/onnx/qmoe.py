@@ -21,7 +21,7 @@ import time
 import onnx
 import torch
 
-from ..config_moe import MoeSpec
+from ..config.moe import MoeSpec
 from .claim import MS, attrs
 from .graph import FLOAT_TYPES, OnnxGraph
 from .repack import AffineWeight, block_affine, group_size

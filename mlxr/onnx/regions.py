@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 import torch
 
-from .. import trace
+from ..harness import trace
 from ..engine.kv_cache import SequenceCache
 from ..errors import MlxrError, ModelFormatError
 from ..models.decoder import Decoder, Step

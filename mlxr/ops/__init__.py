@@ -1,12 +1,11 @@
 """The single dispatch point for compute ops.
 
-`mlxr.ops.reference` holds the plain-torch versions (the spec, the CPU path, the test oracle).
-On CUDA tensors, with triton importable and MLXR_KERNELS != "torch" (read at each call), the
-per-layer ops run as one Triton launch each (`mlxr.ops.triton_fused`), behind the same
-signatures; `paged_attention` (the batched decode step over the paged cache) runs
-`mlxr.ops.triton_paged`; `add_rms_norm` and `qkv_rope_write` (a layer's glue between its
-matmuls, fused) run `mlxr.ops.triton_layer`. `attention` (eager, host positions) always runs
-the reference.
+`mlxr.ops.reference` holds the plain-torch versions (the spec, the CPU path, the test oracle). On
+CUDA tensors, with triton importable and MLXR_KERNELS != "torch" (read at each call), the per-layer
+ops run as one Triton launch each (`mlxr.ops.layer.norm_rope_act`), behind the same signatures;
+`paged_attention` (the batched decode step over the paged cache) runs `mlxr.ops.kv_attention.paged`;
+`add_rms_norm` and `qkv_rope_write` (a layer's glue between its matmuls, fused) run
+`mlxr.ops.layer.add_norm_qkv_rope`. `attention` (eager, host positions) always runs the reference.
 """
 
 from __future__ import annotations
@@ -15,14 +14,17 @@ import os
 
 import torch
 
-from . import moe_reference, recurrent, reference
-from .moe_reference import combine as moe_combine
-from .moe_reference import expert_act as moe_expert_act
-from .moe_reference import head_gate
-from .moe_reference import route as moe_route
+from . import reference
+from .moe import reference as moe_reference
+from .recurrent import reference as recurrent_reference
+from .moe.reference import combine as moe_combine
+from .moe.reference import expert_act as moe_expert_act
+from .moe.reference import head_gate
+from .moe.reference import route as moe_route
 from .reference import attention, paged_items, prefill_tile
 
-_fused = None  # mlxr.ops.triton_fused, imported at the first CUDA call (triton is slow to import)
+# mlxr.ops.layer.norm_rope_act, imported at the first CUDA call (triton is slow to import)
+_fused = None
 
 
 def _fast(x) -> bool:
@@ -31,10 +33,10 @@ def _fast(x) -> bool:
         return False
     if _fused is None:
         try:
-            from . import triton_fused
+            from .layer import norm_rope_act
         except ImportError:  # pragma: no cover
-            triton_fused = False
-        _fused = triton_fused if triton_fused and triton_fused.HAVE_TRITON else False
+            norm_rope_act = False
+        _fused = norm_rope_act if norm_rope_act and norm_rope_act.HAVE_TRITON else False
     return bool(_fused)
 
 
@@ -66,7 +68,7 @@ def attention_masked(q, k, v, visible, scale: float, softcap: float | None = Non
     if sinks is not None:
         return reference.attention_masked(q, k, v, visible, scale, softcap, sinks)
     if _fast(q):
-        from .triton_attn import attention_masked as fast
+        from .kv_attention.masked import attention_masked as fast
         return fast(q, k, v, visible, scale, softcap)
     return reference.attention_masked(q, k, v, visible, scale, softcap)
 
@@ -78,7 +80,7 @@ def attention_at(q, k, v, positions, window: int | None, scale: float,
     if sinks is not None:
         return reference.attention_at(q, k, v, positions, window, scale, softcap, sinks)
     if _fast(q):
-        from .triton_attn import attention_at as fast
+        from .kv_attention.masked import attention_at as fast
         return fast(q, k, v, positions, window, scale, softcap)
     return reference.attention_at(q, k, v, positions, window, scale, softcap)
 
@@ -90,7 +92,7 @@ def paged_attention(q, k, v, block_tables, ctx_lens, block_size: int, scale: flo
         return reference.paged_attention(q, k, v, block_tables, ctx_lens, block_size, scale,
                                          window, softcap, sinks)
     if _fast(q):
-        from .triton_paged import paged_attention as fast
+        from .kv_attention.paged import paged_attention as fast
         return fast(q, k, v, block_tables, ctx_lens, block_size, scale, window, softcap)
     return reference.paged_attention(q, k, v, block_tables, ctx_lens, block_size, scale, window,
                                      softcap)
@@ -99,7 +101,7 @@ def paged_attention(q, k, v, block_tables, ctx_lens, block_size: int, scale: flo
 def add_rms_norm(h, r, weight, eps: float, offset: float = 0.0):
     """(h + r, rms_norm(h + r)): a residual add and the norm after it (see reference)."""
     if _fast(h):
-        from .triton_layer import add_rms_norm as fast
+        from .layer.add_norm_qkv_rope import add_rms_norm as fast
         return fast(h, r, weight, eps, offset)
     return reference.add_rms_norm(h, r, weight, eps, offset)
 
@@ -112,7 +114,7 @@ def qkv_rope_write(qkv, n_heads: int, n_kv_heads: int, head_dim: int, q_norm, k_
     args = (qkv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, offset, rope_scale, cos,
             sin, traditional, k_cache, v_cache, slots, positions)
     if _fast(qkv):
-        from .triton_layer import qkv_rope_write as fast
+        from .layer.add_norm_qkv_rope import qkv_rope_write as fast
         return fast(*args)
     return reference.qkv_rope_write(*args)
 
@@ -126,27 +128,27 @@ def paged_prefill_attention(q, k, v, block_tables, items, block_size: int, scale
         return reference.paged_prefill_attention(q, k, v, block_tables, items, block_size,
                                                  scale, window, softcap, sinks)
     if _fast(q):
-        from .triton_paged import paged_prefill_attention as fast
+        from .kv_attention.paged import paged_prefill_attention as fast
         return fast(q, k, v, block_tables, items, block_size, scale, window, softcap)
     return reference.paged_prefill_attention(q, k, v, block_tables, items, block_size, scale,
                                              window, softcap)
 
 
 def conv1d_silu(x, state, weight):
-    """Causal depthwise conv + SiLU with its rolling state (see recurrent.conv1d_silu)."""
+    """Causal depthwise conv + SiLU with its rolling state (see recurrent_reference.conv1d_silu)."""
     if _fast(x):
-        from .triton_recurrent import conv1d_silu as fast
+        from .recurrent.gated_delta_scan import conv1d_silu as fast
         return fast(x, state, weight)
-    return recurrent.conv1d_silu(x, state, weight)
+    return recurrent_reference.conv1d_silu(x, state, weight)
 
 
 def gated_delta(q, k, v, g, beta, state):
     """The gated delta rule over T tokens, float32 state updated in place (see
-    recurrent.gated_delta)."""
+    recurrent_reference.gated_delta)."""
     if _fast(q):
-        from .triton_recurrent import gated_delta as fast
+        from .recurrent.gated_delta_scan import gated_delta as fast
         return fast(q, k, v, g, beta, state)
-    return recurrent.gated_delta(q, k, v, g, beta, state)
+    return recurrent_reference.gated_delta(q, k, v, g, beta, state)
 
 
 def fast_kernels(device) -> bool:
