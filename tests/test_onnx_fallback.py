@@ -212,3 +212,28 @@ def test_extra_graph_output_is_declined(onnx_exports, tmp_path):
     ins = mlxr.onnx.inspect(folder)
     assert ins.translation is None
     assert ins.report.lines()[0].startswith("declined graph x1: graph inputs/outputs [")
+
+
+def test_serving_engine_batches_a_graph_partly_on_onnxruntime(odd_graph):
+    """The serving engine runs a RegionDecoder one sequence per forward (its own caches, as
+    for the hybrid families): concurrent greedy requests give each request's own tokens."""
+    from mlxr.engine import EngineRequest, LLMEngine
+    from mlxr.text.sampling import SamplingParams
+
+    model = mlxr.load(odd_graph, device="cpu", dtype="float32")
+    prompts = [PROMPT, PROMPT[3:], [5, 6, 7]]
+    n = 6
+    engine = LLMEngine(model, max_num_seqs=3, max_num_batched_tokens=8)
+    assert engine.seq_caches is not None
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    outs = [[] for _ in prompts]
+    for i, p in enumerate(prompts):
+        engine.add(EngineRequest(p, params), outs[i].append)
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        assert steps < 1000
+    for p, o in zip(prompts, outs):
+        got = [t for x in o for t in x.token_ids]
+        assert got == list(model.generate(p, max_tokens=n, ignore_eos=True))
