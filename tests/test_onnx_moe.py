@@ -117,3 +117,27 @@ def test_the_sliding_layer_runs_as_a_region_on_mlxr_cache(onnx_exports, tmp_path
         if top2[1] - top2[0] <= 2 * TOL * np.abs(row).max():
             break
         assert a == b, f"token {i}: mlxr {a}, onnxruntime {b}"
+
+
+def test_expert_zero_points_match_onnxruntime(onnx_exports, tmp_path):
+    """QMoE's packed uint8 zero points (inputs 11/12, one code per block, LSB first) become
+    the experts' MLX biases, as MatMulNBits' do."""
+    folder = copy_folder(onnx_exports / NAME, tmp_path / "zp")
+    m = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    rng = np.random.default_rng(0)
+    inits = {t.name: t for t in m.graph.initializer}
+    for n in [n for n in m.graph.node if n.op_type == "QMoE"]:
+        while len(n.input) < 13:
+            n.input.append("")
+        for j, w, s in ((11, n.input[2], n.input[3]), (12, n.input[5], n.input[6])):
+            experts, rows, _ = inits[w].dims
+            blocks = inits[s].dims[2]
+            zp = rng.integers(0, 256, (experts, rows, (blocks + 1) // 2), dtype=np.uint8)
+            m.graph.initializer.append(onnx.numpy_helper.from_array(zp, f"{n.name}/zp{j}"))
+            n.input[j] = f"{n.name}/zp{j}"
+    onnx.save(m, str(folder / "model.onnx"))
+    assert inspect(folder).report.complete
+    ref = prompt_logits(fp32_reference(folder), PROMPT)
+    base = prompt_logits(fp32_reference(onnx_exports / NAME), PROMPT)
+    assert np.abs(base - ref).max() > 100 * TOL * np.abs(ref).max()  # the zero points matter
+    _close(mlxr.load(folder, device="cpu", dtype="float32").logits(PROMPT).numpy(), ref)
