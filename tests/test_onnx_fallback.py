@@ -20,31 +20,10 @@ import mlxr
 from mlxr.harness import trace
 from mlxr.onnx.fallback import OrtDecoder
 from mlxr.onnx.regions import RegionDecoder
-from onnx_ref import copy_folder, fp32_reference, greedy, prompt_logits, session
+from onnx_ref import copy_folder, fp32_reference, greedy, odd_copy, prompt_logits, session
 
 PROMPT = [1, 40, 7, 199, 23, 310, 5, 88]
 TOL = 1e-4  # fp32 export, float activations on both sides (see test_onnx_parity)
-
-
-def odd_copy(src, dst, after: str):
-    """A copy of the export with an op mlxr has no translation for after the node whose name
-    contains `after`: Softsign(y) - Softsign(y) + y, so the values stay those of a decoder."""
-    folder = copy_folder(src, dst)
-    m = onnx.load(str(folder / "model.onnx"), load_external_data=False)
-    g = m.graph
-    o = next(n for n in g.node if after in n.name)
-    out = o.output[0]
-    o.output[0] = out + "/raw"
-    extra = [onnx.helper.make_node("Softsign", [out + "/raw"], [out + "/ss"], name="odd/ss"),
-             onnx.helper.make_node("Sub", [out + "/ss", out + "/ss"], [out + "/zero"],
-                                   name="odd/sub"),
-             onnx.helper.make_node("Add", [out + "/raw", out + "/zero"], [out], name="odd/add")]
-    i = list(g.node).index(o)
-    nodes = list(g.node)
-    g.ClearField("node")
-    g.node.extend(nodes[:i + 1] + extra + nodes[i + 1:])
-    onnx.save(m, str(folder / "model.onnx"))
-    return folder
 
 
 @pytest.fixture(scope="module")

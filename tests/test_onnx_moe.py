@@ -141,3 +141,34 @@ def test_expert_zero_points_match_onnxruntime(onnx_exports, tmp_path):
     base = prompt_logits(fp32_reference(onnx_exports / NAME), PROMPT)
     assert np.abs(base - ref).max() > 100 * TOL * np.abs(ref).max()  # the zero points matter
     _close(mlxr.load(folder, device="cpu", dtype="float32").logits(PROMPT).numpy(), ref)
+
+
+def test_whole_graph_fallback_runs_window_buffers_as_full_caches(onnx_exports, tmp_path):
+    """An op after the LM head sends the gpt-oss graph to onnxruntime whole; its sliding
+    layer's window-sized buffer runs as a full-length one (the graph rewritten in memory),
+    so mlxr's growing cache feeds it: tokens past the window equal the file's, and the
+    serving engine runs it one sequence per forward."""
+    from mlxr.engine import EngineRequest, LLMEngine
+    from mlxr.onnx.fallback import OrtDecoder
+    from mlxr.text.sampling import SamplingParams
+    from onnx_ref import greedy, odd_copy, session
+
+    folder = odd_copy(onnx_exports / NAME, tmp_path / "head", "lm_head")
+    model = mlxr.load(folder, device="cpu", dtype="float32")
+    assert isinstance(model.decoder, OrtDecoder)
+    full = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    for n in full.graph.node:
+        for a in n.attribute:
+            if a.name == "sliding_window_cache":
+                a.i = 0
+    onnx.save(full, str(folder / "model_full.onnx"))
+    want, _ = greedy(session(folder / "model_full.onnx"), PROMPT[:6], 12)  # 18 > window 8
+    assert list(model.generate(PROMPT[:6], max_tokens=12, ignore_eos=True)) == want
+    engine = LLMEngine(model, max_num_seqs=2)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = [[], []]
+    for i, p in enumerate([PROMPT[:6], PROMPT[6:9]]):
+        engine.add(EngineRequest(p, params), outs[i].append)
+    while engine.has_work():
+        engine.step()
+    assert [t for x in outs[0] for t in x.token_ids] == want
