@@ -9,7 +9,8 @@ from pathlib import Path
 from ..errors import NotDownloadedError
 from ..names import BUNDLED, DEFAULT_MODEL, expand_alias, resolve_model
 
-__all__ = ["BUNDLED", "DEFAULT_MODEL", "HelpFormatter", "add_model_flags", "check_device",
+__all__ = ["BUNDLED", "DEFAULT_MODEL", "HelpFormatter", "add_model_flags", "add_parallel_flag",
+           "check_device",
            "confirm", "ensure_model", "resolve_model"]
 
 
@@ -36,6 +37,14 @@ def add_model_flags(p: argparse.ArgumentParser, device: str = "cuda when availab
                    help=f"compute device (default: {device})")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help=f"compute dtype (default: {dtype}; float32 is the exact reference mode)")
+
+
+def add_parallel_flag(p: argparse.ArgumentParser) -> None:
+    """--tensor-parallel N: the model split over N ranks that mlxr starts itself (one GPU
+    each on CUDA, N CPU processes with --device cpu)."""
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N GPUs (N CPU processes with --device cpu), "
+                        "Megatron-style (docs/tensor_parallel.md)")
 
 
 def check_device(device: str | None) -> None:

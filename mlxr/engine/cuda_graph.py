@@ -170,7 +170,10 @@ class GraphCache:
             cap *= 2
         if cap not in self.entries:
             cache = make_cache(decoder, cap)
-            graph = GraphDecoder(decoder, cache) if graphable(decoder) else None
+            # a decoder that captures its own way (a tensor-parallel rank 0: every rank)
+            make = getattr(decoder, "graph_decoder", None)
+            graph = make(cache) if make is not None else \
+                GraphDecoder(decoder, cache) if graphable(decoder) else None
             self.entries[cap] = (cache, graph)
         cache, graph = self.entries[cap]
         cache.length = 0
@@ -178,10 +181,11 @@ class GraphCache:
 
     def prefill_graph(self, decoder, cache: SequenceCache, n: int) -> PrefillGraph | None:
         """The prefill graph for an n-token prompt into `cache` (from `get`), captured on first
-        use; None where there is none (no bucket, not graphable, or the capture failed: that
-        bucket then stays eager, with a warning)."""
+        use; None where there is none (no bucket, not graphable, a decoder whose prefill is
+        not captured (`prefill_graphs` False: a tensor-parallel rank 0), or the capture
+        failed: that bucket then stays eager, with a warning)."""
         bucket = prefill_bucket(n, cache.capacity)
-        if bucket is None or not graphable(decoder):
+        if bucket is None or not graphable(decoder) or not getattr(decoder, "prefill_graphs", True):
             return None
         key = (cache.capacity, bucket)
         if key not in self.prefill:
