@@ -3,9 +3,10 @@ fewer, larger torch ops.
 
 `Decoder.forward_step` runs this instead of `Decoder._run` on the CPU when every sequence of the
 step adds one token and the decoder qualifies (`eligible`): the single request's decode and the
-serving engine's decode batches. A decode step of Qwen3-0.6B spent ~60% of its time outside the
-int4 GEMVs, in ~90 torch calls per layer of a few microseconds each (docs/perf.md, "CPU
-decode"). Per layer this runs the same arithmetic in about half the calls:
+serving engine's decode batches. A decode step of Qwen3-0.6B spent about half its time outside
+the int4 GEMVs: attention, and ~110 torch calls per layer of a few microseconds each
+(docs/perf.md, "CPU decode"). Per layer this runs the same arithmetic in two thirds of the
+calls:
 
 * projections call torch's int4 kernel directly (`_matmul`: no reshape / dtype / dispatch
   wrapper per call; other storages keep `Linear`);
