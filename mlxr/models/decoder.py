@@ -15,7 +15,7 @@ from .. import ops
 from ..config import ModelConfig
 from ..layers import Embedding, Linear, Rope
 from ..quant import QuantWeight
-from . import fused_decode
+from . import cpu_decode, fused_decode
 from .moe import MoeBlock
 
 
@@ -204,6 +204,9 @@ class Decoder:
 
             return self._run(ids, pb.rope, pool, step.write_slots, attend_paged,
                              step.logits_rows, pb.positions)
+        if (self.device.type == "cpu" and all(sp.q_len == 1 for sp in step.spans)
+                and cpu_decode.enabled() and cpu_decode.eligible(self)):
+            return cpu_decode.run(self, ids, step, pool)
         tables: dict[int, tuple] = {}
         for rope in self.ropes:
             if id(rope.spec) not in tables:
