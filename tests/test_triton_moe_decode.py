@@ -72,7 +72,10 @@ def assert_within(y, ref, tol, what):
                                         f"err/tol {(err / (tol + 1e-30)).max().item():.3g}")
 
 
-def check_gate_up(q_args, act, t, topk, seed, bias=False, f=40, k=128, experts=5):
+def check_gate_up(q_args, act, t, topk, seed, bias=False, f=40, k=128, experts=5, fn=None,
+                  ref_fn=None):
+    """fn / ref_fn: (x, ids, gate, up, act, alpha, limit) -> h (default: the decode kernel
+    and its twin)."""
     mode, bits, group, gs = q_args
     gate = stacked(mode, bits, group, gs, experts, f, k, seed, bias)
     up = stacked(mode, bits, group, gs, experts, f, k, seed + 1, bias)
@@ -80,8 +83,9 @@ def check_gate_up(q_args, act, t, topk, seed, bias=False, f=40, k=128, experts=5
     x = torch.randn(t, k, generator=g)
     ids = random_ids(t, topk, experts, g)
     alpha, limit = 1.702, 2.0  # a low limit: the clamps are taken on random data
-    h = D.moe_gate_up(x, ids, gate, up, act, alpha, limit, block_n=16)
-    ref = D.moe_gate_up_ref(x, ids, gate, up, act, alpha, limit)
+    fn = fn or (lambda *a: D.moe_gate_up(*a, block_n=16))
+    h = fn(x, ids, gate, up, act, alpha, limit)
+    ref = (ref_fn or D.moe_gate_up_ref)(x, ids, gate, up, act, alpha, limit)
     assert h.shape == (t * topk, f) and h.dtype == x.dtype
     xs, pe = x.repeat_interleave(topk, 0), ids.reshape(-1)
     gv = D.expert_matmul_ref(xs, pe, gate, torch.float32).double()
@@ -98,6 +102,7 @@ def check_gate_up(q_args, act, t, topk, seed, bias=False, f=40, k=128, experts=5
         du = glu.abs() + (1 + alpha * (gc.abs() + bg) / 4) * bg
     tol = dg * bg + du * bu + 16 * EPS * ref.double().abs()
     assert_within(h, ref, tol, f"gate_up {mode} {bits}b g{group} gs={gs} {act}")
+    return tol
 
 
 @pytest.mark.parametrize("q_args", QUANTS)
