@@ -61,39 +61,33 @@ def gated_act(gate, up, act: str):
 
 def attention_masked(q, k, v, visible, scale: float, softcap: float | None = None,
                      sinks=None):
-    """GQA attention under a key-visibility mask (see reference.attention_masked; `sinks`:
-    the reference, on every device)."""
-    if sinks is not None:
-        return reference.attention_masked(q, k, v, visible, scale, softcap, sinks)
+    """GQA attention under a key-visibility mask (see reference.attention_masked; `sinks`
+    [H]: gpt-oss's extra logit per head)."""
     if _fast(q):
         from .triton_attn import attention_masked as fast
-        return fast(q, k, v, visible, scale, softcap)
-    return reference.attention_masked(q, k, v, visible, scale, softcap)
+        return fast(q, k, v, visible, scale, softcap, sinks)
+    return reference.attention_masked(q, k, v, visible, scale, softcap, sinks)
 
 
 def attention_at(q, k, v, positions, window: int | None, scale: float,
                  softcap: float | None = None, sinks=None):
     """attention_masked with the visibility from the rows' positions (device [T]), causal and
     windowed: key slot j at position j (see reference.attention_at)."""
-    if sinks is not None:
-        return reference.attention_at(q, k, v, positions, window, scale, softcap, sinks)
     if _fast(q):
         from .triton_attn import attention_at as fast
-        return fast(q, k, v, positions, window, scale, softcap)
-    return reference.attention_at(q, k, v, positions, window, scale, softcap)
+        return fast(q, k, v, positions, window, scale, softcap, sinks)
+    return reference.attention_at(q, k, v, positions, window, scale, softcap, sinks)
 
 
 def paged_attention(q, k, v, block_tables, ctx_lens, block_size: int, scale: float,
                     window: int | None = None, softcap: float | None = None, sinks=None):
     """Decode attention of B sequences over a paged cache (see reference.paged_attention)."""
-    if sinks is not None:
-        return reference.paged_attention(q, k, v, block_tables, ctx_lens, block_size, scale,
-                                         window, softcap, sinks)
     if _fast(q):
         from .triton_paged import paged_attention as fast
-        return fast(q, k, v, block_tables, ctx_lens, block_size, scale, window, softcap)
+        return fast(q, k, v, block_tables, ctx_lens, block_size, scale, window, softcap,
+                    sinks=sinks)
     return reference.paged_attention(q, k, v, block_tables, ctx_lens, block_size, scale, window,
-                                     softcap)
+                                     softcap, sinks)
 
 
 def add_rms_norm(h, r, weight, eps: float, offset: float = 0.0):
