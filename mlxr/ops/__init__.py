@@ -22,6 +22,10 @@ from .moe_reference import head_gate
 from .moe_reference import route as moe_route
 from .reference import attention, paged_items, prefill_tile
 
+from .moe_operands import ExpertQuant
+from .moe_operands import kernels_take as moe_kernels_take
+from .moe_operands import same_format as moe_gate_up_pair
+
 _fused = None  # mlxr.ops.triton_fused, imported at the first CUDA call (triton is slow to import)
 
 
@@ -143,12 +147,28 @@ def gated_delta(q, k, v, g, beta, state):
     return recurrent.gated_delta(q, k, v, g, beta, state)
 
 
+def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: float,
+                out_dtype, routed_scale: float = 1.0):
+    """The routed experts' weighted sum [T, E] by the MoE kernels: x [T, E_in], ids / weights
+    [T, k] on the device; the decode kernels for at most MAX_PAIRS (token, slot) pairs, the
+    grouped GEMM beyond (`triton_moe_decode`, `triton_moe_grouped`)."""
+    from . import triton_moe_decode as dec
+
+    if ids.numel() <= dec.MAX_PAIRS:
+        h = dec.moe_gate_up(x, ids, gate, up, act, alpha, limit)
+        return dec.moe_down(h, ids, weights, down, out_dtype, routed_scale)
+    from .triton_moe_grouped import moe_grouped
+    return moe_grouped(x, ids, weights, gate, up, down, act, alpha, limit, out_dtype,
+                       routed_scale)
+
+
 def fast_kernels(device) -> bool:
     """Whether ops on `device` run as Triton kernels (every op capturable in a CUDA graph)."""
     return _fast(torch.empty(0, device=device))
 
 
-__all__ = ["add_rms_norm", "attention", "attention_at", "attention_masked", "conv1d_silu",
-           "fast_kernels", "gated_act", "gated_delta", "head_gate", "moe_combine",
-           "moe_expert_act", "moe_reference", "moe_route", "paged_attention", "paged_items",
+__all__ = ["ExpertQuant", "add_rms_norm", "attention", "attention_at", "attention_masked",
+           "conv1d_silu", "fast_kernels", "gated_act", "gated_delta", "head_gate", "moe_combine",
+           "moe_expert_act", "moe_experts", "moe_gate_up_pair", "moe_kernels_take",
+           "moe_reference", "moe_route", "paged_attention", "paged_items",
            "paged_prefill_attention", "prefill_tile", "qkv_rope_write", "rms_norm", "rope"]

@@ -24,14 +24,13 @@ matmul, then `moe_reference.expert_act` / `combine`).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
 from . import moe_reference
+from .moe_operands import ExpertQuant, check_pair, kernels_take
 from .triton_qcodes import HAVE_TRITON, MODES, unit_codes
-from .triton_qmm import _next_pow2, dequant_f32
+from .triton_qmm import _next_pow2, _sm_count, dequant_f32
 
 if HAVE_TRITON:
     import triton
@@ -44,28 +43,9 @@ ACTS = {"silu": 0, "swiglu_oai": 1}
 MAX_PAIRS = 16  # (token, slot) pairs the decode kernels serve; more go to the grouped GEMM
 
 
-class ExpertQuant(NamedTuple):
-    """One projection of all X experts as the file stacks it (N = out, K = in features)."""
-    w: Tensor  # int32 [X, N, K*bits/32]
-    scales: Tensor  # [X, N, K/group] (affine: float; fp modes: uint8)
-    biases: Tensor | None  # affine [X, N, K/group]
-    global_scale: Tensor | None  # nvfp4 [X] float32
-    bias: Tensor | None  # expert bias [X, N] (gpt-oss)
-    mode: str
-    bits: int
-    group: int
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """(X experts, N out features, K in features)."""
-        x, n, _ = self.w.shape
-        return x, n, self.scales.shape[-1] * self.group
-
-
 def supported(q: ExpertQuant) -> bool:
-    """Whether the MoE kernels take this stacked projection."""
-    return (HAVE_TRITON and q.mode in MODES and q.w.dim() == 3
-            and q.w.dtype in (torch.int32, torch.uint32) and q.shape[2] % 32 == 0)
+    """Whether the MoE kernels take this stacked projection (and triton is there)."""
+    return HAVE_TRITON and kernels_take(q)
 
 
 def _words_i32(w: Tensor) -> Tensor:
@@ -258,9 +238,13 @@ if HAVE_TRITON:
 
 
 # ====================================================================== launchers
-def _block(n: int, pairs: int, sm_count: int = 132) -> int:
-    """Rows per program: 16, halved while the grid has fewer than ~2 programs per SM."""
+def _block(n: int, pairs: int, device: torch.device) -> int:
+    """Rows per program: 16, on CUDA halved while the grid has fewer than ~2 programs per SM
+    (the interpreter keeps 16: its cost is per program)."""
     bn = 16
+    if device.type != "cuda":
+        return bn
+    sm_count = _sm_count(device)
     while bn > 2 and pairs * -(-n // bn) < 2 * sm_count:
         bn //= 2
     return bn
@@ -271,13 +255,6 @@ def _gt(k: int, bits: int, group: int) -> int:
     per = unit_codes(bits)
     gw = group // per * (per * bits // 32)
     return max(1, min(_next_pow2(k // group), 256 // gw if gw <= 256 else 1))
-
-
-def _check_pair(a: ExpertQuant, b: ExpertQuant) -> None:
-    if (a.shape != b.shape or a.mode != b.mode or a.bits != b.bits or a.group != b.group
-            or (a.global_scale is None) != (b.global_scale is None)
-            or (a.bias is None) != (b.bias is None)):
-        raise ValueError("moe_gate_up: gate and up must share shape and quantization")
 
 
 def _gs_bias(q: ExpertQuant, dummy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -291,7 +268,7 @@ def moe_gate_up(x: Tensor, ids: Tensor, gate: ExpertQuant, up: ExpertQuant, act:
     """h [T*k, F] = act(gate_e(x_t), up_e(x_t)) for each (token t, slot) pair with expert
     e = ids[t, slot]; x [T, K], ids [T, k] (device int). Output in x.dtype. block_n: rows
     per program (default `_block`)."""
-    _check_pair(gate, up)
+    check_pair(gate, up)
     if act not in ACTS:
         raise ValueError(f"unknown expert activation {act!r}")
     _, f, k = gate.shape
@@ -304,7 +281,7 @@ def moe_gate_up(x: Tensor, ids: Tensor, gate: ExpertQuant, up: ExpertQuant, act:
     h = torch.empty(p, f, device=x.device, dtype=x.dtype)
     if p == 0:
         return h
-    bn = block_n or _block(f, p)
+    bn = block_n or _block(f, p, x.device)
     gb, ggs, gbias = _gs_bias(gate, gate.scales)
     ub, ugs, ubias = _gs_bias(up, up.scales)
     _gate_up_kernel[(p, triton.cdiv(f, bn))](
@@ -331,7 +308,7 @@ def moe_down(h: Tensor, ids: Tensor, weights: Tensor, down: ExpertQuant,
     y = torch.empty(t, e, device=h.device, dtype=out_dtype)
     if t == 0:
         return y
-    bn = block_n or _block(e, t)
+    bn = block_n or _block(e, t, h.device)
     b, gs, bias = _gs_bias(down, down.scales)
     _down_kernel[(t, triton.cdiv(e, bn))](
         h, ids, weights, y, _words_i32(down.w), down.scales, b, gs, bias, e,

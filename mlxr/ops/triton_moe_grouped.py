@@ -36,8 +36,8 @@ import torch
 from torch import Tensor
 
 from . import moe_reference
-from .triton_moe_decode import (ACTS, ExpertQuant, _check_pair, _gs_bias, _words_i32,
-                                expert_matmul_ref)
+from .moe_operands import ExpertQuant, check_pair
+from .triton_moe_decode import ACTS, _gs_bias, _words_i32, expert_matmul_ref
 from .triton_qcodes import HAVE_TRITON, MODES
 from .triton_qmm import _interpret
 
@@ -223,7 +223,7 @@ def moe_grouped_gate_up(x: Tensor, ids: Tensor, gate: ExpertQuant, up: ExpertQua
                         alpha: float = 1.702, limit: float = 7.0,
                         config: GroupedConfig | None = None) -> Tensor:
     """h [T*k, F] as `triton_moe_decode.moe_gate_up` (pair order), by the grouped GEMM."""
-    _check_pair(gate, up)
+    check_pair(gate, up)
     if act not in ACTS:
         raise ValueError(f"unknown expert activation {act!r}")
     cfg = _config(ids, gate, config)
@@ -245,7 +245,7 @@ def moe_grouped(x: Tensor, ids: Tensor, weights: Tensor, gate: ExpertQuant, up: 
                 config: GroupedConfig | None = None) -> Tensor:
     """The routed experts' weighted sum [T, E] for x [T, E_in], ids / weights [T, k]: one
     alignment, the two grouped launches, `moe_reference.combine`."""
-    _check_pair(gate, up)
+    check_pair(gate, up)
     if act not in ACTS:
         raise ValueError(f"unknown expert activation {act!r}")
     cfg = _config(ids, gate, config)
