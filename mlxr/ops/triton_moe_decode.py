@@ -240,10 +240,10 @@ if HAVE_TRITON:
 # ====================================================================== launchers
 def _block(n: int, pairs: int, device: torch.device) -> int:
     """Rows per program: 16, on CUDA halved while the grid has fewer than ~2 programs per SM
-    (the interpreter keeps 16: its cost is per program)."""
-    bn = 16
+    (the interpreter takes up to 128 rows at once: its cost is per program)."""
     if device.type != "cuda":
-        return bn
+        return min(128, _next_pow2(n))
+    bn = 16
     sm_count = _sm_count(device)
     while bn > 2 and pairs * -(-n // bn) < 2 * sm_count:
         bn //= 2
