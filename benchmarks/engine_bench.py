@@ -24,7 +24,7 @@ import torch
 
 import mlxr
 from mlxr.engine import EngineRequest, LLMEngine
-from mlxr.sampling import SamplingParams
+from mlxr.text.sampling import SamplingParams
 
 
 def sync(dev) -> None:

@@ -38,7 +38,7 @@ import torch
 from safetensors.torch import save_file
 
 from mlxr.errors import TokenizerError
-from mlxr.tokenizer import TOKENIZER_FILES, check_tokenizer_files
+from mlxr.text.tokenizer import TOKENIZER_FILES, check_tokenizer_files
 
 SHAPES = {
     "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28,

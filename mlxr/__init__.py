@@ -7,14 +7,14 @@ Reading order: model (load, generate) -> generate (one stream of events) -> mode
 
 from .errors import ContextLengthError, MlxrError, ModelFormatError, TokenizerError
 from .model import Model, load, validate
-from .sampling import SamplingParams
+from .text.sampling import SamplingParams
 
 __version__ = "0.1.0"
 
 
 def load_tokenizer(path):
-    """Load the tokenizer of a model directory (see mlxr.tokenizer.Tokenizer)."""
-    from .tokenizer import load_tokenizer as _load
+    """Load the tokenizer of a model directory (see mlxr.text.tokenizer.Tokenizer)."""
+    from .text.tokenizer import load_tokenizer as _load
 
     return _load(path)
 

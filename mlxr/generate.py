@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import trace
 from .engine.cuda_graph import GraphCache
 from .engine.kv_cache import new_cache
 from .errors import ContextLengthError
+from .harness import trace
 from .models.decoder import Decoder
-from .sampling import Sampler, SamplingParams, StopMatcher
+from .text.sampling import Sampler, SamplingParams, StopMatcher
 
 # Captured decode graphs (and their KV caches) per CUDA decoder, reused across requests.
 _graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from . import trace
+from .harness import trace
 from .checkpoint import open_checkpoint
 from .config import ModelConfig, load_config
 from .errors import MlxrError, ModelFormatError
@@ -17,8 +17,8 @@ from .models.hybrid_loader import build_hybrid
 from .models.loader import build_decoder, check_checkpoint
 from .names import resolve_model
 from .onnx.folder import is_onnx_model
-from .sampling import SamplingParams
-from .tokenizer_checks import check_token_ids
+from .text.sampling import SamplingParams
+from .text.tokenizer_checks import check_token_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,7 +55,7 @@ class Model:
         """The model directory's tokenizer (loaded on first use, ids checked against the
         embedding table)."""
         if self._tokenizer is None:
-            from .tokenizer import load_tokenizer
+            from .text.tokenizer import load_tokenizer
 
             tok = load_tokenizer(self.path)
             check_token_ids(tok, self.config.vocab_size, self.path.name)
@@ -149,7 +149,7 @@ def load(path: str | Path, device: str | torch.device | None = None,
     if onnx:  # an ONNX decoder folder or file (needs the `onnx` extra)
         from .onnx.load import load_onnx
 
-        return load_onnx(path, dev, dt, weights)
+        return Model(*load_onnx(path, dev, dt, weights))
     config, gen = load_config(path)
     _check_generation_config(gen, config.vocab_size)
     if not weights:

@@ -76,7 +76,7 @@ def resolve_model(name: str | Path | None) -> Path:
     a directory, a bundled name, an alias or a Hub name already pulled into the Hugging Face
     cache (never downloads).
     Raises NotDownloadedError for a Hub name (or alias) that `mlxr pull` would fetch."""
-    from .store import hub_cache, local_snapshot, parse_name, repo_dir
+    from .store.local import hub_cache, local_snapshot, parse_name, repo_dir
 
     if name is None or str(name) == "":
         return BUNDLED / DEFAULT_MODEL

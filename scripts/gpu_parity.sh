@@ -60,10 +60,10 @@ case "${1:-}" in
   bench)
     python3 benchmarks/make_checkpoint.py qwen3-0.6b /tmp/q06 >/dev/null
     python3 -m mlxr bench /tmp/q06 -p 512 -n 128 --device cuda | tee "$out/bench-0.6b.txt"
-    python3 benchmarks/gpu_profile.py /tmp/q06 | tee "$out/profile-decode.txt"
-    python3 benchmarks/gpu_profile_prefill.py /tmp/q06 | tee "$out/profile-prefill.txt"
+    python3 benchmarks/gpu/gpu_profile.py /tmp/q06 | tee "$out/profile-decode.txt"
+    python3 benchmarks/gpu/gpu_profile_prefill.py /tmp/q06 | tee "$out/profile-prefill.txt"
     python3 benchmarks/engine_bench.py /tmp/q06 --device cuda | tee "$out/engine.txt"
-    python3 benchmarks/gpu_profile_paged.py /tmp/q06 256 96 | tee "$out/profile-paged.txt"
+    python3 benchmarks/gpu/gpu_profile_paged.py /tmp/q06 256 96 | tee "$out/profile-paged.txt"
     python3 benchmarks/make_checkpoint.py llama-3.1-8b /tmp/l8 >/dev/null
     python3 -m mlxr bench /tmp/l8 -p 512 -n 64 --device cuda --repeats 2 \
       | tee "$out/bench-8b.txt" ;;
@@ -73,11 +73,11 @@ case "${1:-}" in
     for m in ${MODELS:-q06 l8}; do
       for sw in ${AB:-MLXR_DECODE_FUSED MLXR_PDL}; do
         for v in 1 0; do
-          env "$sw=$v" python3 benchmarks/gpu_ab_check.py "/tmp/$m" "/tmp/$m-$v.pt" >/dev/null
+          env "$sw=$v" python3 benchmarks/gpu/gpu_ab_check.py "/tmp/$m" "/tmp/$m-$v.pt" >/dev/null
           env "$sw=$v" python3 -m mlxr bench "/tmp/$m" -p 512 -n 128 --device cuda --repeats 2 \
             | tail -n 1 > "$out/ab-$m-$sw-$v.json"
         done
-        echo "$m $sw: $(python3 benchmarks/gpu_ab_check.py --compare "/tmp/$m-1.pt" \
+        echo "$m $sw: $(python3 benchmarks/gpu/gpu_ab_check.py --compare "/tmp/$m-1.pt" \
           "/tmp/$m-0.pt" || true)" | tee -a "$out/ab.txt"
       done
     done ;;
@@ -94,9 +94,9 @@ case "${1:-}" in
       for v in 1 0; do
         echo "$w $sw=$v $(env "$sw=$v" python3 -m mlxr bench "/tmp/l8_$w" -p 128 -n 64 \
           --device cuda --repeats 2 | tail -n 1)" >> "$out/widths.txt"
-        env "$sw=$v" python3 benchmarks/gpu_ab_check.py "/tmp/l8_$w" "/tmp/l8_$w-$v.pt" >/dev/null
+        env "$sw=$v" python3 benchmarks/gpu/gpu_ab_check.py "/tmp/l8_$w" "/tmp/l8_$w-$v.pt" >/dev/null
       done
-      echo "$w $sw: $(python3 benchmarks/gpu_ab_check.py --compare "/tmp/l8_$w-1.pt" \
+      echo "$w $sw: $(python3 benchmarks/gpu/gpu_ab_check.py --compare "/tmp/l8_$w-1.pt" \
         "/tmp/l8_$w-0.pt" || true)" | tee -a "$out/widths.txt"
     done ;;
   memory)
@@ -107,15 +107,15 @@ case "${1:-}" in
       tail -n 1 "$out/dropped-parity.txt"
     fi
     wait
-    python3 benchmarks/gpu_dequant_copy.py 4 | tee "$out/dequant-copy.txt"
+    python3 benchmarks/gpu/gpu_dequant_copy.py 4 | tee "$out/dequant-copy.txt"
     for arm in keep drop; do
       for p in 128 512; do
         echo "$arm p$p $(MLXR_WORDS=$arm python3 -m mlxr bench /tmp/l8 -p $p -n 32 --device cuda \
           --repeats 2 | tail -n 1)" | tee -a "$out/memory.txt"
       done
-      MLXR_WORDS=$arm python3 benchmarks/gpu_ab_check.py /tmp/l8 "/tmp/l8-$arm.pt" 100 >/dev/null
+      MLXR_WORDS=$arm python3 benchmarks/gpu/gpu_ab_check.py /tmp/l8 "/tmp/l8-$arm.pt" 100 >/dev/null
     done
-    echo "kept vs dropped: $(python3 benchmarks/gpu_ab_check.py --compare \
+    echo "kept vs dropped: $(python3 benchmarks/gpu/gpu_ab_check.py --compare \
       /tmp/l8-keep.pt /tmp/l8-drop.pt || true)" | tee -a "$out/memory.txt" ;;
   fp4)
     for m in ${FP_MODES:-mxfp4 nvfp4 mxfp8}; do
@@ -130,7 +130,7 @@ case "${1:-}" in
         -k "fp4 or fp8" > "$out/fp4-parity.txt" 2>&1 || true
       tail -n 1 "$out/fp4-parity.txt"
     fi
-    python3 benchmarks/gpu_q4tc_fp4.py ${FP_MODES:-mxfp4 nvfp4 mxfp8} \
+    python3 benchmarks/gpu/gpu_q4tc_fp4.py ${FP_MODES:-mxfp4 nvfp4 mxfp8} \
       | tee "$out/fp4-workbench.txt"
     for m in ${FP_MODES:-mxfp4 nvfp4 mxfp8}; do
       while [ ! -f "/tmp/l8_$m.done" ]; do sleep 2; done
@@ -139,11 +139,11 @@ case "${1:-}" in
       for v in 1 0; do
         echo "$m $sw=$v $(env "$sw=$v" python3 -m mlxr bench "/tmp/l8_$m" -p 128 \
           -n 64 --device cuda --repeats 2 | tail -n 1)" | tee -a "$out/fp4.txt"
-        env "$sw=$v" python3 benchmarks/gpu_ab_check.py "/tmp/l8_$m" "/tmp/l8_$m-$v.pt" >/dev/null
+        env "$sw=$v" python3 benchmarks/gpu/gpu_ab_check.py "/tmp/l8_$m" "/tmp/l8_$m-$v.pt" >/dev/null
       done
-      if ! python3 benchmarks/gpu_ab_check.py --compare "/tmp/l8_$m-1.pt" "/tmp/l8_$m-0.pt" \
+      if ! python3 benchmarks/gpu/gpu_ab_check.py --compare "/tmp/l8_$m-1.pt" "/tmp/l8_$m-0.pt" \
           | tee -a "$out/fp4.txt"; then
-        python3 benchmarks/gpu_ab_logits.py "/tmp/l8_$m" "$sw" 1 0 300 60 \
+        python3 benchmarks/gpu/gpu_ab_logits.py "/tmp/l8_$m" "$sw" 1 0 300 60 \
           | tee -a "$out/fp4.txt"
       fi
       # the words dropped for the copy (prefill by dequant_copy from it): speed, memory, and
@@ -151,10 +151,10 @@ case "${1:-}" in
       echo "$m MLXR_WORDS=drop $(MLXR_WORDS=drop python3 -m mlxr bench "/tmp/l8_$m" -p 512 \
         -n 32 --device cuda --repeats 2 | tail -n 1)" | tee -a "$out/fp4.txt"
       for w in keep drop; do
-        MLXR_WORDS=$w python3 benchmarks/gpu_ab_check.py "/tmp/l8_$m" "/tmp/l8_$m-$w.pt" 100 \
+        MLXR_WORDS=$w python3 benchmarks/gpu/gpu_ab_check.py "/tmp/l8_$m" "/tmp/l8_$m-$w.pt" 100 \
           >/dev/null
       done
-      python3 benchmarks/gpu_ab_check.py --compare "/tmp/l8_$m-keep.pt" "/tmp/l8_$m-drop.pt" \
+      python3 benchmarks/gpu/gpu_ab_check.py --compare "/tmp/l8_$m-keep.pt" "/tmp/l8_$m-drop.pt" \
         | tee -a "$out/fp4.txt" || true
     done ;;
   serve)

@@ -41,7 +41,7 @@ import mlxr  # noqa: E402
 from mlxr.engine import EngineRequest, LLMEngine  # noqa: E402
 from mlxr.engine.cuda_graph import GraphDecoder, graphable  # noqa: E402
 from mlxr.engine.kv_cache import new_cache  # noqa: E402
-from mlxr.sampling import SamplingParams  # noqa: E402
+from mlxr.text.sampling import SamplingParams  # noqa: E402
 
 # test_parity_moe.CASES (imported from there where mlx is installed)
 CASES = [("qwen3_moe", q) for q in ("bf16", "q4g64", "q8g64", "mxfp4")] + [

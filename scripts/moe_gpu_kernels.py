@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from mlxr.ops import moe_reference
-from mlxr.ops import triton_moe_decode as D
-from mlxr.ops import triton_moe_grouped as G
-from mlxr.ops.moe_operands import ExpertQuant
+from mlxr.ops.moe import reference as moe_reference
+from mlxr.ops.moe import decode_experts as D
+from mlxr.ops.moe import grouped_experts as G
+from mlxr.ops.moe.operands import ExpertQuant
 
 QUANTS = [("affine", b, g) for b in (4, 8) for g in (32, 64, 128)] + [
     ("mxfp4", 4, 32), ("nvfp4", 4, 16), ("mxfp8", 8, 32)]

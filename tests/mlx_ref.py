@@ -58,7 +58,7 @@ FAMILIES: dict[str, dict] = {
 
 # Families for the GPU parity run only (scripts/make_gpu_fixtures.py): dimensions that the
 # decode GEMVs' tensor-core kernel takes (K a multiple of 512), so greedy decode runs through
-# it (triton_q4tc, and its nibble planes for the other affine widths).
+# it (decode_gemv_tc, and its nibble planes for the other affine widths).
 WIDE: dict[str, dict] = {
     "qwen3_wide": dict(model_type="qwen3", tie_word_embeddings=True, hidden_size=512,
                        intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2,

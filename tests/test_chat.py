@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from mlxr.chat import render_chat_template
 from mlxr.errors import TokenizerError
-from mlxr.tokenizer import load_chat_template, load_tokenizer
+from mlxr.text.chat import render_chat_template
+from mlxr.text.tokenizer import load_chat_template, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

@@ -161,7 +161,7 @@ def test_run_checks_the_tokenizer_before_loading_weights(tmp_path):
 
 def test_show_and_set_speak_plainly(capsys):
     from mlxr.cli.run import Session
-    from mlxr.sampling import SamplingParams
+    from mlxr.text.sampling import SamplingParams
 
     model = mlxr.load(STORY, device="cpu")
     session = Session(model, model.sampling_params(SamplingParams(max_tokens=50, seed=3)),

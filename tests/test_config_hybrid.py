@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import mlxr
 from mlxr.config import parse_config
-from mlxr.config_hybrid import GatedDeltaSpec, Gemma4Spec
+from mlxr.config.hybrid import GatedDeltaSpec, Gemma4Spec
 from mlxr.errors import ModelFormatError
 
 QWEN = dict(model_type="qwen3_5", text_config=dict(

@@ -10,7 +10,7 @@ import pytest
 import mlxr
 from mlxr.cli.common import BUNDLED
 from mlxr.engine import AsyncEngine, EngineRequest, LLMEngine
-from mlxr.sampling import SamplingParams
+from mlxr.text.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

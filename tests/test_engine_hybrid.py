@@ -12,7 +12,7 @@ hyb = pytest.importorskip("mlx_ref_hybrid")
 
 import mlxr  # noqa: E402
 from mlxr.engine import EngineRequest, LLMEngine  # noqa: E402
-from mlxr.sampling import SamplingParams  # noqa: E402
+from mlxr.text.sampling import SamplingParams  # noqa: E402
 
 FAMILIES = ["qwen3_5", "gemma4_text"]
 

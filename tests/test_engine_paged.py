@@ -12,7 +12,7 @@ import mlxr
 from mlxr.cli.common import BUNDLED
 from mlxr.engine import EngineRequest, LLMEngine
 from mlxr.engine.decode_graphs import buckets_for
-from mlxr.sampling import SamplingParams
+from mlxr.text.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -86,7 +86,7 @@ def test_bf16_on_gpu_close_to_reference(case):
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("qwen3_wide")])
 def test_bf16_graph_decode_close_to_reference(case):
     """Teacher-forced decode through the CUDA graph (one token per replay, so the decode GEMVs:
-    at these widths triton_q4tc / q4gemv, q4tc's nibble planes for 2/3/5/6/8-bit and its fp4
+    at these widths decode_gemv_tc / q4gemv, q4tc's nibble planes for 2/3/5/6/8-bit and its fp4
     copy for mxfp4) against
     mlx-lm's float32 logits, with the bf16 bar of `test_bf16_on_gpu_close_to_reference`."""
     from mlxr.engine.cuda_graph import GraphDecoder

@@ -9,7 +9,7 @@ import torch
 import mlxr
 from mlxr.cli.common import BUNDLED
 from mlxr.engine import EngineRequest, LLMEngine
-from mlxr.sampling import SamplingParams
+from mlxr.text.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -1,4 +1,5 @@
-"""Correctness gates and paired benchmarks (mlxr.harness, mlxr.pairbench, mlxr.trace).
+"""Correctness gates and paired benchmarks (mlxr.harness.goldens, mlxr.harness.pairbench,
+mlxr.harness.trace).
 
 - committed goldens for the bundled models pass on the CPU float32 reference path, and the
   bundled golden agrees with mlx-lm's own greedy continuation;
@@ -25,8 +26,8 @@ import numpy as np
 import pytest
 
 import mlxr
-from mlxr import harness
 from mlxr.cli import main
+from mlxr.harness import goldens
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDENS = Path(__file__).resolve().parent / "goldens"
@@ -40,7 +41,7 @@ def stories():
 
 @pytest.fixture(scope="module")
 def stories_golden():
-    return harness.load_golden(GOLDENS / "stories260K.json")
+    return goldens.load_golden(GOLDENS / "stories260K.json")
 
 
 # ----------------------------------------------------------------------------- mlx-lm goldens
@@ -51,9 +52,9 @@ def mlx_lm_golden(path: Path, prompt: list[int], tokens: int = 16, top_k: int = 
     import mlx_lm
 
     ref = mlx_ref.reference(path, prompt, max_tokens=tokens)
-    ident = harness.identity(path, "float32", "cpu", source="mlx-lm",
+    ident = goldens.identity(path, "float32", "cpu", source="mlx-lm",
                              version=mlx_lm.__version__)
-    return harness.build_golden(prompt, ref.greedy, ref.logits32, ident, top_k)
+    return goldens.build_golden(prompt, ref.greedy, ref.logits32, ident, top_k)
 
 
 @pytest.fixture(scope="module")
@@ -72,20 +73,20 @@ def test_committed_golden_passes_on_reference_path(name, capsys):
     gpath = GOLDENS / f"{name}.json"
     assert main(["check", name, str(gpath), "--device", "cpu", "--free-run", "-1"]) == 0
     out = capsys.readouterr().out
-    g = harness.load_golden(gpath)
+    g = goldens.load_golden(gpath)
     n = len(g["greedy"])
     assert f"{n}/{n} positions pass" in out and f"free-run: {n}/{n}" in out and "PASS" in out
 
 
 def test_golden_regenerates_identically(stories, stories_golden, tmp_path):
-    g = harness.make_golden(stories, [1], tokens=32, top_k=5)
+    g = goldens.make_golden(stories, [1], tokens=32, top_k=5)
     assert g["identity"] == stories_golden["identity"]
     assert g["greedy"] == stories_golden["greedy"]
     for ours, want in zip(g["positions"], stories_golden["positions"]):
         assert ours["top_ids"] == want["top_ids"]
         np.testing.assert_allclose(ours["top_logits"], want["top_logits"], atol=1e-4)
-    harness.save_golden(g, tmp_path / "g.json")
-    assert harness.load_golden(tmp_path / "g.json") == json.loads(json.dumps(g))
+    goldens.save_golden(g, tmp_path / "g.json")
+    assert goldens.load_golden(tmp_path / "g.json") == json.loads(json.dumps(g))
 
 
 def test_bundled_golden_is_mlx_lm_greedy(stories_golden):
@@ -109,11 +110,11 @@ def test_mlx_lm_golden_every_family(family, tmp_path):
     path = mlx_ref.make_model(tmp_path / family, family, "q4g64")
     rng = random.Random(family)
     prompt = [rng.randrange(mlx_ref.BASE["vocab_size"]) for _ in range(8)]
-    harness.save_golden(mlx_lm_golden(path, prompt), tmp_path / "g.json")
-    g = harness.load_golden(tmp_path / "g.json")
-    assert harness.check_identity(g, path) == []
+    goldens.save_golden(mlx_lm_golden(path, prompt), tmp_path / "g.json")
+    g = goldens.load_golden(tmp_path / "g.json")
+    assert goldens.check_identity(g, path) == []
     model = mlxr.load(path, device="cpu", dtype="float32")
-    res = harness.check_golden(model, g, free_run=None)
+    res = goldens.check_golden(model, g, free_run=None)
     assert res.ok, res.first.describe()
     assert res.free_run_match == len(g["greedy"]) == 16
 
@@ -144,7 +145,7 @@ def _patch_row(path: Path, tensor: str, row: int) -> None:
 def test_perturbed_model_fails_at_the_right_position(tiny, tmp_path, capsys):
     path, g = tiny
     model = mlxr.load(path, device="cpu", dtype="float32")
-    assert harness.check_golden(model, g, free_run=None).ok  # the unperturbed model passes
+    assert goldens.check_golden(model, g, free_run=None).ok  # the unperturbed model passes
     seq = g["prompt_ids"] + g["greedy"]
     n0 = len(g["prompt_ids"])
     # The first continuation token j >= 3 not seen before: it is first read as the input of
@@ -153,14 +154,14 @@ def test_perturbed_model_fails_at_the_right_position(tiny, tmp_path, capsys):
     bad = tmp_path / "perturbed"
     shutil.copytree(path, bad)
     _patch_row(bad / "model.safetensors", "model.embed_tokens.weight", seq[n0 + j])
-    res = harness.check_golden(mlxr.load(bad, device="cpu", dtype="float32"), g, free_run=None)
+    res = goldens.check_golden(mlxr.load(bad, device="cpu", dtype="float32"), g, free_run=None)
     assert not res.ok
     assert res.teacher_failures[0] == j + 1
     assert res.first.position == j + 1 and res.first.gate == "teacher-forced"
     assert res.free_run_match == j + 1  # everything before it is bit-for-bit the same path
 
     gfile = tmp_path / "g.json"
-    harness.save_golden(g, gfile)
+    goldens.save_golden(g, gfile)
     # The golden belongs to another model: refused unless asked to check anyway.
     assert main(["check", str(bad), str(gfile), "--device", "cpu"]) == 1
     assert "weight files differ" in capsys.readouterr().err
@@ -186,34 +187,34 @@ def _plant(golden: dict, gap: float) -> tuple[dict, int]:
 
 
 def test_planted_exact_tie_accepted(stories, stories_golden):
-    assert harness.check_golden(stories, stories_golden).ok
+    assert goldens.check_golden(stories, stories_golden).ok
     g, i = _plant(stories_golden, 0.0)
-    res = harness.check_golden(stories, g)
+    res = goldens.check_golden(stories, g)
     assert res.ok and res.ties_accepted == [i] and res.teacher_failures == []
     g, i = _plant(stories_golden, 5e-7)  # within the default 1e-6
-    assert harness.check_golden(stories, g).ties_accepted == [i]
+    assert goldens.check_golden(stories, g).ties_accepted == [i]
 
 
 def test_non_tie_difference_rejected(stories, stories_golden):
     g, i = _plant(stories_golden, 1e-3)
-    res = harness.check_golden(stories, g)
+    res = goldens.check_golden(stories, g)
     assert not res.ok and res.teacher_failures == [i] and res.first.position == i
     assert res.first.our_token == stories_golden["greedy"][i] != res.first.golden_token
     # The tolerance is configurable: 1e-2 calls the same gap a tie.
-    assert harness.check_golden(stories, g, tie_tol=1e-2).ok
+    assert goldens.check_golden(stories, g, tie_tol=1e-2).ok
     # Free-run over every token also sees it (our greedy differs at the planted position).
-    res = harness.check_golden(stories, _plant(stories_golden, 0.0)[0], free_run=None)
+    res = goldens.check_golden(stories, _plant(stories_golden, 0.0)[0], free_run=None)
     assert res.teacher_failures == [] and res.free_run_match == i and not res.ok
 
 
 def test_gate_position_rule():
     pos = {"token": 7, "top_ids": [7, 3, 9], "top_logits": [2.0, 2.0, 1.0]}
-    assert harness.gate_position(pos, 7, 1e-6) == "match"
-    assert harness.gate_position(pos, 3, 1e-6) == "tie"
-    assert harness.gate_position(pos, 9, 1e-6) == "fail"  # not one of the tied
-    assert harness.gate_position(pos, 9, 1.5) == "tie"
+    assert goldens.gate_position(pos, 7, 1e-6) == "match"
+    assert goldens.gate_position(pos, 3, 1e-6) == "tie"
+    assert goldens.gate_position(pos, 9, 1e-6) == "fail"  # not one of the tied
+    assert goldens.gate_position(pos, 9, 1.5) == "tie"
     pos = {"token": 7, "top_ids": [7, 3], "top_logits": [2.0, 2.0 - 1e-5]}
-    assert harness.gate_position(pos, 3, 1e-6) == "fail"
+    assert goldens.gate_position(pos, 3, 1e-6) == "fail"
 
 
 def test_golden_cli_and_bad_inputs(tmp_path, capsys):
@@ -221,7 +222,7 @@ def test_golden_cli_and_bad_inputs(tmp_path, capsys):
     out = tmp_path / "g.json"
     assert main(["golden", "stories260K", "--prompt-file", str(tmp_path / "p.json"),
                  "--tokens", "8", "--top-k", "3", "--out", str(out)]) == 0
-    g = harness.load_golden(out)
+    g = goldens.load_golden(out)
     assert g["prompt_ids"] == [1, 403] and len(g["greedy"]) == 8 and g["top_k"] == 3
     assert g["identity"]["dtype"] == "float32" and g["identity"]["device"] == "cpu"
     assert main(["check", "stories260K", str(out)]) == 0
@@ -269,7 +270,7 @@ def test_bench_pair_injected_delay_fails_floor(tmp_path, capsys):
 
 
 def test_pair_summary_math_and_bench_forwarding():
-    from mlxr import pairbench
+    from mlxr.harness import pairbench
 
     def run(pre, dec):
         return {"prefill_s": pre, "decode_s": dec, "prompt_tokens": 10, "generation_tokens": 5,
@@ -302,7 +303,7 @@ def test_bench_pair_bad_side(tmp_path):
 # ----------------------------------------------------------------------------- tracing
 
 TRACE_SCRIPT = """
-import mlxr, mlxr.trace as trace
+import mlxr, mlxr.harness.trace as trace
 m = mlxr.load({model!r}, device="cpu", dtype="float32")
 trace.instrument(m.decoder)
 with trace.span("run"):
@@ -317,7 +318,7 @@ def _span_names(path: Path) -> list[str]:
 
 
 def test_trace_spans_in_process(tmp_path):
-    from mlxr import trace
+    from mlxr.harness import trace
 
     if trace.enabled():
         pytest.skip("MLXR_TRACE is set for this test run")
@@ -346,7 +347,7 @@ def test_trace_env_switch_with_kernels(tmp_path):
 
 
 def test_trace_off_is_a_shared_noop():
-    from mlxr import trace
+    from mlxr.harness import trace
 
     if trace.enabled():
         pytest.skip("MLXR_TRACE is set for this test run")

@@ -15,7 +15,7 @@ import mlxr
 from hostile_models import make_folder
 from mlxr.config import parse_config
 from mlxr.errors import MlxrError, ModelFormatError, TokenizerError
-from mlxr.tokenizer import load_tokenizer
+from mlxr.text.tokenizer import load_tokenizer
 
 mlx_ref = pytest.importorskip("mlx_ref")
 

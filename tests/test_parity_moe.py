@@ -27,7 +27,7 @@ mlx_ref = pytest.importorskip("mlx_ref")
 import mlxr  # noqa: E402
 from mlxr.engine import EngineRequest, LLMEngine  # noqa: E402
 from mlxr.engine.kv_cache import new_cache  # noqa: E402
-from mlxr.sampling import SamplingParams  # noqa: E402
+from mlxr.text.sampling import SamplingParams  # noqa: E402
 
 F32_TOL = 1e-3
 TIE_TOL = 2 * F32_TOL

@@ -58,7 +58,7 @@ def test_fp_dequant_kernel_matches_reference(mode, n, k, dtype):
     bits, except E4M3's NaN bytes (0x7F / 0xFF: +-480 in the kernels, as in the GEMVs).
     nvfp4's global scale is optional (the 8B nvfp4 checkpoint has none); only nvfp4 takes
     one."""
-    from mlxr.ops.triton_dequant import dequant_fp
+    from mlxr.ops.matmul.prefill_dequant import dequant_fp
     from mlxr.quant.fp import FP_MODES, fp_dequantize, fp_scales
 
     gs = torch.tensor(3.5e3) if mode == "nvfp4" else None
@@ -87,7 +87,7 @@ def test_fp_prefill_takes_dequant(monkeypatch):
     """17+ rows of an fp-mode weight take `dequant_fp` + a matmul (the same values as the
     generic kernels within bf16 rounding), the generic kernels with MLXR_FP_DEQUANT=0;
     the fused affine GEMM never takes them, whatever MLXR_PREFILL_GEMM says."""
-    from mlxr.ops import triton_dequant
+    from mlxr.ops.matmul import prefill_dequant
     from mlxr.quant.fp import fp_dequantize
 
     g = torch.Generator().manual_seed(3)
@@ -100,7 +100,7 @@ def test_fp_prefill_takes_dequant(monkeypatch):
     monkeypatch.setenv("MLXR_FP_DEQUANT", "0")
     assert qcuda.linear(qw, x) is None
     monkeypatch.delenv("MLXR_FP_DEQUANT")
-    calls = _spy(monkeypatch, triton_dequant, "dequant_fp", lambda a, kw: a[3])
+    calls = _spy(monkeypatch, prefill_dequant, "dequant_fp", lambda a, kw: a[3])
     monkeypatch.setenv("MLXR_PREFILL_GEMM", "fused")
     y = qcuda.linear(qw, x)
     assert calls == ["mxfp4"] and y.shape == (20, n)
@@ -137,7 +137,7 @@ def _q4_weight(g, n, k, group):
 
 
 def test_single_row_decode_takes_q4gemv(monkeypatch):
-    """M = 1 of a 4-bit bf16 weight runs triton_q4gemv on the load-time repack; MLXR_Q4GEMV=0
+    """M = 1 of a 4-bit bf16 weight runs decode_gemv_q4 on the load-time repack; MLXR_Q4GEMV=0
     turns it off (then tinygemm, absent here, would serve it); other widths never take it."""
     g = torch.Generator().manual_seed(11)
     n, k, group = 40, 1024, 64
@@ -155,9 +155,9 @@ def test_single_row_decode_takes_q4gemv(monkeypatch):
     monkeypatch.delenv("MLXR_Q4GEMV")
     # 2-16 rows without tinygemm's copy: the prefill path (one read of the packed words), not
     # the generic per-row-block kernels (None); without the q4 repack they stay generic
-    from mlxr.ops import triton_dequant
+    from mlxr.ops.matmul import prefill_dequant
 
-    calls = _spy(monkeypatch, triton_dequant, "dequant_affine", lambda a, kw: a[4])
+    calls = _spy(monkeypatch, prefill_dequant, "dequant_affine", lambda a, kw: a[4])
     x8 = torch.randn(8, k, generator=g).to(torch.bfloat16)
     y8 = qcuda.linear(qw, x8)
     want8 = x8.float() @ ref_dequantize(w, s.float(), b.float(), spec, dtype=torch.float32).t()
@@ -173,10 +173,10 @@ def test_single_row_decode_takes_q4gemv(monkeypatch):
 
 
 def test_single_row_decode_takes_q4tc_where_preferred(monkeypatch):
-    """M = 1 of a tall 4-bit weight (N >= 4K) runs triton_q4tc on its load-time repack;
+    """M = 1 of a tall 4-bit weight (N >= 4K) runs decode_gemv_tc on its load-time repack;
     MLXR_Q4TC=0 (read at load) or the fused decode step keep q4gemv; a square one keeps
     q4gemv."""
-    from mlxr.ops import triton_q4tc
+    from mlxr.ops.matmul import decode_gemv_tc
 
     g = torch.Generator().manual_seed(12)
     n, k, group = 2048, 512, 64
@@ -184,7 +184,7 @@ def test_single_row_decode_takes_q4tc_where_preferred(monkeypatch):
     spec = qw.spec
     assert qcuda.q4tc_preferred(qw)
     qw.tc, qw.q4_sb = qcopies.q4tc_pack(w, s, b)
-    calls = _spy(monkeypatch, triton_q4tc, "q4tc", lambda a, kw: 1)
+    calls = _spy(monkeypatch, decode_gemv_tc, "q4tc", lambda a, kw: 1)
     x = torch.randn(1, k, generator=g).to(torch.bfloat16)
     y = qcuda.linear(qw, x)
     want = x.float() @ ref_dequantize(w, s.float(), b.float(), spec, dtype=torch.float32).t()
@@ -203,11 +203,11 @@ def test_single_row_decode_takes_q4tc_where_preferred(monkeypatch):
 
 
 def test_several_rows_take_q4tc(monkeypatch):
-    """2-16 rows (2-8 for group 32) of a tall weight with q4tc's copy run triton_q4tc, in
+    """2-16 rows (2-8 for group 32) of a tall weight with q4tc's copy run decode_gemv_tc, in
     launches of 8 (4) rows; 2-8 (2-4) rows of a 4096-row one; more rows, or
     MLXR_Q4TC_ROWS=0, take the other paths. With both one-row
     copies (the batching engine adds `tc` to a q4gemv weight), one row keeps q4gemv."""
-    from mlxr.ops import triton_q4gemv, triton_q4tc
+    from mlxr.ops.matmul import decode_gemv_q4, decode_gemv_tc
 
     g = torch.Generator().manual_seed(21)
     n, k = 32, 1024
@@ -216,8 +216,8 @@ def test_several_rows_take_q4tc(monkeypatch):
         qw.tc, qw.q4_sb = qcopies.q4tc_pack(w, s, b)
         monkeypatch.setattr(qw, "out_features", 4112)  # counts as tall (N > 4096)
         launches = []
-        real = triton_q4tc._q4tc_kernel
-        monkeypatch.setattr(triton_q4tc, "_q4tc_kernel", type(
+        real = decode_gemv_tc._q4tc_kernel
+        monkeypatch.setattr(decode_gemv_tc, "_q4tc_kernel", type(
             "Count", (), {"__getitem__": lambda self, grid: launches.append(1) or real[grid]})())
         x = torch.randn(most + 1, k, generator=g).to(torch.bfloat16)
         want = x.float() @ ref_dequantize(w, s.float(), b.float(), qw.spec,
@@ -225,7 +225,7 @@ def test_several_rows_take_q4tc(monkeypatch):
         for m in (2, 5, most):
             launches.clear()
             y = qcuda.linear(qw, x[:m])
-            assert y.shape == (m, n) and len(launches) == -(-m // triton_q4tc.max_rows(group))
+            assert y.shape == (m, n) and len(launches) == -(-m // decode_gemv_tc.max_rows(group))
             assert ((y.float() - want[:m]).abs() <= 2.0 ** -7 * want[:m].abs() + 1e-3).all()
         launches.clear()
         qcuda.linear(qw, x)  # 17 (9) rows: the prefill paths
@@ -237,9 +237,9 @@ def test_several_rows_take_q4tc(monkeypatch):
         assert launches == []
         monkeypatch.delenv("MLXR_Q4TC_ROWS")
         monkeypatch.undo()
-    qw.q4 = triton_q4gemv.repack(w)
+    qw.q4 = decode_gemv_q4.repack(w)
     calls = []
-    monkeypatch.setattr(triton_q4gemv, "q4gemv",
+    monkeypatch.setattr(decode_gemv_q4, "q4gemv",
                         lambda x, *a, **kw: calls.append("q4gemv") or torch.zeros(n))
     qcuda.linear(qw, x[:1])
     assert calls == ["q4gemv"]
@@ -251,8 +251,8 @@ def test_glu_copy_serves_gated_and_linear(monkeypatch):
     `gated_act` (same sums, same roundings), for one row and several; `linear` on it gives the
     plain copy's result (rows back in [gate | up] order). Where q4tc does not serve the rows
     (prefill, MLXR_Q4GEMV=0) or the copy is plain, `gated` declines."""
-    from mlxr.ops import triton_q4tc
-    from mlxr.ops.triton_fused import gated_act
+    from mlxr.ops.matmul import decode_gemv_tc
+    from mlxr.ops.layer.norm_rope_act import gated_act
 
     g = torch.Generator().manual_seed(31)
     n, k, group = 64, 1024, 64
@@ -262,7 +262,7 @@ def test_glu_copy_serves_gated_and_linear(monkeypatch):
     qw.tc, qw.q4_sb = qcopies.q4tc_pack(w, s, b, glu=True)
     qw.tc_glu = True
     assert not torch.equal(qw.tc, plain.tc)
-    launches = _spy(monkeypatch, triton_q4tc, "q4tc", lambda a, kw: kw.get("act"))
+    launches = _spy(monkeypatch, decode_gemv_tc, "q4tc", lambda a, kw: kw.get("act"))
     x = torch.randn(5, k, generator=g).to(torch.bfloat16)
     for m in (1, 5):
         gate, up = qcuda.linear(plain, x[:m]).chunk(2, dim=-1)
@@ -303,10 +303,10 @@ def test_other_widths_decode_through_planes(bits, monkeypatch):
     """A 2/3/5/6/8-bit weight's decode copy (`planes_pack`, what the CUDA load builds): 1-8
     rows take q4tc over its nibble planes, within rounding of fp64 over mlx's dequantization;
     a glu copy gives act(gate) * up as the plain linear + `gated_act` does; 2/3-bit single
-    rows leave triton_gemv; MLXR_PLANES=0 builds no copy, and an overflowing plane scale
+    rows leave decode_gemv; MLXR_PLANES=0 builds no copy, and an overflowing plane scale
     none either (the Triton GEMVs keep the weight)."""
-    from mlxr.ops import triton_q4tc
-    from mlxr.ops.triton_fused import gated_act
+    from mlxr.ops.matmul import decode_gemv_tc
+    from mlxr.ops.layer.norm_rope_act import gated_act
     from mlxr.quant.dequant import dequantize as ref_dequantize
 
     g = torch.Generator().manual_seed(bits)
@@ -323,7 +323,7 @@ def test_other_widths_decode_through_planes(bits, monkeypatch):
     glu.tc_glu = True
     assert qw.planes == (2 if bits > 4 else 1)
     assert not qcuda.gemv_v2_default(qw, 1)
-    launches = _spy(monkeypatch, triton_q4tc, "q4tc", lambda a, kw: kw["planes"])
+    launches = _spy(monkeypatch, decode_gemv_tc, "q4tc", lambda a, kw: kw["planes"])
     x = torch.randn(4, k, generator=g).to(torch.bfloat16)
     wd = ref_dequantize(w, s.float(), b.float(), spec, dtype=torch.float64)
     for m in (1, 4):
@@ -349,10 +349,10 @@ def _routes_to_q4tc(monkeypatch, qw, glu, wd, x, flag):
     """1 and all of x's rows through `linear` take one q4tc launch with `flag` (fp4 / fp8)
     set, within rounding of fp64 x @ wd^T; the glu copy's act epilogue is linear +
     `gated_act`."""
-    from mlxr.ops import triton_q4tc
-    from mlxr.ops.triton_fused import gated_act
+    from mlxr.ops.matmul import decode_gemv_tc
+    from mlxr.ops.layer.norm_rope_act import gated_act
 
-    launches = _spy(monkeypatch, triton_q4tc, "q4tc", lambda a, kw: kw[flag])
+    launches = _spy(monkeypatch, decode_gemv_tc, "q4tc", lambda a, kw: kw[flag])
     for m in (1, x.shape[0]):
         launches.clear()
         y = qcuda.linear(qw, x[:m])
@@ -371,7 +371,7 @@ def test_fp4_decodes_through_its_fp4_copy(mode, monkeypatch):
     epilogue is linear + `gated_act`; the copy's bytes are `decode_copy_bytes` (the file's
     codes and a 4-byte pair per group); MLXR_FP4_TC=0 builds none, nor does a NaN scale
     (E8M0 255, E4M3 0x7F)."""
-    from mlxr.ops import triton_q4tc
+    from mlxr.ops.matmul import decode_gemv_tc
     from mlxr.quant.fp import fp_dequantize
 
     g = torch.Generator().manual_seed(14)
@@ -397,7 +397,7 @@ def test_fp4_decodes_through_its_fp4_copy(mode, monkeypatch):
     assert qw.tc_fp4 and glu.tc_fp4 and (qw.tc_gs is None) == (gsc is None)
     assert qcopies.decode_copy_bytes(spec, n, k) == qw.tc.nbytes + qw.q4_sb.nbytes
     wd = fp_dequantize(w, sc, fmt, global_scale=gsc, out_dtype=torch.float32).double()
-    most = triton_q4tc.max_rows(group)
+    most = decode_gemv_tc.max_rows(group)
     x = torch.randn(most, k, generator=g).to(torch.bfloat16)
     _routes_to_q4tc(monkeypatch, qw, glu, wd, x, "fp4")
     monkeypatch.setenv("MLXR_FP4_TC", "0")
@@ -564,7 +564,7 @@ def test_dropped_words_serve_from_the_copy(bits, glu, monkeypatch):
     or MLXR_WORDS=drop) gives the same results as with them: 1-4 rows by q4tc on the copy,
     17+ rows by `dequant_copy` + the matmul (never the fused GEMM, which reads the words),
     its codes and dequantization from the copy."""
-    from mlxr.ops import triton_dequant
+    from mlxr.ops.matmul import prefill_dequant
 
     g = torch.Generator().manual_seed(20 + bits)
     n, k, group = 64, 1024, 64
@@ -582,7 +582,7 @@ def test_dropped_words_serve_from_the_copy(bits, glu, monkeypatch):
     kept, dropped = weight(), weight()
     assert dropped.drop_words() == w.nbytes and dropped.packed is None
     assert dropped.drop_words() == 0
-    calls = _spy(monkeypatch, triton_dequant, "dequant_copy", lambda a, kw: a[3])
+    calls = _spy(monkeypatch, prefill_dequant, "dequant_copy", lambda a, kw: a[3])
     monkeypatch.setenv("MLXR_PREFILL_GEMM", "fused")
     x = torch.randn(20, k, generator=g).to(torch.bfloat16)
     for m in (1, 4):
@@ -620,7 +620,7 @@ def test_gated_falls_back_off_the_glu_copy():
 def test_batch_copy_is_built_on_demand(monkeypatch):
     """The several-row copies are not built with q4gemv's at load; add_batch_copy builds them
     once, for matmul weights on CUDA only, and reports their bytes: q4tc's repack where
-    triton_q4tc serves the weight (keeping q4gemv's pairs), plus tinygemm's where
+    decode_gemv_tc serves the weight (keeping q4gemv's pairs), plus tinygemm's where
     `tinygemm_rows`; tinygemm's alone where q4tc cannot serve it or MLXR_Q4TC_ROWS=0."""
     g = torch.Generator().manual_seed(8)
     n, k, group = 16, 1024, 64
@@ -693,7 +693,7 @@ def test_batch_rows_route_between_tinygemm_and_the_fused_gemm(monkeypatch):
     2-7 rows on tinygemm and sends 8-32 to the fused GEMM; without the copy (a single
     request) 2+ rows go to the fused GEMM. The kernels are stand-ins: only the route is
     checked here (the kernels have their own tests)."""
-    from mlxr.ops import triton_qgemm
+    from mlxr.ops.matmul import prefill_gemm
 
     g = torch.Generator().manual_seed(5)
     n, k, group = 32, 1024, 64
@@ -702,7 +702,7 @@ def test_batch_rows_route_between_tinygemm_and_the_fused_gemm(monkeypatch):
     calls = []
     monkeypatch.setattr(torch, "_weight_int4pack_mm",
                         lambda x, *a: calls.append("tinygemm") or torch.zeros(x.shape[0], n))
-    monkeypatch.setattr(triton_qgemm, "qgemm",
+    monkeypatch.setattr(prefill_gemm, "qgemm",
                         lambda x, *a, **kw: calls.append("fused") or torch.zeros(x.shape[0], n))
     monkeypatch.setattr(qcuda, "FUSED_MIN_DIM", 32)  # this small weight counts as large
     monkeypatch.delenv("MLXR_PREFILL_GEMM", raising=False)
@@ -718,7 +718,7 @@ def test_batch_rows_route_between_tinygemm_and_the_fused_gemm(monkeypatch):
 
 
 def test_build_picks_each_formats_decode_copy():
-    """`cuda_copies.build` (what a CUDA load runs on each matmul weight, here on CPU-held
+    """`cuda.build_copies` (what a CUDA load runs on each matmul weight, here on CPU-held
     tensors): affine 4-bit gets q4tc's copy where preferred (a tall weight), else q4gemv's,
     and q4tc's wherever the words are to go; mxfp4 / mxfp8 their fp copies; 3-bit its nibble
     planes; a gathered-only weight nothing."""
@@ -744,21 +744,21 @@ def test_build_picks_each_formats_decode_copy():
 
     tall, square = (8192, 1024), (1024, 1024)
     qw = fresh(QuantSpec("affine", 4, 64), *tall)
-    qcopies.build(qw, True, True)
+    qcuda.build_copies(qw, True, True)
     assert qw.tc is not None and qw.tc_glu and qw.q4 is None
     qw = fresh(QuantSpec("affine", 4, 64), *square)
-    qcopies.build(qw, False, True)
+    qcuda.build_copies(qw, False, True)
     assert qw.q4 is not None and qw.tc is None
     qw = fresh(QuantSpec("affine", 4, 64), *square)
-    qcopies.build(qw, False, False)
+    qcuda.build_copies(qw, False, False)
     assert qw.tc is not None and qw.q4 is None
     for spec, check in [(QuantSpec("mxfp4", 4, 32), lambda q: q.tc_fp4),
                         (QuantSpec("mxfp8", 8, 32), lambda q: q.tc_fp8),
                         (QuantSpec("affine", 3, 64), lambda q: q.tc.shape == (64, 2048))]:
         qw = fresh(spec, *square)
-        qcopies.build(qw, False, True)
+        qcuda.build_copies(qw, False, True)
         assert qw.tc is not None and check(qw), spec
     qw = fresh(QuantSpec("affine", 4, 64), *square)
     qw.matmul = False
-    qcopies.build(qw, False, True)
+    qcuda.build_copies(qw, False, True)
     assert qw.tc is None and qw.q4 is None

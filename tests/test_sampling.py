@@ -1,4 +1,4 @@
-"""Tests for mlxr.sampling (SamplingParams, Sampler) and mlxr.stops (StopMatcher)."""
+"""Tests for mlxr.text.sampling (SamplingParams, Sampler) and mlxr.text.stops (StopMatcher)."""
 
 import math
 import random
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mlxr.errors import MlxrError
-from mlxr.sampling import Sampler, SamplingParams
-from mlxr.stops import StopMatcher
+from mlxr.text.sampling import Sampler, SamplingParams
+from mlxr.text.stops import StopMatcher
 
 NINF = float("-inf")
 
@@ -477,7 +477,7 @@ def test_stop_matcher_chunking_invariant():
 
 
 def test_plain_argmax_only_without_logit_processing():
-    from mlxr.sampling import Sampler, SamplingParams
+    from mlxr.text.sampling import Sampler, SamplingParams
 
     assert Sampler(SamplingParams(temperature=0), 8).plain_argmax
     assert Sampler(SamplingParams(), 8).plain_argmax  # unset temperature is greedy

@@ -15,7 +15,7 @@ from test_server_helpers import BUNDLED, Server, model_with_template
 
 import mlxr
 from mlxr.engine.engine import EngineRequest, LLMEngine
-from mlxr.sampling import SamplingParams
+from mlxr.text.sampling import SamplingParams
 from mlxr.server import request_checks
 from mlxr.server.protocol import APIError
 

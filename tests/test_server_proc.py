@@ -20,7 +20,7 @@ import mlxr
 from mlxr.engine import EngineRequest
 from mlxr.engine.proc_engine import ProcEngine
 from mlxr.errors import MlxrError
-from mlxr.sampling import SamplingParams
+from mlxr.text.sampling import SamplingParams
 
 MSGS = [{"role": "user", "content": "Tell me a story about a cat."}]
 

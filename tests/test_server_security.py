@@ -167,7 +167,7 @@ def test_non_loopback_needs_key():
 
 def test_special_token_injection(tmp_path, assets):
     import mlxr
-    from mlxr.server.app import chat_job
+    from mlxr.server.jobs import chat_job
     from mlxr.server.protocol import ChatRequest
 
     tpl = (assets / "chat-templates/llamacpp-jinja/Qwen-Qwen2.5-7B-Instruct.jinja").read_text()

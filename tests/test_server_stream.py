@@ -15,10 +15,10 @@ import pytest
 import mlxr
 from mlxr.cli.common import BUNDLED
 from mlxr.engine.engine import RequestOutput
-from mlxr.sampling import SamplingParams
 from mlxr.server import ollama, render
-from mlxr.server.app import Job
+from mlxr.server.jobs import Job
 from mlxr.server.metrics import Metrics
+from mlxr.text.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL_TEXT = ('<think>The user wants "weather" — ünïcödé\\n\ttabs.</think>\n\nLet me check.'

@@ -212,10 +212,10 @@ def test_offline(hub, monkeypatch, capsys):
 
 
 def test_disk_space_checked_before_download(hub, monkeypatch, capsys):
-    import mlxr.hub
+    import mlxr.store.hub
 
     hub.add_dir(NAME, STORIES)
-    monkeypatch.setattr(mlxr.hub, "_free_bytes", lambda path: 10_000)
+    monkeypatch.setattr(mlxr.store.hub, "_free_bytes", lambda path: 10_000)
     rc, _, err = run(capsys, "pull", NAME)
     assert rc == 1 and "not enough disk space" in err and "1.1 MB" in err
     assert hub.resolves() == []
@@ -323,7 +323,7 @@ ALIAS_REPO = "mlx-community/Qwen3-0.6B-4bit"
 
 def test_alias_table_is_listed_and_well_formed(capsys):
     from mlxr.names import ALIASES
-    from mlxr.store import parse_name
+    from mlxr.store.local import parse_name
 
     assert 10 <= len(set(ALIASES.values())) <= 15
     assert ALIASES["qwen3"] == ALIASES["qwen3:0.6b"] == ALIAS_REPO

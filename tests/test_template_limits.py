@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from mlxr import template_sandbox
-from mlxr.chat import render_chat_template
+from mlxr.text import template_sandbox
+from mlxr.text.chat import render_chat_template
 from mlxr.errors import TokenizerError
 
 MESSAGES = [{"role": "user", "content": "hi"}]

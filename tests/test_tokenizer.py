@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mlxr.errors import TokenizerError
-from mlxr.tokenizer import load_tokenizer
+from mlxr.text.tokenizer import load_tokenizer
 
 warnings.filterwarnings("ignore", module="transformers")
 
@@ -204,7 +204,7 @@ def test_tiktoken_matches_tiktoken_and_tokenizer_json(tok, assets):
     tiktoken = pytest.importorskip("tiktoken")
     from tiktoken.load import load_tiktoken_bpe
 
-    from mlxr.tokenizer import LLAMA3_SPLIT_REGEX
+    from mlxr.text.tokenizer_formats import LLAMA3_SPLIT_REGEX
 
     ranks = load_tiktoken_bpe(str(assets / A / "llama3-tiktoken/tokenizer.model"))
     enc = tiktoken.Encoding(

@@ -1,4 +1,4 @@
-"""`mlxr.ops.triton_embed` (the quantized embedding's one-launch row gather) against its torch
+"""`mlxr.ops.layer.embed_rows` (the quantized embedding's one-launch row gather) against its torch
 twin and against `QuantWeight.dequant_rows` (the engine's own rows): bit for bit, on fresh
 random words, every width it takes, each group size, bf16 / fp16 scales and outputs (the
 interpreter on CPU, the PTX on a GPU)."""
@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from mlxr.config import QuantSpec
-from mlxr.ops import triton_embed as E
+from mlxr.ops.layer import embed_rows as E
 from mlxr.quant import QuantWeight
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

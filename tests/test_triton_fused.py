@@ -1,4 +1,4 @@
-"""Triton fused ops (mlxr.ops.triton_fused) vs their plain-torch references, CPU interpreter.
+"""Triton fused ops (mlxr.ops.layer.norm_rope_act) vs their plain-torch references, CPU interpreter.
 
 Fresh random data at small sizes; bf16 and fp32; rms offset 0/1; both rope layouts and partial
 rotary; silu / gelu / gelu_tanh; attention with rep 1/2/4, T 1/3, S not a multiple of the tile,
@@ -32,8 +32,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarn
 
 from mlxr import ops
 from mlxr.ops import reference as R
-from mlxr.ops import triton_attn as A
-from mlxr.ops import triton_fused as F
+from mlxr.ops.kv_attention import masked as A
+from mlxr.ops.layer import norm_rope_act as F
 
 INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU
 

@@ -1,5 +1,5 @@
-"""The decode GEMV (mlxr.ops.triton_gemv) under the CPU interpreter, against the torch twin
-`triton_qmm.qgemv_ref` (fp32 dequant + fp32 matmul) on fresh random packed codes.
+"""The decode GEMV (mlxr.ops.matmul.decode_gemv) under the CPU interpreter, against the torch twin
+`generic_qmm.qgemv_ref` (fp32 dequant + fp32 matmul) on fresh random packed codes.
 
 Every affine width x group size, every fp mode, M = 1, 3, 16; launch configs that take the
 split-K partial-sum kernel, ragged N (row masks), K not a multiple of the tile (group masks,
@@ -20,8 +20,8 @@ pytest.importorskip("triton")
 from test_triton_qmm import check, random_weight
 
 from mlxr.config import QuantSpec
-from mlxr.ops import triton_gemv as G
-from mlxr.ops import triton_qmm as T
+from mlxr.ops.matmul import decode_gemv as G
+from mlxr.ops.matmul import generic_qmm as T
 from mlxr.quant import QuantWeight
 from mlxr.quant import cuda as qcuda
 
@@ -117,9 +117,9 @@ def test_default_config_fills_the_gpu():
 
 
 def test_env_switch_routes_decode(monkeypatch):
-    """MLXR_GEMV=triton: the CUDA dispatcher serves M <= 16 with triton_gemv (checked here on
-    CPU tensors through the interpreter); unset, it leaves non-tinygemm weights to triton_qmm.
-    Prefill rows (M = 17) of the 3-bit weight go to triton_dequant's dequantizer either way."""
+    """MLXR_GEMV=triton: the CUDA dispatcher serves M <= 16 with decode_gemv (checked here on
+    CPU tensors through the interpreter); unset, it leaves non-tinygemm weights to generic_qmm.
+    Prefill rows (M = 17) of the 3-bit weight go to prefill_dequant's dequantizer either way."""
     spec = QuantSpec(mode="affine", bits=3, group_size=32)
     w, s, b, _ = random_weight("affine", 3, 32, 24, 128, 4)
     qw = QuantWeight.from_tensors(w, s, b, spec, compute_dtype=torch.bfloat16)
@@ -127,7 +127,7 @@ def test_env_switch_routes_decode(monkeypatch):
     x = torch.randn(2, 128).to(torch.bfloat16)
     monkeypatch.delenv("MLXR_GEMV", raising=False)
     assert qcuda.linear(qw, x) is None
-    one = qcuda.linear(qw, x[:1])  # M = 1, 3-bit, bf16: triton_gemv by default (measured)
+    one = qcuda.linear(qw, x[:1])  # M = 1, 3-bit, bf16: decode_gemv by default (measured)
     ref1 = T.qgemv_ref(x[:1], w, s, b, None, mode="affine", bits=3, group=32)
     assert one is not None
     assert ((one.float() - ref1.float()).abs() <= ref1.float().abs() * 2.0**-7 + 1e-6).all()
@@ -144,7 +144,7 @@ def test_env_switch_routes_decode(monkeypatch):
 
 
 def test_default_route_only_where_measured():
-    """2/3-bit M = 1 bf16 go to triton_gemv by default; 4/6/8-bit, M > 1 and the float32 mode do
+    """2/3-bit M = 1 bf16 go to decode_gemv by default; 4/6/8-bit, M > 1 and the float32 mode do
     not; a large 2-bit matrix gets the sweep's 32-row launch."""
     def qw_of(bits, n=24, k=128, dtype=torch.bfloat16):
         spec = QuantSpec(mode="affine", bits=bits, group_size=32)
@@ -160,14 +160,14 @@ def test_default_route_only_where_measured():
 
 
 def test_gpu_sweep_smoke():
-    """benchmarks/gpu_gemv_sweep.py imports and passes its correctness checks (--smoke)."""
+    """benchmarks/gpu/gpu_gemv_sweep.py imports and passes its correctness checks (--smoke)."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_gemv_sweep.py"),
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu" / "gpu_gemv_sweep.py"),
                         "--smoke"], env=env, capture_output=True, text=True, timeout=300,
                        check=False)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

@@ -1,5 +1,6 @@
-"""The fused layer glue (mlxr.ops.triton_layer: add_rms_norm, qkv_rope_write) vs the reference
-compositions, in the CPU interpreter, and the decoder built on them vs the previous composition.
+"""The fused layer glue (mlxr.ops.layer.add_norm_qkv_rope: add_rms_norm, qkv_rope_write) vs the
+reference compositions, in the CPU interpreter, and the decoder built on them vs the previous
+composition.
 
 Tolerances (elementwise; see tests/test_triton_fused.py for the derivations):
 * add_rms_norm: s is one fp32 add rounded to the dtype: fp32 exact, bf16 exactly the
@@ -33,8 +34,8 @@ from mlxr.engine.kv_cache import new_cache
 from mlxr.layers import Embedding, Linear
 from mlxr.models.decoder import Decoder, Layer
 from mlxr.ops import reference as R
-from mlxr.ops import triton_fused
-from mlxr.ops import triton_layer as L
+from mlxr.ops.layer import norm_rope_act
+from mlxr.ops.layer import add_norm_qkv_rope as L
 
 INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU
 
@@ -324,7 +325,7 @@ def test_decoder_fused_dispatch(kind, monkeypatch):
     dec = tiny_decoder(kind, torch.float32)
     want = old_logits(dec, IDS)
     monkeypatch.setattr(ops, "_fast", lambda x: True)
-    monkeypatch.setattr(ops, "_fused", triton_fused)
+    monkeypatch.setattr(ops, "_fused", norm_rope_act)
     cap, p0 = 16, 8
     cache = new_cache(dec, cap)
     tables = {id(rope.spec): rope.cos_sin(0, cap) for rope in dec.ropes}

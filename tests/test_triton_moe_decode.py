@@ -1,4 +1,4 @@
-"""The decode MoE kernels (mlxr.ops.triton_moe_decode) under the CPU interpreter, against
+"""The decode MoE kernels (mlxr.ops.moe.decode_experts) under the CPU interpreter, against
 their torch twins on fresh random stacked experts: every quant mode the experts ship in
 (affine 4/8-bit x group 32/64/128, mxfp4, nvfp4 with and without a per-expert global scale,
 mxfp8), both activations (SiLU-GLU, gpt-oss's clamped SwiGLU), expert biases, float32 and
@@ -25,8 +25,8 @@ pytest.importorskip("triton")
 
 from test_triton_qmm import abs_bound, random_weight
 
-from mlxr.ops import moe_reference
-from mlxr.ops import triton_moe_decode as D
+from mlxr.ops.moe import reference as moe_reference
+from mlxr.ops.moe import decode_experts as D
 
 INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU
 

@@ -1,4 +1,4 @@
-"""The grouped MoE GEMM (mlxr.ops.triton_moe_grouped) under the CPU interpreter: the pair
+"""The grouped MoE GEMM (mlxr.ops.moe.grouped_experts) under the CPU interpreter: the pair
 alignment's invariants, each launch against its torch twin on fresh random stacked experts in
 every expert quant mode, and the whole routed sum.
 
@@ -21,8 +21,8 @@ from test_triton_moe_decode import (EPS, QUANTS, assert_within, check_gate_up, r
                                     row_bounds, stacked)
 from test_triton_qmm import abs_bound
 
-from mlxr.ops import triton_moe_decode as D
-from mlxr.ops import triton_moe_grouped as G
+from mlxr.ops.moe import decode_experts as D
+from mlxr.ops.moe import grouped_experts as G
 
 INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU
 

@@ -1,5 +1,5 @@
-"""Paged decode attention (mlxr.ops.triton_paged) vs reference.paged_attention: on the GPU when
-there is one, else under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
+"""Paged decode attention (mlxr.ops.kv_attention.paged) vs reference.paged_attention: on the GPU
+when there is one, else under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
 
 Fresh random data: shuffled (non-consecutive) block tables, contexts of 1 token, exact block and
 tile boundaries and ragged ends, GQA rep 1/2/4, sliding windows, softcap, single pass and split
@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("triton")
 
 from mlxr.ops import reference as R
-from mlxr.ops import triton_paged as P
+from mlxr.ops.kv_attention import paged as P
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,6 +1,6 @@
-"""mlxr.ops.triton_q4gemv (the 4-bit decode GEMV on repacked words) against its torch twin and
-against fp64, under TRITON_INTERPRET=1 on the CPU (the H200 runs the same checks in
-benchmarks/gpu_q4gemv_sweep.py)."""
+"""mlxr.ops.matmul.decode_gemv_q4 (the 4-bit decode GEMV on repacked words) against its torch twin
+and against fp64, under TRITON_INTERPRET=1 on the CPU (the H200 runs the same checks in
+benchmarks/gpu/gpu_q4gemv_sweep.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from mlxr.ops import triton_q4gemv as Q
-from mlxr.ops.triton_qmm import dequant_f32
+from mlxr.ops.matmul import decode_gemv_q4 as Q
+from mlxr.ops.matmul.generic_qmm import dequant_f32
 
 INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU
 

@@ -1,4 +1,5 @@
-"""mlxr.ops.triton_q4tc (the tensor-core 4-bit decode GEMV) against fp64 and its torch twin.
+"""mlxr.ops.matmul.decode_gemv_tc (the tensor-core 4-bit decode GEMV) against fp64 and its torch
+twin.
 
 With a GPU this runs the kernel's PTX (mma.sync, lane loads); without one, under
 TRITON_INTERPRET=1, the kernel runs with the PTX emulated at the same lane semantics, which
@@ -13,9 +14,9 @@ triton = pytest.importorskip("triton")
 
 from test_triton_q4gemv import _weights
 
-from mlxr.ops import triton_q4tc as T
-from mlxr.ops.triton_q4gemv import pair_scales
-from mlxr.ops.triton_qmm import dequant_f32
+from mlxr.ops.matmul import decode_gemv_tc as T
+from mlxr.ops.matmul.decode_gemv_q4 import pair_scales
+from mlxr.ops.matmul.generic_qmm import dequant_f32
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -145,9 +146,9 @@ def test_default_config_one_row_launches(monkeypatch):
     """The GPU defaults (the interpreter has its own): the 8B down and the K >= 4096 LM heads
     take two word tiles in flight with the K loop unrolled twice for one row of x only (the
     launch measured for one row); several rows keep the previous launches."""
-    from mlxr.ops import triton_q4tc_config
+    from mlxr.ops.matmul import decode_gemv_tc_config
 
-    monkeypatch.setattr(triton_q4tc_config, "_interpret", lambda: False)
+    monkeypatch.setattr(decode_gemv_tc_config, "_interpret", lambda: False)
     monkeypatch.delenv("MLXR_Q4TC_STAGES", raising=False)
     down, head = (4096, 14336), (128256, 4096)
     assert T.default_config(*down) == T.TcConfig(rt=1, u=1, num_warps=16, pf=2, unroll=2)
@@ -195,7 +196,7 @@ def test_q4tc_gated(act, group, m, dtype, n, k, cfg):
     """act(gate) * up from a glu copy in one launch: exactly what the plain launch on the
     un-permuted weight followed by `gated_act` computes (same sums, same roundings), and
     within rounding of the torch twin. 9 rows: a launch of 8 and a one-row launch."""
-    from mlxr.ops.triton_fused import gated_act
+    from mlxr.ops.layer.norm_rope_act import gated_act
 
     packed, s, b, _ = _weights(n, k, group, dtype, seed=n + k + m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
@@ -267,7 +268,7 @@ def test_q4tc_planes(bits, group, m, dtype, n, k, cfg):
     """2/3/5/6/8-bit weights through their nibble planes (`q4tc(planes=P)`: the kernel walks
     K = P x x's length and reads x once per plane): within rounding of fp64 x @ W^T of the
     b-bit weight, and of the torch twin."""
-    from mlxr.ops.triton_q4tc_layout import repack_codes
+    from mlxr.ops.matmul.decode_gemv_tc_layout import repack_codes
     from mlxr.quant.affine import planes
 
     g = torch.Generator().manual_seed(bits * 100 + m)
@@ -295,9 +296,9 @@ def test_copy_dequant_is_dequant_affine(bits, glu):
     `dequant_affine`'s values bit for bit, from 4-bit's repack or the other widths' nibble
     planes, in either row order; its torch twin too. K = 640 leaves a partial column tile."""
     from mlxr.config import QuantSpec
-    from mlxr.ops.triton_dequant import dequant_affine, dequant_copy
-    from mlxr.ops.triton_q4tc_layout import dequant_copy_ref, repack_codes
-    from mlxr.quant.weight import nibble_planes
+    from mlxr.ops.matmul.decode_gemv_tc_layout import dequant_copy_ref, repack_codes
+    from mlxr.ops.matmul.prefill_dequant import dequant_affine, dequant_copy
+    from mlxr.quant.fp import nibble_planes
 
     group = (32, 64, 128)[bits % 3] if bits != 4 else 64
     n, k, dtype = 48, 640 if group != 128 else 768, torch.bfloat16 if bits % 2 else torch.float16
@@ -352,7 +353,7 @@ def test_fp4_bits_round_trip_and_extraction():
     """`fp4_bits` moves each code's bits within its word and `fp4_unbits` undoes it; the
     kernel's extraction (the masks and shifts of its PTX, here in torch) gives every nibble's
     E2M1 value x 2^-126 as bf16 bits, the subnormal +-0.5 included."""
-    from mlxr.ops.triton_q4tc_layout import fp4_unbits
+    from mlxr.ops.matmul.decode_gemv_tc_layout import fp4_unbits
     from mlxr.quant.fp import code_table
 
     w = torch.randint(-2**31, 2**31 - 1, (4096,), dtype=torch.int32,
@@ -391,7 +392,7 @@ def test_q4tc_fp4(m, act, group, gs, n, k, cfg):
     fp64 x @ W^T (the E2M1 values times exact scales, times the global scale gs, so only the
     fp32 summation order and the output rounding differ), and of the torch twin; with a glu
     copy, act(gate) * up exactly as the plain launch followed by `gated_act`."""
-    from mlxr.ops.triton_fused import gated_act
+    from mlxr.ops.layer.norm_rope_act import gated_act
 
     g = torch.Generator().manual_seed(m * 1000 + n + k + group)
     _, packed, s, w = _fp4(g, n, k, group)
@@ -456,7 +457,7 @@ def test_fp8_words_round_trip_and_extraction():
     """`fp8_words` / `fp8_unwords` round-trip; the kernel's extraction (its PTX's masks and
     shifts, here in torch) gives each step's 8 codes' E4M3 values x 2^-120 as bf16 bits,
     subnormals included, in the fragment order `repack` gives 4-bit codes."""
-    from mlxr.ops.triton_q4tc_layout import fp8_unwords, lane_order
+    from mlxr.ops.matmul.decode_gemv_tc_layout import fp8_unwords, lane_order
     from mlxr.quant.fp import code_table
 
     g = torch.Generator().manual_seed(8)
@@ -492,7 +493,7 @@ def test_q4tc_fp8(m, act, n, k, cfg):
     """mxfp8 weights through their fp8 copy (`q4tc(fp8=True)`): within rounding of fp64
     x @ W^T (E4M3 values times exact scales) and of the torch twin; a glu copy gives the plain
     launch followed by `gated_act` exactly."""
-    from mlxr.ops.triton_fused import gated_act
+    from mlxr.ops.layer.norm_rope_act import gated_act
 
     g = torch.Generator().manual_seed(m * 1000 + n + k + 8)
     codes, s, w = _fp8(g, n, k)
@@ -538,8 +539,8 @@ def test_copy_dequant_of_fp4_is_dequant_fp(mode, gs, glu):
     words bit for bit (E2M1 value x scale in fp32, nvfp4 times its global scale / 2688), in
     either row order; its torch twin too; the copy's codes come back as the words' codes.
     K = 640 leaves a partial column tile."""
-    from mlxr.ops.triton_dequant import dequant_copy, dequant_fp
-    from mlxr.ops.triton_q4tc_layout import copy_rows_codes, dequant_copy_ref
+    from mlxr.ops.matmul.decode_gemv_tc_layout import copy_rows_codes, dequant_copy_ref
+    from mlxr.ops.matmul.prefill_dequant import dequant_copy, dequant_fp
 
     group = 32 if mode == "mxfp4" else 16
     n, k = 48, 640
@@ -568,8 +569,8 @@ def test_copy_dequant_of_fp8_is_dequant_fp(glu):
     """`dequant_copy(mode="mxfp8")` from an fp8 copy gives `dequant_fp`'s values from the MLX
     words bit for bit, in either row order; its torch twin too; the copy's codes come back as
     the words' codes. K = 640 leaves a partial column tile."""
-    from mlxr.ops.triton_dequant import dequant_copy, dequant_fp
-    from mlxr.ops.triton_q4tc_layout import copy_rows_codes, dequant_copy_ref
+    from mlxr.ops.matmul.decode_gemv_tc_layout import copy_rows_codes, dequant_copy_ref
+    from mlxr.ops.matmul.prefill_dequant import dequant_copy, dequant_fp
 
     n, k = 48, 640
     g = torch.Generator().manual_seed(80 + glu)

@@ -1,7 +1,7 @@
-"""The fused prefill GEMM (mlxr.ops.triton_qgemm) and the dequantizer (mlxr.ops.triton_dequant)
-under the CPU interpreter.
+"""The fused prefill GEMM (mlxr.ops.matmul.prefill_gemm) and the dequantizer
+(mlxr.ops.matmul.prefill_dequant) under the CPU interpreter.
 
-Reference (`triton_qmm.qgemm_ref`): the weight dequantized in fp32 (mlxr.quant's unpacker),
+Reference (`generic_qmm.qgemm_ref`): the weight dequantized in fp32 (mlxr.quant's unpacker),
 rounded once to bf16, then an fp32 matmul. The kernel feeds tl.dot the same bf16 weights (the
 interpreter path rounds to nearest even with integer ops, as the GPU's cvt does) and multiplies
 in fp32 (input_precision="ieee"); bf16 x bf16 products are exact in fp32, so only the order of
@@ -27,9 +27,9 @@ pytest.importorskip("triton")
 from test_triton_qmm import random_weight
 
 from mlxr.config import QuantSpec
-from mlxr.ops import triton_dequant as D
-from mlxr.ops import triton_qgemm as Q
-from mlxr.ops import triton_qmm as T
+from mlxr.ops.matmul import generic_qmm as T
+from mlxr.ops.matmul import prefill_dequant as D
+from mlxr.ops.matmul import prefill_gemm as Q
 from mlxr.quant import QuantWeight, dequantize
 from mlxr.quant import cuda as qcuda
 from mlxr.quant.affine import unpack_codes
@@ -308,7 +308,7 @@ def test_auto_prefill_gemm_rule(monkeypatch):
 
 
 def test_gpu_sweep_smoke():
-    """benchmarks/gpu_qgemm_sweep.py runs and passes its correctness checks (--smoke, and
+    """benchmarks/gpu/gpu_qgemm_sweep.py runs and passes its correctness checks (--smoke, and
     --smoke --dequant-bits for the straddling widths)."""
     import subprocess
     import sys
@@ -316,12 +316,12 @@ def test_gpu_sweep_smoke():
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_qgemm_sweep.py"),
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu" / "gpu_qgemm_sweep.py"),
                         "--smoke"], env=env, capture_output=True, text=True, timeout=300,
                        check=False)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "0 wrong or failed, 0 dq inexact" in r.stdout and "wa_split" in r.stdout
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_qgemm_sweep.py"),
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu" / "gpu_qgemm_sweep.py"),
                         "--smoke", "--dequant-bits", "3,5,6"], env=env, capture_output=True,
                        text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

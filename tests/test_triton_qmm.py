@@ -1,4 +1,4 @@
-"""Triton quantized matmul kernels (mlxr.ops.triton_qmm) under the CPU interpreter.
+"""Triton quantized matmul kernels (mlxr.ops.matmul.generic_qmm) under the CPU interpreter.
 
 Every bit width x group size x mode, GEMV (M = 1, 3, 16) and GEMM (M = 33, 64) paths, fresh
 random packed codes (packed by an independent bit-stream packer) and mx.quantize output, vs
@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("triton")
 
 from mlxr.config import QuantSpec
-from mlxr.ops import triton_qmm as T
+from mlxr.ops.matmul import generic_qmm as T
 from mlxr.quant import QuantWeight, dequantize, unpack_codes
 from mlxr.quant.fp import code_table, fp_scales
 

@@ -1,5 +1,5 @@
-"""Triton gated DeltaNet kernels (mlxr.ops.triton_recurrent) vs their torch twins
-(mlxr.ops.recurrent), CPU interpreter, fresh random data.
+"""Triton gated DeltaNet kernels (mlxr.ops.recurrent.gated_delta_scan) vs their torch twins
+(mlxr.ops.recurrent.reference), CPU interpreter, fresh random data.
 
 Cases: decode (T = 1) and prefill (T = 7), value heads sharing key heads (rep 2) or not, value
 dims that are not a power of two (masked tiles), strided q/k/v views as the mixer passes them
@@ -28,8 +28,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from mlxr.ops import recurrent as R  # noqa: E402
-from mlxr.ops import triton_recurrent as K  # noqa: E402
+from mlxr.ops.recurrent import reference as R  # noqa: E402
+from mlxr.ops.recurrent import gated_delta_scan as K  # noqa: E402
 
 INTERPRETER_ONLY = True
 

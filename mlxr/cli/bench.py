@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-from ..pairbench import add_pair_args, run_pair
+from ..harness.pairbench import add_pair_args, run_pair
 from .common import add_model_flags, resolve_model
 
 

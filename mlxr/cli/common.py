@@ -52,14 +52,14 @@ def ensure_model(name: str | None, allow_pull: bool) -> Path:
     (what `run` does after asking or with --yes; `serve` passes False). The directory is checked
     to be a supported format (GGUF, .bin-only or unknown architectures are explained)."""
     from ..onnx.folder import is_onnx_model
-    from ..store import explain_unsupported
+    from ..store.local import explain_unsupported
 
     try:
         path = resolve_model(name)
     except NotDownloadedError:
         if not allow_pull:
             raise
-        from ..hub import pull
+        from ..store.hub import pull
 
         path = pull(expand_alias(name)).path
     if not is_onnx_model(path):  # ONNX decoders are validated by mlxr.onnx at load

@@ -38,7 +38,7 @@ def register(sub) -> None:
     add_model_flags(p, dtype="the golden file's dtype")
     p.set_defaults(func=check_cmd)
 
-    from ..pairbench import add_pair_args, run_pair
+    from ..harness.pairbench import add_pair_args, run_pair
 
     p = sub.add_parser("bench-pair", help="paired A/B benchmark of two configurations",
                        description="Baseline A and candidate B in separate processes, timed "
@@ -61,15 +61,15 @@ def _prompt_flags(p) -> None:
 def golden_cmd(args) -> int:
     import mlxr
 
-    from .. import harness
+    from ..harness import goldens
 
     path = resolve_model(args.model)
     model = mlxr.load(path, device=args.device or "cpu", dtype=args.dtype or "float32")
     if args.tokens < 1:
         raise MlxrError("--tokens must be at least 1")
-    ids = harness.read_prompt(model, args.prompt_file, args.prompt, args.prompt_ids)
-    g = harness.make_golden(model, ids, tokens=args.tokens, top_k=args.top_k)
-    harness.save_golden(g, args.out)
+    ids = goldens.read_prompt(model, args.prompt_file, args.prompt, args.prompt_ids)
+    g = goldens.make_golden(model, ids, tokens=args.tokens, top_k=args.top_k)
+    goldens.save_golden(g, args.out)
     print(f"wrote {args.out}: {len(ids)} prompt tokens, {len(g['greedy'])} greedy tokens, "
           f"top-{g['top_k']} ({g['identity']['device']}, {g['identity']['dtype']})")
     return 0
@@ -78,11 +78,11 @@ def golden_cmd(args) -> int:
 def check_cmd(args) -> int:
     import mlxr
 
-    from .. import harness, trace
+    from ..harness import goldens, trace
 
     path = resolve_model(args.model)
-    g = harness.load_golden(args.golden)
-    problems = harness.check_identity(g, path)
+    g = goldens.load_golden(args.golden)
+    problems = goldens.check_identity(g, path)
     if problems and not args.ignore_identity:
         raise MlxrError(f"{args.golden}: {'; '.join(problems)} (--ignore-identity to check "
                         "anyway)")
@@ -90,9 +90,9 @@ def check_cmd(args) -> int:
         print(f"warning: {msg}", file=sys.stderr)
     model = mlxr.load(path, device=args.device, dtype=args.dtype or g["identity"].get("dtype"))
     trace.instrument(model.decoder)  # per-step spans when MLXR_TRACE is set; else a no-op
-    tol = harness.DEFAULT_TIE_TOL if args.tie_tol is None else args.tie_tol
-    k = harness.DEFAULT_FREE_RUN if args.free_run is None else args.free_run
-    res = harness.check_golden(model, g, tie_tol=tol, free_run=None if k < 0 else k)
+    tol = goldens.DEFAULT_TIE_TOL if args.tie_tol is None else args.tie_tol
+    k = goldens.DEFAULT_FREE_RUN if args.free_run is None else args.free_run
+    res = goldens.check_golden(model, g, tie_tol=tol, free_run=None if k < 0 else k)
     where = f"{model.device.type}, {str(model.dtype).replace('torch.', '')}"
     print(f"teacher-forced: {res.positions - len(res.teacher_failures)}/{res.positions} "
           f"positions pass ({len(res.ties_accepted)} by the tie rule, tol {tol:g}) [{where}]")

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import MlxrError, NotDownloadedError
-from ..sampling import SamplingParams
+from ..text.sampling import SamplingParams
 from .common import add_model_flags, confirm, ensure_model, resolve_model
 
 HELP = """Commands:
@@ -197,7 +197,7 @@ def cmd_run(args) -> int:
 
     from ..config import load_config
     from ..onnx.folder import is_onnx_model
-    from ..tokenizer import check_tokenizer_files
+    from ..text.tokenizer import check_tokenizer_files
 
     if args.model == "-" and args.prompt is None:  # `mlxr run -`: the default model, stdin
         args.model, args.prompt = None, "-"

@@ -84,7 +84,7 @@ def register(sub) -> None:
 def cmd_serve(args) -> int:
     from ..server import run
 
-    from ..store import parse_name
+    from ..store.local import parse_name
 
     path = resolve_model(args.model)  # local only: serve never downloads
     # a Hub model is called by its name, not by its snapshot directory (a commit id)

@@ -43,7 +43,7 @@ def register(sub) -> None:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from ..hub import pull
+    from ..store.hub import pull
 
     pull(args.model, show_progress=not args.quiet)
     return 0
@@ -56,9 +56,9 @@ def _table(rows: list[list[str]], header: list[str]) -> None:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from ..hub import search
+    from ..store.hub import search
     from ..names import expand_alias, suggest_alias
-    from ..store import human
+    from ..store.local import human
 
     full = expand_alias(args.query)
     if full != args.query:
@@ -77,7 +77,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     from ..names import ALIASES, bundled_models
-    from ..store import hub_cache, human, list_local, local_model
+    from ..store.local import hub_cache, human, list_local, local_model
 
     if args.aliases:
         _table([[a, repo] for a, repo in ALIASES.items()], ["ALIAS", "HUB MODEL"])
@@ -95,7 +95,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from ..onnx.folder import is_onnx_model
-    from ..store import describe, human
+    from ..store.local import describe, human
     from .common import resolve_model
 
     path = resolve_model(args.model)
@@ -131,7 +131,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_rm(args: argparse.Namespace) -> int:
     from ..names import expand_alias
-    from ..store import dir_size, human, parse_name, remove, repo_dir
+    from ..store.local import dir_size, human, parse_name, remove, repo_dir
     from .common import confirm
 
     hub = parse_name(expand_alias(args.model))

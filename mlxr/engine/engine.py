@@ -13,11 +13,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .. import ops, trace
+from .. import ops
 from ..errors import MlxrError
 from ..generate import TextStream, check_prompt
+from ..harness import trace
 from ..models.decoder import PagedBatch, Step, span_for, write_slots_for
-from ..sampling import Sampler, SamplingParams
+from ..text.sampling import Sampler, SamplingParams
 from .decode_graphs import PagedDecodeRunner, supported
 from .kv_cache import BlockManager, KVPool
 from .scheduler import Scheduler, Sequence

@@ -10,7 +10,7 @@ generic layer loop when every projection qualifies (`eligible`): per layer
     m    = W_down @ act(gate) * up
 
 i.e. three launches fewer per layer than the generic loop's (two add+norm kernels and the
-gated activation go into the GEMVs' prologues: `mlxr.ops.triton_q4gemv`). Every intermediate
+gated activation go into the GEMVs' prologues: `mlxr.ops.matmul.decode_gemv_q4`). Every intermediate
 vector is rounded where the generic loop rounds it; the norm's sum of squares is reduced in
 another order than the add+norm kernel's, so a near-tie can pick another greedy token.
 
@@ -64,10 +64,10 @@ def eligible(dec) -> bool:
 
 
 def _gemv(lin: Linear, x: torch.Tensor, **kw) -> torch.Tensor:
-    from ..ops import triton_q4gemv
+    from ..ops.matmul import decode_gemv_q4
 
     qw = lin.weight
-    return triton_q4gemv.q4gemv(x, qw.q4, qw.scales, qw.biases, group=qw.spec.group_size,
+    return decode_gemv_q4.q4gemv(x, qw.q4, qw.scales, qw.biases, group=qw.spec.group_size,
                                 sb=qw.q4_sb, **kw)
 
 

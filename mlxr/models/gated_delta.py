@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config_hybrid import GatedDeltaSpec
+from ..config.hybrid import GatedDeltaSpec
 from ..layers import Linear
 from .. import ops
-from ..ops import recurrent
+from ..ops.recurrent import reference as recurrent
 from .decoder import Fused
 
 

@@ -17,9 +17,9 @@ import torch
 
 from .. import ops
 from ..config import ModelConfig
-from ..config_hybrid import Gemma4Spec
+from ..config.hybrid import Gemma4Spec
 from ..layers import Embedding, Linear, Rope
-from ..ops.recurrent import _scalar
+from ..ops.recurrent.reference import _scalar
 from ..quant import QuantWeight
 from .decoder import Fused, _gated_act
 from .hybrid_cache import HybridCache, KVShape, LayerShape

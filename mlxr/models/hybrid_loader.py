@@ -15,7 +15,7 @@ import torch
 
 from ..checkpoint import Checkpoint
 from ..config import ModelConfig
-from ..config_hybrid import GatedDeltaSpec, Gemma4Spec
+from ..config.hybrid import GatedDeltaSpec, Gemma4Spec
 from ..errors import ModelFormatError
 from ..layers import Embedding
 from .gated_delta import GatedDeltaMixer

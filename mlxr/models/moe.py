@@ -20,7 +20,7 @@ import torch
 
 from .. import ops
 from ..config import QuantSpec
-from ..config_moe import MoeSpec
+from ..config.moe import MoeSpec
 from ..layers import Linear
 from ..quant.dequant import dequantize
 

@@ -15,7 +15,7 @@ import torch
 
 from .. import ops
 from ..config import ModelConfig
-from ..config_hybrid import GatedDeltaSpec
+from ..config.hybrid import GatedDeltaSpec
 from ..layers import Embedding, Linear, Rope
 from ..quant import QuantWeight
 from .decoder import Fused, _gated_act

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import trace
+from ..harness import trace
 from ..errors import ModelFormatError
 from ..models.loader import build_decoder
 from .claim import ClaimReport, check_node, check_opsets, debug_enabled, print_report
@@ -90,10 +90,9 @@ def build_translated(ins: Inspection, dtype: torch.dtype, device: torch.device):
     return decoder
 
 
-def load_onnx(path, device: torch.device, dtype: torch.dtype, weights: bool = True):
-    """The Model for an ONNX decoder folder or file (see mlxr.load)."""
-    from ..model import Model
-
+def load_onnx(path, device: torch.device, dtype: torch.dtype, weights: bool = True) -> tuple:
+    """An ONNX decoder folder or file as the arguments of a `mlxr.model.Model` (path, config,
+    generation config, decoder, dtype, device; see mlxr.load, which builds the Model)."""
     ins = inspect(path)
     if ins.translation is not None:
         config = ins.translation.config
@@ -107,7 +106,7 @@ def load_onnx(path, device: torch.device, dtype: torch.dtype, weights: bool = Tr
             dtype, device = decoder.dtype, decoder.device
     if decoder is not None:
         trace.instrument(decoder)
-    return Model(ins.files.folder, config, dict(ins.files.search), decoder, dtype, device)
+    return ins.files.folder, config, dict(ins.files.search), decoder, dtype, device
 
 
 def describe(path) -> list[str]:

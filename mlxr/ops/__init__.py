@@ -1,12 +1,11 @@
 """The single dispatch point for compute ops.
 
-`mlxr.ops.reference` holds the plain-torch versions (the spec, the CPU path, the test oracle).
-On CUDA tensors, with triton importable and MLXR_KERNELS != "torch" (read at each call), the
-per-layer ops run as one Triton launch each (`mlxr.ops.triton_fused`), behind the same
-signatures; `paged_attention` (the batched decode step over the paged cache) runs
-`mlxr.ops.triton_paged`; `add_rms_norm` and `qkv_rope_write` (a layer's glue between its
-matmuls, fused) run `mlxr.ops.triton_layer`. `attention` (eager, host positions) always runs
-the reference.
+`mlxr.ops.reference` holds the plain-torch versions (the spec, the CPU path, the test oracle). On
+CUDA tensors, with triton importable and MLXR_KERNELS != "torch" (read at each call), the per-layer
+ops run as one Triton launch each (`mlxr.ops.layer.norm_rope_act`), behind the same signatures;
+`paged_attention` (the batched decode step over the paged cache) runs `mlxr.ops.kv_attention.paged`;
+`add_rms_norm` and `qkv_rope_write` (a layer's glue between its matmuls, fused) run
+`mlxr.ops.layer.add_norm_qkv_rope`. `attention` (eager, host positions) always runs the reference.
 """
 
 from __future__ import annotations
@@ -15,18 +14,21 @@ import os
 
 import torch
 
-from . import moe_reference, recurrent, reference
-from .moe_reference import combine as moe_combine
-from .moe_reference import expert_act as moe_expert_act
-from .moe_reference import head_gate
-from .moe_reference import route as moe_route
+from . import reference
+from .moe import reference as moe_reference
+from .recurrent import reference as recurrent_reference
+from .moe.reference import combine as moe_combine
+from .moe.reference import expert_act as moe_expert_act
+from .moe.reference import head_gate
+from .moe.reference import route as moe_route
 from .reference import attention, paged_items, prefill_tile
 
-from .moe_operands import ExpertQuant
-from .moe_operands import kernels_take as moe_kernels_take
-from .moe_operands import same_format as moe_gate_up_pair
+from .moe.operands import ExpertQuant
+from .moe.operands import kernels_take as moe_kernels_take
+from .moe.operands import same_format as moe_gate_up_pair
 
-_fused = None  # mlxr.ops.triton_fused, imported at the first CUDA call (triton is slow to import)
+# mlxr.ops.layer.norm_rope_act, imported at the first CUDA call (triton is slow to import)
+_fused = None
 
 
 def _fast(x) -> bool:
@@ -35,10 +37,10 @@ def _fast(x) -> bool:
         return False
     if _fused is None:
         try:
-            from . import triton_fused
+            from .layer import norm_rope_act
         except ImportError:  # pragma: no cover
-            triton_fused = False
-        _fused = triton_fused if triton_fused and triton_fused.HAVE_TRITON else False
+            norm_rope_act = False
+        _fused = norm_rope_act if norm_rope_act and norm_rope_act.HAVE_TRITON else False
     return bool(_fused)
 
 
@@ -68,7 +70,7 @@ def attention_masked(q, k, v, visible, scale: float, softcap: float | None = Non
     """GQA attention under a key-visibility mask (see reference.attention_masked; `sinks`
     [H]: gpt-oss's extra logit per head)."""
     if _fast(q):
-        from .triton_attn import attention_masked as fast
+        from .kv_attention.masked import attention_masked as fast
         return fast(q, k, v, visible, scale, softcap, sinks)
     return reference.attention_masked(q, k, v, visible, scale, softcap, sinks)
 
@@ -78,7 +80,7 @@ def attention_at(q, k, v, positions, window: int | None, scale: float,
     """attention_masked with the visibility from the rows' positions (device [T]), causal and
     windowed: key slot j at position j (see reference.attention_at)."""
     if _fast(q):
-        from .triton_attn import attention_at as fast
+        from .kv_attention.masked import attention_at as fast
         return fast(q, k, v, positions, window, scale, softcap, sinks)
     return reference.attention_at(q, k, v, positions, window, scale, softcap, sinks)
 
@@ -87,7 +89,7 @@ def paged_attention(q, k, v, block_tables, ctx_lens, block_size: int, scale: flo
                     window: int | None = None, softcap: float | None = None, sinks=None):
     """Decode attention of B sequences over a paged cache (see reference.paged_attention)."""
     if _fast(q):
-        from .triton_paged import paged_attention as fast
+        from .kv_attention.paged import paged_attention as fast
         return fast(q, k, v, block_tables, ctx_lens, block_size, scale, window, softcap,
                     sinks=sinks)
     return reference.paged_attention(q, k, v, block_tables, ctx_lens, block_size, scale, window,
@@ -97,7 +99,7 @@ def paged_attention(q, k, v, block_tables, ctx_lens, block_size: int, scale: flo
 def add_rms_norm(h, r, weight, eps: float, offset: float = 0.0):
     """(h + r, rms_norm(h + r)): a residual add and the norm after it (see reference)."""
     if _fast(h):
-        from .triton_layer import add_rms_norm as fast
+        from .layer.add_norm_qkv_rope import add_rms_norm as fast
         return fast(h, r, weight, eps, offset)
     return reference.add_rms_norm(h, r, weight, eps, offset)
 
@@ -110,7 +112,7 @@ def qkv_rope_write(qkv, n_heads: int, n_kv_heads: int, head_dim: int, q_norm, k_
     args = (qkv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, offset, rope_scale, cos,
             sin, traditional, k_cache, v_cache, slots, positions)
     if _fast(qkv):
-        from .triton_layer import qkv_rope_write as fast
+        from .layer.add_norm_qkv_rope import qkv_rope_write as fast
         return fast(*args)
     return reference.qkv_rope_write(*args)
 
@@ -124,40 +126,40 @@ def paged_prefill_attention(q, k, v, block_tables, items, block_size: int, scale
         return reference.paged_prefill_attention(q, k, v, block_tables, items, block_size,
                                                  scale, window, softcap, sinks)
     if _fast(q):
-        from .triton_paged import paged_prefill_attention as fast
+        from .kv_attention.paged import paged_prefill_attention as fast
         return fast(q, k, v, block_tables, items, block_size, scale, window, softcap)
     return reference.paged_prefill_attention(q, k, v, block_tables, items, block_size, scale,
                                              window, softcap)
 
 
 def conv1d_silu(x, state, weight):
-    """Causal depthwise conv + SiLU with its rolling state (see recurrent.conv1d_silu)."""
+    """Causal depthwise conv + SiLU with its rolling state (see recurrent_reference.conv1d_silu)."""
     if _fast(x):
-        from .triton_recurrent import conv1d_silu as fast
+        from .recurrent.gated_delta_scan import conv1d_silu as fast
         return fast(x, state, weight)
-    return recurrent.conv1d_silu(x, state, weight)
+    return recurrent_reference.conv1d_silu(x, state, weight)
 
 
 def gated_delta(q, k, v, g, beta, state):
     """The gated delta rule over T tokens, float32 state updated in place (see
-    recurrent.gated_delta)."""
+    recurrent_reference.gated_delta)."""
     if _fast(q):
-        from .triton_recurrent import gated_delta as fast
+        from .recurrent.gated_delta_scan import gated_delta as fast
         return fast(q, k, v, g, beta, state)
-    return recurrent.gated_delta(q, k, v, g, beta, state)
+    return recurrent_reference.gated_delta(q, k, v, g, beta, state)
 
 
 def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: float,
                 out_dtype, routed_scale: float = 1.0):
     """The routed experts' weighted sum [T, E] by the MoE kernels: x [T, E_in], ids / weights
     [T, k] on the device; the decode kernels for at most MAX_PAIRS (token, slot) pairs, the
-    grouped GEMM beyond (`triton_moe_decode`, `triton_moe_grouped`)."""
-    from . import triton_moe_decode as dec
+    grouped GEMM beyond (`moe.decode_experts`, `moe.grouped_experts`)."""
+    from .moe import decode_experts as dec
 
     if ids.numel() <= dec.MAX_PAIRS:
         h = dec.moe_gate_up(x, ids, gate, up, act, alpha, limit)
         return dec.moe_down(h, ids, weights, down, out_dtype, routed_scale)
-    from .triton_moe_grouped import moe_grouped
+    from .moe.grouped_experts import moe_grouped
     return moe_grouped(x, ids, weights, gate, up, down, act, alpha, limit, out_dtype,
                        routed_scale)
 

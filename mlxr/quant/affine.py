@@ -17,7 +17,7 @@ from torch import Tensor
 
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUPS = (32, 64, 128)
-# widths whose decode runs the 4-bit kernels (CUDA: triton_q4tc; CPU: torch's int4 kernel) over
+# widths whose decode runs the 4-bit kernels (CUDA: decode_gemv_tc; CPU: torch's int4 kernel) over
 # nibble planes (`planes`)
 PLANE_BITS = (2, 3, 5, 6, 8)
 
@@ -115,7 +115,7 @@ def planes(codes: Tensor, scales: Tensor, biases: Tensor, bits: int
            ) -> tuple[Tensor, Tensor, Tensor]:
     """b-bit affine codes [N, K] with scales, biases [N, K/G] -> nibble codes [N, P K] and
     scales, biases [N, P K/G] whose 4-bit GEMV over x repeated P times is the b-bit GEMV
-    (`triton_q4tc.q4tc(planes=P)` on CUDA, torch's int4 kernel over [x, x] on the CPU).
+    (`decode_gemv_tc.q4tc(planes=P)` on CUDA, torch's int4 kernel over [x, x] on the CPU).
     b <= 4 (P = 1): the codes as they are (a nibble holds them). b = 5, 6, 8 (P = 2):
     q = 2^(b-4) h + l, plane 0 holds h (4 bits) with scales 2^(b-4) s and the
     biases, plane 1 holds l (b - 4 bits) with scales s and zero biases, so

@@ -1,13 +1,13 @@
-"""The load-time copies the CUDA decode kernels read (`mlxr.quant.cuda` routes the calls): each
-built once per weight from its MLX words, beside them or in their place
-(`QuantWeight.drop_words`).
+"""The load-time copies the CUDA decode kernels read (`mlxr.quant.cuda` routes the calls and,
+in `build_copies`, picks which copies a weight gets): each built once per weight from its MLX
+words, beside them or in their place (`QuantWeight.drop_words`).
 
-- `q4tc_pack`: affine 4-bit words in `triton_q4tc`'s lane order (an MLP's gate_up in
+- `q4tc_pack`: affine 4-bit words in `decode_gemv_tc`'s lane order (an MLP's gate_up in
   `glu_rows` order: `glu_order`) and (scale, bias) pairs;
 - `planes_pack`: the nibble planes of affine 2/3/5/6/8-bit weights, in the same layout;
 - `fp4_tc_pack`: mxfp4 / nvfp4 E2M1 codes with each code's bits moved (`fp4_bits`);
 - `fp8_tc_pack`: mxfp8 E4M3 codes, two words per mma step (`fp8_words`);
-- `q4gemv_pack`: `triton_q4gemv`'s repack; `tinygemm_pack`: torch's int4 layout;
+- `q4gemv_pack`: `decode_gemv_q4`'s repack; `tinygemm_pack`: torch's int4 layout;
 - `decode_copy_bytes`: what a load will build for a weight, for the loader's GPU budget.
 """
 
@@ -20,6 +20,7 @@ from torch import Tensor
 
 from . import int4pack
 from .affine import PLANE_BITS, planes_on
+from .fp import nibble_planes
 
 INNER_K_TILES = 8  # tinygemm's inner K tiles (its int4 layout)
 FP4_TC_MODES = ("mxfp4", "nvfp4")  # E2M1 codes: q4tc's fp4 copy
@@ -47,37 +48,37 @@ def tinygemm_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tenso
 
 def q4tc_pack(packed: Tensor, scales: Tensor, biases: Tensor, sb: Tensor | None = None,
               glu: bool = False) -> tuple[Tensor, Tensor]:
-    """The load-time copies triton_q4tc reads: lane-ordered words, (scale, bias) pairs (`sb`
+    """The load-time copies decode_gemv_tc reads: lane-ordered words, (scale, bias) pairs (`sb`
     where the weight already has q4gemv's: the same pairs). glu: the rows stack an MLP's gate
-    over its up, and both copies take `triton_q4tc.glu_rows`' order (so `gated` can run)."""
-    from ..ops import triton_q4gemv, triton_q4tc
+    over its up, and both copies take `decode_gemv_tc.glu_rows`' order (so `gated` can run)."""
+    from ..ops.matmul import decode_gemv_q4, decode_gemv_tc
 
     if glu:
         if sb is not None:
             raise ValueError("q4tc_pack: a glu copy cannot share q4gemv's pairs")
         packed, scales, biases = glu_order(packed, scales, biases)
-    return triton_q4tc.repack(packed), (triton_q4gemv.pair_scales(scales, biases)
+    return decode_gemv_tc.repack(packed), (decode_gemv_q4.pair_scales(scales, biases)
                                         if sb is None else sb)
 
 
 def glu_order(packed: Tensor, scales: Tensor, biases: Tensor | None
                ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """A stacked [gate; up] weight's rows in `triton_q4tc.glu_rows`' order."""
-    from ..ops import triton_q4tc
+    """A stacked [gate; up] weight's rows in `decode_gemv_tc.glu_rows`' order."""
+    from ..ops.matmul import decode_gemv_tc
 
-    perm = triton_q4tc.glu_rows(packed.shape[0]).to(packed.device)
+    perm = decode_gemv_tc.glu_rows(packed.shape[0]).to(packed.device)
     return packed[perm], scales[perm], None if biases is None else biases[perm]
 
 
 
 def fp4_tc_pack(qw, glu: bool = False, chunk_rows: int = 4096
                 ) -> tuple[Tensor, Tensor, float | None] | None:
-    """q4tc's fp4 copy of an `fp4_tc_supported` weight: (`triton_q4tc.fp4_bits` of the
+    """q4tc's fp4 copy of an `fp4_tc_supported` weight: (`decode_gemv_tc.fp4_bits` of the
     lane-ordered words, pairs of each group's E8M0 / E4M3 scale in bf16 (exact) and 0, the
     global scale / 2688 as a float or None: `fp.fp_scales`' factor, which the kernel applies
     to its fp32 sums), built in row slices (bounded scratch); glu as `q4tc_pack`. None where
     a scale is not finite (the formats' NaN codes)."""
-    from ..ops import triton_q4tc
+    from ..ops.matmul import decode_gemv_tc
 
     packed, scales = qw.packed, qw.scales
     if glu:
@@ -88,8 +89,8 @@ def fp4_tc_pack(qw, glu: bool = False, chunk_rows: int = 4096
     n, k = qw.out_features, qw.in_features
     words = torch.empty(n // 16, 2 * k, dtype=torch.int32, device=packed.device)
     for r in range(0, n, chunk_rows):
-        words[r // 16:(r + chunk_rows) // 16] = triton_q4tc.fp4_bits(
-            triton_q4tc.repack(packed[r:r + chunk_rows]))
+        words[r // 16:(r + chunk_rows) // 16] = decode_gemv_tc.fp4_bits(
+            decode_gemv_tc.repack(packed[r:r + chunk_rows]))
     gs = None if qw.global_scale is None else float(qw.global_scale.float() / 2688.0)
     return words, sb, gs
 
@@ -97,22 +98,22 @@ def fp4_tc_pack(qw, glu: bool = False, chunk_rows: int = 4096
 def _scale_pairs(scales: Tensor, mode: str) -> Tensor | None:
     """q4tc's pairs for an fp mode's scale bytes: (the scale in bf16, exact, and 0); None where
     one is not finite or not exact in bf16."""
-    from ..ops import triton_q4gemv
+    from ..ops.matmul import decode_gemv_q4
     from .fp import fp_scales
 
     s = fp_scales(scales, mode, None)
     sb = s.to(torch.bfloat16)
     if not bool(torch.isfinite(sb).all()) or not torch.equal(sb.float(), s.float()):
         return None
-    return triton_q4gemv.pair_scales(sb, torch.zeros_like(sb))
+    return decode_gemv_q4.pair_scales(sb, torch.zeros_like(sb))
 
 
 def fp8_tc_pack(qw, glu: bool = False, chunk_rows: int = 4096) -> tuple[Tensor, Tensor] | None:
-    """q4tc's fp8 copy of an `fp8_tc_supported` (mxfp8) weight: (`triton_q4tc.fp8_words` of its
+    """q4tc's fp8 copy of an `fp8_tc_supported` (mxfp8) weight: (`decode_gemv_tc.fp8_words` of its
     E4M3 codes, the E8M0 scales' pairs as `fp4_tc_pack`'s); glu as `q4tc_pack`. None where a
     code is NaN (0x7F / 0xFF: the copy's values are finite; the generic kernels keep mlx's NaN)
     or a scale is not finite."""
-    from ..ops import triton_q4tc
+    from ..ops.matmul import decode_gemv_tc
 
     packed, scales = qw.packed, qw.scales
     if glu:
@@ -121,7 +122,7 @@ def fp8_tc_pack(qw, glu: bool = False, chunk_rows: int = 4096) -> tuple[Tensor, 
     sb = _scale_pairs(scales, qw.spec.mode)
     if sb is None or bool(((codes & 0x7F) == 0x7F).any()):
         return None
-    return triton_q4tc.fp8_words(codes, chunk_rows), sb
+    return decode_gemv_tc.fp8_words(codes, chunk_rows), sb
 
 
 
@@ -153,9 +154,8 @@ def planes_pack(qw, glu: bool = False, chunk_rows: int = 4096
     head's codes would otherwise need ~4x its size of scratch); glu as `q4tc_pack`. None
     where a plane's scale overflows the dtype (`planes`); the pairs are in the scales' dtype,
     the compute dtype (`planes_supported`)."""
-    from ..ops import triton_q4gemv
-    from ..ops.triton_q4tc_layout import repack_codes
-    from .weight import nibble_planes
+    from ..ops.matmul import decode_gemv_q4
+    from ..ops.matmul.decode_gemv_tc_layout import repack_codes
 
     packed, scales, biases = qw.packed, qw.scales, qw.biases
     if glu:
@@ -169,7 +169,7 @@ def planes_pack(qw, glu: bool = False, chunk_rows: int = 4096
             rows = slice(r, r + chunk_rows)
             c, s, b = nibble_planes(sp, packed[rows], scales[rows], biases[rows], k)
             words[r // 16:(r + c.shape[0]) // 16] = repack_codes(c)
-            pairs.append(triton_q4gemv.pair_scales(s, b))
+            pairs.append(decode_gemv_q4.pair_scales(s, b))
     except ValueError:
         return None
     return words, torch.cat(pairs), plane_count(sp)
@@ -177,45 +177,7 @@ def planes_pack(qw, glu: bool = False, chunk_rows: int = 4096
 
 
 def q4gemv_pack(packed: Tensor, scales: Tensor, biases: Tensor) -> tuple[Tensor, Tensor]:
-    """The load-time copies triton_q4gemv reads: repacked words, (scale, bias) pairs."""
-    from ..ops import triton_q4gemv
+    """The load-time copies decode_gemv_q4 reads: repacked words, (scale, bias) pairs."""
+    from ..ops.matmul import decode_gemv_q4
 
-    return triton_q4gemv.repack(packed), triton_q4gemv.pair_scales(scales, biases)
-
-
-def build(qw, glu: bool, keep_words: bool) -> None:
-    """The decode copies a CUDA weight gets at load (its MLX words in `qw.packed`): q4tc's
-    (affine 4-bit, in `glu_rows` order if glu) or q4gemv's, the fp4 / fp8 copies, the nibble
-    planes of the other affine widths, and tinygemm's where none serves one row (or
-    `MLXR_Q4GEMV=0`). keep_words=False (the loader's budget or `MLXR_WORDS=drop`): q4tc's
-    copy also where q4gemv would serve, so that the words can go."""
-    from . import cuda
-
-    if qw.matmul and cuda.q4gemv_supported(qw):  # single-request decode (M = 1)
-        # the tensor-core GEMV; also where q4gemv was measured faster if the words are to go
-        # (prefill can dequantize from q4tc's layout only; 0.6B o: 3.0 vs 2.7 us)
-        if cuda.q4tc_preferred(qw) or (not keep_words and cuda.q4tc_supported(qw)):
-            qw.tc_glu = glu
-            qw.tc, qw.q4_sb = q4tc_pack(qw.packed, qw.scales, qw.biases, glu=glu)
-        else:
-            qw.q4, qw.q4_sb = q4gemv_pack(qw.packed, qw.scales, qw.biases)
-    elif qw.matmul and cuda.fp4_tc_supported(qw):  # mxfp4 / nvfp4 decode
-        tc = fp4_tc_pack(qw, glu=glu)
-        if tc is not None:
-            qw.tc, qw.q4_sb, qw.tc_gs = tc
-            qw.tc_glu = glu
-    elif qw.matmul and cuda.fp8_tc_supported(qw):  # mxfp8 decode
-        tc = fp8_tc_pack(qw, glu=glu)
-        if tc is not None:
-            qw.tc, qw.q4_sb = tc
-            qw.tc_glu = glu
-    elif qw.matmul and cuda.planes_supported(qw):  # the other widths' decode
-        tc = planes_pack(qw, glu=glu)
-        if tc is not None:
-            qw.tc, qw.q4_sb, qw.planes = tc
-            qw.tc_glu = glu
-    # tinygemm serves M = 1 where q4gemv / q4tc do not (or are switched off for an A/B run:
-    # MLXR_Q4GEMV=0 at load); else its copy is built on demand
-    one_row = qw.q4 is not None or qw.tc is not None
-    if qw.matmul and (not one_row or os.environ.get("MLXR_Q4GEMV") == "0"):
-        qw.add_batch_copy()
+    return decode_gemv_q4.repack(packed), decode_gemv_q4.pair_scales(scales, biases)

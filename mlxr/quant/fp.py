@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .affine import unpack_codes
+from .affine import planes, unpack_codes
 
 FP_MODES = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
 
@@ -121,3 +121,14 @@ def fp4_planes(codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def fp4_codes(twice_plus_12: Tensor) -> Tensor:
     """The E2M1 codes back from p1 + p2 of `fp4_planes` (a zero comes back as +0)."""
     return _FROM_TWICE.to(twice_plus_12.device)[twice_plus_12.long()]
+
+
+def nibble_planes(spec, packed: Tensor, scales: Tensor, biases: Tensor | None,
+                  in_features: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The nibble planes of packed rows (the int4 kernels' input on both devices): affine
+    codes by `affine.planes`, mxfp4 by `fp.fp4_planes` (fp32 scales and biases). Raises
+    ValueError where a plane's scale overflows or is not finite."""
+    q = unpack_codes(packed, spec.bits, in_features)
+    if spec.mode == "mxfp4":
+        return fp4_planes(q, fp_scales(scales, spec.mode))
+    return planes(q, scales, biases, spec.bits)

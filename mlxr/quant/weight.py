@@ -9,16 +9,15 @@ Storage (chosen at load time, see `from_tensors`):
                  codes; 2/3/5/6/8-bit and mxfp4 over their nibble planes, `planes` of them, see
                  `mlxr.quant.affine.planes` and `fp.fp4_planes`; the codes are decoded back
                  from it).
-On CUDA `packed` is kept unless the loader drops it (`drop_words`: prefill then reads the
-`tc` copy); affine 4-bit adds repacks of it for decode at load: for one
-row either `tc` (`mlxr.ops.triton_q4tc`, where `cuda.q4tc_preferred`; it also serves 2-16
-rows; an MLP's gate_up gets it with gate and up rows interleaved, `tc_glu`, so `gated` runs
-the activation in its epilogue) or `q4` (`mlxr.ops.triton_q4gemv`), each with `q4_sb` (scale,
-bias pairs); and
-`i4`/`i4_sz` (tinygemm, 2-32 rows) only where neither applies. Affine 2/3/5/6/8-bit weights
-get `tc` too, over nibble planes (`planes`: 1, or 2 for 5/6/8-bit; `cuda_copies.planes_pack`), and
-mxfp4 / nvfp4 weights an fp4 `tc` of their E2M1 codes (`tc_fp4`, `cuda_copies.fp4_tc_pack`),
-mxfp8 weights an fp8 `tc` of their E4M3 codes (`tc_fp8`, `cuda_copies.fp8_tc_pack`).
+On CUDA `packed` is kept unless the loader drops it (`drop_words`: prefill then reads the `tc`
+copy); affine 4-bit adds repacks of it for decode at load: for one row either `tc`
+(`mlxr.ops.matmul.decode_gemv_tc`, where `cuda.q4tc_preferred`; it also serves 2-16 rows; an MLP's
+gate_up gets it with gate and up rows interleaved, `tc_glu`, so `gated` runs the activation in its
+epilogue) or `q4` (`mlxr.ops.matmul.decode_gemv_q4`), each with `q4_sb` (scale, bias pairs); and
+`i4`/`i4_sz` (tinygemm, 2-32 rows) only where neither applies. Affine 2/3/5/6/8-bit weights get `tc`
+too, over nibble planes (`planes`: 1, or 2 for 5/6/8-bit; `cuda_copies.planes_pack`), and mxfp4 /
+nvfp4 weights an fp4 `tc` of their E2M1 codes (`tc_fp4`, `cuda_copies.fp4_tc_pack`), mxfp8 weights
+an fp8 `tc` of their E4M3 codes (`tc_fp8`, `cuda_copies.fp8_tc_pack`).
 The batching engine asks for the several-row copy (`add_batch_copy`): `tc` where a `q4`
 weight lacks it, else tinygemm's.
 Scales/biases stay in their file dtype, except in exact mode (compute_dtype float32) where they
@@ -26,12 +25,12 @@ are cast to float32 once: dequant then is `q*s + b` in fp32 (two fp32 roundings)
 mlx computes with fp32 params.
 
 `linear` dispatches on device: CPU -> `mlxr.quant.cpu.linear`; CUDA -> the Triton kernels of
-`mlxr.ops.triton_qmm` (GEMV for small batches, tensor-core GEMM for prefill) reading the packed
-words as shipped (on CUDA `packed` is always kept, never unpacked codes), after the measured
-fast paths of `mlxr.quant.cuda` (q4gemv / tinygemm 4-bit decode, `mlxr.ops.triton_gemv` for 2/3-bit
-at M = 1, dequant + cuBLAS prefill; env
-`MLXR_GEMV=triton` sends all decode to `mlxr.ops.triton_gemv`); env `MLXR_KERNELS=torch` (or no
-triton) selects the generic tiled torch path instead.
+`mlxr.ops.matmul.generic_qmm` (GEMV for small batches, tensor-core GEMM for prefill) reading the
+packed words as shipped (on CUDA `packed` is always kept, never unpacked codes), after the measured
+fast paths of `mlxr.quant.cuda` (q4gemv / tinygemm 4-bit decode, `mlxr.ops.matmul.decode_gemv` for
+2/3-bit at M = 1, dequant + cuBLAS prefill; env `MLXR_GEMV=triton` sends all decode to
+`mlxr.ops.matmul.decode_gemv`); env `MLXR_KERNELS=torch` (or no triton) selects the generic tiled
+torch path instead.
 """
 
 from __future__ import annotations
@@ -45,9 +44,9 @@ from mlxr.config import QuantSpec
 from mlxr.errors import ModelFormatError
 
 from . import cuda, cuda_copies, int4pack
-from .affine import PLANE_BITS, merge_planes, planes, planes_on, unpack_codes
+from .affine import PLANE_BITS, merge_planes, planes_on, unpack_codes
 from .dequant import validate
-from .fp import code_table, fp4_codes, fp4_planes, fp_scales
+from .fp import code_table, fp4_codes, fp_scales, nibble_planes
 
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -56,19 +55,8 @@ def _use_triton(qw: QuantWeight) -> bool:
     """CUDA matmul backend: Triton unless MLXR_KERNELS=torch or the weight is unsupported."""
     if os.environ.get("MLXR_KERNELS", "").lower() == "torch":
         return False
-    from mlxr.ops import triton_qmm
-    return triton_qmm.supported(qw) or qw.words_dropped
-
-
-def nibble_planes(spec: QuantSpec, packed: Tensor, scales: Tensor, biases: Tensor | None,
-                  in_features: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The nibble planes of packed rows (the int4 kernels' input on both devices): affine
-    codes by `affine.planes`, mxfp4 by `fp.fp4_planes` (fp32 scales and biases). Raises
-    ValueError where a plane's scale overflows or is not finite."""
-    q = unpack_codes(packed, spec.bits, in_features)
-    if spec.mode == "mxfp4":
-        return fp4_planes(q, fp_scales(scales, spec.mode))
-    return planes(q, scales, biases, spec.bits)
+    from mlxr.ops.matmul import generic_qmm
+    return generic_qmm.supported(qw) or qw.words_dropped
 
 
 DENSE_MODES = ("nvfp4", "mxfp8")  # fp modes torch's int4 kernel cannot take (group 16, 8-bit)
@@ -105,7 +93,7 @@ class QuantWeight:
         self.i4_sz: Tensor | None = None
         self.q4: Tensor | None = None
         self.tc: Tensor | None = None
-        self.tc_glu = False  # tc (and q4_sb) in triton_q4tc.glu_rows' order (`gated`)
+        self.tc_glu = False  # tc (and q4_sb) in decode_gemv_tc.glu_rows' order (`gated`)
         self.tc_gs: float | None = None  # an nvfp4 fp4 copy's global scale / 2688
         self.dense: Tensor | None = None  # CPU nvfp4 / mxfp8: dequant_rows' result, cached
         self.planes = 1  # tc / i4 hold this many nibble planes of the codes (`affine.planes`)
@@ -177,7 +165,7 @@ class QuantWeight:
             self.dense = self._dense_copy()
         elif dev.type == "cuda":
             self.packed = packed.contiguous()  # Triton kernels read the mlx words as shipped
-            cuda_copies.build(self, glu and os.environ.get("MLXR_Q4TC_GLU") != "0", keep_words)
+            cuda.build_copies(self, glu and os.environ.get("MLXR_Q4TC_GLU") != "0", keep_words)
             if not keep_words:
                 self.drop_words()
         elif bits == 8:
@@ -216,7 +204,7 @@ class QuantWeight:
     def drop_words(self) -> int:
         """Drop the MLX words of a weight that has q4tc's copy (affine, mxfp4 / nvfp4's fp4
         copy or mxfp8's fp8 copy; CUDA): decode reads the copy anyway, and prefill
-        dequantizes from it (`triton_dequant.dequant_copy`, the same values), so a weight is
+        dequantizes from it (`prefill_dequant.dequant_copy`, the same values), so a weight is
         held once, not twice (4-bit: -0.5 B per weight). Returns the bytes freed (0 where
         kept)."""
         if (self.packed is None or self.tc is None
@@ -237,7 +225,7 @@ class QuantWeight:
 
     def add_batch_copy(self) -> int:
         """Build the copies that decode of several rows reads (`mlxr.quant.cuda`) where this
-        weight takes them and has none; returns the bytes added. Where triton_q4tc serves the
+        weight takes them and has none; returns the bytes added. Where decode_gemv_tc serves the
         weight: its repack `tc` (2-16 rows; only the small squarish weights whose single row
         takes q4gemv lack it, e.g. Qwen3-0.6B's o projections), plus tinygemm's where
         `cuda.tinygemm_rows` (9-32 rows of small squarish weights); else tinygemm's (2-32
@@ -311,7 +299,7 @@ class QuantWeight:
     def _copy_codes(self, rows: slice | Tensor) -> Tensor:
         """Codes uint8 [n, in] of original rows from q4tc's copy (a weight whose words were
         dropped)."""
-        from ..ops.triton_q4tc_layout import copy_rows_codes
+        from ..ops.matmul.decode_gemv_tc_layout import copy_rows_codes
 
         idx = (torch.arange(self.out_features, device=self.tc.device)[rows]
                if isinstance(rows, slice) else rows)
@@ -385,8 +373,8 @@ class QuantWeight:
         elif x2.is_cuda and _use_triton(self):
             y = cuda.linear(self, x2)
             if y is None:
-                from mlxr.ops import triton_qmm
-                y = triton_qmm.qmatmul(x2, self)
+                from mlxr.ops.matmul import generic_qmm
+                y = generic_qmm.qmatmul(x2, self)
         else:
             from . import cpu  # generic torch fallback (MLXR_KERNELS=torch, no triton, ...)
             y = cpu.tiled_linear(self, x2)
@@ -413,7 +401,7 @@ class QuantWeight:
         flat = ids.reshape(-1).to(self.device, torch.int64)
         if flat.is_cuda and self.packed is not None and self.spec.mode == "affine":
             from mlxr import ops
-            from mlxr.ops import triton_embed as te  # one launch, dequant_rows' values
+            from mlxr.ops.layer import embed_rows as te  # one launch, dequant_rows' values
 
             a = (self.packed, self.scales, self.biases, self.spec.bits, self.spec.group_size,
                  self.compute_dtype)

@@ -24,8 +24,10 @@ from typing import Any
 from fastapi import Request  # module level: FastAPI resolves the (string) annotations here
 from pydantic import Field
 
-from . import request_checks
+from . import render, request_checks
+from .jobs import chat_job, completion_job
 from .protocol import APIError, ChatRequest, CompletionRequest, _Req, bad_request
+from .render import Logprobs, _splitter, collect, events_to_delta
 
 IGNORED_OPTIONS = {"numa", "num_ctx", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv",
                    "logits_all", "vocab_only", "use_mmap", "use_mlock", "embedding_only",
@@ -141,8 +143,6 @@ def _no_template(model) -> bool:
 
 
 def generate_job(model, req: GenerateRequest, parse):
-    from .app import chat_job, completion_job
-
     for f in ("suffix", "template", "context", "images"):
         if getattr(req, f):
             raise bad_request(f"{f!r} is not supported by this server", f)
@@ -166,8 +166,6 @@ def generate_job(model, req: GenerateRequest, parse):
 
 
 def ollama_chat_job(model, req: OllamaChatRequest, parse):
-    from .app import chat_job
-
     if _no_template(model):
         raise bad_request(f"model {model.path.name!r} has no chat template: use /api/generate "
                           "with raw: true for plain text completion", "messages")
@@ -221,8 +219,6 @@ def _line(obj: dict) -> str:
 
 
 async def _stream(state, model, job, gen, kind: str, t_req: float):
-    from .render import Logprobs, _splitter, events_to_delta
-
     head = {"model": state.model_id}
     sp, lpf = _splitter(job), Logprobs(model.tokenizer)
     try:
@@ -251,8 +247,6 @@ async def _stream(state, model, job, gen, kind: str, t_req: float):
 
 
 async def _full(state, model, job, gen, kind: str, t_req: float) -> dict:
-    from .render import Logprobs, collect, events_to_delta
-
     sp, evs, lps = await collect(gen, job)
     d = events_to_delta(evs)
     out = dict(model=state.model_id, created_at=_now(),
@@ -268,8 +262,6 @@ async def _full(state, model, job, gen, kind: str, t_req: float) -> dict:
 def register(app, state, parse) -> None:
     """Add the Ollama routes to `app`; `parse(cls, body: bytes)` is app.py's validating parser."""
     from fastapi.responses import JSONResponse
-
-    from . import render
 
     def parse_dict(cls, data: dict):
         return parse(cls, json.dumps(data).encode())

@@ -5,14 +5,14 @@ mlxr serves one model directory, so /api/tags, /api/show and /api/ps know that m
 Names are mlxr's (a directory name, the --served-model-name, or a Hub name ORG/REPO[@REV]);
 Ollama's default tag ":latest" is accepted and dropped.
 
-/api/pull downloads a Hub model into the shared Hugging Face cache (mlxr.hub.pull, as `mlxr pull`)
-and streams Ollama's NDJSON progress: {"status"} lines, then per file {"status", "digest", "total",
-"completed"}, then {"status": "success"} (or an {"error"} line). /api/delete removes a Hub model
-from the cache (mlxr.store.remove, as `mlxr rm`), never the model being served. Both change the
-machine (network, disk), so each is off unless `serve` was started with its flag: --allow-pull,
---allow-delete (separate: letting clients fetch models is not letting them destroy any). Off,
-they answer 403 in Ollama's error shape. A pulled model is not served by this server: start
-`mlxr serve ORG/REPO` for that.
+/api/pull downloads a Hub model into the shared Hugging Face cache (mlxr.store.hub.pull, as
+`mlxr pull`) and streams Ollama's NDJSON progress: {"status"} lines, then per file {"status",
+"digest", "total", "completed"}, then {"status": "success"} (or an {"error"} line). /api/delete
+removes a Hub model from the cache (mlxr.store.local.remove, as `mlxr rm`), never the model being
+served. Both change the machine (network, disk), so each is off unless `serve` was started with
+its flag: --allow-pull, --allow-delete (separate: letting clients fetch models is not letting
+them destroy any). Off, they answer 403 in Ollama's error shape. A pulled model is not served
+by this server: start `mlxr serve ORG/REPO` for that.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def details(path: Path, info: dict) -> dict:
 
 
 def _describe(path: Path) -> dict:
-    from ..store import describe
+    from ..store.local import describe
 
     try:
         return describe(path)
@@ -120,7 +120,7 @@ def _describe(path: Path) -> dict:
 
 
 def show(state, path: Path, info: dict) -> dict:
-    from ..tokenizer import load_chat_template
+    from ..text.tokenizer import load_chat_template
 
     arch = info["architecture"]
     gen = {}
@@ -162,7 +162,7 @@ def show(state, path: Path, info: dict) -> dict:
 
 
 def _cache_name(name: str) -> tuple[str, str | None]:
-    from ..store import parse_name
+    from ..store.local import parse_name
 
     hub = parse_name(name)
     if hub is None:
@@ -177,7 +177,7 @@ def _forbidden(flag: str, what: str) -> APIError:
 
 async def _pull_lines(name: str):
     """NDJSON progress lines of one pull, from the pulling thread through a queue."""
-    from ..hub import pull
+    from ..store.hub import pull
 
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
@@ -264,7 +264,7 @@ def register(app, state, parse_body) -> None:
 
     @app.delete("/api/delete")
     async def delete_route(request: Request):
-        from ..store import remove, repo_dir
+        from ..store.local import remove, repo_dir
 
         req = await parse(request)
         name = _name(req)

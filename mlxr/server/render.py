@@ -373,7 +373,3 @@ async def completion_full(state, model, engine, job, req, route):
                          "logprobs": Logprobs(model.tokenizer).completion(lps, 0)
                          if job.logprobs is not None else None}],
             "usage": gen.usage()}
-
-
-# re-exported for app.serve
-from .responses import responses_full, responses_stream  # noqa: F401

@@ -7,7 +7,9 @@ import json
 import secrets
 import time
 
+from .jobs import chat_job
 from .protocol import ChatRequest, ResponsesRequest, bad_request
+from .render import _reasoning_tokens, _splitter, collect, start
 
 
 def _text(content, where: str) -> str:
@@ -88,8 +90,6 @@ def to_chat(req: ResponsesRequest) -> ChatRequest:
 
 
 def responses_job(model, req: ResponsesRequest):
-    from .app import chat_job
-
     return chat_job(model, to_chat(req))
 
 
@@ -204,8 +204,6 @@ def _status(gen):
 
 
 async def responses_full(state, model, engine, job, req, route):
-    from .render import _reasoning_tokens, collect, start
-
     gen = await start(state, engine, job, route)
     _, evs, _ = await collect(gen, job)
     items = _Items()
@@ -217,8 +215,6 @@ async def responses_full(state, model, engine, job, req, route):
 
 
 async def responses_stream(state, model, job, gen, req):
-    from .render import _reasoning_tokens, _splitter
-
     rid, created, seq = _new_id("resp"), int(time.time()), 0
     items, sp, thought = _Items(), _splitter(job), []
 
