@@ -177,3 +177,11 @@ def test_errors():
     with pytest.raises(ValueError, match="fit"):
         D.moe_down(torch.randn(2, 8), torch.tensor([[0, 1]]), torch.ones(1, 2), q,
                    torch.float32)
+
+
+@pytest.mark.parametrize("q_args", [("affine", 3, 32, False), ("affine", 6, 64, False)])
+def test_straddling_widths(q_args):
+    """3/6-bit codes straddle words (units of 3 words) and their groups are not a power of
+    two words: the tile still takes a power-of-two number of groups."""
+    check_gate_up(q_args, "silu", 2, 2, 13)
+    check_down(q_args, 2, 2, 17)

@@ -251,10 +251,12 @@ def _block(n: int, pairs: int, device: torch.device) -> int:
 
 
 def _gt(k: int, bits: int, group: int) -> int:
-    """Groups per tile: ~256 words of a row (as `decode_gemv.default_config`)."""
+    """Groups per tile (a power of two): ~256 words of a row (as
+    `matmul.decode_gemv.default_config`)."""
     per = unit_codes(bits)
-    gw = group // per * (per * bits // 32)
-    return max(1, min(_next_pow2(k // group), 256 // gw if gw <= 256 else 1))
+    gw = group // per * (per * bits // 32)  # words per group
+    fit = 1 << (max(1, 256 // gw).bit_length() - 1)
+    return max(1, min(_next_pow2(k // group), fit))
 
 
 def _gs_bias(q: ExpertQuant, dummy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
