@@ -361,3 +361,23 @@ def test_moe_kernels_engine_batch_equals_single(built, monkeypatch):
     alone = [_run_all(LLMEngine(model, max_num_seqs=1, paged_decode=True),
                       [EngineRequest(p, params)])[0] for p in prompts]
     assert batched == alone
+
+
+def test_bench_bytes_count_top_k_experts(built):
+    """`mlxr bench`'s bytes per token: a MoE layer's stacked experts count k of X experts'
+    bytes (what one token reads), every other tensor once (the untied embedding one row)."""
+    from mlxr.checkpoint import open_checkpoint
+    from mlxr.cli.bench import expert_note, weight_bytes_per_token
+
+    b = built("laguna", "q4g64")
+    model = b.model32
+    s = model.config.moe
+    with open_checkpoint(model.path) as ckpt:
+        sizes = {n: t.nbytes for n, t in ckpt.tensors.items()}
+    experts = sum(v for n, v in sizes.items() if f".{s.block}.{s.experts_path}." in n)
+    emb = sum(v for n, v in sizes.items() if n.startswith("model.embed"))
+    assert 0 < experts < sum(sizes.values())
+    want = (sum(sizes.values()) - experts + experts * s.top_k // s.num_experts
+            - (emb - emb // model.config.vocab_size))
+    assert abs(weight_bytes_per_token(model) - want) <= len(sizes)  # per-tensor flooring
+    assert "4 selected of 16 experts" in expert_note(model)
