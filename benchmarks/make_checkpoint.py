@@ -16,6 +16,12 @@ MXFP4-Q8 conversion (mxfp4 experts, everything else affine 8-bit g64). `--layers
 first N layers (the laguna pattern and its per-layer lists cut to match).
 
     python benchmarks/make_checkpoint.py qwen3.5-0.8b OUT_DIR   (also qwen3.5-2b, gemma-4-e2b)
+    python benchmarks/make_checkpoint.py qwen3.5-35b-a3b OUT_DIR [--layers 4]
+    python benchmarks/make_checkpoint.py qwen3-next-80b-a3b OUT_DIR [--layers 4]
+
+The hybrid MoE shapes (text weights only) are 4-bit g64 with the routers (mlp.gate) and the
+shared-expert gates 8-bit, as mlx_lm.convert quantizes them; `--layers 4` keeps three gated
+DeltaNet layers and one gated-attention layer.
 
 `--tokenizer` copies a real tokenizer's files (e.g. Qwen3's vocab.json, merges.txt,
 tokenizer_config.json; any model folder works, only its tokenizer files are taken) next to the
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -39,6 +46,10 @@ from safetensors.torch import save_file
 
 from mlxr.errors import TokenizerError
 from mlxr.text.tokenizer import TOKENIZER_FILES, check_tokenizer_files
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # hybrid_tables beside this file
+import hybrid_tables  # noqa: E402
+from hybrid_tables import HYBRID_MOE_SHAPES as HYBRID_MOE  # noqa: E402
 
 SHAPES = {
     "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28,
@@ -119,69 +130,6 @@ SHAPES["qwen3.5-2b"] = dict(SHAPES["qwen3.5-0.8b"], text_config=dict(
     SHAPES["qwen3.5-0.8b"]["text_config"], hidden_size=2048, intermediate_size=6144))
 
 
-
-
-def _qwen35_tables(cfg: dict, g: torch.Generator) -> tuple[dict, dict, dict]:
-    """(linear modules -> (out, in), norms -> size, raw float tensors) of a qwen3_5 model."""
-    t = cfg["text_config"]
-    e, f, L = t["hidden_size"], t["intermediate_size"], t["num_hidden_layers"]
-    h, k, d = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
-    hk, hv = t["linear_num_key_heads"], t["linear_num_value_heads"]
-    dk, dv, w = t["linear_key_head_dim"], t["linear_value_head_dim"], t["linear_conv_kernel_dim"]
-    conv = 2 * hk * dk + hv * dv
-    m = "language_model.model."
-    mods = {m + "embed_tokens": (t["vocab_size"], e)}
-    norms, raw = {m + "norm": e}, {}
-    for i in range(L):
-        p = f"{m}layers.{i}."
-        if (i + 1) % t["full_attention_interval"]:
-            a = p + "linear_attn."
-            mods.update({a + "in_proj_qkv": (conv, e), a + "in_proj_z": (hv * dv, e),
-                         a + "in_proj_b": (hv, e), a + "in_proj_a": (hv, e),
-                         a + "out_proj": (e, hv * dv)})
-            norms[a + "norm"] = dv
-            raw[a + "conv1d.weight"] = (0.3 * torch.randn(conv, w, 1, generator=g)).bfloat16()
-            raw[a + "A_log"] = torch.log(1 + 15 * torch.rand(hv, generator=g))
-            raw[a + "dt_bias"] = torch.ones(hv, dtype=torch.bfloat16)
-        else:
-            a = p + "self_attn."
-            mods.update({a + "q_proj": (2 * h * d, e), a + "k_proj": (k * d, e),
-                         a + "v_proj": (k * d, e), a + "o_proj": (e, h * d)})
-            norms.update({a + "q_norm": d, a + "k_norm": d})
-        mods.update({p + "mlp.gate_proj": (f, e), p + "mlp.up_proj": (f, e),
-                     p + "mlp.down_proj": (e, f)})
-        norms.update({p + "input_layernorm": e, p + "post_attention_layernorm": e})
-    return mods, norms, raw
-
-
-def _gemma4_tables(cfg: dict, g: torch.Generator) -> tuple[dict, dict, dict]:
-    """The same for a gemma4 (E2B-style) model's text weights."""
-    t = cfg["text_config"]
-    e, f, L = t["hidden_size"], t["intermediate_size"], t["num_hidden_layers"]
-    h, k, pat = t["num_attention_heads"], t["num_key_value_heads"], t["sliding_window_pattern"]
-    ple, first_shared = t["hidden_size_per_layer_input"], L - t["num_kv_shared_layers"]
-    m = "language_model.model."
-    mods = {m + "embed_tokens": (cfg["vocab_size"], e),
-            m + "embed_tokens_per_layer": (t["vocab_size_per_layer_input"], L * ple),
-            m + "per_layer_model_projection": (L * ple, e)}
-    norms, raw = {m + "norm": e, m + "per_layer_projection_norm": ple}, {}
-    for i in range(L):
-        p, a = f"{m}layers.{i}.", f"{m}layers.{i}.self_attn."
-        d = t["global_head_dim"] if i % pat == pat - 1 else t["head_dim"]
-        fi = 2 * f if i >= first_shared else f
-        mods.update({a + "q_proj": (h * d, e), a + "o_proj": (e, h * d),
-                     p + "mlp.gate_proj": (fi, e), p + "mlp.up_proj": (fi, e),
-                     p + "mlp.down_proj": (e, fi), p + "per_layer_input_gate": (ple, e),
-                     p + "per_layer_projection": (e, ple)})
-        norms[a + "q_norm"] = d
-        if i < first_shared:
-            mods.update({a + "k_proj": (k * d, e), a + "v_proj": (k * d, e)})
-            norms[a + "k_norm"] = d
-        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                  "post_feedforward_layernorm", "post_per_layer_input_norm"):
-            norms[p + n] = e
-        raw[p + "layer_scalar"] = torch.ones(1, dtype=torch.bfloat16)
-    return mods, norms, raw
 
 
 def quantized(out: int, inp: int, bits: int, group: int, mode: str, g: torch.Generator,
@@ -291,7 +239,28 @@ def write_moe(name: str, out_dir: Path, layers: int | None, seed: int = 0) -> Pa
     cfg = dict(MOE_SHAPES[name])
     cfg = cut_layers(cfg, layers or cfg["num_hidden_layers"])
     g = torch.Generator().manual_seed(seed)
-    mods, norms, extra = moe_modules(cfg)
+    default = {"qwen3_moe": (4, 64, "affine"), "laguna": (4, 16, "nvfp4"),
+               "gpt_oss": (8, 64, "affine")}[cfg["model_type"]]
+    return write_modules(cfg, *moe_modules(cfg), default, g, out_dir)
+
+
+def write_hybrid(cfg: dict, out_dir: Path, recipe: tuple | None, layers: int | None = None,
+                 seed: int = 0) -> Path:
+    """A hybrid config (qwen3_5, qwen3_5_moe, qwen3_next, gemma4 and its MoE variant; see
+    hybrid_tables), every module at `recipe` (bits, group, mode) but the routers (8-bit), or
+    all bf16 (recipe None)."""
+    if layers:
+        cfg = hybrid_tables.cut(cfg, layers)
+    g = torch.Generator().manual_seed(seed)
+    return write_modules(cfg, *hybrid_tables.tables(cfg, g, recipe), recipe, g, out_dir)
+
+
+def write_modules(cfg: dict, mods: dict, norms: dict, extra: dict, default: tuple,
+                  g: torch.Generator, out_dir: Path) -> Path:
+    """Modules (path -> (out, in, lead, recipe)) with random codes, unit norms, the extra
+    tensors, and config.json's quantization (`default`, plus each module of another recipe,
+    as mlx_lm.convert records them)."""
+    cfg = dict(cfg)
 
     def tensors():  # generated module by module: the file is never whole in memory
         for path, (o, i, lead, recipe) in mods.items():
@@ -301,13 +270,12 @@ def write_moe(name: str, out_dir: Path, layers: int | None, seed: int = 0) -> Pa
         yield from ((f"{p}.weight", torch.ones(n, dtype=torch.bfloat16))
                     for p, n in norms.items())
 
-    default = {"qwen3_moe": (4, 64, "affine"), "laguna": (4, 16, "nvfp4"),
-               "gpt_oss": (8, 64, "affine")}[cfg["model_type"]]
-    quant = dict(zip(("bits", "group_size", "mode"), default))
-    for path, (_, _, _, recipe) in mods.items():
-        if recipe is not None and recipe != default:  # as mlx_lm.convert records them
-            quant[path] = dict(zip(("bits", "group_size", "mode"), recipe))
-    cfg["quantization"] = cfg["quantization_config"] = quant
+    if default is not None:  # (None: a bf16 file, no quantization key)
+        quant = dict(zip(("bits", "group_size", "mode"), default))
+        for path, (_, _, _, recipe) in mods.items():
+            if recipe is not None and recipe != default:
+                quant[path] = dict(zip(("bits", "group_size", "mode"), recipe))
+        cfg["quantization"] = cfg["quantization_config"] = quant
     return save_sharded(tensors(), cfg, out_dir)
 
 
@@ -341,10 +309,9 @@ def write(name: str, out_dir: Path, bits: int, group: int, mode: str, seed: int 
     cfg = dict(SHAPES[name])
     if mode != "affine":
         bits, group = FP_MODES[mode]
-    g = torch.Generator().manual_seed(seed)
     if cfg["model_type"] in ("qwen3_5", "gemma4"):
-        tables = _qwen35_tables if cfg["model_type"] == "qwen3_5" else _gemma4_tables
-        return _save(cfg, out_dir, bits, group, mode, g, *tables(cfg, g))
+        return write_hybrid(cfg, out_dir, (bits, group, mode), seed=seed)
+    g = torch.Generator().manual_seed(seed)
     e, f, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     h, k = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim", e // h)
@@ -411,7 +378,7 @@ def copy_tokenizer(src: Path, out_dir: Path) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("shape", choices=sorted(SHAPES) + sorted(MOE_SHAPES))
+    ap.add_argument("shape", choices=sorted(SHAPES) + sorted(MOE_SHAPES) + sorted(HYBRID_MOE))
     ap.add_argument("out", type=Path)
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=64)
@@ -427,6 +394,8 @@ def main() -> None:
             raise SystemExit(f"error: {e}") from None
     if a.shape in MOE_SHAPES:
         out = write_moe(a.shape, a.out, a.layers)
+    elif a.shape in HYBRID_MOE:
+        out = write_hybrid(dict(HYBRID_MOE[a.shape]), a.out, (4, 64, "affine"), a.layers)
     else:
         out = write(a.shape, a.out, a.bits, a.group_size, a.mode)
     if a.tokenizer:

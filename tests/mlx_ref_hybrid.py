@@ -1,5 +1,6 @@
-"""Tiny random hybrid-family models (qwen3_5, gemma4_text, gemma4) made, quantized and saved by
-mlx-lm itself, as `mlx_ref` does for the dense families.
+"""Tiny random hybrid-family models (`hybrid_configs.FAMILIES`: qwen3_5, qwen3_5_moe, qwen3_next,
+gemma4_text, gemma4 and its MoE variant) made, quantized and saved by mlx-lm itself, as
+`mlx_ref` does for the dense families.
 
 Differences from `mlx_ref.make_model`: the cast to bf16 honours the model's `cast_predicate`
 (qwen3_5 keeps A_log in float32, as mlx-lm's convert does), and the randomisation keeps the
@@ -17,36 +18,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import quantize_model, save_config, save_model
 
-_QWEN35_TEXT = dict(
-    model_type="qwen3_5_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, full_attention_interval=2,
-    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
-    linear_value_head_dim=32, linear_conv_kernel_dim=4, vocab_size=320, rms_norm_eps=1e-6,
-    tie_word_embeddings=True, max_position_embeddings=4096,
-    rope_parameters=dict(rope_type="default", rope_theta=1e6, partial_rotary_factor=0.25,
-                         mrope_section=[2, 1, 1]))
-
-_GEMMA4_TEXT = dict(
-    model_type="gemma4_text", hidden_size=64, num_hidden_layers=5, intermediate_size=128,
-    num_attention_heads=2, num_key_value_heads=1, head_dim=32, global_head_dim=64,
-    vocab_size=320, vocab_size_per_layer_input=320, hidden_size_per_layer_input=64,
-    num_kv_shared_layers=2, sliding_window=8, sliding_window_pattern=2, rms_norm_eps=1e-6,
-    final_logit_softcapping=30.0, max_position_embeddings=4096)
-
-FAMILIES: dict[str, dict] = {
-    # text_config wrapper, 2 gated DeltaNet + 2 gated-attention layers, Hv = 2 Hk
-    "qwen3_5": dict(model_type="qwen3_5", text_config=_QWEN35_TEXT),
-    "qwen3_5_untied": dict(model_type="qwen3_5", text_config=dict(
-        _QWEN35_TEXT, tie_word_embeddings=False, linear_num_key_heads=4,
-        attention_bias=True)),
-    # sliding, full (512-style wide head, proportional rope), sliding, then two KV-shared
-    # layers (full, sliding; double-wide MLPs) that read layers 1 and 2
-    "gemma4_text": _GEMMA4_TEXT,
-    # the wrapper with k = v on full layers and their own kv head count
-    "gemma4": dict(model_type="gemma4", vocab_size=320, text_config=dict(
-        _GEMMA4_TEXT, model_type="gemma4_text", attention_k_eq_v=True,
-        num_global_key_value_heads=2, num_attention_heads=4)),
-}
+from hybrid_configs import FAMILIES
 
 
 def config_for(family: str) -> dict:
@@ -61,6 +33,8 @@ def _randomize(model, seed: int) -> None:
             return mx.log(mx.random.uniform(0.5, 8.0, p.shape))
         if path.endswith("dt_bias"):
             return 0.5 * mx.random.normal(p.shape) - 1.0
+        if path.endswith("per_expert_scale"):
+            return 1.0 + 0.3 * mx.random.normal(p.shape)
         if path.endswith("layer_scalar"):
             return 1.0 + 0.2 * mx.random.normal(p.shape)
         if path.endswith("norm.weight"):

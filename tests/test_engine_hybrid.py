@@ -14,7 +14,7 @@ import mlxr  # noqa: E402
 from mlxr.engine import EngineRequest, LLMEngine  # noqa: E402
 from mlxr.text.sampling import SamplingParams  # noqa: E402
 
-FAMILIES = ["qwen3_5", "gemma4_text"]
+FAMILIES = ["qwen3_5", "gemma4_text", "qwen3_next", "gemma4_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -1,5 +1,6 @@
-"""Config parsing for the hybrid and new-generation families: qwen3_5 (gated DeltaNet layers
-beside attention) and gemma4 / gemma4_text (per-layer embeddings, KV sharing, 512-wide heads).
+"""Config parsing for the hybrid and new-generation families: qwen3_5, qwen3_5_moe and
+qwen3_next (gated DeltaNet layers beside attention) and gemma4 / gemma4_text (per-layer
+embeddings, KV sharing, 512-wide heads); their MoE blocks through `config.moe`.
 
 The common fields land in a ModelConfig as for the dense families; what only these families
 have lives in a frozen spec (`GatedDeltaSpec`, `Gemma4Spec`) in `ModelConfig.arch`. Defaults
@@ -13,8 +14,11 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ModelFormatError
+from .moe import parse_hybrid_moe
 from .reader import _MISSING, LIMITS, _eos_ids, _Reader, _rope_scaling, parse_quant
 from .spec import ModelConfig, RopeSpec
+
+QWEN_HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # gated DeltaNet + gated attention
 
 # Bounds of the new keys (no real checkpoint comes near them): a hostile config fails here, not
 # in an allocation of terabytes.
@@ -45,6 +49,9 @@ class GatedDeltaSpec:
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int
+    # qwen3_next's files: in_proj_qkvz / in_proj_ba rows grouped per key head ([q k v z] and
+    # [b a] of each); the loader reorders them to qwen3_5's [q | k | v | z | b | a]
+    qkvz_grouped: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -133,18 +140,47 @@ def _heads(r: _Nested, heads: int, kv: int, key: str = "num_key_value_heads") ->
                                f"not a multiple of '{r.prefix}{key}' ({kv})")
 
 
+def _qwen_rope(r: _Nested, head_dim: int, max_pos: int, next_: bool) -> RopeSpec:
+    """qwen3_5: rope_parameters (theta, partial_rotary_factor, type; mrope's text positions
+    are the same on every axis); qwen3_next: the top-level rope_theta, partial_rotary_factor
+    and rope_scaling (all required but the last, as mlx-lm's ModelArgs has them)."""
+    if next_:
+        key = ""
+        theta, partial = r.float("rope_theta"), r.float("partial_rotary_factor")
+        scaling = _rope_scaling(r)
+    else:
+        params = r.dict("rope_parameters") or {"rope_type": "default", "rope_theta": 100000.0,
+                                               "partial_rotary_factor": 0.25}
+        pr, key = _Nested(params, r.source, r.prefix + "rope_parameters."), "rope_parameters."
+        kind = params.get("type") or params.get("rope_type") or "default"
+        scaling = None if kind in ("default", "mrope") else _rope_scaling(r, "rope_parameters")
+        theta, partial = pr.float("rope_theta", 100000.0), pr.float("partial_rotary_factor",
+                                                                    0.25)
+    rope_dims = int(head_dim * partial) if 0 < partial <= 1 else 0  # (1e308: no overflow)
+    if not 2 <= rope_dims <= head_dim or rope_dims % 2:
+        raise ModelFormatError(f"{r.source}: key '{r.prefix}{key}partial_rotary_factor' = "
+                               f"{partial} does not rotate an even number >= 2 of the "
+                               f"{head_dim} head dims")
+    return RopeSpec(rope_dims, theta, False, scaling, max_pos)
+
+
 def parse_qwen3_5(raw: dict, source: str) -> ModelConfig:
-    """qwen3_5 (the wrapper; its text_config is qwen3_5_text): mlx-lm's TextModelArgs."""
-    r = _text_reader(raw, source)
-    if r.int("num_experts", 0, minimum=0):
-        raise ModelFormatError(f"{source}: key '{r.prefix}num_experts' > 0: the qwen3_5 MoE "
-                               "variant needs the MoE block, which this build does not have")
-    hidden = r.int("hidden_size", 4096)
-    layers = r.int("num_hidden_layers", 32)
-    heads = r.int("num_attention_heads", 32)
-    kv = r.int("num_key_value_heads", 8)
+    """qwen3_5 / qwen3_5_moe (wrappers; their text_config is mlx-lm's TextModelArgs, every
+    key with a default) and qwen3_next (flat; mlx-lm's ModelArgs requires most keys): gated
+    DeltaNet layers beside gated attention, each followed by a SwiGLU MLP or the MoE block."""
+    mt = raw["model_type"]
+    next_ = mt == "qwen3_next"
+    r = _Nested(raw, source) if next_ else _text_reader(raw, source)
+
+    def dflt(v):  # qwen3_next's ModelArgs has no default for most keys
+        return _MISSING if next_ else v
+
+    hidden = r.int("hidden_size", dflt(4096))
+    layers = r.int("num_hidden_layers", dflt(32))
+    heads = r.int("num_attention_heads", dflt(32))
+    kv = r.int("num_key_value_heads", dflt(8))
     _heads(r, heads, kv)
-    head_dim = r.int("head_dim", hidden // heads)
+    head_dim = r.int("head_dim", dflt(hidden // heads))
     interval = r.int("full_attention_interval", 4)
     types = tuple("linear_attention" if (i + 1) % interval else "full_attention"
                   for i in range(layers))
@@ -154,37 +190,27 @@ def parse_qwen3_5(raw: dict, source: str) -> ModelConfig:
             f"{source}: key '{r.prefix}layer_types' disagrees with full_attention_interval "
             f"{interval} (mlx-lm follows the interval)")
     spec = GatedDeltaSpec(
-        types, r.int("linear_num_key_heads", 16), r.int("linear_num_value_heads", 64),
-        r.int("linear_key_head_dim", 192), r.int("linear_value_head_dim", 128),
-        r.int("linear_conv_kernel_dim", 4, minimum=2))
+        types, r.int("linear_num_key_heads", dflt(16)), r.int("linear_num_value_heads",
+                                                              dflt(64)),
+        r.int("linear_key_head_dim", dflt(192)), r.int("linear_value_head_dim", dflt(128)),
+        r.int("linear_conv_kernel_dim", dflt(4), minimum=2), qkvz_grouped=next_)
     if spec.num_v_heads % spec.num_k_heads:
         raise ModelFormatError(f"{source}: {r.prefix}linear_num_value_heads "
                                f"({spec.num_v_heads}) is not a multiple of "
                                f"linear_num_key_heads ({spec.num_k_heads})")
-    params = r.dict("rope_parameters") or {"rope_type": "default", "rope_theta": 100000.0,
-                                           "partial_rotary_factor": 0.25}
-    pr = _Nested(params, source, r.prefix + "rope_parameters.")
-    kind = params.get("type") or params.get("rope_type") or "default"
-    scaling = None
-    if kind not in ("default", "mrope"):  # mrope: text positions are the same on all axes
-        scaling = _rope_scaling(r, "rope_parameters")
-    partial = pr.float("partial_rotary_factor", 0.25)
-    rope_dims = int(head_dim * partial)
-    if not 2 <= rope_dims <= head_dim or rope_dims % 2:
-        raise ModelFormatError(f"{source}: key '{r.prefix}rope_parameters."
-                               f"partial_rotary_factor' = {partial} gives {rope_dims} rotated "
-                               f"dims of head_dim {head_dim}")
-    max_pos = r.int("max_position_embeddings", 131072)
-    rope = RopeSpec(rope_dims, pr.float("rope_theta", 100000.0), False, scaling, max_pos)
+    max_pos = r.int("max_position_embeddings", dflt(131072))
+    rope = _qwen_rope(r, head_dim, max_pos, next_)
     bias = r.bool("attention_bias", False)
     return ModelConfig(
-        vocab_size=r.int("vocab_size", 151936), hidden_size=hidden, num_layers=layers,
+        vocab_size=r.int("vocab_size", dflt(151936)), hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
-        intermediate_size=r.int("intermediate_size", 14336),
-        rms_norm_eps=r.float("rms_norm_eps", 1e-6), max_position_embeddings=max_pos,
+        intermediate_size=r.int("intermediate_size", dflt(14336)),
+        rms_norm_eps=r.float("rms_norm_eps", dflt(1e-6)), max_position_embeddings=max_pos,
         tie_word_embeddings=r.bool("tie_word_embeddings", False), qkv_bias=bias, o_bias=bias,
         qk_norm=True, attn_scale=head_dim**-0.5, layer_rope=(rope,) * layers,
-        layer_window=(None,) * layers, arch=spec, **_common(r, raw, "qwen3_5"))
+        layer_window=(None,) * layers, arch=spec,
+        moe=parse_hybrid_moe(r, "qwen3_next" if next_ else "qwen3_5", layers),
+        **_common(r, raw, mt))
 
 
 def _gemma4_rope(r: _Nested, params: dict, kind_key: str, dims: int,
@@ -202,10 +228,12 @@ def _gemma4_rope(r: _Nested, params: dict, kind_key: str, dims: int,
         return RopeSpec(dims, theta, False, {"rope_type": "linear",
                                              "factor": pr.float("factor")}, max_pos)
     if kind == "proportional":
-        rotated = int(dims * pr.float("partial_rotary_factor", 1.0))
-        if not 0 <= rotated <= dims or rotated % 2:
-            raise ModelFormatError(f"{r.source}: key '{pr.prefix}partial_rotary_factor' gives "
-                                   f"{rotated} rotated dims of {dims}")
+        partial = pr.float("partial_rotary_factor", 1.0)
+        rotated = int(dims * partial) if 0 <= partial <= 1 else -1  # (1e308: no overflow)
+        if rotated < 0 or rotated % 2:
+            raise ModelFormatError(f"{r.source}: key '{pr.prefix}partial_rotary_factor' = "
+                                   f"{partial} does not rotate an even number of the {dims} "
+                                   "head dims")
         return RopeSpec(dims, theta, False, {"rope_type": "proportional", "rotated": rotated,
                                              "factor": pr.float("factor", 1.0)}, max_pos)
     raise ModelFormatError(f"{r.source}: key '{pr.prefix}rope_type' = {kind!r} is not "
@@ -216,10 +244,6 @@ def parse_gemma4(raw: dict, source: str) -> ModelConfig:
     """gemma4_text, or the gemma4 wrapper's text_config (its top-level vocab_size wins, as in
     mlx-lm); the vision and audio towers of gemma4 checkpoints are not read."""
     r = _text_reader(raw, source)
-    if r.bool("enable_moe_block", False):
-        raise ModelFormatError(f"{source}: key '{r.prefix}enable_moe_block' is true: the "
-                               "gemma4 MoE variant needs the MoE block, which this build "
-                               "does not have")
     vocab = r.int("vocab_size", 262144)
     if raw.get("model_type") == "gemma4":
         vocab = _Reader(raw, source).int("vocab_size", 262144)
@@ -294,11 +318,11 @@ def parse_gemma4(raw: dict, source: str) -> ModelConfig:
         final_logit_softcap=None if softcap is None else r.float("final_logit_softcapping",
                                                                   30.0),
         layer_rope=ropes, layer_window=tuple(None if f else window for f in full), arch=spec,
-        **_common(r, raw, raw.get("model_type")))
+        moe=parse_hybrid_moe(r, "gemma4", layers), **_common(r, raw, raw.get("model_type")))
 
 
 def parse_hybrid(raw: dict, source: str) -> ModelConfig:
     """Dispatch on model_type (one of config.HYBRID)."""
-    if raw["model_type"] == "qwen3_5":
+    if raw["model_type"] in QWEN_HYBRID:
         return parse_qwen3_5(raw, source)
     return parse_gemma4(raw, source)

@@ -41,13 +41,14 @@ class MoeSpec:
     score_func: str = "sigmoid"
     router_bias: bool = False  # gpt-oss: the router Linear has a bias
     correction_bias: bool = False  # laguna: <router>.e_score_correction_bias [E]
-    expert_act: str = "silu"  # silu | swiglu_oai (gpt-oss's clamped SwiGLU)
+    expert_act: str = "silu"  # silu | swiglu_oai (gpt-oss's clamped SwiGLU) | gelu_tanh
     act_alpha: float = 1.702
     act_limit: float = 7.0
     expert_bias: bool = False  # gpt-oss: gate/up/down biases [E, out]
     shared_size: int = 0  # an always-on shared expert MLP of this width (0: none)
     shared_gate: bool = False  # qwen2_moe-style sigmoid(shared_expert_gate(x)) on it
-    block: str = "mlp"  # module paths: model.layers.i.<block>.<router> / .<experts>.*
+    # module paths: model.layers.i.<block>.<router> / .<experts>.* ("" : no block level)
+    block: str = "mlp"
     router_path: str = "gate"
     experts_path: str = "switch_mlp"
 
@@ -97,6 +98,45 @@ def _qwen3_sparse(r, layers: int) -> tuple[bool, ...]:
         raise ModelFormatError(f"{r.source}: key 'mlp_only_layers' must list layer indices "
                                f"in [0, {layers})")
     return tuple(i not in only and (i + 1) % step == 0 for i in range(layers))
+
+
+def _hybrid_counts(r, count_key: str, k_key: str) -> tuple[int, int]:
+    """(experts, top-k), both required; r's errors name nested keys in full."""
+    experts, top_k = r.int(count_key), r.int(k_key)
+    if top_k > experts:
+        raise r._fail(k_key, f"= {top_k} exceeds {count_key} = {experts}")
+    return experts, top_k
+
+
+def parse_hybrid_moe(r, family: str, layers: int) -> MoeSpec | None:
+    """The MoE block of a hybrid family, None where it has none (r: `config.hybrid._Nested`).
+
+    qwen3_5 (and qwen3_5_moe): every layer sparse once num_experts > 0; qwen3_next: layers
+    by decoder_sparse_step and mlp_only_layers (all keys required, as its ModelArgs has no
+    default). Both: softmax router, a shared SwiGLU expert under a sigmoid gate. gemma4
+    (enable_moe_block): every layer keeps its dense GeGLU MLP and adds this block beside it
+    (router RMSNorm + top-k softmax times a per-expert scale, GeGLU experts), module paths
+    layers.i.router.proj / layers.i.experts.switch_glu."""
+    if family == "gemma4":
+        if not r.bool("enable_moe_block", False):
+            return None
+        experts, top_k = _hybrid_counts(r, "num_experts", "top_k_experts")
+        return MoeSpec(experts, top_k, r.int("moe_intermediate_size"), (True,) * layers,
+                       router="topk_softmax", expert_act="gelu_tanh", block="",
+                       router_path="router.proj", experts_path="experts.switch_glu")
+    if family == "qwen3_next":
+        if not r.int("num_experts", minimum=0):
+            return None
+        sparse = _qwen3_sparse(r, layers)
+    else:
+        if not r.int("num_experts", 0, minimum=0):
+            return None
+        sparse = (True,) * layers
+    experts, top_k = _hybrid_counts(r, "num_experts", "num_experts_per_tok")
+    return MoeSpec(experts, top_k, r.int("moe_intermediate_size"), sparse,
+                   router="softmax_topk", norm_topk=r.bool("norm_topk_prob",
+                                                            family == "qwen3_5"),
+                   shared_size=r.int("shared_expert_intermediate_size"), shared_gate=True)
 
 
 def parse_moe(r, model_type: str, layers: int, inter: int) -> MoeSpec:

@@ -18,7 +18,7 @@ from .reader import _MISSING, LIMITS, _eos_ids, _Reader, _rope_scaling, parse_qu
 from .spec import ModelConfig, RopeSpec
 
 DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
-HYBRID = ("qwen3_5", "gemma4", "gemma4_text")  # parsed by mlxr.config.hybrid
+HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma4", "gemma4_text")  # config.hybrid
 SUPPORTED = DENSE + MOE_TYPES + HYBRID
 
 

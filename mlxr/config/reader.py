@@ -60,9 +60,14 @@ class _Reader:
                 raise self._fail(key, "is required but missing")
             return default
         v = _decode_float(self.raw[key])
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise self._fail(key, f"must be a finite number, got {self.raw[key]!r}")
-        return float(v)
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        try:
+            f = float(v) if number else math.nan
+        except OverflowError:  # an integer past float's range (JSON allows any digit count)
+            f = math.inf
+        if not math.isfinite(f):
+            raise self._fail(key, f"must be a finite number, got {_short(self.raw[key])}")
+        return f
 
     def bool(self, key: str, default=_MISSING) -> bool:
         if key not in self.raw or self.raw[key] is None:
@@ -79,6 +84,12 @@ class _Reader:
         if v is not None and not isinstance(v, dict):
             raise self._fail(key, f"must be an object, got {type(v).__name__}")
         return v
+
+
+def _short(v) -> str:
+    """repr of a config value, cut to 60 characters (a 400-digit number stays one line)."""
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def _decode_float(v):

@@ -3,7 +3,8 @@
 Per layer: sandwich-normed attention (scale 1.0; q/k RMSNorm with weights, v RMSNorm without;
 sliding layers rotate all head_dim features, full layers use a 512-wide head with proportional
 RoPE), a sandwich-normed GeGLU MLP, then the per-layer-embedding (PLE) gate
-h += norm(proj(gelu_tanh(gate(h)) * ple_i)), and the layer scalar. The last
+h += norm(proj(gelu_tanh(gate(h)) * ple_i)), and the layer scalar. The MoE variant adds routed
+GeGLU experts beside the MLP (`Gemma4Experts`), each branch with its own post-norm. The last
 num_kv_shared_layers layers compute no K/V: they attend the cache of the last unshared layer of
 their type (stored once). Logits are soft-capped. Every Python-float scale multiplies in the
 activations' dtype, as mlx does.
@@ -23,6 +24,7 @@ from ..ops.recurrent.reference import _scalar
 from ..quant import QuantWeight
 from .decoder import Fused, _gated_act
 from .hybrid_cache import HybridCache, KVShape, LayerShape
+from .moe import MoeBlock
 from .qwen3_5 import linears
 
 
@@ -45,6 +47,31 @@ class Gemma4Layer:
     ple_gate: Linear | None = None  # E -> P
     ple_proj: Linear | None = None  # P -> E
     ple_norm: torch.Tensor | None = None
+    moe: Gemma4Experts | None = None  # the MoE variant (26B-A4B): experts beside the MLP
+
+
+@dataclass
+class Gemma4Experts:
+    """The MoE variant's extra per-layer weights: the block (router proj, GeGLU experts),
+    the router's norm weight (scale [E] times E^-0.5, rounded in its dtype as mlx-lm
+    computes it), per_expert_scale [X], and the three extra norms [E]."""
+
+    block: MoeBlock
+    router_norm: torch.Tensor
+    per_expert_scale: torch.Tensor
+    pre_norm: torch.Tensor  # pre_feedforward_layernorm_2 (the experts' input)
+    post_mlp_norm: torch.Tensor  # post_feedforward_layernorm_1 (the dense MLP's output)
+    post_norm: torch.Tensor  # post_feedforward_layernorm_2 (the experts' output)
+
+    def __call__(self, h: torch.Tensor, eps: float) -> torch.Tensor:
+        """The routed experts' output for residual rows h [N, E] (router on h itself,
+        experts on their own norm of h): post_norm(sum_k w_k expert_k(pre_norm(h)))."""
+        logits = self.block.router(ops.rms_norm(h, self.router_norm, eps))
+        ids, w = ops.moe_route(logits, "topk_softmax", self.block.spec.top_k)
+        w = w * self.per_expert_scale[ids]
+        x = ops.rms_norm(h, self.pre_norm, eps)
+        y = ops.moe_combine(self.block.experts(x, ids), w, x.dtype)
+        return ops.rms_norm(y, self.post_norm, eps)
 
 
 @dataclass
@@ -80,7 +107,8 @@ class Gemma4Decoder:
         lins = [self.head] + ([self.ple.model_proj] if self.ple else [])
         for ly in self.layers:
             lins += linears([p for p in (ly.q_proj, ly.kv, ly.o_proj, ly.gate_up, ly.down_proj,
-                                         ly.ple_gate, ly.ple_proj) if p is not None])
+                                         ly.ple_gate, ly.ple_proj) if p is not None]
+                            + (ly.moe.block.linears() if ly.moe is not None else []))
         return list({id(ln.weight): ln.weight for ln in lins
                      if isinstance(ln.weight, QuantWeight)}.values())
 
@@ -137,6 +165,8 @@ class Gemma4Decoder:
             h = h + ops.rms_norm(a, ly.post_attn_norm, eps)
             m = ly.down_proj(_gated_act(ly.gate_up, ops.rms_norm(h, ly.pre_mlp_norm, eps),
                                         c.hidden_act))
+            if ly.moe is not None:
+                m = ops.rms_norm(m, ly.moe.post_mlp_norm, eps) + ly.moe(h, eps)
             h = h + ops.rms_norm(m, ly.post_mlp_norm, eps)
             if ple is not None:
                 g = ops.gated_act(ly.ple_gate(h), ple[:, i], c.hidden_act)

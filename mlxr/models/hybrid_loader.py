@@ -1,5 +1,6 @@
-"""Map qwen3_5 / gemma4 checkpoint tensors onto their decoders, checking every name and shape
-against the config (the dense loader's `_Builder` does the reading, quantization and checks).
+"""Map qwen3_5 / qwen3_5_moe / qwen3_next / gemma4 checkpoint tensors onto their decoders,
+checking every name and shape against the config (the dense loader's `_Builder` does the
+reading, quantization and checks; `moe_loader.build_moe` the MoE blocks).
 
 Names are mlx-lm's after its `sanitize`: the text weights under `language_model.model.` (the
 wrappers' files) or `model.` (gemma4_text). Tensors of the vision / audio towers and of
@@ -15,12 +16,14 @@ import torch
 
 from ..checkpoint import Checkpoint
 from ..config import ModelConfig
-from ..config.hybrid import GatedDeltaSpec, Gemma4Spec
+from ..config.hybrid import QWEN_HYBRID, GatedDeltaSpec, Gemma4Spec
 from ..errors import ModelFormatError
 from ..layers import Embedding
 from .gated_delta import GatedDeltaMixer
-from .gemma4 import Gemma4Decoder, Gemma4Layer, PerLayerEmbedding
-from .loader import _Builder
+from ..ops.recurrent.reference import _scalar
+from .gemma4 import Gemma4Decoder, Gemma4Experts, Gemma4Layer, PerLayerEmbedding
+from .loader import RawQuant, _Builder
+from .moe_loader import build_moe
 from .qwen3_5 import GatedAttention, HybridLayer, Qwen35Decoder
 
 log = logging.getLogger(__name__)
@@ -78,14 +81,45 @@ class Parts:
                      "(text generation only)", family, len(self.skipped))
 
 
+def _rows(w: torch.Tensor | RawQuant, idx: torch.Tensor) -> torch.Tensor | RawQuant:
+    """Output rows idx of a float or packed weight (quantization groups run along the input:
+    rows move with their scales and biases)."""
+    def pick(t: torch.Tensor) -> torch.Tensor:  # a float weight is on the device already
+        return t.index_select(0, idx.to(t.device))
+
+    if isinstance(w, torch.Tensor):
+        return pick(w)
+    return w._replace(weight=pick(w.weight), scales=pick(w.scales),
+                      biases=None if w.biases is None else pick(w.biases))
+
+
+def _grouped_in_proj(p: Parts, s: GatedDeltaSpec, pre: str, e: int):
+    """qwen3_next's in_proj_qkvz [Hk * (2Dk + 2rDv), E] and in_proj_ba [Hk * 2r, E] (r =
+    Hv / Hk; rows grouped per key head as [q k v z] and [b a]) reordered to qwen3_5's one
+    projection [q | k | v | z | b | a] (what mlx-lm's fix_query_key_value_ordering splits
+    out), so the mixer is the same."""
+    hk, dk, r, dv = s.num_k_heads, s.k_head_dim, s.num_v_heads // s.num_k_heads, s.v_head_dim
+    qkvz = p.b.weight(p.model + pre + "in_proj_qkvz", 2 * s.key_dim + 2 * s.value_dim, e)
+    ba = p.b.weight(p.model + pre + "in_proj_ba", 2 * s.num_v_heads, e)
+    if not p.dry_run:
+        rows = torch.arange(qkvz_rows := 2 * s.key_dim + 2 * s.value_dim).reshape(hk, -1)
+        cuts = [0, dk, 2 * dk, 2 * dk + r * dv, qkvz_rows // hk]
+        qkvz = _rows(qkvz, torch.cat([rows[:, a:z].flatten() for a, z in zip(cuts, cuts[1:])]))
+        rows = torch.arange(2 * s.num_v_heads).reshape(hk, 2 * r)
+        ba = _rows(ba, torch.cat([rows[:, :r].flatten(), rows[:, r:].flatten()]))
+    return p.b.stack([qkvz, ba], [None, None])
+
+
 def _gated_delta(p: Parts, c: ModelConfig, s: GatedDeltaSpec, pre: str) -> GatedDeltaMixer:
     e = c.hidden_size
     conv = p.vector(pre + "conv1d.weight", (s.conv_dim, s.conv_kernel, 1))
+    in_proj = (_grouped_in_proj(p, s, pre, e) if s.qkvz_grouped else
+               p.linear((pre + "in_proj_qkv", s.conv_dim, e), (pre + "in_proj_z", s.value_dim, e),
+                        (pre + "in_proj_b", s.num_v_heads, e),
+                        (pre + "in_proj_a", s.num_v_heads, e)))
     return GatedDeltaMixer(
         spec=s,
-        in_proj=p.linear((pre + "in_proj_qkv", s.conv_dim, e), (pre + "in_proj_z", s.value_dim, e),
-                         (pre + "in_proj_b", s.num_v_heads, e),
-                         (pre + "in_proj_a", s.num_v_heads, e)),
+        in_proj=in_proj,
         conv=conv.reshape(s.conv_dim, s.conv_kernel),
         a_log=p.vector(pre + "A_log", (s.num_v_heads,), float32=True),
         dt_bias=p.vector(pre + "dt_bias", (s.num_v_heads,)),
@@ -114,20 +148,39 @@ def build_qwen3_5(ckpt: Checkpoint, c: ModelConfig, dtype: torch.dtype, device,
                              (a + "v_proj", kd, e), bias=c.qkv_bias),
                 o_proj=p.linear((a + "o_proj", e, hd), bias=c.o_bias),
                 q_norm=p.norm(a + "q_norm", d), k_norm=p.norm(a + "k_norm", d))
+        if c.moe is not None and c.moe.sparse_layers[i]:
+            mlp = dict(gate_up=None, down_proj=None, moe=build_moe(p.b, c, i, p.model))
+        else:
+            mlp = dict(gate_up=p.linear((pre + "mlp.gate_proj", f, e),
+                                        (pre + "mlp.up_proj", f, e), glu=True),
+                       down_proj=p.linear((pre + "mlp.down_proj", e, f)))
         layers.append(HybridLayer(
             input_norm=p.norm(pre + "input_layernorm", e), mixer=mixer,
-            mlp_norm=p.norm(pre + "post_attention_layernorm", e),
-            gate_up=p.linear((pre + "mlp.gate_proj", f, e), (pre + "mlp.up_proj", f, e),
-                             glu=True),
-            down_proj=p.linear((pre + "mlp.down_proj", e, f))))
+            mlp_norm=p.norm(pre + "post_attention_layernorm", e), **mlp))
     tied = c.tie_word_embeddings
     embed = p.linear(("embed_tokens", c.vocab_size, e), matmul=tied, gathered=True)
     lm_head = None if tied else p.b.linear([(p.head, c.vocab_size, e, False)])
     norm = p.norm("norm", e)
-    p.finish("qwen3_5", {n for n in p.names if n.startswith(p.head + ".")} if tied else set())
+    p.finish(c.model_type, {n for n in p.names if n.startswith(p.head + ".")} if tied else set())
     if dry_run:
         return None
     return Qwen35Decoder(c, Embedding(embed.weight), layers, norm, lm_head, dtype, device)
+
+
+def _gemma4_experts(p: Parts, c: ModelConfig, i: int) -> Gemma4Experts | None:
+    """Layer i's MoE branch (enable_moe_block), None without one or on a dry run."""
+    if c.moe is None:
+        return None
+    pre, e = f"layers.{i}.", c.hidden_size
+    block = build_moe(p.b, c, i, p.model)
+    scale = p.vector(pre + "router.scale", (e,))
+    per_expert = p.vector(pre + "router.per_expert_scale", (c.moe.num_experts,))
+    norms = [p.norm(pre + n, e) for n in ("pre_feedforward_layernorm_2",
+                                          "post_feedforward_layernorm_1",
+                                          "post_feedforward_layernorm_2")]
+    if block is None:
+        return None
+    return Gemma4Experts(block, _scalar(scale, e**-0.5), per_expert, *norms)
 
 
 def build_gemma4(ckpt: Checkpoint, c: ModelConfig, dtype: torch.dtype, device,
@@ -163,7 +216,7 @@ def build_gemma4(ckpt: Checkpoint, c: ModelConfig, dtype: torch.dtype, device,
                              glu=True),
             down_proj=p.linear((pre + "mlp.down_proj", e, f)),
             post_mlp_norm=p.norm(pre + "post_feedforward_layernorm", e),
-            scalar=p.vector(pre + "layer_scalar", (1,)), **ple))
+            scalar=p.vector(pre + "layer_scalar", (1,)), moe=_gemma4_experts(p, c, i), **ple))
     tied = c.tie_word_embeddings
     embed = p.linear(("embed_tokens", c.vocab_size, e), matmul=tied, gathered=True)
     ple_mod = None
@@ -187,6 +240,6 @@ def build_hybrid(ckpt: Checkpoint, c: ModelConfig, dtype: torch.dtype, device,
                  dry_run: bool = False):
     """The decoder of a hybrid-family config (`c.arch` set), or None with dry_run (names,
     shapes and dtypes checked, no data read)."""
-    if c.model_type == "qwen3_5":
+    if c.model_type in QWEN_HYBRID:
         return build_qwen3_5(ckpt, c, dtype, device, dry_run)
     return build_gemma4(ckpt, c, dtype, device, dry_run)

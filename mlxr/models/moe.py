@@ -89,7 +89,7 @@ class MoeBlock:
         self.shared_gate = shared_gate
         # (gate, up, down) ExpertQuant for the MoE kernels, None where they do not apply
         self.quant = None
-        if isinstance(down[0], StackedExperts):
+        if isinstance(down[0], StackedExperts) and spec.expert_act in ops.MOE_KERNEL_ACTS:
             qs = (gate_up[0].quant(), gate_up[1].quant(), down[0].quant())
             if all(q is not None for q in qs) and ops.moe_gate_up_pair(qs[0], qs[1]):
                 self.quant = qs

@@ -40,13 +40,14 @@ def _expert_parts(b, path: str, experts: int, out: int, inp: int, bias: bool,
     return parts
 
 
-def build_moe(b, c: ModelConfig, i: int) -> MoeBlock | None:
+def build_moe(b, c: ModelConfig, i: int, model: str = "model.") -> MoeBlock | None:
     """Layer i's MoE block from builder `b` (`loader._Builder`); None on a dry run (every
-    tensor checked, none read). Experts are stacked (`StackedExperts`) on CUDA, per expert
-    elsewhere; env MLXR_MOE=stacked|split chooses."""
+    tensor checked, none read). `model`: the text model's prefix (the hybrid wrappers' files
+    hold it under language_model.model.). Experts are stacked (`StackedExperts`) on CUDA,
+    per expert elsewhere; env MLXR_MOE=stacked|split chooses."""
     s = c.moe
     e, f, x = c.hidden_size, s.expert_size, s.num_experts
-    p = f"model.layers.{i}.{s.block}."
+    p = f"{model}layers.{i}." + (f"{s.block}." if s.block else "")
     ex = p + s.experts_path + "."
     router = b.linear([(p + s.router_path, x, e, s.router_bias)])
     corr = None

@@ -1,5 +1,6 @@
-"""The qwen3_5 decoder (mlx-lm's qwen3_5 / Qwen3.5 dense): gated DeltaNet layers beside gated
-softmax-attention layers, each followed by a SwiGLU MLP.
+"""The qwen3_5 decoder (mlx-lm's qwen3_5, qwen3_5_moe and qwen3_next): gated DeltaNet layers
+beside gated softmax-attention layers, each followed by a SwiGLU MLP or the MoE block
+(`moe.MoeBlock`: softmax router, shared expert under a sigmoid gate).
 
 Full-attention layers (mlx-lm's Qwen3NextAttention): q_proj gives per head [q | gate] (the halves
 interleaved per head, not all q first); q/k RMSNorm over D, partial rotate-half RoPE, causal
@@ -21,6 +22,7 @@ from ..quant import QuantWeight
 from .decoder import Fused, _gated_act
 from .gated_delta import GatedDeltaMixer
 from .hybrid_cache import HybridCache, KVShape, LayerShape, StateShape
+from .moe import MoeBlock
 
 
 @dataclass
@@ -38,8 +40,9 @@ class HybridLayer:
     input_norm: torch.Tensor
     mixer: GatedDeltaMixer | GatedAttention
     mlp_norm: torch.Tensor
-    gate_up: Linear | Fused  # [gate | up]
-    down_proj: Linear
+    gate_up: Linear | Fused | None  # [gate | up] (None: a MoE layer)
+    down_proj: Linear | None
+    moe: MoeBlock | None = None
 
 
 def linears(parts: list) -> list[Linear]:
@@ -75,7 +78,8 @@ class Qwen35Decoder:
             m = layer.mixer
             mix = [m.in_proj, m.out_proj] if isinstance(m, GatedDeltaMixer) else [m.qkv,
                                                                                   m.o_proj]
-            lins += linears(mix + [layer.gate_up, layer.down_proj])
+            mlp = [layer.gate_up, layer.down_proj] if layer.moe is None else layer.moe.linears()
+            lins += linears(mix + mlp)
         return list({id(ln.weight): ln.weight for ln in lins
                      if isinstance(ln.weight, QuantWeight)}.values())
 
@@ -117,7 +121,8 @@ class Qwen35Decoder:
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
             h, x = ops.add_rms_norm(h, mixer(i, layer, x), layer.mlp_norm, eps)
-            r = layer.down_proj(_gated_act(layer.gate_up, x, c.hidden_act))
+            r = (layer.moe(x) if layer.moe is not None else
+                 layer.down_proj(_gated_act(layer.gate_up, x, c.hidden_act)))
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             if nxt is self.norm and last_only:
                 h, r = h[-1:], r[-1:]

@@ -11,6 +11,7 @@ from torch import Tensor
 
 KERNEL_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")  # codes.MODES
 KERNEL_BITS = (2, 3, 4, 5, 6, 8)
+KERNEL_ACTS = ("silu", "swiglu_oai")  # decode_experts.ACTS
 
 
 class ExpertQuant(NamedTuple):

@@ -45,11 +45,13 @@ def route(logits: torch.Tensor, router: str, top_k: int, norm_topk: bool = False
 
 def expert_act(gate: torch.Tensor, up: torch.Tensor, act: str, alpha: float = 1.702,
                limit: float = 7.0) -> torch.Tensor:
-    """The experts' gated activation: silu(gate) * up, or gpt-oss's clamped SwiGLU
-    (up clipped to [-limit, limit] plus one, times gate * sigmoid(alpha * gate) of the gate
-    clipped from above at limit)."""
+    """The experts' gated activation: silu(gate) * up, gelu_tanh(gate) * up (gemma4's GeGLU
+    experts), or gpt-oss's clamped SwiGLU (up clipped to [-limit, limit] plus one, times
+    gate * sigmoid(alpha * gate) of the gate clipped from above at limit)."""
     if act == "silu":
         return F.silu(gate) * up
+    if act == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
     if act != "swiglu_oai":
         raise ValueError(f"unknown expert activation {act!r}")
     g = torch.clamp(gate, max=limit)
