@@ -61,10 +61,13 @@ def register(sub) -> None:
 
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights one decode step reads: every tensor once, except that an untied
-    embedding table contributes one row (the LM head is then its own matrix). A
-    tensor-parallel model: what rank 0 reads (its shard), the bytes one device streams."""
+    embedding table contributes one row (the LM head is then its own matrix) and a MoE
+    layer's stacked experts contribute the top-k experts' share (k of X experts: one token
+    reads k distinct experts' slices; `expert_note`). A tensor-parallel model: what rank 0
+    reads (its shard), the bytes one device streams."""
     from ..checkpoint import open_checkpoint
 
+    moe = model.config.moe
     world = getattr(model.decoder, "world", 1)
     with open_checkpoint(model.path) as ckpt:
         if world > 1:
@@ -72,7 +75,12 @@ def weight_bytes_per_token(model) -> int:
             from ..parallel.sharded_checkpoint import ShardedCheckpoint
 
             ckpt = ShardedCheckpoint(ckpt, make_plan(model.config, world, 0))
-        total = sum(t.nbytes for t in ckpt.tensors.values())
+        total = 0
+        for name, t in ckpt.tensors.items():
+            if moe is not None and f".{moe.block}.{moe.experts_path}." in name:
+                total += t.nbytes * moe.top_k // moe.num_experts
+            else:
+                total += t.nbytes
         if model.decoder.lm_head is not None:
             emb = sum(t.nbytes for n, t in ckpt.tensors.items() if n.startswith("model.embed"))
             rows = ckpt.tensors["model.embed_tokens.weight"].shape[0]
@@ -83,6 +91,15 @@ def weight_bytes_per_token(model) -> int:
             nbytes = sum(t.nbytes for t in ple)
             total -= nbytes - nbytes // ple[0].shape[0]
     return total
+
+
+def expert_note(model) -> str | None:
+    """The bench line's note on what the byte count assumes, for a MoE model."""
+    moe = model.config.moe
+    if moe is None:
+        return None
+    return (f"MoE: bytes count the {moe.top_k} selected of {moe.num_experts} experts per "
+            f"layer (what one token reads), not every expert")
 
 
 def memory_bandwidth(device) -> float:
@@ -169,6 +186,7 @@ def cmd_bench(args) -> int:
         "peak_memory_gb": round(peak_memory_gb(model.device), 3),
         "prefill_tok_s_all": [round(r.prefill_tps, 2) for r in runs],
         "decode_tok_s_all": [round(r.decode_tps, 2) for r in runs],
+        "bytes_note": expert_note(model),
     }
     print(f"{out['model']} on {out['device']} ({out['dtype']}), median of {args.repeats}")
     print(f"  prefill {args.prompt_len:>5} tokens: {prefill:10.1f} tok/s")
@@ -176,6 +194,8 @@ def cmd_bench(args) -> int:
           f"{out['achieved_gb_s']:.1f} GB/s of {out['bandwidth_gb_s']:.1f} measured "
           f"({out['pct_of_bound']:.1f}% of the bound {out['bound_tok_s']:.0f} tok/s; "
           f"{out['weight_gb_per_token']:.3f} GB/token)")
+    if out["bytes_note"]:
+        print(f"  {out['bytes_note']}")
     print(f"  peak memory {out['peak_memory_gb']:.2f} GB")
     print(json.dumps(out))
     sys.stdout.flush()

@@ -37,12 +37,14 @@ from .kv_cache import SequenceCache
 
 def graphable(decoder) -> bool:
     """CUDA decoders whose RoPE does not depend on the sequence length (dynamic NTK does),
-    without MoE blocks (their experts are chosen on the host) or attention sinks (served by
-    the reference attention, which reads block tables on the host), nor those that say they
-    cannot be captured (`graphable = False`: the hybrid families)."""
-    return decoder.device.type == "cuda" and getattr(decoder, "graphable", True) and not any(
+    whose MoE blocks run the MoE kernels (`MoeBlock.capturable`: the torch path groups tokens
+    by expert on the host), and that do not say they cannot be captured (`graphable = False`:
+    the hybrid families). Attention sinks are captured: the Triton attention kernels take
+    them, and the reference attention builds its masks on the device."""
+    dev = decoder.device
+    return dev.type == "cuda" and getattr(decoder, "graphable", True) and not any(
         (r.spec.scaling or {}).get("rope_type") == "dynamic" for r in decoder.ropes) and all(
-        layer.moe is None and layer.sinks is None for layer in decoder.layers)
+        layer.moe is None or layer.moe.capturable(dev) for layer in decoder.layers)
 
 
 def capture(body, pool=None, warmups: int = 1) -> torch.cuda.CUDAGraph:
