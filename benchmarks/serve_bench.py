@@ -350,7 +350,7 @@ def null_engine_server(model_path: str, port: int, max_seqs: int, step_s: float,
     from mlxr.cli.common import BUNDLED
     from mlxr.engine import AsyncEngine
     from mlxr.engine.proc_engine import ProcEngine
-    from mlxr.server.app import ServerState, create_app
+    from mlxr.server.app import ServerState, create_app, freeze_heap
     from mlxr.server.security import SecurityConfig, deadline_protocol
 
     path = Path(model_path)
@@ -366,8 +366,10 @@ def null_engine_server(model_path: str, port: int, max_seqs: int, step_s: float,
     else:
         eng = AsyncEngine(None, engine=NullLLMEngine(**null), **kw)
     state = ServerState(path, path.name, {}, {})
-    state.set_ready(mlxr.load(path, weights=False), eng)
+    state.models.loader = lambda _: (mlxr.load(path, weights=False), eng)  # the stand-in
     app = create_app(state, SecurityConfig(), load_in_background=False)
+    state.load()
+    freeze_heap()
     srv = uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, http=deadline_protocol(10),
                                         limit_concurrency=max_seqs * 2 + 8, log_level="warning",
                                         lifespan="off", server_header=False, ws="none"))

@@ -130,6 +130,13 @@ class Model:
         for chunk in self.stream(prompt, params, **kw):
             yield from chunk.token_ids
 
+    def embed(self, texts: str | Sequence[str], instruction: str | None = None) -> torch.Tensor:
+        """Embeddings of texts, float32 [B, E], L2-normalised (an embedding model such as
+        Qwen3-Embedding: mlxr.embed). `instruction`: Qwen3-Embedding's task line for queries."""
+        from .embed import embed
+
+        return embed(self, [texts] if isinstance(texts, str) else list(texts), instruction)
+
 
 def load(path: str | Path, device: str | torch.device | None = None,
          dtype: str | torch.dtype | None = None, weights: bool = True,

@@ -30,8 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
      dict(model="stories260K", prompt="Once", max_tokens=4)),
     (["run", "--temp", "0", "stories260K", "--seed", "1", "Once", "--verbose"],
      dict(model="stories260K", prompt="Once", temperature=0.0, seed=1, verbose=True)),
-    (["serve", "--port", "9000", "stories260K", "--device", "cpu"],
-     dict(model="stories260K", port=9000, device="cpu")),
+    (["serve", "--port", "9000", "stories260K", "--device", "cpu", "other"],
+     dict(model=["stories260K", "other"], port=9000, device="cpu")),
+    (["stop", "--host", "http://127.0.0.1:9", "stories260K"],
+     dict(model="stories260K", host="http://127.0.0.1:9")),
     (["bench", "-p", "8", "stories260K", "-n", "4"],
      dict(model="stories260K", prompt_len=8, num_tokens=4)),
     (["golden", "--prompt", "x", "stories260K", "--out", "g.json"],
@@ -54,8 +56,8 @@ def test_options_go_anywhere_for_every_verb(argv, want):
 
 def test_every_verb_is_covered_and_every_argument_has_help():
     _, verbs = build_parser()
-    assert set(verbs) == {"run", "serve", "bench", "golden", "check", "bench-pair", "pull",
-                          "search", "list", "ls", "show", "rm"}
+    assert set(verbs) == {"run", "serve", "ps", "stop", "bench", "golden", "check", "bench-pair",
+                          "pull", "search", "list", "ls", "show", "rm"}
     for name, parser in verbs.items():
         fmt = HelpFormatter(parser.prog)
         for action in parser._actions:

@@ -95,7 +95,10 @@ def test_tags_show_ps(server):
     ps = httpx.get(server.url + "/api/ps").json()["models"]
     assert [m["name"] for m in ps] == [SERVED]
     assert ps[0]["context_length"] == 512 and ps[0]["digest"] == tag["digest"]
-    assert ps[0]["size"] == weights and ps[0]["expires_at"].endswith("Z")
+    # measured: the float32 tensors (the file less its header) and the KV pool
+    assert 0 < weights - ps[0]["weights_bytes"] < 8192 and ps[0]["kv_cache_bytes"] > 0
+    assert ps[0]["size"] == ps[0]["weights_bytes"] + ps[0]["kv_cache_bytes"]
+    assert ps[0]["expires_at"].endswith("Z")
 
 
 def ndjson(r: httpx.Response) -> list[dict]:

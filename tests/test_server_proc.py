@@ -58,7 +58,8 @@ def engine_child(pid: int) -> int:
 
 
 def test_health_metrics(server):
-    assert httpx.get(server.url + "/health").json() == {"status": "ok", "model": "story-chat"}
+    assert httpx.get(server.url + "/health").json() == {"status": "ok", "model": "story-chat",
+                                                         "loaded": ["story-chat"]}
     text = httpx.get(server.url + "/metrics").text
     for name in ("mlxr_ready 1", "mlxr_kv_cache_blocks_total", "mlxr_num_requests_running",
                  "mlxr_time_to_first_token_seconds_bucket"):

@@ -15,7 +15,7 @@ from ..errors import MlxrError
 from .common import HelpFormatter, apply_threads, check_device
 
 # Verb modules, in the order `mlxr --help` lists them.
-VERB_MODULES = ["run", "serve", "bench", "harness", "store"]
+VERB_MODULES = ["run", "serve", "ps", "bench", "harness", "store"]
 
 
 class Parser(argparse.ArgumentParser):

@@ -1,8 +1,14 @@
-"""`mlxr serve [MODEL]`: an OpenAI- and Ollama-compatible server (chat, completions, responses,
-models, health, metrics; Ollama's /api/*) over continuous batching. Closed by default: binds
-127.0.0.1, checks Host and Origin, and requires --api-key to bind anywhere else. Serves only the
-model it was started with and never downloads or deletes one, unless started with --allow-pull /
---allow-delete (Ollama's /api/pull and /api/delete, on the Hugging Face cache).
+"""`mlxr serve [MODEL ...]`: an OpenAI- and Ollama-compatible server (chat, completions,
+responses, embeddings, models, health, metrics; Ollama's /api/*) over continuous batching, with a
+web page for chat and models at http://HOST:PORT/. Closed by default: binds 127.0.0.1, checks
+Host and Origin, and requires --api-key to bind anywhere else.
+
+The models named here load at startup and stay; any other local model (bundled, alias, pulled
+Hub name) loads when a request names it, stays --keep-alive after its last request (or the
+request's keep_alive) and is evicted, least recently used first, when a new one would not fit in
+--memory-budget. `mlxr ps` lists the loaded models, `mlxr stop MODEL` unloads one. The server
+never downloads or deletes a model unless started with --allow-pull / --allow-delete (Ollama's
+/api/pull and /api/delete, on the Hugging Face cache).
 """
 
 from __future__ import annotations
@@ -35,8 +41,17 @@ def _port(text: str) -> int:
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", help="model directory, bundled name, alias or pulled Hub "
-                   "name (default: the bundled model)")
+    p.add_argument("model", nargs="*", help="models to load at startup: directory, bundled "
+                   "name, alias or pulled Hub name (default: the bundled model)")
+    p.add_argument("--no-preload", action="store_true",
+                   help="load nothing at startup: every model loads when a request names it")
+    p.add_argument("--keep-alive", default="5m", metavar="DURATION",
+                   help="how long a model loaded on demand stays after its last request (30s, "
+                   "5m, 1h; -1 = forever; a request's keep_alive overrides it)")
+    p.add_argument("--memory-budget", default="auto", metavar="SIZE",
+                   help="bytes the loaded models may take on their device (weights + KV cache, "
+                   "measured): e.g. 8GB; auto = 90%% of the GPU's memory, 75%% of the RAM on CPU; "
+                   "none = no limit")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1; "
                    "anything but loopback requires --api-key)")
     p.add_argument("--port", type=_port, default=8080, help="TCP port to listen on, 1..65535")
@@ -87,12 +102,24 @@ def cmd_serve(args) -> int:
 
     from ..store.local import parse_name
 
-    path = resolve_model(args.model)  # local only: serve never downloads
-    # a Hub model is called by its name, not by its snapshot directory (a commit id)
-    hub_name = args.model if args.model and not Path(args.model).expanduser().exists() \
-        and parse_name(args.model) else None
-    run(path, host=args.host, port=args.port, api_key=args.api_key,
-        allow_origins=args.allow_origin, model_id=args.served_model_name or hub_name,
+    from ..server.models_manager import default_budget, parse_keep_alive, parse_size
+
+    names = [] if args.no_preload else args.model or [None]
+    models = []
+    for i, name in enumerate(names):
+        path = resolve_model(name)  # local only: serve never downloads
+        # a Hub model is called by its name, not by its snapshot directory (a commit id)
+        hub = name if name and not Path(name).expanduser().exists() and parse_name(name) \
+            else None
+        mid = (args.served_model_name if i == 0 else None) or hub or path.name
+        models.append((path, mid))
+    budget = args.memory_budget.lower()
+    budget = None if budget == "none" else default_budget(args.device) if budget == "auto" \
+        else parse_size(budget)
+    first = models[0] if models else (None, None)
+    run(first[0], host=args.host, preload=models[1:], keep_alive=parse_keep_alive(
+        args.keep_alive), memory_budget=budget, port=args.port, api_key=args.api_key,
+        allow_origins=args.allow_origin, model_id=first[1],
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_queued=args.max_queued,
         max_connections=args.max_connections, max_body_bytes=args.max_body_bytes,

@@ -131,6 +131,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._outbox: list = []  # (stream, output): appended by emit during a step
+        self._closed = False
         self.ready = True
 
     def stats(self) -> dict:
@@ -163,8 +164,23 @@ class AsyncEngine:
     # ProcEngine's engine process overrides this to send the step over a pipe
     _handoff = staticmethod(to_loops)
 
+    def close(self) -> None:
+        """Stop the engine thread (the model server unloads the model after this); requests
+        still running end with an engine failure."""
+        self._closed = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(30)
+        with self.engine.lock:
+            seqs = [*self.engine.scheduler.running, *self.engine.scheduler.waiting]
+            for seq in seqs:
+                self.engine.scheduler.finish(seq)
+        for seq in seqs:
+            seq.emit(engine_failure(MlxrError("the model was unloaded")))
+        self._flush()
+
     def _loop(self) -> None:
-        while True:
+        while not self._closed:
             self._wake.wait()
             self._wake.clear()
             while self.engine.has_work():
@@ -190,6 +206,8 @@ class AsyncEngine:
         merged into one). Raises QueueFullError, MlxrError or what the logits processor's
         `prepare()` raises (if it has one) before streaming; leaving the loop
         early aborts the request and frees its KV blocks."""
+        if self._closed:  # the model server unloaded this model
+            raise engine_failure(MlxrError("the model was unloaded"))
         if len(self.engine.scheduler.waiting) >= self.max_queued:
             raise QueueFullError("too many requests are waiting; retry later", retry_after=1)
         prepare = getattr(req.logits_processor, "prepare", None)

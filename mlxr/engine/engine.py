@@ -21,6 +21,7 @@ from ..models.decoder import PagedBatch, Step, span_for, write_slots_for
 from ..text.sampling import Sampler, SamplingParams
 from .decode_graphs import PagedDecodeRunner, supported
 from .kv_cache import BlockManager, KVPool
+from .memory import tensor_bytes
 from .scheduler import Scheduler, Sequence
 from .seq_caches import SequenceCaches
 
@@ -140,6 +141,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.eos_ids = set(model.eos_token_ids)
         self.lock = threading.Lock()
+        # measured once (the model server's memory budget counts them): bytes per device
+        self.weights_bytes = sum(tensor_bytes(self.decoder).values())
+        self.kv_cache_bytes = self.pool.nbytes if self.pool is not None else 0
 
     def add(self, req: EngineRequest, emit: Callable[[RequestOutput], None]) -> _Request:
         """Validate and queue a request; `emit` receives its outputs (from the engine thread)."""
@@ -177,7 +181,8 @@ class LLMEngine:
         return {"running": len(s.running), "waiting": len(s.waiting),
                 "kv_blocks_total": len(b.blocks), "kv_blocks_used": len(b.blocks) - b.num_free,
                 "prefix_cache_queries": b.queries, "prefix_cache_hits": b.hits,
-                "preemptions": s.num_preemptions}
+                "preemptions": s.num_preemptions, "weights_bytes": self.weights_bytes,
+                "kv_cache_bytes": self.kv_cache_bytes}
 
     def step(self) -> None:
         """Run one batch and emit outputs for every sequence that produced a token."""

@@ -168,7 +168,7 @@ def _child_main(path: str, load_kw: dict, engine_kw: dict, rx, tx) -> None:
                                                exc_info=True)
         tx.send(("failed", _portable_error(e)))
         return
-    gc.collect()  # the loaded heap out of the cyclic GC, as ServerState.set_ready does: a full
+    gc.collect()  # the loaded heap out of the cyclic GC, as server.app.freeze_heap does: a full
     gc.freeze()  # collection would walk it again (~80 ms with stories260K) in the middle of a step
     tx.send(("ready", eng.engine.stats()))
     eng.serve(rx)

@@ -189,9 +189,11 @@ class Decoder:
         cache.length = start + t
         return logits
 
-    def forward_step(self, ids: torch.Tensor, step: Step, pool) -> torch.Tensor:
+    def forward_step(self, ids: torch.Tensor, step: Step, pool,
+                     hidden: bool = False) -> torch.Tensor:
         """A batch step: ids [N] (all sequences' new tokens, flattened), KV in `pool`
-        (k[layer], v[layer] [K, slots, D]). Returns logits float32 [rows, V]."""
+        (k[layer], v[layer] [K, slots, D]). Returns logits float32 [rows, V], or with `hidden`
+        the final norm's output [rows, E] (what embedding models pool)."""
         c = self.config
         if step.paged is not None:
             pb = step.paged
@@ -233,7 +235,8 @@ class Decoder:
                 row += sp.q_len
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-        return self._run(ids, tables, pool, step.write_slots, attend, step.logits_rows)
+        return self._run(ids, tables, pool, step.write_slots, attend, step.logits_rows,
+                         hidden=hidden)
 
     def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, pool,
                        tables: dict) -> torch.Tensor:
@@ -270,7 +273,7 @@ class Decoder:
         return self._run(ids, tables, pool, slots, attend, None, pos)
 
     def _run(self, ids: torch.Tensor, tables: dict, pool, slots: torch.Tensor, attend,
-             rows, positions: torch.Tensor | None = None) -> torch.Tensor:
+             rows, positions: torch.Tensor | None = None, hidden: bool = False) -> torch.Tensor:
         """Embedding, the layers, final norm and LM head (only for `rows` of N if given).
         Layer i writes the new tokens' k/v to cache slots `slots` [N] of pool.k/v[i], then
         attends through `attend(i, q [N, H, D]) -> [N, H, D]`. tables: rope spec id -> (cos,
@@ -306,7 +309,7 @@ class Decoder:
             if layer.post_mlp_norm is not None:
                 m = ops.rms_norm(m, layer.post_mlp_norm, eps, off)
             h, x = self._next_norm(i, h, m, rows)
-        return self.cap_logits(self.head(x).float())
+        return x if hidden else self.cap_logits(self.head(x).float())
 
     def _next_norm(self, i: int, h: torch.Tensor, m: torch.Tensor,
                    rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,8 @@
 """The ASGI app: OpenAI routes (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models),
-/health, /metrics and the Ollama routes (ollama.py, ollama_models.py), over the batching engine
-(`mlxr.engine.AsyncEngine` on a thread, or `mlxr.engine.proc_engine.ProcEngine` in a process of
-its own, when this process then loads the config and tokenizer only).
+/health, /metrics, the Ollama routes (ollama.py, ollama_models.py), embeddings (embeddings.py)
+and the web page (page.py), over one batching engine per loaded model (`mlxr.engine.AsyncEngine`
+on a thread, or `mlxr.engine.proc_engine.ProcEngine` in a process of its own, when this process
+then loads the config and tokenizer only); models_manager.py loads and unloads them.
 
 Requests are validated here and turned into a `Job` (prompt ids, sampling params, grammar, tool
 and reasoning parsing) by `jobs.py`; `render.py` turns the engine's outputs into each API's wire
@@ -23,9 +24,10 @@ from pydantic import ValidationError
 
 from .. import bounded_json
 from ..errors import MlxrError
-from . import error_handlers, ollama, ollama_models, render, request_checks
+from . import embeddings, error_handlers, ollama, ollama_models, page, render, request_checks
 from .jobs import chat_job, completion_job
 from .metrics import Metrics
+from .models_manager import ModelManager, resolver
 from .protocol import (
     APIError,
     ChatRequest,
@@ -41,89 +43,119 @@ log = logging.getLogger("mlxr.server")
 
 
 class ServerState:
-    """The model and engine, loaded in the background so /health can say "loading".
-    engine_process: "on" runs the engine in a child process (ProcEngine), "off" on a thread of
+    """The server's models: those named on the command line (`model_path`, more in `preload`),
+    loaded in the background at startup so /health can say "loading", and any other local model
+    a request names, loaded on demand by the ModelManager (models_manager.py).
+    engine_process: "on" runs each engine in a child process (ProcEngine), "off" on a thread of
     this process (AsyncEngine), "auto" = on when the device is CUDA."""
 
-    def __init__(self, model_path: Path, model_id: str, engine_kw: dict, load_kw: dict,
-                 engine_process: str = "auto", allow_pull: bool = False,
-                 allow_delete: bool = False):
+    def __init__(self, model_path: Path | None, model_id: str | None, engine_kw: dict,
+                 load_kw: dict, engine_process: str = "auto", allow_pull: bool = False,
+                 allow_delete: bool = False, keep_alive: float | None = 300.0,
+                 memory_budget: int | None = None,
+                 preload: list[tuple[Path, str]] | None = None):
         if engine_process not in ("auto", "on", "off"):
             raise ValueError(f"engine_process must be auto, on or off, not {engine_process!r}")
-        self.model_path, self.model_id = Path(model_path), model_id
+        pinned = ([(Path(model_path), model_id or Path(model_path).name)] if model_path
+                  else []) + [(Path(p), i) for p, i in preload or []]
+        self.pinned = {mid: path for path, mid in pinned}
+        self.model_id = pinned[0][1] if pinned else None  # the default model of a request
         self.engine_kw, self.load_kw, self.engine_process = engine_kw, load_kw, engine_process
         self.allow_pull, self.allow_delete = allow_pull, allow_delete
-        self.model = self.engine = None
         self.error: str | None = None
         self.created = int(time.time())
         self.metrics = Metrics()
         self.ready = threading.Event()
-        # called once the load ended (state.error says how); the runner stops the server on an
-        # error and reports it, so it is only logged here when nobody is told
+        self.models = ModelManager(self.build_engine, resolver(self.pinned), self.metrics,
+                                   self._device().type, keep_alive, memory_budget)
+        # called once the preload ended (state.error says how); the runner stops the server on
+        # an error and reports it, so it is only logged here when nobody is told
         self.on_loaded: Callable[[], None] | None = None
 
-    def load(self) -> None:
-        log.info("loading %s (%s)", self.model_id, self.model_path)
-        try:
-            import mlxr
+    def _device(self):
+        from ..model import _pick_device
 
-            from ..engine import AsyncEngine
-            from ..engine.proc_engine import ProcEngine
-            from ..model import _pick_device
+        return _pick_device(self.load_kw.get("device"))
 
-            mode = self.engine_process
-            if mode == "auto":
-                mode = "on" if _pick_device(self.load_kw.get("device")).type == "cuda" else "off"
-            if mode == "on":
-                # the child loads (and validates) the weights; here: config and tokenizer
-                engine = ProcEngine(self.model_path, self.load_kw, **self.engine_kw)
-                try:
-                    model = mlxr.load(self.model_path, **self.load_kw, weights=False)
-                    model.tokenizer  # noqa: B018 -- fail now, not on the first request
-                    engine.wait_ready()
-                except BaseException:
-                    engine.close()
-                    raise
-            else:
-                model = mlxr.load(self.model_path, **self.load_kw)
+    def build_engine(self, path: Path):
+        """(model, engine) for one model directory (the ModelManager's loader)."""
+        import mlxr
+
+        from ..embed import is_embedding_model
+        from ..engine import AsyncEngine
+        from ..engine.proc_engine import ProcEngine
+
+        mode = self.engine_process
+        if mode == "auto":
+            mode = "on" if self._device().type == "cuda" else "off"
+        if is_embedding_model(path):
+            mode = "off"  # embeddings run on the decoder in this process (embeddings.py)
+        if mode == "on":
+            # the child loads (and validates) the weights; here: config and tokenizer
+            engine = ProcEngine(path, self.load_kw, **self.engine_kw)
+            try:
+                model = mlxr.load(path, **self.load_kw, weights=False)
                 model.tokenizer  # noqa: B018 -- fail now, not on the first request
-                engine = AsyncEngine(model, **self.engine_kw)
-            self.set_ready(model, engine)
-        except Exception as e:  # reported by /health and every request
-            log.debug("loading %s failed", self.model_path, exc_info=True)
-            self.error = str(e) if isinstance(e, MlxrError) else f"{type(e).__name__}: {e}"
-            if self.on_loaded is None:
-                log.error("loading %s failed: %s", self.model_path, self.error)
+                engine.wait_ready()
+            except BaseException:
+                engine.close()
+                raise
+        else:
+            model = mlxr.load(path, **self.load_kw)
+            model.tokenizer  # noqa: B018 -- fail now, not on the first request
+            engine = AsyncEngine(model, **self.engine_kw)
+        freeze_heap()
+        return model, engine
+
+    def load(self) -> None:
+        """Load the models named on the command line (pinned: never unloaded when idle)."""
+        for mid in self.pinned:
+            try:
+                self.models.load_sync(mid, pin=True)
+            except Exception as e:  # reported by /health and stops the server (runner)
+                self.error = str(e) if isinstance(e, MlxrError) else f"{type(e).__name__}: {e}"
+                if self.on_loaded is None:
+                    log.error("loading %s failed: %s", mid, self.error)
+                break
+        if not self.error:
+            self.ready.set()
         if self.on_loaded is not None:
             self.on_loaded()
 
-    def set_ready(self, model, engine) -> None:
-        """Serve requests from now on. What loading left on the heap (modules, the tokenizer,
-        the model: ~200k objects) is frozen out of the cyclic GC first: otherwise each full
-        collection walks all of it again, ~100 ms every few hundred requests at 256 streams.
-        And the young generation's threshold goes from 700 to 50k allocations: 256 requests in
-        flight keep more than 700 objects alive, so at 700 a collection ran every few requests
-        (and promoted them all into older generations, collected again) while finding nearly no
-        garbage: ~45 us of ~260 per short request."""
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(50_000)
-        self.engine, self.model = engine, model
-        self.ready.set()
-
-    def require(self):
+    def check_ready(self) -> None:
         if self.error:
             raise APIError(500, f"the model failed to load: {self.error}", "server_error")
         if not self.ready.is_set():
             raise APIError(503, "the model is still loading", "server_error",
                            code="model_loading", headers={"Retry-After": "2"})
-        return self.model, self.engine
 
-    def check_model(self, name: str | None) -> None:
-        if name and name not in (self.model_id, self.model_path.name, str(self.model_path)):
-            raise APIError(404, f"The model {name!r} does not exist (this server serves "
-                           f"{self.model_id!r})",
-                           "invalid_request_error", "model", "model_not_found")
+    async def acquire(self, name: str | None, keep_alive=None):
+        """The loaded model (a models_manager.Loaded) that a request names."""
+        self.check_ready()
+        return await self.models.acquire(name, keep_alive)
+
+    def engine_stats(self) -> dict | None:
+        """The loaded engines' stats, summed (for /metrics)."""
+        loaded = self.models.loaded()
+        if not loaded:
+            return None
+        total: dict = {}
+        for e in loaded:
+            for k, v in e.engine.stats().items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+
+def freeze_heap() -> None:
+    """What loading left on the heap (modules, the tokenizer, the model: ~200k objects) is
+    frozen out of the cyclic GC: otherwise each full collection walks all of it again, ~100 ms
+    every few hundred requests at 256 streams. And the young generation's threshold goes from
+    700 to 50k allocations: 256 requests in flight keep more than 700 objects alive, so at 700
+    a collection ran every few requests (and promoted them all into older generations,
+    collected again) while finding nearly no garbage: ~45 us of ~260 per short request."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000)
 
 
 def _parse(cls, body: bytes):
@@ -163,50 +195,53 @@ def create_app(state: ServerState, security: SecurityConfig, load_in_background:
         else:
             state.load()
 
+    @app.on_event("shutdown")
+    async def _shutdown():
+        state.models.close()
+
     error_handlers.install(app)
 
     @app.get("/health")
     async def health():
-        error = state.error or (state.engine is not None and not state.engine.ready
-                                and state.engine.error)  # ProcEngine: its process is gone
-        if error:
+        error = state.error or next((e.engine.error for e in state.models.loaded()
+                                     if not e.engine.ready and e.engine.error), None)
+        if error:  # a ProcEngine whose process is gone
             return JSONResponse({"status": "error", "message": error}, 500)
         if not state.ready.is_set():
             return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": "2"})
-        return {"status": "ok", "model": state.model_id}
+        return {"status": "ok", "model": state.model_id,
+                "loaded": [e.model_id for e in state.models.loaded()]}
 
     @app.get("/metrics")
     async def metrics():
-        stats = state.engine.stats() if state.engine is not None else None
-        return PlainTextResponse(state.metrics.render(stats, state.ready.is_set()),
+        return PlainTextResponse(state.metrics.render(state.engine_stats(), state.ready.is_set()),
                                  media_type="text/plain; version=0.0.4")
 
-    def model_card():
-        return {"id": state.model_id, "object": "model", "created": state.created,
-                "owned_by": "mlxr"}
+    def model_card(mid: str):
+        return {"id": mid, "object": "model", "created": state.created, "owned_by": "mlxr"}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        ids = dict.fromkeys([*state.pinned, *(e.model_id for e in state.models.loaded())])
+        return {"object": "list", "data": [model_card(m) for m in ids]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
-        state.check_model(name)
-        return model_card()
+        return model_card(state.models.resolve(name)[0])
 
     async def serve(cls, build, route: str, stream_fn, full_fn, request: Request):
         req = _parse(cls, await request.body())
-        state.check_model(getattr(req, "model", None))
-        model, engine = state.require()
+        entry = await state.acquire(getattr(req, "model", None))
+        model, engine = entry.model, entry.engine
         job = await request_checks.build_job(build, model, req)
         if req.stream:
-            gen = await render.start(state, engine, job, route)
-            return render.EventStream(stream_fn(state, model, job, gen, req),
+            gen = await render.start(entry, engine, job, route)
+            return render.EventStream(stream_fn(entry, model, job, gen, req),
                                       media_type="text/event-stream",
                                       headers={"Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no"})
         return await render.json_unless_disconnected(
-            request.receive, full_fn(state, model, engine, job, req, route))
+            request.receive, full_fn(entry, model, engine, job, req, route))
 
     # The generation routes are plain Starlette routes (endpoint(request) -> response): FastAPI's
     # dependency solving and endpoint wrapping have nothing to do for them and cost ~50 us per
@@ -222,6 +257,8 @@ def create_app(state: ServerState, security: SecurityConfig, load_in_background:
 
     ollama.register(app, state, _parse)  # /api/generate, /api/chat, /api/version
     ollama_models.register(app, state, _parse)  # /api/tags, show, ps, pull, delete
+    embeddings.register(app, state, _parse)  # /v1/embeddings, /api/embed
+    page.register(app, state)  # the web page at /, its static files, Hub search
     app.add_middleware(SecurityMiddleware, cfg=security)
     return app
 

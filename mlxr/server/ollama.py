@@ -16,6 +16,7 @@ this engine cannot (mirostat, typical_p, tfs_z) are a 400 unless neutral, as are
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from datetime import UTC, datetime
@@ -272,24 +273,28 @@ def register(app, state, parse) -> None:
             req = parse(cls, await request.body())
             if not req.model:
                 raise bad_request("model is required", "model")
-            name = req.model.removesuffix(":latest")
-            state.check_model(name)
-            model, engine = state.require()
             empty = not (req.prompt if kind == "generate" else req.messages)
-            if empty:  # Ollama: load (or unload, keep_alive 0) the model, generate nothing
-                reason = "unload" if str(req.keep_alive) in ("0", "0s", "0.0") else "load"
-                body = dict(model=state.model_id, created_at=_now(),
-                            **_piece(kind, "", ""), done=True, done_reason=reason)
-                return JSONResponse(body)
+            if empty and req.keep_alive is not None and \
+                    state.models.keep_alive_seconds(req.keep_alive) == 0:
+                # Ollama: unload the model (`mlxr stop`), generate nothing
+                mid = state.models.resolve(req.model)[0]
+                await asyncio.to_thread(state.models.unload, mid)  # joins threads, collects
+                return JSONResponse(dict(model=mid, created_at=_now(), **_piece(kind, "", ""),
+                                         done=True, done_reason="unload"))
+            entry = await state.acquire(req.model, req.keep_alive)
+            model, engine = entry.model, entry.engine
+            if empty:  # Ollama: load the model, generate nothing
+                return JSONResponse(dict(model=entry.model_id, created_at=_now(),
+                                         **_piece(kind, "", ""), done=True, done_reason="load"))
             job = await request_checks.build_job(
                 generate_job if kind == "generate" else ollama_chat_job, model, req, parse_dict)
-            gen = await render.start(state, engine, job, "ollama_" + kind)
+            gen = await render.start(entry, engine, job, "ollama_" + kind)
         except APIError as e:
             return JSONResponse({"error": e.message}, e.status, headers=e.headers)
         if req.stream is False:
             return await render.json_unless_disconnected(
-                request.receive, _full(state, model, job, gen, kind, t_req))
-        return render.EventStream(_stream(state, model, job, gen, kind, t_req),
+                request.receive, _full(entry, model, job, gen, kind, t_req))
+        return render.EventStream(_stream(entry, model, job, gen, kind, t_req),
                                   media_type="application/x-ndjson",
                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

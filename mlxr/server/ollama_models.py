@@ -1,9 +1,11 @@
 """Ollama's model-management routes: `GET /api/tags`, `POST /api/show`, `GET /api/ps`,
 `POST /api/pull` and `DELETE /api/delete`, in Ollama's request and response shapes.
 
-mlxr serves one model directory, so /api/tags, /api/show and /api/ps know that model only.
-Names are mlxr's (a directory name, the --served-model-name, or a Hub name ORG/REPO[@REV]);
-Ollama's default tag ":latest" is accepted and dropped.
+/api/tags lists every model this server can load by name (those on its command line, the
+bundled ones, the complete Hub models in the cache); /api/ps the loaded ones, with their measured
+bytes (weights and KV cache), device and expiry (models_manager.py). Names are mlxr's (a
+directory name, the --served-model-name, or a Hub name ORG/REPO[@REV]); Ollama's default tag
+":latest" is accepted and dropped.
 
 /api/pull downloads a Hub model into the shared Hugging Face cache (mlxr.store.hub.pull, as
 `mlxr pull`) and streams Ollama's NDJSON progress: {"status"} lines, then per file {"status",
@@ -11,8 +13,8 @@ Ollama's default tag ":latest" is accepted and dropped.
 removes a Hub model from the cache (mlxr.store.local.remove, as `mlxr rm`), never the model being
 served. Both change the machine (network, disk), so each is off unless `serve` was started with
 its flag: --allow-pull, --allow-delete (separate: letting clients fetch models is not letting
-them destroy any). Off, they answer 403 in Ollama's error shape. A pulled model is not served
-by this server: start `mlxr serve ORG/REPO` for that.
+them destroy any). Off, they answer 403 in Ollama's error shape. A pulled model can be loaded
+by name right away; a loaded one cannot be deleted.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from fastapi import Request  # module level: FastAPI resolves the (string) annotations here
 
 from ..errors import MlxrError
+from ..store.local import describe
 from .protocol import APIError, _Req, bad_request
 
 # generation_config.json keys -> Ollama's parameter names (/api/show "parameters")
@@ -206,6 +209,23 @@ async def _pull_lines(name: str):
     await task
 
 
+def local_models(state) -> list[tuple[str, Path]]:
+    """Every model this server can load by name: those named on its command line, then the
+    bundled ones, then the Hub models pulled into the cache (complete ones)."""
+    from ..names import bundled_models
+    from ..store.local import list_local
+
+    out = dict(state.pinned)
+    seen = {p.resolve() for p in out.values()}
+    for p in bundled_models():
+        if p.resolve() not in seen:
+            out.setdefault(p.name, p)
+    for m in list_local():
+        if m.status == "ok" and m.path.resolve() not in seen:
+            out.setdefault(m.name, m.path)
+    return list(out.items())
+
+
 def register(app, state, parse_body) -> None:
     """Add the model-management routes to `app`; `parse_body(cls, body: bytes)` is app.py's
     validating parser. APIErrors raised here are answered in Ollama's shape by app.py's handler
@@ -215,34 +235,42 @@ def register(app, state, parse_body) -> None:
     async def parse(request: Request) -> NameRequest:
         return parse_body(NameRequest, await request.body())
 
+    def tag(name: str, path: Path) -> dict | None:
+        try:
+            info = describe(path)
+        except MlxrError:
+            return None  # unreadable or unsupported: not offered
+        return {"name": name, "model": name, "modified_at": _iso(
+                    (path / "config.json").stat().st_mtime), "size": weights_size(path),
+                "digest": digest(path), "details": details(path, info)}
+
     @app.get("/api/tags")
     async def tags():
-        info = _describe(state.model_path)
-        return {"models": [{"name": state.model_id, "model": state.model_id,
-                            "modified_at": _iso(state.created),
-                            "size": weights_size(state.model_path),
-                            "digest": digest(state.model_path),
-                            "details": details(state.model_path, info)}]}
+        return {"models": [t for t in await asyncio.to_thread(
+            lambda: [tag(n, p) for n, p in local_models(state)]) if t]}
 
     @app.post("/api/show")
     async def show_route(request: Request):
         req = await parse(request)
-        state.check_model(_name(req))
-        return show(state, state.model_path, _describe(state.model_path))
+        mid, path = state.models.resolve(_name(req))
+        return show(state, path, _describe(path))
 
     @app.get("/api/ps")
     async def ps():
-        if not state.ready.is_set():
-            return {"models": []}
-        from ..model import _pick_device
-
-        path, info = state.model_path, _describe(state.model_path)
-        size = weights_size(path)
-        on_gpu = _pick_device(state.load_kw.get("device")).type == "cuda"
-        return {"models": [{"name": state.model_id, "model": state.model_id, "size": size,
-                            "digest": digest(path), "details": details(path, info),
-                            "expires_at": NEVER_EXPIRES, "size_vram": size if on_gpu else 0,
-                            "context_length": info["context_length"]}]}
+        out = []
+        for e in state.models.loaded():
+            info = _describe(e.path)
+            expires = e.expires_at
+            out.append({"name": e.model_id, "model": e.model_id, "size": e.size,
+                        "digest": digest(e.path), "details": details(e.path, info),
+                        "expires_at": NEVER_EXPIRES if expires is None else _iso(expires),
+                        "size_vram": e.size if e.device == "cuda" else 0,
+                        "context_length": info["context_length"],
+                        # mlxr's own: where the bytes are and how long the load took
+                        "device": e.device, "weights_bytes": e.weights_bytes,
+                        "kv_cache_bytes": e.kv_cache_bytes,
+                        "load_seconds": round(e.load_seconds, 3)})
+        return {"models": out}
 
     @app.post("/api/pull")
     async def pull_route(request: Request):
@@ -274,8 +302,9 @@ def register(app, state, parse_body) -> None:
         root = repo_dir(repo_id)
         if not root.is_dir():
             raise APIError(404, f"model {name!r} not found")
-        if root.resolve() in state.model_path.resolve().parents:
-            raise APIError(409, f"model {name!r} is the one this server is serving")
+        if any(root.resolve() in e.path.resolve().parents for e in state.models.loaded()):
+            raise APIError(409, f"model {name!r} is loaded: this server is serving it "
+                           "(`mlxr stop` it first)")
         try:
             await asyncio.to_thread(remove, repo_id, revision)
         except MlxrError as e:

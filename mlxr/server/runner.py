@@ -80,7 +80,8 @@ def _server_class():
     return Server
 
 
-def run(model_path: Path, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
+def run(model_path: Path | None, *, host: str = "127.0.0.1", port: int = 8080,
+        api_key: str | None = None,
         allow_origins=(), model_id: str | None = None, max_num_seqs: int = 16,
         max_num_batched_tokens: int | None = None, max_queued: int = 64, max_connections: int = 256,
         max_body_bytes: int = 4 << 20,
@@ -88,7 +89,9 @@ def run(model_path: Path, *, host: str = "127.0.0.1", port: int = 8080, api_key:
         tensor_parallel: int = 1,
         log_level: str = "info", stream_interval: int | None = None,
         engine_process: str = "auto", allow_pull: bool = False,
-        allow_delete: bool = False, allow_client_chat_template: bool = False) -> None:
+        allow_delete: bool = False, allow_client_chat_template: bool = False,
+        keep_alive: float | None = 300.0, memory_budget: int | None = None,
+        preload: list[tuple[Path, str]] | None = None) -> None:
     import uvicorn
 
     check_port(port)
@@ -97,15 +100,15 @@ def run(model_path: Path, *, host: str = "127.0.0.1", port: int = 8080, api_key:
                          header_timeout=header_timeout, port=port or None,
                          allow_client_chat_template=allow_client_chat_template)
     sec.check()
-    state = ServerState(model_path, model_id or Path(model_path).name,
+    state = ServerState(model_path, model_id,
                         dict(max_num_seqs=max_num_seqs, max_queued=max_queued,
                              stream_interval=stream_interval, **(
                             {"max_num_batched_tokens": max_num_batched_tokens}
                             if max_num_batched_tokens else {})),
                         dict(device=device, dtype=dtype, **(
                             {"tensor_parallel": tensor_parallel} if tensor_parallel != 1 else {})),
-                        engine_process,
-                        allow_pull=allow_pull, allow_delete=allow_delete)
+                        engine_process, allow_pull=allow_pull, allow_delete=allow_delete,
+                        keep_alive=keep_alive, memory_budget=memory_budget, preload=preload)
     app = create_app(state, sec)
     config = uvicorn.Config(app, host=host, port=port, http=deadline_protocol(header_timeout),
                             limit_concurrency=max_connections, timeout_keep_alive=5,
@@ -118,4 +121,4 @@ def run(model_path: Path, *, host: str = "127.0.0.1", port: int = 8080, api_key:
     except KeyboardInterrupt:
         pass
     if state.error:
-        raise MlxrError(f"{model_path}: the model failed to load: {state.error}")
+        raise MlxrError(f"the model failed to load: {state.error}")

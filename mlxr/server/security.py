@@ -5,6 +5,9 @@ protocol subclass against slow-loris clients).
 Every rejection is answered in the OpenAI error envelope, or on Ollama's routes (/api/*) in
 Ollama's `{"error": "..."}`.
 
+The web page (`/` and `/static/*`) needs no API key: it holds no secret and is where the key is
+entered; the Host check still applies to it, and every route it calls needs the key.
+
 Browser origins: those named by --allow-origin, and by default this server's own loopback
 origins (http://localhost:PORT, http://127.0.0.1:PORT, http://[::1]:PORT with PORT the port it
 listens on), as Ollama allows localhost origins; any other origin is refused.
@@ -32,7 +35,8 @@ CORS_ALLOW_HEADERS = ("authorization, content-type, accept, openai-beta, openai-
                       "x-stainless-runtime, x-stainless-runtime-version, "
                       "x-stainless-read-timeout, x-stainless-timeout, x-stainless-raw-response, "
                       "x-stainless-helper-method, x-stainless-stream-helper")
-PUBLIC_PATHS = {"/health"}
+PUBLIC_PATHS = {"/health", "/"}  # and the page's files under /static/ (no secret in them)
+STATIC_PREFIX = "/static/"
 OLLAMA_PREFIX = "/api/"
 BODY_METHODS = ("POST", "PUT", "PATCH", "DELETE")
 
@@ -141,7 +145,7 @@ class SecurityMiddleware:
                     (b"access-control-allow-headers", CORS_ALLOW_HEADERS.encode()),
                     (b"access-control-max-age", b"600")]})
                 return await send({"type": "http.response.body", "body": b""})
-        if cfg.api_key and path not in PUBLIC_PATHS:
+        if cfg.api_key and path not in PUBLIC_PATHS and not path.startswith(STATIC_PREFIX):
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
