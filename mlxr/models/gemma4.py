@@ -114,8 +114,8 @@ class Gemma4Decoder:
 
     def layer_shapes(self) -> list[LayerShape]:
         s = self.spec
-        return [KVShape(s.kv_heads[i], s.head_dims[i]) if s.kv_source[i] == i else None
-                for i in range(self.config.num_layers)]
+        return [KVShape(s.kv_heads[i], s.head_dims[i], self.config.layer_window[i])
+                if s.kv_source[i] == i else None for i in range(self.config.num_layers)]
 
     def new_cache(self, capacity: int = 256) -> HybridCache:
         return HybridCache(self.layer_shapes(), self.dtype, self.device, capacity)
@@ -129,29 +129,39 @@ class Gemma4Decoder:
         proj = ops.rms_norm(proj, p.norm, c.rms_norm_eps)
         return _scalar(proj + table, 2.0**-0.5)
 
-    def _attend_rows(self, i: int, ly: Gemma4Layer, q: torch.Tensor, kv: torch.Tensor | None,
-                     cache: HybridCache, start: int, cos: torch.Tensor,
-                     sin: torch.Tensor) -> torch.Tensor:
+    def _qkv(self, i: int, ly: Gemma4Layer, q: torch.Tensor, kv: torch.Tensor | None,
+             cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         """One sequence's rows of the q projection q [T, H*D] (and of [k | v], None on a
-        KV-shared layer) at positions [start, +T) -> attention output [T, H*D] (before o_proj);
-        the layer's own K/V written to the cache."""
+        KV-shared layer) -> q [T, H, D] normed and rotated, and the layer's own K/V
+        [K, T, D] (None on a KV-shared layer)."""
         c, s = self.config, self.spec
         t, d, kh = q.shape[0], s.head_dims[i], s.kv_heads[i]
         eps = c.rms_norm_eps
-        q = ops.rms_norm(q.reshape(t, c.num_heads, d), ly.q_norm, eps)
-        if kv is not None:
-            k = kv[:, :kh * d].reshape(t, kh, d)
-            v = k if s.k_eq_v[i] else kv[:, kh * d:].reshape(t, kh, d)
-            k = ops.rope(ops.rms_norm(k, ly.k_norm, eps), cos, sin, False)
-            v = ops.rms_norm(v, self._ones[d], eps)
-            cache.k[i][:, start:start + t] = k.transpose(0, 1)
-            cache.v[i][:, start:start + t] = v.transpose(0, 1)
-        q = ops.rope(q, cos, sin, False)
-        src, window, ctx = s.kv_source[i], c.layer_window[i], start + t
-        lo = 0 if window is None else max(0, start - window + 1)
-        out = ops.attention(q, cache.k[src][:, lo:ctx], cache.v[src][:, lo:ctx], start, lo,
-                            c.attn_scale, window)
-        return out.reshape(t, c.num_heads * d)
+        q = ops.rope(ops.rms_norm(q.reshape(t, c.num_heads, d), ly.q_norm, eps), cos, sin,
+                     False)
+        if kv is None:
+            return q, None, None
+        k = kv[:, :kh * d].reshape(t, kh, d)
+        v = k if s.k_eq_v[i] else kv[:, kh * d:].reshape(t, kh, d)
+        k = ops.rope(ops.rms_norm(k, ly.k_norm, eps), cos, sin, False)
+        v = ops.rms_norm(v, self._ones[d], eps)
+        return q, k.transpose(0, 1), v.transpose(0, 1)
+
+    def _attend_rows(self, i: int, ly: Gemma4Layer, q: torch.Tensor, kv: torch.Tensor | None,
+                     cache: HybridCache, start: int, cos: torch.Tensor, sin: torch.Tensor,
+                     seen: dict) -> torch.Tensor:
+        """One sequence's rows at positions [start, +T) -> attention output [T, H*D] (before
+        o_proj). The layer's own K/V go to the cache; seen[i] keeps the K/V this forward
+        attends (the window's earlier positions and the new ones, in order), which the
+        KV-shared layers reading layer i attend too (a ring may no longer hold a long chunk's
+        first positions)."""
+        c, s = self.config, self.spec
+        q, k, v = self._qkv(i, ly, q, kv, cos, sin)
+        if k is not None:
+            seen[i] = cache.extend(i, k, v, start)
+        keys, values, lo = seen[s.kv_source[i]]
+        out = ops.attention(q, keys, values, start, lo, c.attn_scale, c.layer_window[i])
+        return out.reshape(q.shape[0], c.num_heads * s.head_dims[i])
 
     def _layers(self, ids: torch.Tensor, attend) -> torch.Tensor:
         """Embedding and the layers over rows ids [N]; attend(i, layer, x) -> the attention
@@ -189,7 +199,9 @@ class Gemma4Decoder:
         def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
             kv = ly.kv(x) if ly.kv is not None else None
             return ly.o_proj(self._attend_rows(i, ly, ly.q_proj(x), kv, cache, start,
-                                               *tables[id(self.ropes[i].spec)]))
+                                               *tables[id(self.ropes[i].spec)], seen))
+
+        seen: dict = {}
 
         h = self._layers(ids.to(self.device), attend)
         cache.length = start + t
@@ -214,8 +226,10 @@ class Gemma4Decoder:
             cos, sin = tables[id(self.ropes[i].spec)]
             return ly.o_proj(torch.cat([
                 self._attend_rows(i, ly, q[b:b + 1], None if kv is None else kv[b:b + 1], c,
-                                  starts[b], cos[b:b + 1], sin[b:b + 1])
+                                  starts[b], cos[b:b + 1], sin[b:b + 1], seen[b])
                 for b, c in enumerate(caches)]))
+
+        seen: list[dict] = [{} for _ in caches]
 
         h = self._layers(ids.to(self.device), attend)
         for c, s in zip(caches, starts):
