@@ -39,10 +39,12 @@ def graphable(decoder) -> bool:
     """CUDA decoders whose RoPE does not depend on the sequence length (dynamic NTK does),
     without MoE blocks (their experts are chosen on the host) or attention sinks (served by
     the reference attention, which reads block tables on the host), nor those that say they
-    cannot be captured (`graphable = False`: the hybrid families)."""
+    cannot be captured (`graphable = False`). The hybrid families' single-sequence decode
+    step is capturable (`forward_static` over a HybridCache: states updated in place)."""
     return decoder.device.type == "cuda" and getattr(decoder, "graphable", True) and not any(
         (r.spec.scaling or {}).get("rope_type") == "dynamic" for r in decoder.ropes) and all(
-        layer.moe is None and layer.sinks is None for layer in decoder.layers)
+        getattr(layer, "moe", None) is None and getattr(layer, "sinks", None) is None
+        for layer in decoder.layers)
 
 
 def capture(body, pool=None, warmups: int = 1) -> torch.cuda.CUDAGraph:
@@ -62,7 +64,8 @@ def capture(body, pool=None, warmups: int = 1) -> torch.cuda.CUDAGraph:
 
 
 class GraphDecoder:
-    """A captured decode step bound to one SequenceCache (slot = position)."""
+    """A captured decode step bound to one SequenceCache (slot = position), or one HybridCache
+    (its `pool` is itself; the step updates its recurrent states in place)."""
 
     def __init__(self, decoder, cache: SequenceCache):
         self.decoder, self.cache = decoder, cache
@@ -181,7 +184,9 @@ class GraphCache:
         use; None where there is none (no bucket, not graphable, or the capture failed: that
         bucket then stays eager, with a warning)."""
         bucket = prefill_bucket(n, cache.capacity)
-        if bucket is None or not graphable(decoder):
+        # hybrids prefill eagerly: no `forward_step` (their prompt runs `forward`, which also
+        # starts the recurrent state)
+        if bucket is None or not graphable(decoder) or not hasattr(decoder, "forward_step"):
             return None
         key = (cache.capacity, bucket)
         if key not in self.prefill:

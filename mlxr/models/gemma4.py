@@ -85,9 +85,10 @@ class PerLayerEmbedding:
 
 class Gemma4Decoder:
     """Embedding (+ PLE) -> layers -> final norm -> LM head -> soft-cap, over one sequence's
-    HybridCache. Eager (`graphable` False)."""
+    HybridCache. The single-sequence decode step (`forward_static`) can be captured in a CUDA
+    graph (`graphable`; `cuda_graph.graphable` still refuses the MoE variant)."""
 
-    graphable = False
+    graphable = True
 
     def __init__(self, config: ModelConfig, embed: Embedding, ple: PerLayerEmbedding | None,
                  layers: list[Gemma4Layer], norm: torch.Tensor, lm_head: Linear | None,
@@ -206,6 +207,29 @@ class Gemma4Decoder:
         h = self._layers(ids.to(self.device), attend)
         cache.length = start + t
         return self._logits(h[-1:] if last_only else h)
+
+    def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, pool: HybridCache,
+                       tables: dict) -> torch.Tensor:
+        """One decode token ids [1] at position pos [1] (device long) with every shape fixed
+        and no host value read, so the step can be captured in a CUDA graph (the cache's
+        length is the caller's). tables: rope spec id -> (cos, sin) [capacity, R], gathered
+        at pos. K/V are written at slot pos % slots; attention covers the layer's whole
+        buffer, its visibility computed from pos. Logits float32 [1, V]."""
+        c, s = self.config, self.spec
+        rows = {key: (cos.index_select(0, pos), sin.index_select(0, pos))
+                for key, (cos, sin) in tables.items()}
+
+        def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
+            kv = ly.kv(x) if ly.kv is not None else None
+            q, k, v = self._qkv(i, ly, ly.q_proj(x), kv, *rows[id(self.ropes[i].spec)])
+            if k is not None:
+                pool.write_at(i, k, v, pos)
+            src = s.kv_source[i]
+            out = ops.attention_at(q, pool.k[src], pool.v[src], pool.visible_upto(src, pos),
+                                   None, c.attn_scale)
+            return ly.o_proj(out.reshape(1, c.num_heads * s.head_dims[i]))
+
+        return self._logits(self._layers(ids, attend))
 
     def forward_batch(self, ids: torch.Tensor, caches: list[HybridCache]) -> torch.Tensor:
         """One new token for each of B sequences (ids [B]): projections, MLPs and PLE
