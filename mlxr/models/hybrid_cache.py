@@ -55,6 +55,7 @@ class HybridCache:
                  capacity: int = 256):
         self.shapes, self.dtype, self.device = shapes, dtype, device
         self.length, self.capacity = 0, max(1, capacity)
+        self._ring_index: tuple = (None, None, None)  # (key, old slots, new slots)
         none = [None] * len(shapes)
         self.k, self.v = self._kv(self.capacity, (none, none))
         self.conv = [torch.zeros((1, *s.conv), dtype=dtype, device=device)
@@ -118,14 +119,24 @@ class HybridCache:
             return self.k[i][:, :start + t], self.v[i][:, :start + t], 0
         n = self.k[i].shape[1]
         lo = max(0, start - w + 1)
-        old = torch.arange(lo, start, device=self.device) % n  # still in the ring: < w back
+        keep = min(t, n)  # a chunk longer than the ring leaves only its last n positions
+        old, slots = self._ring_slots(lo, start, t, n)
         keys = torch.cat((self.k[i].index_select(1, old), k), 1)
         values = torch.cat((self.v[i].index_select(1, old), v), 1)
-        keep = min(t, n)  # a chunk longer than the ring leaves only its last n positions
-        slots = torch.arange(start + t - keep, start + t, device=self.device) % n
         self.k[i].index_copy_(1, slots, k[:, t - keep:])
         self.v[i].index_copy_(1, slots, v[:, t - keep:])
         return keys, values, lo
+
+    def _ring_slots(self, lo: int, start: int, t: int, n: int) -> tuple:
+        """Slots of positions [lo, start) (still in the ring: fewer than w back) and of the
+        last min(t, n) new positions, in a ring of n; made once per forward (every ring
+        layer of a model has the same window)."""
+        key = (lo, start, t, n)
+        if self._ring_index[0] != key:
+            keep = min(t, n)
+            self._ring_index = (key, torch.arange(lo, start, device=self.device) % n,
+                                torch.arange(start + t - keep, start + t, device=self.device) % n)
+        return self._ring_index[1], self._ring_index[2]
 
     def write_at(self, i: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Store one token's K/V [K, 1, D] at position pos [1] (device long): slot pos % slots,
