@@ -2,7 +2,7 @@
 length, stepped to completion by LLMEngine; the same batches the server would run.
 
     python benchmarks/engine_bench.py MODEL [--batches 1,8,64,256] [--prompt 32] [--tokens 128]
-        [--device cuda] [--eager] [--tokens-out FILE]
+        [--device cuda] [--eager] [--tokens-out FILE] [--tensor-parallel N]
 
 Per batch size: a warm-up round, then a measured one. Reports output tok/s over the whole round
 (prefill steps included), the median decode-step time, and how much of it the host spends
@@ -90,9 +90,10 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--eager", action="store_true", help="no decode graphs (forward_step)")
     ap.add_argument("--tokens-out", help="write the measured rounds' tokens here (JSON)")
+    ap.add_argument("--tensor-parallel", type=int, default=1, help="ranks (GPUs) to split over")
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
-    model = mlxr.load(a.model, device=a.device)
+    model = mlxr.load(a.model, device=a.device, tensor_parallel=a.tensor_parallel)
     t = time.perf_counter()
     engine = LLMEngine(model, max_num_seqs=max(batches), paged_decode=False if a.eager else None)
     setup = time.perf_counter() - t

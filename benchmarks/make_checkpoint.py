@@ -3,6 +3,7 @@ benchmark numbers without downloading a model.
 
     python benchmarks/make_checkpoint.py qwen3-0.6b OUT_DIR [--bits 4] [--group-size 64]
     python benchmarks/make_checkpoint.py llama-3.1-8b OUT_DIR --bits 2
+    python benchmarks/make_checkpoint.py llama-3.1-70b OUT_DIR   (~40 GB at 4-bit g64)
     python benchmarks/make_checkpoint.py qwen3-0.6b OUT_DIR --tokenizer TOKENIZER_DIR
     python benchmarks/make_checkpoint.py qwen3-30b-a3b OUT_DIR [--layers 24]
     python benchmarks/make_checkpoint.py laguna-xs-2.1 OUT_DIR
@@ -63,6 +64,14 @@ SHAPES = {
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                            high_freq_factor=4.0,
                                            original_max_position_embeddings=8192)),
+    # the 70B-class dense shape of the tensor-parallel targets (docs/tensor_parallel.md)
+    "llama-3.1-70b": dict(model_type="llama", hidden_size=8192, num_hidden_layers=80,
+                          intermediate_size=28672, num_attention_heads=64,
+                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+                          rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
+                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                            high_freq_factor=4.0,
+                                            original_max_position_embeddings=8192)),
     "mistral-7b-v0.3": dict(model_type="mistral", hidden_size=4096, num_hidden_layers=32,
                             intermediate_size=14336, num_attention_heads=32,
                             num_key_value_heads=8, vocab_size=32768, tie_word_embeddings=False,

@@ -127,6 +127,11 @@ class Rope:
         self._dynamic = (spec.scaling or {}).get("rope_type") == "dynamic"
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    @property
+    def dynamic(self) -> bool:
+        """Whether the frequencies depend on the sequence length (dynamic NTK)."""
+        return self._dynamic
+
     @staticmethod
     def _angles(inv: torch.Tensor, start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end, dtype=torch.float32)

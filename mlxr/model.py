@@ -86,6 +86,13 @@ class Model:
             raise MlxrError(f"{self.path.name} was loaded with weights=False: it cannot compute")
         return self.decoder
 
+    def close(self) -> None:
+        """Release what the model holds beyond memory: a tensor-parallel model's worker
+        processes (a no-op otherwise)."""
+        close = getattr(self.decoder, "close", None)
+        if close is not None:
+            close()
+
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -125,7 +132,8 @@ class Model:
 
 
 def load(path: str | Path, device: str | torch.device | None = None,
-         dtype: str | torch.dtype | None = None, weights: bool = True) -> Model:
+         dtype: str | torch.dtype | None = None, weights: bool = True,
+         tensor_parallel: int = 1) -> Model:
     """Load a model: a directory, or a name as the CLI takes it (a bundled model such as
     "stories260K", an alias such as "qwen3", or a pulled Hub name ORG/REPO; see mlxr.names).
 
@@ -134,6 +142,9 @@ def load(path: str | Path, device: str | torch.device | None = None,
     bfloat16, the fast dtype on both CPU and GPU. weights=False reads config.json and
     generation_config.json only (the tokenizer loads on first use): no decoder is built and the
     safetensors are not opened -- what a server process needs whose engine runs elsewhere.
+    tensor_parallel=N > 1 splits the model over N processes that this one starts (one GPU
+    each on CUDA, N CPU processes on the CPU; see mlxr.parallel): `Model.close()` (or the
+    interpreter's exit) stops them.
     """
     path = resolve_model(path)
     onnx = is_onnx_model(path)
@@ -146,6 +157,12 @@ def load(path: str | Path, device: str | torch.device | None = None,
         dt = DTYPES[dtype]
     else:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if tensor_parallel != 1:
+        from .parallel import check_world
+
+        check_world(tensor_parallel, dev)
+        if onnx:
+            raise MlxrError(f"{path.name}: tensor parallelism does not cover ONNX decoders")
     if onnx:  # an ONNX decoder folder or file (needs the `onnx` extra)
         from .onnx.load import load_onnx
 
@@ -154,9 +171,14 @@ def load(path: str | Path, device: str | torch.device | None = None,
     _check_generation_config(gen, config.vocab_size)
     if not weights:
         return _with_tokenizer(Model(path, config, gen, None, dt, dev))
-    build = build_decoder if config.arch is None else build_hybrid
-    with open_checkpoint(path) as ckpt:
-        decoder = build(ckpt, config, dt, dev)
+    if tensor_parallel != 1:
+        from .parallel import load_decoder
+
+        decoder = load_decoder(path, config, dt, dev, tensor_parallel)
+    else:
+        build = build_decoder if config.arch is None else build_hybrid
+        with open_checkpoint(path) as ckpt:
+            decoder = build(ckpt, config, dt, dev)
     trace.instrument(decoder)  # prefill/decode spans when MLXR_TRACE is set; else a no-op
     return _with_tokenizer(Model(path, config, gen, decoder, dt, dev))
 

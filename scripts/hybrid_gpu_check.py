@@ -13,7 +13,8 @@ shapes. Needs torch and triton, not mlx.
    - CUDA prefill of 20 tokens then 20 single-token steps vs CUDA's whole forward: 1e-4;
    - the serving engine on CUDA, 4 concurrent greedy requests (float32) == each alone;
    - a bf16 CUDA load gives finite logits.
-2. Decode graphs (the non-MoE families, whose single-sequence decode step is captured): in
+2. Decode graphs (every family whose single-sequence decode step is captured; a MoE family
+   whose blocks run the torch path is reported eager): in
    bf16, greedy tokens of `generate` with the graph on == off (a first difference allowed only
    at a near-tie of the eager logits: top-2 margin under 2x the tolerance) and the captured
    step's logits vs the eager step's within 5% of the range (test_parity_hybrid's bf16 bound
@@ -58,7 +59,8 @@ QUANTS = {"q4g64": (4, 64, "affine"), "mxfp4": (4, 32, "mxfp4"), "bf16": None}
 VOCAB = 320  # hybrid_configs' vocab_size
 F32_TOL, STEP_TOL, BF16_STEP_TOL = 1e-3, 1e-4, 0.05
 BENCH_SHAPES = ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b")
-GRAPH_FAMILIES = ("qwen3_5", "qwen3_5_untied", "gemma4_text", "gemma4")
+GRAPH_FAMILIES = ("qwen3_5", "qwen3_5_untied", "gemma4_text", "gemma4", "qwen3_5_moe",
+                  "qwen3_next", "gemma4_moe")
 GRAPH_SHAPES = ("qwen3.5-0.8b", "qwen3.5-2b", "gemma-4-e2b")
 
 
@@ -180,9 +182,11 @@ def graph_checks(out: Path, mc) -> bool:
         if not (path / "config.json").is_file():
             mc.write_hybrid(copy.deepcopy(FAMILIES[family]), path, QUANTS[quant])
         model = mlxr.load(path, device="cuda")
-        if not graphable(model.decoder):
-            print(f"{family:15s} {quant:6s} decode graph: not graphable  FAIL", flush=True)
-            ok = False
+        if not graphable(model.decoder):  # a MoE block on the torch path: eager, not a failure
+            moe = any(ly.moe is not None for ly in model.decoder.layers)
+            print(f"{family:15s} {quant:6s} decode graph: not graphable  "
+                  f"{'(MoE torch path) ok' if moe else 'FAIL'}", flush=True)
+            ok &= moe
             continue
         same, err = _graph_vs_eager(model, seq)
         good = same and err <= BF16_STEP_TOL

@@ -49,6 +49,11 @@ FAMILIES: dict[str, dict] = {
     "gemma3_text": dict(model_type="gemma3_text", head_dim=32, num_hidden_layers=4,
                         sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=32.0,
                         rope_scaling=dict(rope_type="linear", factor=8.0)),
+    # tests/test_tensor_parallel.py: 8 heads over 2 KV heads (4 ranks replicate each KV head
+    # twice), o_proj's and down_proj's inputs split on whole 64-groups at 2 and 4 ranks
+    "llama_tp": dict(model_type="llama", tie_word_embeddings=False, attention_bias=True,
+                     num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                     intermediate_size=512, rope_theta=500000.0),
     "phi3": dict(model_type="phi3", tie_word_embeddings=False, partial_rotary_factor=0.5,
                  max_position_embeddings=256, original_max_position_embeddings=64,
                  rope_scaling=dict(type="longrope", short_factor=[1.0 + 0.1 * i for i in range(8)],

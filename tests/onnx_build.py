@@ -27,6 +27,7 @@ EXPORTS = {
     "llama_fp16": ("llama", "int4", "cuda", []),  # fp16 I/O and scales
     "llama_dml": ("llama", "int4", "dml", []),  # separate q/k/v + RotaryEmbedding, fp16
     "qwen3_fp16": ("qwen3", "int4", "cuda", []),  # q/k norms folded into GQA
+    "gptoss_int4_cpu": ("gptoss", "int4", "cpu", []),  # QMoE, sinks, a sliding-window layer
 }
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -66,6 +67,10 @@ def checkpoint(kind: str, out: Path) -> None:
         "llama_tied": (T.LlamaForCausalLM, lambda: T.LlamaConfig(**kw)),
         "qwen2": (T.Qwen2ForCausalLM, lambda: T.Qwen2Config(**kw)),
         "qwen3": (T.Qwen3ForCausalLM, lambda: T.Qwen3Config(head_dim=32, **kw)),
+        "gptoss": (T.GptOssForCausalLM, lambda: T.GptOssConfig(
+            head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            **dict(kw, intermediate_size=128))),
     }[kind]
     torch.manual_seed(1)
     model = cls(cfg()).eval()
@@ -76,7 +81,31 @@ def checkpoint(kind: str, out: Path) -> None:
             else:
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(out)
+    if kind == "gptoss":
+        mxfp4_experts(model.config, out)
     tokenizer(out)
+
+
+def mxfp4_experts(cfg, out: Path) -> None:
+    """The builder quantizes gpt-oss's experts from the original checkpoint's MXFP4 tensors
+    (`<experts>.<proj>_blocks` uint8 [X, out, in/32, 16]: two e2m1 codes a byte;
+    `_scales` uint8 [X, out, in/32]: e8m0 exponents): random ones beside the float weights."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    x, e, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    gen = torch.Generator().manual_seed(2)
+    for i in range(cfg.num_hidden_layers):
+        base = f"model.layers.{i}.mlp.experts."
+        for name, rows, cols in (("gate_up_proj", 2 * f, e), ("down_proj", e, f)):
+            tensors[base + name + "_blocks"] = torch.randint(
+                0, 256, (x, rows, cols // 32, 16), generator=gen, dtype=torch.uint8)
+            # exponents 2^-7 .. 2^-4: e2m1 codes up to 6 give weights up to ~0.4
+            tensors[base + name + "_scales"] = torch.randint(
+                120, 124, (x, rows, cols // 32), generator=gen, dtype=torch.uint8)
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def build(root: Path, names: list[str]) -> None:

@@ -25,13 +25,16 @@ def session(path: Path) -> ort.InferenceSession:
 
 
 def fp32_reference(folder: Path) -> ort.InferenceSession:
-    """ORT on the folder's model.onnx with accuracy_level=0 on every MatMulNBits."""
+    """ORT on the folder's model.onnx with accuracy_level=0 on every MatMulNBits, and
+    full-length KV buffers where a sliding-window attention keeps a window-sized one
+    (sliding_window_cache=0: the same attention, fed the growing cache of `greedy`; test_onnx_moe
+    checks the two agree)."""
     out = folder / "model_acc0.onnx"
     if not out.is_file():
         m = onnx.load(str(folder / "model.onnx"), load_external_data=False)
         for n in m.graph.node:
             for a in n.attribute:
-                if a.name == "accuracy_level":
+                if a.name in ("accuracy_level", "sliding_window_cache"):
                     a.i = 0
         onnx.save(m, str(out))
     return session(out)
@@ -125,3 +128,24 @@ def unfold_qk_norm(folder: Path) -> ort.InferenceSession:
     g.node.extend(nodes)
     onnx.save(m, str(out))
     return session(out)
+
+
+def odd_copy(src, dst, after: str):
+    """A copy of the export with an op mlxr has no translation for after the node whose name
+    contains `after`: Softsign(y) - Softsign(y) + y, so the values stay those of a decoder."""
+    folder = copy_folder(src, dst)
+    m = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    g = m.graph
+    o = next(n for n in g.node if after in n.name)
+    out = o.output[0]
+    o.output[0] = out + "/raw"
+    extra = [onnx.helper.make_node("Softsign", [out + "/raw"], [out + "/ss"], name="odd/ss"),
+             onnx.helper.make_node("Sub", [out + "/ss", out + "/ss"], [out + "/zero"],
+                                   name="odd/sub"),
+             onnx.helper.make_node("Add", [out + "/raw", out + "/zero"], [out], name="odd/add")]
+    i = list(g.node).index(o)
+    nodes = list(g.node)
+    g.ClearField("node")
+    g.node.extend(nodes[:i + 1] + extra + nodes[i + 1:])
+    onnx.save(m, str(folder / "model.onnx"))
+    return folder

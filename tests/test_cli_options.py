@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -107,6 +108,31 @@ def test_device_cuda_without_cuda_is_one_line(argv, monkeypatch, capsys):
     assert "--device cpu" in err
     with pytest.raises(mlxr.MlxrError, match="CUDA is not available"):
         mlxr.load("stories260K", device="cuda")
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "two", "100000"])
+def test_threads_refuses_bad_counts_in_one_line(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--threads", bad])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "argument --threads" in err and "Traceback" not in err
+
+
+def test_threads_sets_torch_and_omp(monkeypatch):
+    """--threads N reaches torch's pool and OMP_NUM_THREADS (an engine process inherits it)."""
+    from mlxr.cli.common import apply_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    assert parse_args(["run", "stories260K", "hi", "--threads", "1"]).threads == 1
+    try:
+        apply_threads(1)
+        assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
+        apply_threads(None)  # not given: nothing changes
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_bench_defaults_fit_the_context():

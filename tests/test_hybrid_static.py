@@ -78,7 +78,8 @@ def test_sliding_ring_chunks_match_mlx_lm_and_memory_stops_growing(built, family
     assert full[-1] > full[1]
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "gemma4_text", "gemma4"])
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4_text", "gemma4", "qwen3_next",
+                                    "gemma4_moe"])
 def test_static_decode_step_equals_eager(built, family):
     model, ref = built(family)
     dec = model.decoder
@@ -112,12 +113,16 @@ def test_static_decode_step_equals_eager(built, family):
     assert tokens == list(model.generate(seq[:n0], max_tokens=len(tokens), ignore_eos=True))
 
 
-@pytest.mark.parametrize("family,capturable", [("qwen3_5", True), ("gemma4", True),
-                                               ("qwen3_next", False)])
-def test_hybrids_are_graphable_on_cuda_except_moe(built, family, capturable, monkeypatch):
-    """On CUDA the single-sequence decode of qwen3_5 and gemma4 is captured like the dense
-    path's; the MoE families (experts chosen on the host) stay eager."""
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4", "qwen3_next", "gemma4_moe"])
+@pytest.mark.parametrize("kernels", [True, False])
+def test_hybrids_are_graphable_on_cuda(built, family, kernels, monkeypatch):
+    """On CUDA the single-sequence decode of the hybrids is captured like the dense path's;
+    a MoE family only where its blocks run the MoE kernels (the torch path groups tokens by
+    expert on the host)."""
     dec = built(family)[0].decoder
     assert not graphable(dec)  # CPU
     monkeypatch.setattr(dec, "device", torch.device("cuda"))
-    assert graphable(dec) is capturable
+    moe = [ly.moe for ly in dec.layers if ly.moe is not None]
+    for block in moe:
+        monkeypatch.setattr(block, "capturable", lambda device: kernels)
+    assert graphable(dec) is (kernels or not moe)

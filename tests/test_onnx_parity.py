@@ -36,6 +36,7 @@ EXPORTS = {
     "llama_fp16": TOL_FP16,  # fp16 I/O and scales
     "llama_dml": TOL_FP16,  # separate q/k/v, standalone RotaryEmbedding, position_ids
     "qwen3_fp16": TOL_FP16,  # q/k norms folded into GroupQueryAttention (inputs 14/15)
+    "gptoss_int4_cpu": TOL_FP32,  # QMoE, attention sinks, a sliding layer, biases
 }
 PROMPT = [1, 40, 7, 199, 23, 310, 5, 88, 142, 61, 250, 3, 99, 17, 230, 44, 8, 300, 12, 76]
 
@@ -53,7 +54,8 @@ def test_whole_graph_is_claimed(onnx_exports, name):
     c = ins.translation.config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == (2, 128, 4, 2)
     assert c.tie_word_embeddings == (name == "llama_tied_shared")
-    assert c.qkv_bias == (name == "qwen2_int4_cpu")
+    assert c.qkv_bias == (name in ("qwen2_int4_cpu", "gptoss_int4_cpu"))
+    assert (c.moe is not None) == c.attn_sinks == (name == "gptoss_int4_cpu")
     assert c.qk_norm == name.startswith("qwen3")
     assert (ins.translation.position_ids == "position_ids") == (name == "llama_dml")
 
@@ -73,7 +75,8 @@ def test_prompt_logits_match_onnxruntime(onnx_exports, name):
 
 
 @pytest.mark.parametrize("name", ["llama_int4_cpu", "qwen3_int4_cpu", "llama_tied_shared",
-                                  "llama_int4_zp128", "llama_dml", "qwen3_fp16"])
+                                  "llama_int4_zp128", "llama_dml", "qwen3_fp16",
+                                  "gptoss_int4_cpu"])
 def test_greedy_generation_matches_onnxruntime(onnx_exports, name):
     n = 16
     want, rows = greedy(reference(onnx_exports, name), PROMPT[:6], n)

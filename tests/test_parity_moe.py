@@ -306,3 +306,78 @@ def test_decode_reads_only_the_selected_experts(built, mode, monkeypatch):
     k = model.config.moe.top_k
     per_layer = 2 * k if mode == "split" else 3 * k  # gate_up+down / gate, up, down
     assert sum(read) == moe_layers * per_layer
+
+
+def _with_kernels(model, on: bool):
+    """Force every MoE block of `model` onto the MoE kernels (the Triton interpreter on CPU)
+    or onto the torch path; returns the blocks."""
+    blocks = [layer.moe for layer in model.decoder.layers if layer.moe is not None]
+    for blk in blocks:
+        assert blk.quant is not None, "stacked quantized experts expected"
+        blk.kernels = on
+    return blocks
+
+
+KERNEL_CASES = [("qwen3_moe", "q8g64"), ("gpt_oss", "mxfp4"), ("laguna", "nvfp4_gs"),
+                ("mixtral", "q4g64")]
+
+
+@pytest.mark.parametrize("family,quant", KERNEL_CASES)
+def test_moe_kernels_equal_torch_path(built, family, quant, monkeypatch):
+    """The model on the MoE kernels (as on CUDA; here the Triton interpreter) equals its torch
+    path, float32: prefill (the grouped GEMM: 27 tokens x k pairs) and decode (the decode
+    kernels: one token's k pairs), logits within 1e-5 of the range (fp32 sums in other orders,
+    as stacked vs split) and the same expert selections."""
+    b = built(family, quant)
+    monkeypatch.setenv("MLXR_MOE", "stacked")
+    model = mlxr.load(b.path, device="cpu", dtype="float32")
+    seq = b.seq[:30]
+    _with_kernels(model, False)
+    want = model.logits(seq).numpy()
+    step_want, routes_want = _decode_logits(model, seq, 27)
+    _with_kernels(model, True)
+    got = model.logits(seq).numpy()
+    assert (np.abs(got - want).max(-1) / mlx_ref.logit_range(want)).max() <= 1e-5
+    step, routes = _decode_logits(model, seq, 27)
+    assert (routes == routes_want).all()
+    assert (np.abs(step - step_want).max(-1) / mlx_ref.logit_range(step_want)).max() <= 1e-5
+
+
+def test_moe_kernels_engine_batch_equals_single(built, monkeypatch):
+    """The serving engine on the MoE kernels (gpt-oss: sinks in the paged decode step too):
+    concurrent requests' greedy tokens equal each served alone (float32). Batched decode
+    steps of 3-4 sequences x k = 2 take the decode kernels, prefill chunks the grouped GEMM."""
+    b = built("gpt_oss", "mxfp4")
+    monkeypatch.setenv("MLXR_MOE", "stacked")
+    model = mlxr.load(b.path, device="cpu", dtype="float32")
+    _with_kernels(model, True)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(mlx_ref.BASE["vocab_size"]) for _ in range(n)]
+               for n in (5, 12, 9)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    batched = _run_all(LLMEngine(model, max_num_seqs=3, max_num_batched_tokens=13,
+                                 paged_decode=True),
+                       [EngineRequest(p, params) for p in prompts])
+    alone = [_run_all(LLMEngine(model, max_num_seqs=1, paged_decode=True),
+                      [EngineRequest(p, params)])[0] for p in prompts]
+    assert batched == alone
+
+
+def test_bench_bytes_count_top_k_experts(built):
+    """`mlxr bench`'s bytes per token: a MoE layer's stacked experts count k of X experts'
+    bytes (what one token reads), every other tensor once (the untied embedding one row)."""
+    from mlxr.checkpoint import open_checkpoint
+    from mlxr.cli.bench import expert_note, weight_bytes_per_token
+
+    b = built("laguna", "q4g64")
+    model = b.model32
+    s = model.config.moe
+    with open_checkpoint(model.path) as ckpt:
+        sizes = {n: t.nbytes for n, t in ckpt.tensors.items()}
+    experts = sum(v for n, v in sizes.items() if f".{s.block}.{s.experts_path}." in n)
+    emb = sum(v for n, v in sizes.items() if n.startswith("model.embed"))
+    assert 0 < experts < sum(sizes.values())
+    want = (sum(sizes.values()) - experts + experts * s.top_k // s.num_experts
+            - (emb - emb // model.config.vocab_size))
+    assert abs(weight_bytes_per_token(model) - want) <= len(sizes)  # per-tensor flooring
+    assert "4 selected of 16 experts" in expert_note(model)

@@ -332,3 +332,24 @@ def test_attention_at_rejects_bad_positions():
         A.attention_at(q, k, v, torch.tensor([3]), None, 0.3)
     with pytest.raises(ValueError, match="window"):
         A.attention_at(q, k, v, torch.tensor([3, 4]), 0, 0.3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,window", [(1, None), (3, 37)])
+def test_attention_sinks(dtype, t, window):
+    """gpt-oss's sinks [H] (one more logit per head, no value) in the kernel, single pass and
+    split (the sink counted once, in the first split), vs `reference.attention_at` with the
+    same sinks; tolerance: `_check_attention`'s. A large sink (8) moves the output visibly:
+    the same call without sinks is far from the reference."""
+    kh, rep, s, d = 2, 2, 150, 32
+    q, k, v, _ = attn_case(("sink", str(dtype), t, window), dtype, t, kh, rep, s, d, None)
+    sinks = torch.linspace(-2.0, 8.0, kh * rep).to(dtype)
+    pos = torch.tensor([101, 3, 130][:t])
+    ref = R.attention_at(q.float(), k.float(), v.float(), pos, window, 0.3, None, sinks)
+    vmax = v[:, :131].float().abs().amax(dim=1).repeat_interleave(rep, 0)
+    for block_s, splits in ((16, 1), (16, 3)):
+        out = A.attention_masked_split(q, k, v, None, 0.3, None, block_s, splits,
+                                       positions=pos, window=window, sinks=sinks)
+        _check_attention(out, ref, vmax)
+    plain = A.attention_at(q, k, v, pos, window, 0.3)
+    assert (plain.float() - ref).abs().max() > 0.05

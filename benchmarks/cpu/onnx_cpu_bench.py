@@ -10,7 +10,10 @@ builder export (`-p int4 -e cpu`: MatMulNBits block 32, accuracy_level=4), then 
 same model.onnx: ORT (int8-activation MatMulNBits, as exported) and mlxr.load (bf16 and fp32).
 Prefill = one forward of the prompt; decode = median per-token time of greedy steps with a
 growing KV cache. Engines are loaded once and measured in alternating rounds (--rounds); on a
-shared box the best round of each is reported. One JSON line per engine.
+shared box the median round of each is reported (prefill: one prompt per round; decode: the
+median step of each round, then the median over rounds). One JSON line per engine (with the load
+average over the run: torch's parallel regions wait on a descheduled thread when the box is
+oversubscribed, see docs/onnx.md).
 """
 
 from __future__ import annotations
@@ -126,31 +129,38 @@ def main() -> None:
     ap.add_argument("work", type=Path)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="intra-op threads of both engines (default: each its own choice)")
     ap.add_argument("--engines", default="ort,bfloat16")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--native", type=Path, help="an MLX checkpoint of the same shape (e.g. "
                     "benchmarks/make_checkpoint.py qwen3-0.6b DIR --group-size 32): mlxr on "
                     "its own format, measured in the same rounds")
     a = ap.parse_args()
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
     folder = build(a.work)
     prompt = [int(x) for x in np.random.default_rng(0).integers(3, 150000, a.prompt)]
     engines = [ort_engine(folder, prompt, a.tokens, a.threads) if e == "ort" else
                mlxr_engine(folder, prompt, a.tokens, e) for e in a.engines.split(",")]
     if a.native:
         engines.append(mlxr_engine(a.native, prompt, a.tokens, "bfloat16", "mlxr-native"))
-    best: dict[str, list[float]] = {}
+    runs: dict[str, list[tuple[float, float]]] = {}
     for _ in range(a.rounds):
         for name, _, measure in engines:
-            p, d = measure()
-            b = best.setdefault(name, [p, d])
-            best[name] = [min(b[0], p), min(b[1], d)]
+            runs.setdefault(name, []).append(measure())
     for name, load, _ in engines:
-        p, d = best[name]
+        p = statistics.median(r[0] for r in runs[name])
+        d = statistics.median(r[1] for r in runs[name])
         print(json.dumps(dict(engine=name, load_s=round(load, 2), prompt=a.prompt,
                               prefill_s=round(p, 3), prefill_tok_s=round(a.prompt / p, 1),
+                              best_prefill_tok_s=round(a.prompt / min(r[0] for r in runs[name]),
+                                                       1),
                               decode_ms=round(1e3 * d, 1), decode_tok_s=round(1 / d, 2),
-                              rounds=a.rounds)), flush=True)
+                              rounds=a.rounds, threads=a.threads or "default",
+                              loadavg=round(os.getloadavg()[0], 1))), flush=True)
 
 
 if __name__ == "__main__":

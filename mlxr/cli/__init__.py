@@ -12,7 +12,7 @@ import sys
 from importlib import import_module
 
 from ..errors import MlxrError
-from .common import HelpFormatter, check_device
+from .common import HelpFormatter, apply_threads, check_device
 
 # Verb modules, in the order `mlxr --help` lists them.
 VERB_MODULES = ["run", "serve", "bench", "harness", "store"]
@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         check_device(getattr(args, "device", None))
+        apply_threads(getattr(args, "threads", None))
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print(file=sys.stderr)

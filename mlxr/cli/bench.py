@@ -17,7 +17,7 @@ import sys
 import time
 
 from ..harness.pairbench import add_pair_args, run_pair
-from .common import add_model_flags, resolve_model
+from .common import add_model_flags, add_parallel_flag, resolve_model
 
 
 DEFAULT_LENS = (512, 128)  # prompt, decode tokens
@@ -54,26 +54,52 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
     p.add_argument("--pair", action="store_true", help="paired A/B benchmark (bench-pair flags)")
     add_model_flags(p)
+    add_parallel_flag(p)
     add_pair_args(p)
     p.set_defaults(func=cmd_bench)
 
 
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights one decode step reads: every tensor once, except that an untied
-    embedding table contributes one row (the LM head is then its own matrix)."""
+    embedding table contributes one row (the LM head is then its own matrix) and a MoE
+    layer's stacked experts contribute the top-k experts' share (k of X experts: one token
+    reads k distinct experts' slices; `expert_note`). A tensor-parallel model: what rank 0
+    reads (its shard), the bytes one device streams."""
     from ..checkpoint import open_checkpoint
 
+    moe = model.config.moe
+    world = getattr(model.decoder, "world", 1)
     with open_checkpoint(model.path) as ckpt:
-        total = sum(t.nbytes for t in ckpt.tensors.values())
+        if world > 1:
+            from ..parallel.plan import make_plan
+            from ..parallel.sharded_checkpoint import ShardedCheckpoint
+
+            ckpt = ShardedCheckpoint(ckpt, make_plan(model.config, world, 0))
+        total = 0
+        for name, t in ckpt.tensors.items():
+            if moe is not None and f".{moe.block}.{moe.experts_path}." in name:
+                total += t.nbytes * moe.top_k // moe.num_experts
+            else:
+                total += t.nbytes
         if model.decoder.lm_head is not None:
             emb = sum(t.nbytes for n, t in ckpt.tensors.items() if n.startswith("model.embed"))
-            total -= emb - emb // model.config.vocab_size
+            rows = ckpt.tensors["model.embed_tokens.weight"].shape[0]
+            total -= emb - emb // rows
         # gemma4's per-layer-embedding table is only gathered: one row per token
         ple = [t for n, t in ckpt.tensors.items() if ".embed_tokens_per_layer." in n]
         if ple:
             nbytes = sum(t.nbytes for t in ple)
             total -= nbytes - nbytes // ple[0].shape[0]
     return total
+
+
+def expert_note(model) -> str | None:
+    """The bench line's note on what the byte count assumes, for a MoE model."""
+    moe = model.config.moe
+    if moe is None:
+        return None
+    return (f"MoE: bytes count the {moe.top_k} selected of {moe.num_experts} experts per "
+            f"layer (what one token reads), not every expert")
 
 
 def memory_bandwidth(device) -> float:
@@ -122,7 +148,8 @@ def cmd_bench(args) -> int:
 
     if (args.prompt_len or 1) < 1 or (args.num_tokens or 2) < 2 or args.repeats < 1:
         raise mlxr.MlxrError("need -p >= 1, -n >= 2 and --repeats >= 1")
-    model = mlxr.load(resolve_model(args.model), device=args.device, dtype=args.dtype)
+    model = mlxr.load(resolve_model(args.model), device=args.device, dtype=args.dtype,
+                      tensor_parallel=args.tensor_parallel)
     c = model.config
     args.prompt_len, args.num_tokens, note = fit_lengths(args.prompt_len, args.num_tokens,
                                                          c.context_length)
@@ -150,6 +177,7 @@ def cmd_bench(args) -> int:
     achieved = wbytes * decode
     out = {
         "model": str(model.path.name), "device": model.device.type, "dtype": str(model.dtype),
+        "tensor_parallel": args.tensor_parallel,
         "prompt_tokens": args.prompt_len, "decode_tokens": args.num_tokens,
         "prefill_tok_s": round(prefill, 2), "decode_tok_s": round(decode, 2),
         "weight_gb_per_token": round(wbytes / 1e9, 4), "achieved_gb_s": round(achieved / 1e9, 2),
@@ -158,6 +186,7 @@ def cmd_bench(args) -> int:
         "peak_memory_gb": round(peak_memory_gb(model.device), 3),
         "prefill_tok_s_all": [round(r.prefill_tps, 2) for r in runs],
         "decode_tok_s_all": [round(r.decode_tps, 2) for r in runs],
+        "bytes_note": expert_note(model),
     }
     print(f"{out['model']} on {out['device']} ({out['dtype']}), median of {args.repeats}")
     print(f"  prefill {args.prompt_len:>5} tokens: {prefill:10.1f} tok/s")
@@ -165,6 +194,8 @@ def cmd_bench(args) -> int:
           f"{out['achieved_gb_s']:.1f} GB/s of {out['bandwidth_gb_s']:.1f} measured "
           f"({out['pct_of_bound']:.1f}% of the bound {out['bound_tok_s']:.0f} tok/s; "
           f"{out['weight_gb_per_token']:.3f} GB/token)")
+    if out["bytes_note"]:
+        print(f"  {out['bytes_note']}")
     print(f"  peak memory {out['peak_memory_gb']:.2f} GB")
     print(json.dumps(out))
     sys.stdout.flush()

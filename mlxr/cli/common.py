@@ -9,8 +9,8 @@ from pathlib import Path
 from ..errors import NotDownloadedError
 from ..names import BUNDLED, DEFAULT_MODEL, expand_alias, resolve_model
 
-__all__ = ["BUNDLED", "DEFAULT_MODEL", "HelpFormatter", "add_model_flags", "check_device",
-           "confirm", "ensure_model", "resolve_model"]
+__all__ = ["BUNDLED", "DEFAULT_MODEL", "HelpFormatter", "add_model_flags", "add_parallel_flag",
+           "apply_threads", "check_device", "confirm", "ensure_model", "resolve_model"]
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -36,6 +36,39 @@ def add_model_flags(p: argparse.ArgumentParser, device: str = "cuda when availab
                    help=f"compute device (default: {device})")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help=f"compute dtype (default: {dtype}; float32 is the exact reference mode)")
+    p.add_argument("--threads", type=_threads, default=None, metavar="N",
+                   help="CPU threads for torch's kernels (default: one per core; on a busy "
+                        "machine fewer can be faster)")
+
+
+def _threads(text: str) -> int:
+    """--threads: a whole number from 1 to 1024 (argparse turns the ValueError into its
+    one-line usage error)."""
+    n = int(text)
+    if not 1 <= n <= 1024:
+        raise ValueError(text)
+    return n
+
+
+def apply_threads(threads: int | None) -> None:
+    """Set torch's CPU thread count (and OMP_NUM_THREADS, so an engine process started from
+    here gets the same count) when --threads was given."""
+    if threads is None:
+        return
+    import os
+
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+def add_parallel_flag(p: argparse.ArgumentParser) -> None:
+    """--tensor-parallel N: the model split over N ranks that mlxr starts itself (one GPU
+    each on CUDA, N CPU processes with --device cpu)."""
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N GPUs (N CPU processes with --device cpu), "
+                        "Megatron-style (docs/tensor_parallel.md)")
 
 
 def check_device(device: str | None) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..errors import MlxrError, NotDownloadedError
 from ..text.sampling import SamplingParams
-from .common import add_model_flags, confirm, ensure_model, resolve_model
+from .common import add_model_flags, add_parallel_flag, confirm, ensure_model, resolve_model
 
 HELP = """Commands:
   /set temp|top_p|top_k|min_p|repeat_penalty|seed|max VALUE   change a sampling parameter
@@ -59,6 +59,7 @@ def register(sub) -> None:
     p.add_argument("--yes", "-y", action="store_true",
                    help="pull a missing Hub model without asking")
     add_model_flags(p)
+    add_parallel_flag(p)
     p.set_defaults(func=cmd_run)
 
 
@@ -213,7 +214,8 @@ def cmd_run(args) -> int:
     if not is_onnx_model(path):  # the config, then the tokenizer: both before any weights
         load_config(path)
         check_tokenizer_files(path)  # run needs text
-    model = mlxr.load(path, device=args.device, dtype=args.dtype)
+    model = mlxr.load(path, device=args.device, dtype=args.dtype,
+                      tensor_parallel=args.tensor_parallel)
     fields = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
     kw = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     if args.repeat_penalty is not None:

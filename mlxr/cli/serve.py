@@ -11,7 +11,7 @@ import argparse
 import os
 from pathlib import Path
 
-from .common import add_model_flags, resolve_model
+from .common import add_model_flags, add_parallel_flag, resolve_model
 
 
 def _positive_int(text: str) -> int:
@@ -78,6 +78,7 @@ def register(sub) -> None:
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="server log verbosity")
     add_model_flags(p)
+    add_parallel_flag(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -96,7 +97,8 @@ def cmd_serve(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_queued=args.max_queued,
         max_connections=args.max_connections, max_body_bytes=args.max_body_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-        device=args.device, dtype=args.dtype, log_level=args.log_level,
+        device=args.device, dtype=args.dtype, tensor_parallel=args.tensor_parallel,
+        log_level=args.log_level,
         stream_interval=args.stream_interval, engine_process=args.engine_process,
         allow_pull=args.allow_pull, allow_delete=args.allow_delete,
         allow_client_chat_template=args.allow_client_chat_template)

@@ -37,14 +37,15 @@ from .kv_cache import SequenceCache
 
 def graphable(decoder) -> bool:
     """CUDA decoders whose RoPE does not depend on the sequence length (dynamic NTK does),
-    without MoE blocks (their experts are chosen on the host) or attention sinks (served by
-    the reference attention, which reads block tables on the host), nor those that say they
-    cannot be captured (`graphable = False`). The hybrid families' single-sequence decode
-    step is capturable (`forward_static` over a HybridCache: states updated in place)."""
-    return decoder.device.type == "cuda" and getattr(decoder, "graphable", True) and not any(
+    whose MoE blocks run the MoE kernels (`capturable`: the torch path groups tokens by
+    expert on the host), and that do not say they cannot be captured (`graphable = False`).
+    Attention sinks are captured: the Triton attention kernels take them, and the reference
+    attention builds its masks on the device. The hybrid families' single-sequence decode
+    step is capturable too (`forward_static` over a HybridCache: states updated in place)."""
+    dev = decoder.device
+    return dev.type == "cuda" and getattr(decoder, "graphable", True) and not any(
         (r.spec.scaling or {}).get("rope_type") == "dynamic" for r in decoder.ropes) and all(
-        getattr(layer, "moe", None) is None and getattr(layer, "sinks", None) is None
-        for layer in decoder.layers)
+        layer.moe is None or layer.moe.capturable(dev) for layer in decoder.layers)
 
 
 def capture(body, pool=None, warmups: int = 1) -> torch.cuda.CUDAGraph:
@@ -173,7 +174,10 @@ class GraphCache:
             cap *= 2
         if cap not in self.entries:
             cache = make_cache(decoder, cap)
-            graph = GraphDecoder(decoder, cache) if graphable(decoder) else None
+            # a decoder that captures its own way (a tensor-parallel rank 0: every rank)
+            make = getattr(decoder, "graph_decoder", None)
+            graph = make(cache) if make is not None else \
+                GraphDecoder(decoder, cache) if graphable(decoder) else None
             self.entries[cap] = (cache, graph)
         cache, graph = self.entries[cap]
         cache.length = 0
@@ -181,12 +185,14 @@ class GraphCache:
 
     def prefill_graph(self, decoder, cache: SequenceCache, n: int) -> PrefillGraph | None:
         """The prefill graph for an n-token prompt into `cache` (from `get`), captured on first
-        use; None where there is none (no bucket, not graphable, or the capture failed: that
-        bucket then stays eager, with a warning)."""
+        use; None where there is none (no bucket, not graphable, a decoder whose prefill is
+        not captured (`prefill_graphs` False: a tensor-parallel rank 0), or the capture
+        failed: that bucket then stays eager, with a warning)."""
         bucket = prefill_bucket(n, cache.capacity)
         # hybrids prefill eagerly: no `forward_step` (their prompt runs `forward`, which also
         # starts the recurrent state)
-        if bucket is None or not graphable(decoder) or not hasattr(decoder, "forward_step"):
+        if (bucket is None or not graphable(decoder) or not hasattr(decoder, "forward_step")
+                or not getattr(decoder, "prefill_graphs", True)):
             return None
         key = (cache.capacity, bucket)
         if key not in self.prefill:

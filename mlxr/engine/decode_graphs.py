@@ -88,6 +88,16 @@ class PagedDecodeRunner:
                 self.h_tables[r, 0] = self.trash
                 self.row_state[r] = None
 
+    def _launch(self, b: int, width: int) -> None:
+        """The step of bucket b from the host rows and the first `width` columns of the
+        tables: copied to the device, then the graph (or the eager body) runs."""
+        self.rows[:, :b].copy_(self.h_rows[:, :b], non_blocking=True)
+        self.tables[:b, :width].copy_(self.h_tables[:b, :width], non_blocking=True)
+        if b in self.graphs:
+            self.graphs[b].replay()
+        else:
+            self._body(b)
+
     def run(self, seqs: list, want_logits: list[bool]) -> tuple[list[int], dict[int, torch.Tensor]]:
         """Decode the pending token of each sequence (token_ids[num_computed], its block
         already allocated). Returns the greedy next id of every row and the float32 logits [V]
@@ -111,12 +121,7 @@ class PagedDecodeRunner:
         self.h_rows[:3, :n] = torch.tensor([ids, pos, slots])
         self.h_rows[3, :n] = self.h_rows[1, :n] + 1
         self._reset_padding(n, b)
-        self.rows[:, :b].copy_(self.h_rows[:, :b], non_blocking=True)
-        self.tables[:b, :width].copy_(self.h_tables[:b, :width], non_blocking=True)
-        if b in self.graphs:
-            self.graphs[b].replay()
-        else:
-            self._body(b)
+        self._launch(b, width)
         want = [r for r, w in enumerate(want_logits) if w]
         logits = {}
         if want:

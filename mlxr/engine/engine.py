@@ -76,8 +76,9 @@ class _Request(Sequence):
 
 
 def _kv_blocks(model, block_size: int, max_num_seqs: int, memory_fraction: float | None) -> int:
-    """Size the KV pool from free memory (capped at what max_num_seqs full contexts need)."""
-    c, dev = model.config, model.decoder.device
+    """Size the KV pool from free memory (capped at what max_num_seqs full contexts need).
+    Shapes are the decoder's (a tensor-parallel rank's: its share of the KV heads)."""
+    c, dev = model.decoder.config, model.decoder.device
     per_block = 2 * c.num_layers * c.num_kv_heads * c.head_dim * block_size * \
         torch.tensor([], dtype=model.dtype).element_size()
     if dev.type == "cuda":
@@ -114,7 +115,7 @@ class LLMEngine:
         for qw in self.decoder.quant_weights():
             qw.add_batch_copy()
         n = num_blocks or _kv_blocks(model, block_size, max_num_seqs, memory_fraction)
-        c = model.config
+        c = self.decoder.config
         # hybrid families: per-sequence caches (seq_caches), no shared pool, no prefix cache
         self.seq_caches = SequenceCaches(self.decoder) if hasattr(self.decoder,
                                                                   "new_cache") else None
@@ -129,9 +130,11 @@ class LLMEngine:
         self.paged = None
         if use_paged:
             with torch.inference_mode():
-                self.paged = PagedDecodeRunner(self.decoder, self.pool, n, max_num_seqs,
-                                               min(c.context_length, n * block_size),
-                                               capture)
+                args = (self.pool, n, max_num_seqs, min(c.context_length, n * block_size),
+                        capture)
+                # a tensor-parallel rank 0 makes one that every rank runs
+                make = getattr(self.decoder, "paged_runner", None)
+                self.paged = make(*args) if make else PagedDecodeRunner(self.decoder, *args)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.decoder.device.type == "cuda" else 256
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
@@ -250,7 +253,7 @@ class LLMEngine:
     def _paged_batch(self, seqs: list[_Request], tiles: list[tuple], positions: list[int]):
         """The step as the paged attention kernel reads it: block tables [S, W] (padded with
         block 0, never read past a sequence's length), row tiles, positions of the new tokens."""
-        dev, c = self.decoder.device, self.model.config
+        dev, c = self.decoder.device, self.decoder.config
         width = max(len(seq.block_table) for seq in seqs)
         tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table))
                                for seq in seqs], dtype=torch.int32)

@@ -93,6 +93,18 @@ def mark(name: str, args: dict | None = None) -> None:
         _events.append(ev)
 
 
+def complete(name: str, t0_ns: int, t1_ns: int, args: dict | None = None) -> None:
+    """A span whose start and end were measured elsewhere (perf_counter_ns)."""
+    if not ENABLED:
+        return
+    ev = {"name": name, "ph": "X", "cat": "mlxr", "ts": t0_ns / 1e3, "dur": (t1_ns - t0_ns) / 1e3,
+          "pid": os.getpid(), "tid": threading.get_native_id()}
+    if args:
+        ev["args"] = args
+    with _lock:
+        _events.append(ev)
+
+
 def start(path: str, kernels: bool = False, sync: bool = False) -> None:
     """Start recording to `path` (what MLXR_TRACE does at import)."""
     global ENABLED, _path, _profiler, _sync, span

@@ -6,6 +6,7 @@ Module names follow the checkpoint (HF names); see `mlxr.models.loader` for how 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ from .. import ops
 from ..config import ModelConfig
 from ..layers import Embedding, Linear, Rope
 from ..quant import QuantWeight
-from . import fused_decode
+from . import cpu_decode, fused_decode
 from .moe import MoeBlock
 
 
@@ -113,6 +114,10 @@ class Layer:
     moe: MoeBlock | None = None  # the sparse MLP in place of gate_up / down_proj
     sinks: torch.Tensor | None = None  # [H] attention sinks (gpt-oss)
     head_gate: Linear | None = None  # -> [N, H], softplus-gated attention heads (laguna)
+    # a layer computed outside mlxr's kernels (an ONNX layer left to onnxruntime, see
+    # mlxr.onnx.regions): (x [N, E] normed input, h [N, E] stream, layer index, pool, slots)
+    # -> (h after the attention's residual add, MLP output); only input_norm is set beside it
+    external: Callable | None = None
 
 
 class Decoder:
@@ -199,6 +204,9 @@ class Decoder:
 
             return self._run(ids, pb.rope, pool, step.write_slots, attend_paged,
                              step.logits_rows, pb.positions)
+        if (self.device.type == "cpu" and all(sp.q_len == 1 for sp in step.spans)
+                and cpu_decode.enabled() and cpu_decode.eligible(self)):
+            return cpu_decode.run(self, ids, step, pool)
         tables: dict[int, tuple] = {}
         for rope in self.ropes:
             if id(rope.spec) not in tables:
@@ -275,6 +283,10 @@ class Decoder:
         # layer 0's input norm; every later norm runs fused with the residual add before it
         x = ops.rms_norm(h, self.layers[0].input_norm, eps, off)
         for i, layer in enumerate(self.layers):
+            if layer.external is not None:
+                h, m = layer.external(x, h, i, pool, slots)
+                h, x = self._next_norm(i, h, m, rows)
+                continue
             rope = self.ropes[i]
             cos, sin = tables[id(rope.spec)]  # [N|1, R], or [P, R] with positions
             heads = c.heads(i)
@@ -293,10 +305,15 @@ class Decoder:
                  layer.down_proj(_gated_act(layer.gate_up, x, c.hidden_act)))
             if layer.post_mlp_norm is not None:
                 m = ops.rms_norm(m, layer.post_mlp_norm, eps, off)
-            if i + 1 < len(self.layers):
-                h, x = self._add_norm(h, m, self.layers[i + 1].input_norm)
-            else:  # the final norm, on the wanted rows only
-                if rows is not None:
-                    h, m = h.index_select(0, rows), m.index_select(0, rows)
-                _, x = self._add_norm(h, m, self.norm)
+            h, x = self._next_norm(i, h, m, rows)
         return self.cap_logits(self.head(x).float())
+
+    def _next_norm(self, i: int, h: torch.Tensor, m: torch.Tensor,
+                   rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's closing residual add and the norm after it: the next layer's input norm,
+        or the final norm on the wanted rows only."""
+        if i + 1 < len(self.layers):
+            return self._add_norm(h, m, self.layers[i + 1].input_norm)
+        if rows is not None:
+            h, m = h.index_select(0, rows), m.index_select(0, rows)
+        return self._add_norm(h, m, self.norm)

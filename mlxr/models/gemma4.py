@@ -63,6 +63,10 @@ class Gemma4Experts:
     post_mlp_norm: torch.Tensor  # post_feedforward_layernorm_1 (the dense MLP's output)
     post_norm: torch.Tensor  # post_feedforward_layernorm_2 (the experts' output)
 
+    def capturable(self, device: torch.device) -> bool:
+        """As its block's (the routing, scaling and combine around it are device ops)."""
+        return self.block.capturable(device)
+
     def __call__(self, h: torch.Tensor, eps: float) -> torch.Tensor:
         """The routed experts' output for residual rows h [N, E] (router on h itself,
         experts on their own norm of h): post_norm(sum_k w_k expert_k(pre_norm(h)))."""
@@ -86,7 +90,7 @@ class PerLayerEmbedding:
 class Gemma4Decoder:
     """Embedding (+ PLE) -> layers -> final norm -> LM head -> soft-cap, over one sequence's
     HybridCache. The single-sequence decode step (`forward_static`) can be captured in a CUDA
-    graph (`graphable`; `cuda_graph.graphable` still refuses the MoE variant)."""
+    graph (`graphable`; the MoE variant where its block runs the MoE kernels)."""
 
     graphable = True
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -285,8 +286,11 @@ def check_checkpoint(ckpt: Checkpoint, config: ModelConfig) -> None:
 
 
 def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
-                  device: torch.device, dry_run: bool = False) -> Decoder | None:
-    """Validate the checkpoint against the config and build the decoder's weights."""
+                  device: torch.device, dry_run: bool = False,
+                  external: dict[int, Callable] | None = None) -> Decoder | None:
+    """Validate the checkpoint against the config and build the decoder's weights.
+    `external`: layers computed elsewhere (`Layer.external`); of those only the input norm
+    is read."""
     c = config
     names = set(ckpt.tensors)
     # mlx-lm sanitize: drop precomputed rotary tables; gemma3 is tied iff lm_head is absent.
@@ -313,6 +317,10 @@ def build_decoder(ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
         attn, mlp = p + "self_attn.", p + "mlp."
         sandwich = c.sandwich_norm
         sparse = c.moe is not None and c.moe.sparse_layers[i]
+        if external and i in external:
+            layers.append(Layer(norm(p + "input_layernorm"), None, None, None, None, None,
+                                external=external[i]))
+            continue
         layers.append(Layer(
             input_norm=norm(p + "input_layernorm"),
             qkv=linear(attn + "qkv_proj") if c.fused_qkv else linear(

@@ -7,6 +7,11 @@ whose int4 kernel then serves each expert) or stacked as in the file (`StackedEx
 default on CUDA). Either way a step reads only the weights of the experts its tokens
 selected; stacked, a step of at most GATHER_PAIRS (token, expert) pairs (decode) gathers
 them by the device-side ids, with no host synchronisation.
+
+On CUDA with Triton kernels, quantized stacked experts run the MoE kernels instead
+(`ops.moe_experts`: the decode kernels for a few pairs, the grouped GEMM beyond): no host
+synchronisation at any batch size, so the block can be captured in CUDA graphs
+(`MoeBlock.capturable`). The torch path stays the CPU path and the kernels' spec.
 """
 
 from __future__ import annotations
@@ -36,6 +41,15 @@ class StackedExperts:
         self.scales = scales.float() if wide else scales
         self.biases = biases.float() if wide and biases is not None else biases
         self.global_scale = global_scale
+
+    def quant(self):
+        """The stack as the MoE kernels take it (`ops.ExpertQuant`), or None (float weights,
+        or a format the kernels do not read)."""
+        if self.spec is None:
+            return None
+        q = ops.ExpertQuant(self.weight, self.scales, self.biases, self.global_scale, self.bias,
+                            self.spec.mode, self.spec.bits, self.spec.group_size)
+        return q if ops.moe_kernels_take(q) else None
 
     def dense(self, ids: torch.Tensor) -> torch.Tensor:
         """The weights of experts ids [P] (device long) in the compute dtype [P, out, in]."""
@@ -73,6 +87,26 @@ class MoeBlock:
         self.gate_up, self.down = gate_up, down
         self.shared_gate_up, self.shared_down = shared_gate_up, shared_down
         self.shared_gate = shared_gate
+        # (gate, up, down) ExpertQuant for the MoE kernels, None where they do not apply
+        self.quant = None
+        if isinstance(down[0], StackedExperts) and spec.expert_act in ops.MOE_KERNEL_ACTS:
+            qs = (gate_up[0].quant(), gate_up[1].quant(), down[0].quant())
+            if all(q is not None for q in qs) and ops.moe_gate_up_pair(qs[0], qs[1]):
+                self.quant = qs
+        # None: the kernels on CUDA with Triton (ops.fast_kernels); True / False forces them
+        # (True on CPU: the Triton interpreter, for tests)
+        self.kernels: bool | None = None
+
+    def use_kernels(self, device: torch.device) -> bool:
+        """Whether this block's experts run the MoE kernels on `device`."""
+        if self.quant is None or self.kernels is False:
+            return False
+        return bool(self.kernels) or ops.fast_kernels(device)
+
+    def capturable(self, device: torch.device) -> bool:
+        """Whether a step of this block can be captured in a CUDA graph: the kernels never
+        read anything back on the host (the torch path groups pairs by expert on the host)."""
+        return self.use_kernels(device)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, E] -> expert ids [N, k] (long) and weights [N, k]."""
@@ -116,8 +150,13 @@ class MoeBlock:
         return st.rows(e, h) if isinstance(st, StackedExperts) else self.down[e](h)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.spec
         ids, w = self.route(x)
-        out = ops.moe_combine(self.experts(x, ids), w, x.dtype, self.spec.routed_scale)
+        if self.use_kernels(x.device):
+            out = ops.moe_experts(x, ids, w, *self.quant, s.expert_act, s.act_alpha,
+                                  s.act_limit, x.dtype, s.routed_scale)
+        else:
+            out = ops.moe_combine(self.experts(x, ids), w, x.dtype, s.routed_scale)
         if self.shared_down is None:
             return out
         gate, up = self.shared_gate_up(x).chunk(2, dim=-1)

@@ -56,8 +56,8 @@ def linears(parts: list) -> list[Linear]:
 class Qwen35Decoder:
     """Embedding -> hybrid layers -> final norm -> LM head over one sequence's HybridCache.
     The single-sequence decode step (`forward_static`: conv and recurrent states updated in
-    place, position on the device) can be captured in a CUDA graph (`graphable`;
-    `cuda_graph.graphable` still refuses the MoE families)."""
+    place, position on the device) can be captured in a CUDA graph (`graphable`; the MoE
+    families where their blocks run the MoE kernels)."""
 
     graphable = True
 

@@ -5,8 +5,9 @@ for (onnxruntime 1.32's com.microsoft ops, version 1): an attribute name outside
 an invalid value (bits=3, a block size that is not a power of two, K/N that disagree with the
 weight) or an EP-specific prepacked layout is a ModelFormatError naming the node -- the file
 is not what mlxr (or the CPU provider) would compute correctly. A valid feature that mlxr's
-decoder does not have (attention sinks, a quantized KV cache, MoE experts) is *declined* with a
-reason: the graph then runs on onnxruntime's CPU provider.
+decoder does not have (a quantized KV cache, a QMoE variant) is *declined* with a
+reason: the layer holding it then runs on onnxruntime's CPU provider (`regions`), or the
+whole graph where the node lies outside the layers.
 """
 
 from __future__ import annotations
@@ -80,20 +81,28 @@ class ClaimReport:
     claimed: set[int] = field(default_factory=set)  # id() of claimed nodes
     # (node, or None for the graph as a whole, and why)
     declined: list[tuple[onnx.NodeProto | None, str]] = field(default_factory=list)
+    # layers that run on onnxruntime while mlxr runs the rest: (layer index, why)
+    regions: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
-        return not self.declined
+        return not self.declined and not self.regions
 
     def lines(self) -> list[str]:
-        """One line per (op, reason): how many nodes, and what to do about it."""
+        """One line per (op, reason): how many nodes, and what to do about it; then one line
+        per layer left to onnxruntime."""
         counts = Counter(("graph" if n is None else f"{n.domain or 'ai.onnx'}:{n.op_type}", why)
                          for n, why in self.declined)
-        return [f"declined {op} x{k}: {why}" for (op, why), k in sorted(counts.items())]
+        out = [f"declined {op} x{k}: {why}" for (op, why), k in sorted(counts.items())]
+        return out + [f"layer {i}: onnxruntime CPU ({why})" for i, why in self.regions]
 
     def summary(self, total: int) -> str:
         if self.complete:
             return f"claimed all {total} nodes (mlxr's decoder)"
+        if self.regions:
+            where = ", ".join(str(i) for i, _ in self.regions)
+            return (f"claimed {len(self.claimed)} of {total} nodes: mlxr runs the decoder, "
+                    f"onnxruntime's CPU provider layer(s) {where}")
         return (f"declined {len(self.declined)} of {total} nodes: the whole graph runs on "
                 "onnxruntime's CPU provider")
 
@@ -198,14 +207,17 @@ def _gqa(g: OnnxGraph, node, a: dict) -> str | None:
         return "non-causal attention"
     if a.get("smooth_softmax", -1) == 1:
         return "smooth_softmax (a zero sink logit) is not in mlxr's attention"
-    if a.get("sliding_window_cache", 0):
-        return "window-sized KV buffers (sliding_window_cache=1) are not supported"
+    if a.get("sliding_window_cache", 0) and a.get("local_window_size", -1) <= 0:
+        return "window-sized KV buffers (sliding_window_cache=1) without a window"
     if a.get("qk_output", 0):
         return "qk_output is not supported"
-    for i, what in ((9, "position_ids"), (10, "attention_bias"), (11, "head_sink (sinks)"),
-                    (12, "k_scale"), (13, "v_scale"), (16, "query_seqlens")):
+    for i, what in ((9, "position_ids"), (10, "attention_bias"), (12, "k_scale"),
+                    (13, "v_scale"), (16, "query_seqlens")):
         if _input(node, i):
             return f"input {what} is not in mlxr's attention"
+    sink = g.inits.get(_input(node, 11)) if _input(node, 11) else None
+    if _input(node, 11) and (sink is None or sink.elem not in FLOAT_TYPES or sink.shape != (nq,)):
+        return f"head_sink is not an initializer of num_heads={nq} floats"
     if len(node.input) > 17:
         raise ModelFormatError(f"{where(node)}: {len(node.input)} inputs, the schema has 17")
     if a.get("do_rotary", 0):
@@ -264,7 +276,47 @@ def _qmoe(g: OnnxGraph, node, a: dict) -> str | None:
     if prepacked == 1 or (prepacked == -1 and w is not None and s is not None and not raw):
         raise ModelFormatError(f"{where(node)}: expert weights are in an EP-specific prepacked "
                                "layout; export with qmoe_weights_prepacked=0")
-    return "MoE experts (QMoE) are not in mlxr's dense decoder yet"
+    return check_qmoe(g, node, a)
+
+
+# inputs mlxr's block has no place for: fc3 (unfused SwiGLU), separate router weights, fp4 /
+# fp8 global and activation scales
+UNSUPPORTED_INPUTS = {8: "fc3 weights", 9: "fc3 scales", 10: "fc3 bias", 13: "fc3 zero points",
+                      14: "router_weights", 15: "fc1 global scale", 16: "fc2 global scale",
+                      17: "fc3 global scale", 18: "fc1 activation scale",
+                      19: "fc2 activation scale", 20: "fc3 activation scale"}
+
+
+def check_qmoe(g: OnnxGraph, node: onnx.NodeProto, a: dict) -> str | None:
+    """Why mlxr's MoE block cannot compute this (valid, raw-layout) QMoE, or None."""
+    act = a.get("activation_type", b"relu")
+    act = act.decode() if isinstance(act, bytes) else act
+    quant = a.get("quant_type", b"int")
+    quant = quant.decode() if isinstance(quant, bytes) else quant
+    bits = a.get("expert_weight_bits", 4)
+    if act != "swiglu" or a.get("swiglu_fusion", 0) != 1:
+        return (f"activation {act} (swiglu_fusion={a.get('swiglu_fusion', 0)}): mlxr's block "
+                "takes interleaved SwiGLU experts")
+    if a.get("activation_beta", 0.0) != 1.0 or a.get("swiglu_limit_after_activation", 0):
+        return "a SwiGLU other than gpt-oss's (beta 1, limit before the activation)"
+    if quant != "int" or bits not in (2, 4, 8) or any(
+            a.get(f"fc{j}_expert_weight_bits", bits) != bits for j in (1, 2, 3)):
+        return f"{quant} experts of {bits} bits (mlxr takes int 2/4/8-bit)"
+    if a.get("use_sparse_mixer", 0):
+        return "the sparse mixer router (Phi-MoE)"
+    bs = a.get("block_size", 0)
+    if not bs or bs & (bs - 1) or bs < 32:
+        return f"block_size={bs}: mlxr's groups are 32 to 128 (larger blocks split)"
+    for i, what in UNSUPPORTED_INPUTS.items():
+        if _input(node, i):
+            return f"input {what} is not in mlxr's MoE block"
+    names = [_input(node, i) for i in (2, 3, 5, 6)]
+    if not all(n in g.inits for n in names):
+        return "expert weights or scales are computed at run time"
+    for i in (4, 7, 11, 12):
+        if _input(node, i) and _input(node, i) not in g.inits:
+            return "expert biases or zero points are computed at run time"
+    return None
 
 
 CHECKS = {"MatMulNBits": _matmul_nbits, "GroupQueryAttention": _gqa,

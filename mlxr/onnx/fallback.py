@@ -3,14 +3,18 @@ provider behind the same `forward(ids, cache)` the Model and generation loop cal
 
 The KV cache stays in mlxr's SequenceCache (k[layer] [kv heads, slots, head dim]); each step
 feeds its filled prefix as the graph's past (B=1, growing cache) and writes the present back.
+Window-sized KV buffers (gpt-oss's sliding layers) are run as full-length ones (the session
+gets the graph rewritten in memory).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import torch
 
 from ..config import ModelConfig
+from ..engine.kv_cache import SequenceCache
 from ..errors import ModelFormatError
 from .folder import KVNames
 from .graph import OnnxGraph
@@ -18,8 +22,9 @@ from .graph import OnnxGraph
 NP_TYPES = {1: np.float32, 10: np.float16, 16: None}
 
 
-def ort_session(path, threads: int = 0):
-    """An onnxruntime CPU session (imported here: only the ONNX path needs onnxruntime)."""
+def ort_session(path, threads: int = 0, model: bytes | None = None):
+    """An onnxruntime CPU session on the file `path`, or on the serialized `model` (a subgraph
+    of `path`). onnxruntime is imported here: only the ONNX path needs it."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -27,9 +32,11 @@ def ort_session(path, threads: int = 0):
     if threads:
         so.intra_op_num_threads = threads
     try:
-        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(model if model is not None else str(path), so,
+                                    providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own exception types for bad graphs
-        raise ModelFormatError(f"{path.name}: onnxruntime cannot load it ({e})") from None
+        what = "a region of it" if model is not None else "it"
+        raise ModelFormatError(f"{path.name}: onnxruntime cannot load {what} ({e})") from None
 
 
 class OrtDecoder:
@@ -43,7 +50,20 @@ class OrtDecoder:
         self.dtype = torch.float32 if kv_elem == 1 else torch.float16
         self.device = torch.device("cpu")
         self.position_ids = "position_ids" if "position_ids" in g.inputs else None
-        self.session = ort_session(g.path)
+        self.session = ort_session(g.path, model=full_cache_model(g))
+
+    def quant_weights(self) -> list:
+        return []  # the weights live in onnxruntime's session
+
+    def new_cache(self, capacity: int) -> SequenceCache:
+        """One sequence per forward in the serving engine too (its per-sequence caches)."""
+        c = self.config
+        return SequenceCache(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype,
+                             self.device, capacity)
+
+    def forward_batch(self, ids: torch.Tensor, caches: list) -> torch.Tensor:
+        return torch.stack([self.forward(ids[j:j + 1], c, last_only=True)[0]
+                            for j, c in enumerate(caches)])
 
     def forward(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
         t, start = ids.shape[0], cache.length
@@ -65,6 +85,34 @@ class OrtDecoder:
         cache.length = start + t
         logits = torch.from_numpy(out[self.logits_name][0]).float()
         return logits[-1:] if last_only else logits
+
+
+MAX_INLINE_BYTES = 1 << 30  # initializers copied into an in-memory graph (protobuf: < 2 GiB)
+
+
+def full_cache_model(g: OnnxGraph) -> bytes | None:
+    """None (run the file as it is), or the graph with window-sized KV buffers turned into
+    full-length ones (GroupQueryAttention sliding_window_cache=0: the same attention, fed the
+    growing cache `forward` keeps), its initializers inside."""
+    windowed = [n for n in g.nodes if n.op_type == "GroupQueryAttention" and any(
+        a.name == "sliding_window_cache" and a.i for a in n.attribute)]
+    if not windowed:
+        return None
+    size = sum(i.nbytes for i in g.inits.values())
+    if size > MAX_INLINE_BYTES:
+        raise ModelFormatError(f"{g.path.name}: node {windowed[0].name!r} keeps a window-sized "
+                               f"KV buffer and the graph ({size >> 20} MiB) is too large for "
+                               "mlxr to rewrite for onnxruntime")
+    m = onnx.ModelProto()
+    m.CopyFrom(g.model)
+    for n in m.graph.node:
+        for a in n.attribute:
+            if n.op_type == "GroupQueryAttention" and a.name == "sliding_window_cache":
+                a.i = 0
+    inits = [g.tensor_proto(t.name) for t in m.graph.initializer]
+    m.graph.ClearField("initializer")
+    m.graph.initializer.extend(inits)
+    return m.SerializeToString()
 
 
 def fallback_config(g: OnnxGraph, meta: dict, kv: list[KVNames], logits: str) -> ModelConfig:

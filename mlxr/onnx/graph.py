@@ -188,6 +188,17 @@ class OnnxGraph:
             raise ModelFormatError(f"initializer '{name}': BOOL bytes other than 0/1")
         return buf.view(dtype).reshape(info.shape)
 
+    def tensor_proto(self, name: str) -> TensorProto:
+        """An initializer as a self-contained TensorProto (external bytes read in), for the
+        subgraphs mlxr hands to onnxruntime."""
+        t = self._proto[name]
+        if self.inits[name].file is None:
+            return t
+        info = self.inits[name]
+        out = TensorProto(name=name, data_type=info.elem, dims=list(info.shape))
+        out.raw_data = self.tensor(name).numpy().tobytes()
+        return out
+
     @staticmethod
     def _proto_bytes(t: TensorProto, info: Initializer) -> bytes:
         if t.HasField("raw_data"):

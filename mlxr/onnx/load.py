@@ -1,6 +1,7 @@
 """`mlxr.load` for ONNX decoders: validate the graph, decide what mlxr claims, and build the
-same Model as for MLX files -- mlxr's decoder when every node is claimed, onnxruntime's CPU
-provider for the whole graph otherwise (with the claim report saying why)."""
+same Model as for MLX files -- mlxr's decoder for what it claims, with any layer it declines
+on onnxruntime's CPU provider (`regions`), or onnxruntime for the whole graph when what it
+declines lies outside the layers (the claim report says which, and why)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from .claim import ClaimReport, check_node, check_opsets, debug_enabled, print_r
 from .fallback import OrtDecoder, fallback_config
 from .folder import KVNames, OnnxFolder, kv_names, resolve
 from .graph import OnnxGraph
+from .regions import OrtRegion, RegionDecoder, StepClock
 from .rope import TableRope
 from .translate import Translation, translate
 from .walk import Decline
@@ -43,22 +45,28 @@ def inspect(path) -> Inspection:
     kv = kv_names(g, files.meta)
     logits = _logits_name(g, files.meta)
     report = ClaimReport()
+    refused = {}
     for node in g.nodes:
         why = check_node(g, node)
         if why is not None:
             report.declined.append((node, why))
+            refused[id(node)] = why
     translation = None
-    if report.complete:
-        try:
-            translation = translate(g, report, files.meta, kv)
-        except Decline as d:
-            report.declined.append((d.node, d.reason))
+    try:
+        translation = translate(g, report, files.meta, kv, refused)
+    except Decline as d:
+        report.declined.append((d.node, d.reason))
+    else:
+        inside = {id(n) for cut, _ in translation.external.values() for n in cut.nodes}
+        rest = [n for n in g.nodes if id(n) not in report.claimed and id(n) not in inside]
+        for n in rest:
+            report.declined.append((n, "not part of the recognised decoder structure"))
+        if rest or any(id(n) not in inside for n, _ in report.declined if n is not None):
+            translation = None
         else:
-            rest = [n for n in g.nodes if id(n) not in report.claimed]
-            for n in rest:
-                report.declined.append((n, "not part of the recognised decoder structure"))
-            if rest:
-                translation = None
+            report.regions = [(i, why) for i, (_, why) in sorted(translation.external.items())]
+    if translation is None:
+        report.claimed.clear()
     if debug_enabled():
         print_report(report, len(g.nodes), files.model.name)
     return Inspection(files, g, report, kv, logits, translation)
@@ -76,7 +84,15 @@ def build_translated(ins: Inspection, dtype: torch.dtype, device: torch.device):
     """mlxr's decoder from a complete translation; logs the repack time."""
     t = ins.translation
     t0 = time.perf_counter()
-    decoder = build_decoder(t.checkpoint, t.config, dtype, device)
+    clock = StepClock()
+    external = {i: OrtRegion(ins.graph, cut, ins.kv[i], clock)
+                for i, (cut, _) in t.external.items()}
+    decoder = build_decoder(t.checkpoint, t.config, dtype, device, external=external)
+    if external:
+        if device.type != "cpu":
+            log.warning("%s: layers %s run on onnxruntime's CPU provider (tensors cross to "
+                        "the CPU and back each step)", ins.files.model.name, sorted(external))
+        decoder = RegionDecoder.wrap(decoder, clock)
     tables = {}
     ropes = []
     for spec, (cos, sin) in zip(t.config.layer_rope, t.rope_tables):
@@ -96,6 +112,8 @@ def load_onnx(path, device: torch.device, dtype: torch.dtype, weights: bool = Tr
     ins = inspect(path)
     if ins.translation is not None:
         config = ins.translation.config
+        for line in ins.report.lines():
+            log.warning("%s: %s", ins.files.model.name, line)
         decoder = build_translated(ins, dtype, device) if weights else None
     else:
         config = fallback_config(ins.graph, ins.files.meta, ins.kv, ins.logits)

@@ -6,7 +6,7 @@ Code written against onnxruntime feeds the decoder graph's own inputs (`input_id
 `present.i.*` [B, kv heads, P+S, head dim]) in the graph's dtypes. mlxr computes every row
 of a growing-cache step (mask all ones, positions P..P+S-1); feeds outside that (padding,
 GenAI's shared max-length buffers) and graphs mlxr does not claim run on onnxruntime's CPU
-provider, so the answer is always the graph's.
+provider (as do graphs with window-sized KV buffers), so the answer is always the graph's.
 """
 
 from __future__ import annotations
@@ -48,6 +48,11 @@ class InferenceSession:
         if self._ins.translation is not None:
             self._decoder = build_translated(self._ins, DTYPES[dtype], torch.device(device))
         g = self._ins.graph
+        # window-sized KV buffers (gpt-oss's sliding layers): past/present are not mlxr's
+        # growing cache, so the graph's own feeds go to onnxruntime
+        self._window_cache = any(
+            n.op_type == "GroupQueryAttention" and any(
+                a.name == "sliding_window_cache" and a.i for a in n.attribute) for n in g.nodes)
         self._inputs = [SessionInput(v.name, v.dims, v.elem) for v in g.inputs.values()]
         self._outputs = [SessionInput(v.name, v.dims, v.elem) for v in g.outputs.values()]
 
@@ -102,7 +107,7 @@ class InferenceSession:
 
     def _fits(self, feeds: dict[str, np.ndarray]) -> bool:
         """Whether mlxr's decoder computes exactly what the graph would for these feeds."""
-        if self._decoder is None:
+        if self._decoder is None or self._window_cache:
             return False
         ids, mask = feeds["input_ids"], feeds["attention_mask"]
         past = feeds[self._ins.kv[0].past_key]

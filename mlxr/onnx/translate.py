@@ -8,16 +8,18 @@ runs on onnxruntime instead."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import onnx
 
 from ..config import ModelConfig
+from .chain import LayerCut, residual_stream
 from .claim import MS, ClaimReport, attrs
 from .graph import OnnxGraph
 from .mask import check_mask_inputs
+from .qmoe import is_qmoe, moe_spec, translate_qmoe
 from .folder import KVNames
-from .walk import (NORM_OPS, PROJ_OPS, Decline, Traced, Walk, fit_rope_base, float_name,
+from .walk import (PROJ_OPS, Decline, Traced, Walk, fit_rope_base, float_name,
                    rope_spec)
 from .weights import OnnxCheckpoint, Projection
 
@@ -175,6 +177,8 @@ class Translation:
     checkpoint: OnnxCheckpoint
     rope_tables: list[tuple[str, str]]  # per layer: (cos, sin) initializer names
     position_ids: str | None  # graph input feeding standalone RotaryEmbedding nodes
+    # layers left to onnxruntime: index -> (the layer's cut, why)
+    external: dict[int, tuple[LayerCut, str]] = field(default_factory=dict)
 
 
 def _qk_norms(w: Walk, ck, gqa, a: dict, p: str, q: Traced, k: Traced, d: int) -> bool:
@@ -207,6 +211,10 @@ def _layer(w: Walk, gqa, i: int, x: str, h: str, names: KVNames, last: bool):
     for name, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
         _add_traced(w, ck, p + "self_attn." + name, t, qkv_bias)
     qk_norm = _qk_norms(w, ck, gqa, a, p, q, k, d)
+    sinks = gqa.input[11] if len(gqa.input) > 11 and gqa.input[11] else None
+    if sinks:  # head_sink: one more logit per head in the softmax (gpt-oss's sinks)
+        ck.add(p + "self_attn.sinks", float_name(g.inits[sinks].elem), (nq,),
+               lambda: g.tensor(sinks))
     cos, sin, inter = _rope(w, gqa, a, q, k, d)
     w.claim(gqa, *(t.rope for t in (q, k) if t.rope))
     ins = list(gqa.input)
@@ -222,13 +230,19 @@ def _layer(w: Walk, gqa, i: int, x: str, h: str, names: KVNames, last: bool):
     post = _skip_norm(w, o, h, o_node)
     _norm_tensor(w, ck, p + "post_attention_layernorm.weight", post, hidden)
     h, x = _residual(post), post.output[0]
-    m, inter_size, mlp_bias = _mlp(w, ck, x, p, post)
+    moe = [n for n in w.consumers(x) if is_qmoe(n)]
+    if moe:
+        m, moe_props = translate_qmoe(w, ck, x, p, post, moe[0])
+        inter_size, mlp_bias = moe_props["width"], False
+    else:
+        (m, inter_size, mlp_bias), moe_props = _mlp(w, ck, x, p, post), None
     nxt = _skip_norm(w, m, h, post)
     _norm_tensor(w, ck, "model.norm.weight" if last else
                  f"model.layers.{i + 1}.input_layernorm.weight", nxt, hidden)
     props = dict(nq=nq, nkv=nkv, d=d, scale=a.get("scale", 0.0) or d ** -0.5,
                  cap=a.get("softcap", 0.0) or None, hidden=hidden, qk_norm=qk_norm,
-                 qkv_bias=qkv_bias, o_bias=ob is not None, mlp_bias=mlp_bias, inter=inter_size)
+                 qkv_bias=qkv_bias, o_bias=ob is not None, mlp_bias=mlp_bias, inter=inter_size,
+                 sinks=sinks is not None, moe=moe_props)
     rows = g.inits[cos].shape[0]
     ct, st = g.tensor(cos).float(), g.tensor(sin).float()
     base = fit_rope_base(ct[1].tolist() if rows > 1 else [],
@@ -244,14 +258,18 @@ def _residual(norm: onnx.NodeProto) -> str:
     return norm.output[3]
 
 
-def translate(g: OnnxGraph, report: ClaimReport, meta: dict, kv: list[KVNames]) -> Translation:
+def translate(g: OnnxGraph, report: ClaimReport, meta: dict, kv: list[KVNames],
+              refused: dict[int, str] | None = None) -> Translation:
     """The decoder in `g` as mlxr config + checkpoint, claiming nodes in `report`.
-    `meta`: genai_config.json's model section (or {}); kv: the graph's KV names per layer."""
+    `meta`: genai_config.json's model section (or {}); kv: the graph's KV names per layer;
+    refused: id() of nodes the claim declined -> why. A layer holding such a node, or one the
+    walk does not recognise, is left to onnxruntime (`Translation.external`); anything
+    outside the layers must translate, else Decline."""
+    refused = refused or {}
     w = Walk(g, report)
     gqas = [n for n in g.nodes if n.op_type == "GroupQueryAttention" and n.domain == MS]
-    if not gqas or len(gqas) != len(kv):
-        raise Decline(None, f"{len(gqas)} GroupQueryAttention nodes for {len(kv)} KV layers: "
-                            "not a recognised decoder")
+    if not gqas:
+        raise Decline(None, "no GroupQueryAttention: not a recognised decoder")
     if any(n.input[5:7] != gqas[0].input[5:7] for n in gqas):
         raise Decline(gqas[0], "layers read different seqlens_k / total_sequence_length")
     mask_nodes = check_mask_inputs(g, gqas[0].input[5], gqas[0].input[6])
@@ -260,24 +278,39 @@ def translate(g: OnnxGraph, report: ClaimReport, meta: dict, kv: list[KVNames]) 
                                "of attention_mask")
     w.claimed |= mask_nodes
     embed = _embedding(w, g)
-    h = embed.output[0]
-    first = [n for n in w.consumers(h) if n.op_type in NORM_OPS]
-    if len(first) != 1:
-        raise Decline(embed, "the embedding does not feed one RMS norm")
-    x = first[0].output[0]
-    props, ropes, windows, tables = None, [], [], []
-    for i, gqa in enumerate(gqas):
-        x, h_next, this, rope, table, win = _layer(w, gqa, i, x, h, kv[i], i == len(gqas) - 1)
-        if props is not None and props != this:
-            raise Decline(gqa, "layers differ in heads, scale, softcap, norms or biases")
-        if i == 0:
-            _norm_tensor(w, w.ck, "model.layers.0.input_layernorm.weight", first[0],
-                         this["hidden"])
-        props, h = this, h_next
-        ropes.append(rope)
-        tables.append(table)
-        windows.append(win)
-    head = w.one(x, PROJ_OPS, None)
+    stream = residual_stream(g, embed, len(kv))
+    if stream is None:
+        raise Decline(embed, f"the residual stream is not a first norm and two skip norms per "
+                             f"layer for {len(kv)} KV layers")
+    hidden = w.g.inits[stream.first_norm.input[1]].shape[0] if len(
+        stream.first_norm.input) > 1 and stream.first_norm.input[1] in g.inits else 0
+    _norm_tensor(w, w.ck, "model.layers.0.input_layernorm.weight", stream.first_norm, hidden)
+    props, ropes, windows, tables, external = None, {}, {}, {}, {}
+    for cut in stream.layers:
+        i, last = cut.index, cut.index == len(kv) - 1
+        _norm_tensor(w, w.ck, "model.norm.weight" if last else
+                     f"model.layers.{i + 1}.input_layernorm.weight", cut.end, hidden)
+        why = _refusal(cut, refused, mask_nodes)
+        if why is None:
+            snap = w.snapshot()
+            try:
+                this, rope, table, win = _claim_layer(w, cut, kv[i], last, props)
+            except Decline as d:
+                w.restore(snap)
+                why = d.reason
+            else:
+                props = props or this
+                ropes[i], tables[i], windows[i] = rope, table, win
+        if why is not None:
+            external[i] = why
+    if props is None:
+        raise Decline(None, "no layer is translated (every layer runs on onnxruntime)")
+    ref = min(ropes)  # declined layers' rope / window entries are placeholders, never read
+    n = len(kv)
+    ropes = [ropes.get(i, ropes[ref]) for i in range(n)]
+    tables = [tables.get(i, tables[ref]) for i in range(n)]
+    windows = [windows.get(i) for i in range(n)]
+    head = w.one(stream.layers[-1].end.output[0], PROJ_OPS, None)
     head_proj = w.proj(head)
     out = head.output[0]
     cast = [n for n in w.consumers(out) if n.op_type == "Cast"]
@@ -291,11 +324,38 @@ def translate(g: OnnxGraph, report: ClaimReport, meta: dict, kv: list[KVNames]) 
         w.ck.add_projection("lm_head", head_proj, 0, head_proj.rows)
     if len(w.eps) != 1:
         raise Decline(None, f"norms use different epsilons {sorted(w.eps)}")
-    config = _config(g, meta, props, len(gqas), head_proj.rows, tied, w.eps.pop(), ropes,
-                     windows)
+    config = _config(g, meta, props, n, head_proj.rows, tied, w.eps.pop(), ropes, windows)
     positions = _positions(w)
-    _check_io(g, kv, out, positions)
-    return Translation(config, w.ck, tables, positions)
+    _check_io(g, kv, out, positions or ("position_ids" if "position_ids" in g.inputs and
+                                        external else None))
+    return Translation(config, w.ck, tables, positions,
+                       {i: (stream.layers[i], why) for i, why in external.items()})
+
+
+def _refusal(cut: LayerCut, refused: dict[int, str], mask_nodes: set[int]) -> str | None:
+    """Why layer `cut` cannot be mlxr's: the claim's reasons for its declined nodes."""
+    why = sorted({f"{n.op_type}: {refused[id(n)]}" for n in cut.nodes
+                  if id(n) in refused and id(n) not in mask_nodes})
+    return "; ".join(why) or None
+
+
+def _claim_layer(w: Walk, cut: LayerCut, names: KVNames, last: bool, props: dict | None):
+    """Translate one layer; Decline unless it is mlxr's whole: every node of the cut claimed
+    and its properties those of the layers already translated."""
+    gqa = [n for n in cut.nodes if n.op_type == "GroupQueryAttention" and n.domain == MS]
+    if len(gqa) != 1:
+        raise Decline(None, f"{len(gqa)} GroupQueryAttention nodes in the layer")
+    x, _, this, rope, table, win = _layer(w, gqa[0], cut.index, cut.x, cut.h, names, last)
+    if x != cut.end.output[0]:
+        raise Decline(cut.end, "the layer does not end at the residual stream's norm")
+    rest = [n for n in cut.nodes if id(n) not in w.claimed]
+    if rest:
+        raise Decline(rest[0], f"{len(rest)} nodes ({', '.join(sorted({n.op_type for n in rest}))})"
+                               " are not part of the recognised layer")
+    if props is not None and props != this:
+        raise Decline(gqa[0], "the layer differs from the others in heads, scale, softcap, "
+                              "sinks, MoE, norms or biases")
+    return this, rope, table, win
 
 
 def _check_io(g: OnnxGraph, kv: list[KVNames], logits: str, positions: str | None) -> None:
@@ -341,7 +401,9 @@ def _config(g: OnnxGraph, meta: dict, glob: dict, layers: int, vocab: int, tied:
         num_kv_heads=glob["nkv"], head_dim=glob["d"], intermediate_size=glob["inter"],
         rms_norm_eps=eps, max_position_embeddings=min(r.max_position_embeddings for r in ropes),
         tie_word_embeddings=tied, qkv_bias=glob["qkv_bias"], o_bias=glob["o_bias"],
-        mlp_bias=glob["mlp_bias"], qk_norm=glob["qk_norm"], attn_scale=glob["scale"],
+        mlp_bias=glob["mlp_bias"], qk_norm=glob["qk_norm"], attn_sinks=glob["sinks"],
+        moe=moe_spec(glob, layers) if glob["moe"] else None,
+        attn_scale=glob["scale"],
         attn_logit_softcap=glob["cap"], layer_rope=tuple(ropes), layer_window=tuple(windows),
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
         eos_token_ids=eos, torch_dtype=None if past is None else

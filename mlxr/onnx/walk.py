@@ -53,6 +53,17 @@ class Walk:
         self._projs: dict[int, Projection] = {}
         self.eps: set[float] = set()
 
+    def snapshot(self) -> tuple:
+        """What a layer's walk may change, to undo it when the layer is declined."""
+        return set(self.claimed), self.ck.snapshot(), set(self.eps)
+
+    def restore(self, snap: tuple) -> None:
+        claimed, ck, eps = snap
+        self.claimed.clear()
+        self.claimed.update(claimed)
+        self.ck.restore(ck)
+        self.eps = eps
+
     def claim(self, *nodes: onnx.NodeProto) -> None:
         for n in nodes:
             self.claimed.add(id(n))

@@ -149,5 +149,11 @@ class OnnxCheckpoint:
         self.add(path + ".scales", "F32", (b - a, groups), lambda: proj.value().scales[a:b])
         self.add(path + ".biases", "F32", (b - a, groups), lambda: proj.value().biases[a:b])
 
+    def snapshot(self) -> tuple[dict, dict]:
+        return dict(self.tensors), dict(self._read)
+
+    def restore(self, snap: tuple[dict, dict]) -> None:
+        self.tensors, self._read = dict(snap[0]), dict(snap[1])
+
     def load(self, name: str) -> torch.Tensor:
         return self._read[name]()

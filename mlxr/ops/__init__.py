@@ -23,6 +23,11 @@ from .moe.reference import head_gate
 from .moe.reference import route as moe_route
 from .reference import attention, paged_items, prefill_tile
 
+from .moe.operands import KERNEL_ACTS as MOE_KERNEL_ACTS
+from .moe.operands import ExpertQuant
+from .moe.operands import kernels_take as moe_kernels_take
+from .moe.operands import same_format as moe_gate_up_pair
+
 # mlxr.ops.layer.norm_rope_act, imported at the first CUDA call (triton is slow to import)
 _fused = None
 
@@ -63,39 +68,33 @@ def gated_act(gate, up, act: str):
 
 def attention_masked(q, k, v, visible, scale: float, softcap: float | None = None,
                      sinks=None):
-    """GQA attention under a key-visibility mask (see reference.attention_masked; `sinks`:
-    the reference, on every device)."""
-    if sinks is not None:
-        return reference.attention_masked(q, k, v, visible, scale, softcap, sinks)
+    """GQA attention under a key-visibility mask (see reference.attention_masked; `sinks`
+    [H]: gpt-oss's extra logit per head)."""
     if _fast(q):
         from .kv_attention.masked import attention_masked as fast
-        return fast(q, k, v, visible, scale, softcap)
-    return reference.attention_masked(q, k, v, visible, scale, softcap)
+        return fast(q, k, v, visible, scale, softcap, sinks)
+    return reference.attention_masked(q, k, v, visible, scale, softcap, sinks)
 
 
 def attention_at(q, k, v, positions, window: int | None, scale: float,
                  softcap: float | None = None, sinks=None):
     """attention_masked with the visibility from the rows' positions (device [T]), causal and
     windowed: key slot j at position j (see reference.attention_at)."""
-    if sinks is not None:
-        return reference.attention_at(q, k, v, positions, window, scale, softcap, sinks)
     if _fast(q):
         from .kv_attention.masked import attention_at as fast
-        return fast(q, k, v, positions, window, scale, softcap)
-    return reference.attention_at(q, k, v, positions, window, scale, softcap)
+        return fast(q, k, v, positions, window, scale, softcap, sinks)
+    return reference.attention_at(q, k, v, positions, window, scale, softcap, sinks)
 
 
 def paged_attention(q, k, v, block_tables, ctx_lens, block_size: int, scale: float,
                     window: int | None = None, softcap: float | None = None, sinks=None):
     """Decode attention of B sequences over a paged cache (see reference.paged_attention)."""
-    if sinks is not None:
-        return reference.paged_attention(q, k, v, block_tables, ctx_lens, block_size, scale,
-                                         window, softcap, sinks)
     if _fast(q):
         from .kv_attention.paged import paged_attention as fast
-        return fast(q, k, v, block_tables, ctx_lens, block_size, scale, window, softcap)
+        return fast(q, k, v, block_tables, ctx_lens, block_size, scale, window, softcap,
+                    sinks=sinks)
     return reference.paged_attention(q, k, v, block_tables, ctx_lens, block_size, scale, window,
-                                     softcap)
+                                     softcap, sinks)
 
 
 def add_rms_norm(h, r, weight, eps: float, offset: float = 0.0):
@@ -151,12 +150,29 @@ def gated_delta(q, k, v, g, beta, state):
     return recurrent_reference.gated_delta(q, k, v, g, beta, state)
 
 
+def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: float,
+                out_dtype, routed_scale: float = 1.0):
+    """The routed experts' weighted sum [T, E] by the MoE kernels: x [T, E_in], ids / weights
+    [T, k] on the device; the decode kernels for at most MAX_PAIRS (token, slot) pairs, the
+    grouped GEMM beyond (`moe.decode_experts`, `moe.grouped_experts`)."""
+    from .moe import decode_experts as dec
+
+    if ids.numel() <= dec.MAX_PAIRS:
+        h = dec.moe_gate_up(x, ids, gate, up, act, alpha, limit)
+        return dec.moe_down(h, ids, weights, down, out_dtype, routed_scale)
+    from .moe.grouped_experts import moe_grouped
+    return moe_grouped(x, ids, weights, gate, up, down, act, alpha, limit, out_dtype,
+                       routed_scale)
+
+
 def fast_kernels(device) -> bool:
     """Whether ops on `device` run as Triton kernels (every op capturable in a CUDA graph)."""
     return _fast(torch.empty(0, device=device))
 
 
-__all__ = ["add_rms_norm", "attention", "attention_at", "attention_masked", "conv1d_silu",
-           "fast_kernels", "gated_act", "gated_delta", "head_gate", "moe_combine",
-           "moe_expert_act", "moe_reference", "moe_route", "paged_attention", "paged_items",
+__all__ = ["MOE_KERNEL_ACTS", "ExpertQuant", "add_rms_norm", "attention", "attention_at",
+           "attention_masked",
+           "conv1d_silu", "fast_kernels", "gated_act", "gated_delta", "head_gate", "moe_combine",
+           "moe_expert_act", "moe_experts", "moe_gate_up_pair", "moe_kernels_take",
+           "moe_reference", "moe_route", "paged_attention", "paged_items",
            "paged_prefill_attention", "prefill_tile", "qkv_rope_write", "rms_norm", "rope"]

@@ -85,6 +85,7 @@ def run(model_path: Path, *, host: str = "127.0.0.1", port: int = 8080, api_key:
         max_num_batched_tokens: int | None = None, max_queued: int = 64, max_connections: int = 256,
         max_body_bytes: int = 4 << 20,
         header_timeout: float = 10.0, body_timeout: float = 30.0, device=None, dtype=None,
+        tensor_parallel: int = 1,
         log_level: str = "info", stream_interval: int | None = None,
         engine_process: str = "auto", allow_pull: bool = False,
         allow_delete: bool = False, allow_client_chat_template: bool = False) -> None:
@@ -101,7 +102,9 @@ def run(model_path: Path, *, host: str = "127.0.0.1", port: int = 8080, api_key:
                              stream_interval=stream_interval, **(
                             {"max_num_batched_tokens": max_num_batched_tokens}
                             if max_num_batched_tokens else {})),
-                        dict(device=device, dtype=dtype), engine_process,
+                        dict(device=device, dtype=dtype, **(
+                            {"tensor_parallel": tensor_parallel} if tensor_parallel != 1 else {})),
+                        engine_process,
                         allow_pull=allow_pull, allow_delete=allow_delete)
     app = create_app(state, sec)
     config = uvicorn.Config(app, host=host, port=port, http=deadline_protocol(header_timeout),

@@ -76,6 +76,17 @@ if HAVE_TRITON:
         return m_new, l_i, acc
 
     @triton.jit
+    def _sink_start(sink_ptr, head, rmask, first, m_i, l_i, HAS_SINKS: tl.constexpr):
+        """The running (max, sum) before the first key: the head's sink logit (log2 domain)
+        as one key of weight exp(sink) and no value, in the first split only (the merge of
+        the splits then counts it once); else unchanged."""
+        if HAS_SINKS:
+            s = tl.load(sink_ptr + head, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_i = tl.where(first, s, m_i)
+            l_i = tl.where(first, 1.0, l_i)
+        return m_i, l_i
+
+    @triton.jit
     def _merge_splits(pacc_ptr, pml_ptr, prow, jm, d, dmask, D: tl.constexpr):
         """One row's output [BLOCK_D] fp32 from its splits' partials: acc at pacc[prow, :D],
         (max, sum) at pml[prow, 0:2], for the splits jm marks (empty splits weigh 0)."""
@@ -89,13 +100,14 @@ if HAVE_TRITON:
         return tl.sum(acc * w[:, None], axis=0) / tl.where(l_tot > 0.0, l_tot, 1.0)
 
     @triton.jit
-    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, pos_ptr, o_ptr, pacc_ptr, pml_ptr,
+    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, pos_ptr, sink_ptr, o_ptr, pacc_ptr,
+                           pml_ptr,
                            S, sq0, sq1, sk0, sk1, sv0, sv1, svis, window, qk_scale, inv_cap,
                            cap2, T: tl.constexpr, REP: tl.constexpr, H: tl.constexpr,
                            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                            BLOCK_S: tl.constexpr, TILES: tl.constexpr, NSPLIT: tl.constexpr,
                            SOFTCAP: tl.constexpr, SINGLE: tl.constexpr, DOT_F32: tl.constexpr,
-                           POS: tl.constexpr, WINDOW: tl.constexpr):
+                           POS: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
         """POS: no mask in memory; query row t sits at position pos[t] and sees key slot j iff
         j <= pos[t] (and pos[t] - j < window with WINDOW): the decode graph's visibility with
         no mask to build per step, and no mask load before each tile's K."""
@@ -119,6 +131,7 @@ if HAVE_TRITON:
             vrow = vis_ptr + t.to(tl.int64)[:, None] * svis
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
+        m_i, l_i = _sink_start(sink_ptr, head, rmask, sp == 0, m_i, l_i, HAS_SINKS)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for i in range(TILES):
             s_idx = (sp * TILES + i) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -174,8 +187,8 @@ if HAVE_TRITON:
 
 
 def attention_masked(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float,
-                     softcap: float | None = None) -> Tensor:
-    return attention_masked_split(q, k, v, visible, scale, softcap)
+                     softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
+    return attention_masked_split(q, k, v, visible, scale, softcap, sinks=sinks)
 
 
 def score_consts(scale: float, softcap: float | None) -> tuple[float, float, float]:
@@ -209,20 +222,22 @@ def attn_splits(s: int, kh: int, mblocks: int) -> int:
 
 
 def attention_at(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, window: int | None,
-                 scale: float, softcap: float | None = None) -> Tensor:
+                 scale: float, softcap: float | None = None,
+                 sinks: Tensor | None = None) -> Tensor:
     """`reference.attention_at`: query row t at position positions[t] (device long [T]) over
     key slots whose positions are their indices; the visibility is computed in the kernel."""
     return attention_masked_split(q, k, v, None, scale, softcap, positions=positions,
-                                  window=window)
+                                  window=window, sinks=sinks)
 
 
 def attention_masked_split(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None,
                            scale: float, softcap: float | None = None,
                            block_s: int | None = None, splits: int | None = None,
                            positions: Tensor | None = None,
-                           window: int | None = None) -> Tensor:
+                           window: int | None = None, sinks: Tensor | None = None) -> Tensor:
     """attention_masked with the launch policy exposed (tests force split / single pass), or
-    with `positions` (and `window`) instead of `visible`: `attention_at`."""
+    with `positions` (and `window`) instead of `visible`: `attention_at`. sinks [H]: one
+    more logit per head (gpt-oss), as `reference.attention_masked`."""
     t, h, d = q.shape
     kh, s, _ = k.shape
     rep = h // kh
@@ -265,11 +280,13 @@ def attention_masked_split(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | No
     qk_scale, inv_cap, cap2 = score_consts(scale, softcap)
     dot_f32 = q.dtype == torch.float32 or _interpret()
     _attn_split_kernel[(kh, nsplit, mblocks)](
-        q, k, v, vis, pos, out, pacc, pml, s, q.stride(0), q.stride(1), k.stride(0),
-        k.stride(1), v.stride(0), v.stride(1), svis, window or 0, qk_scale, inv_cap, cap2,
+        q, k, v, vis, pos, sinks if sinks is not None else q, out, pacc, pml, s, q.stride(0),
+        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), svis, window or 0,
+        qk_scale, inv_cap, cap2,
         T=t, REP=rep, H=h, D=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=block_s, TILES=per,
         NSPLIT=nsplit, SOFTCAP=softcap is not None, SINGLE=single, DOT_F32=dot_f32,
-        POS=positions is not None, WINDOW=window is not None, num_warps=4)
+        POS=positions is not None, WINDOW=window is not None, HAS_SINKS=sinks is not None,
+        num_warps=4)
     if not single:
         _attn_combine_kernel[(kh * rt,)](
             pacc, pml, out, T=t, REP=rep, H=h, D=d, NSPLIT=nsplit, BLOCK_N=_p2(nsplit),

@@ -24,19 +24,20 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference import prefill_tile
-from .masked import _merge_splits, _online_softmax, _scores, score_consts
+from .masked import _merge_splits, _online_softmax, _scores, _sink_start, score_consts
 
 TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
 MAX_SPLITS = 32
 
 
 @triton.jit
-def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, o_ptr, pacc_ptr, pml_ptr,
+def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, sink_ptr, o_ptr, pacc_ptr,
+                       pml_ptr,
                        sq0, sq1, sk0, sk1, sv0, sv1, stab, window, qk_scale, inv_cap, cap2,
                        REP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                        NSPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                       SINGLE: tl.constexpr, DOT_F32: tl.constexpr):
+                       SINGLE: tl.constexpr, DOT_F32: tl.constexpr, HAS_SINKS: tl.constexpr):
     b = tl.program_id(0)
     g = tl.program_id(1)
     sp = tl.program_id(2)
@@ -62,6 +63,7 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, o_ptr, pacc_ptr, p
     tab = tab_ptr + b.to(tl.int64) * stab
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = _sink_start(sink_ptr, head, rmask, sp == 0, m_i, l_i, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     while t < t_end:
         pos = t * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -165,8 +167,10 @@ def _p2(n: int) -> int:
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, ctx_lens: Tensor,
                     block_size: int, scale: float, window: int | None = None,
                     softcap: float | None = None, splits: int | None = None,
-                    block_s: int | None = None, num_warps: int | None = None) -> Tensor:
-    """See `mlxr.ops.reference.paged_attention`; `splits`, `block_s` (keys per tile) and
+                    block_s: int | None = None, num_warps: int | None = None,
+                    sinks: Tensor | None = None) -> Tensor:
+    """See `mlxr.ops.reference.paged_attention` (sinks [H]: gpt-oss's extra logit per head,
+    counted once in the first split); `splits`, `block_s` (keys per tile) and
     `num_warps` override the launch policy (tests, benchmarks/gpu/gpu_paged_attn_sweep.py).
     block_tables [B, W] and ctx_lens [B] are int32 or int64 on q's device."""
     bsz, h, d = q.shape
@@ -195,12 +199,14 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, ctx_l
     qk_scale, inv_cap, cap2 = score_consts(scale, softcap)
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     _paged_attn_kernel[(bsz, kh, splits)](
-        q, k, v, block_tables, ctx_lens, out, pacc, pml, q.stride(0), q.stride(1),
+        q, k, v, block_tables, ctx_lens, sinks if sinks is not None else q, out, pacc, pml,
+        q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_tables.stride(0),
         int(window or 0), qk_scale, inv_cap, cap2, REP=rep, H=h, D=d, BS=block_size,
         BLOCK_M=max(16, _p2(rep)), BLOCK_D=block_d, BLOCK_S=block_s, NSPLIT=splits,
         HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, SINGLE=single,
-        DOT_F32=q.dtype == torch.float32 or interpret, num_warps=num_warps)
+        DOT_F32=q.dtype == torch.float32 or interpret, HAS_SINKS=sinks is not None,
+        num_warps=num_warps)
     if not single:
         _paged_combine_kernel[(bsz * h,)](pacc, pml, out, REP=rep, H=h, D=d, NSPLIT=splits,
                                           BLOCK_N=_p2(splits), BLOCK_D=block_d, num_warps=4)

@@ -1,6 +1,8 @@
 """MLX quantized codes as the Triton kernels read them, shared by `generic_qmm`, `decode_gemv`
-and `prefill_dequant`: the format modes, the word-aligned unit of each width (`unit_codes`) and
-the @triton.jit helpers that pick a code out of its word(s) and turn it into fp32.
+and `prefill_dequant`: the format modes, the word-aligned unit of each width (`unit_codes`),
+the @triton.jit helpers that pick a code out of its word(s) and turn it into fp32, and a
+GEMM's weight tile dequantized in natural K order (`_dequant_tile`, for `generic_qmm` and the
+grouped MoE GEMM).
 
 fp modes decode codes without tables: E2M1 / E4M3 bits are moved into an fp16 bit pattern
 (exponent/mantissa aligned; subnormals come out right) and the missing power of two (2^14 for
@@ -90,3 +92,54 @@ if HAVE_TRITON:
             else:
                 s = s * 256.0
         return s
+
+    @triton.jit
+    def _dequant_tile(wrow, srow, s_ptr, b_ptr, gs, kk, k0, nmask, kmask, K: tl.constexpr,
+                      BITS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """fp32 weights [BLOCK_N, BLOCK_K] of rows nmask at columns kk = k0 + arange(BLOCK_K)
+        (valid: kmask): wrow / srow the rows' word pointers and scale offsets [BLOCK_N, 1].
+        Shared by `generic_qmm._qgemm_kernel` and the grouped MoE GEMM
+        (`moe.grouped_experts`)."""
+        KWORDS: tl.constexpr = K * BITS // 32
+        NG: tl.constexpr = K // GROUP
+        MASK: tl.constexpr = (1 << BITS) - 1
+        wmask = nmask[:, None] & kmask[None, :]
+        if BITS == 2 or BITS == 4 or BITS == 8:
+            EPW: tl.constexpr = 32 // BITS
+            wd = tl.load(wrow + (kk // EPW)[None, :], mask=wmask, other=0)
+            q = (wd >> ((kk % EPW) * BITS)[None, :]) & MASK
+        else:
+            o = kk * BITS
+            wi = o >> 5
+            sh = o & 31
+            lo = tl.load(wrow + wi[None, :], mask=wmask, other=0).to(tl.uint32, bitcast=True)
+            hi = tl.load(wrow + wi[None, :] + 1, mask=wmask & (wi + 1 < KWORDS)[None, :],
+                         other=0).to(tl.uint32, bitcast=True)
+            shu = sh.to(tl.uint32)[None, :]
+            his = tl.where(shu == 0, 0, hi << ((32 - shu) & 31))
+            q = (((lo >> shu) | his) & MASK).to(tl.int32)
+        v = _code_value(q, MODE)
+        # group params: load [BN, groups in tile] (or [BN, 1]) and broadcast along K
+        if BLOCK_K > GROUP:
+            NGT: tl.constexpr = BLOCK_K // GROUP
+            gi = k0 // GROUP + tl.arange(0, NGT)
+            sp = srow + gi[None, :]
+            smask = nmask[:, None] & (gi < NG)[None, :]
+            sc = _group_scale(tl.load(s_ptr + sp, mask=smask, other=0), gs, MODE)
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_N, NGT, GROUP]),
+                            [BLOCK_N, BLOCK_K])
+            wf = v * sc
+            if MODE == 0:
+                bb = tl.load(b_ptr + sp, mask=smask, other=0.0).to(tl.float32)
+                bb = tl.reshape(tl.broadcast_to(bb[:, :, None], [BLOCK_N, NGT, GROUP]),
+                                [BLOCK_N, BLOCK_K])
+                wf += bb
+        else:  # the tile lies inside one group
+            sp = srow + k0 // GROUP
+            smask = nmask[:, None]
+            sc = _group_scale(tl.load(s_ptr + sp, mask=smask, other=0), gs, MODE)
+            wf = v * sc
+            if MODE == 0:
+                wf += tl.load(b_ptr + sp, mask=smask, other=0.0).to(tl.float32)
+        return wf

@@ -44,7 +44,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .codes import _code_value, _group_scale, _unit_code
+    from .codes import _code_value, _dequant_tile, _group_scale, _unit_code
 
 
 
@@ -203,7 +203,6 @@ if HAVE_TRITON:
         NG: tl.constexpr = K // GROUP
         NT: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
         TPS: tl.constexpr = (NT + SPLIT_K - 1) // SPLIT_K
-        MASK: tl.constexpr = (1 << BITS) - 1
 
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -223,44 +222,8 @@ if HAVE_TRITON:
             kmask = kk < K
             xt = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :],
                          mask=mmask[:, None] & kmask[None, :], other=0.0)
-            wmask = nmask[:, None] & kmask[None, :]
-            if BITS == 2 or BITS == 4 or BITS == 8:
-                EPW: tl.constexpr = 32 // BITS
-                wd = tl.load(wrow + (kk // EPW)[None, :], mask=wmask, other=0)
-                q = (wd >> ((kk % EPW) * BITS)[None, :]) & MASK
-            else:
-                o = kk * BITS
-                wi = o >> 5
-                sh = o & 31
-                lo = tl.load(wrow + wi[None, :], mask=wmask, other=0).to(tl.uint32, bitcast=True)
-                hi = tl.load(wrow + wi[None, :] + 1, mask=wmask & (wi + 1 < KWORDS)[None, :],
-                             other=0).to(tl.uint32, bitcast=True)
-                shu = sh.to(tl.uint32)[None, :]
-                his = tl.where(shu == 0, 0, hi << ((32 - shu) & 31))
-                q = (((lo >> shu) | his) & MASK).to(tl.int32)
-            v = _code_value(q, MODE)
-            # group params: load [BN, groups in tile] (or [BN, 1]) and broadcast along K
-            if BLOCK_K > GROUP:
-                NGT: tl.constexpr = BLOCK_K // GROUP
-                gi = k0 // GROUP + tl.arange(0, NGT)
-                sp = srow + gi[None, :]
-                smask = nmask[:, None] & (gi < NG)[None, :]
-                sc = _group_scale(tl.load(s_ptr + sp, mask=smask, other=0), gs, MODE)
-                sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_N, NGT, GROUP]),
-                                [BLOCK_N, BLOCK_K])
-                wf = v * sc
-                if MODE == 0:
-                    bb = tl.load(b_ptr + sp, mask=smask, other=0.0).to(tl.float32)
-                    bb = tl.reshape(tl.broadcast_to(bb[:, :, None], [BLOCK_N, NGT, GROUP]),
-                                    [BLOCK_N, BLOCK_K])
-                    wf += bb
-            else:  # the tile lies inside one group
-                sp = srow + k0 // GROUP
-                smask = nmask[:, None]
-                sc = _group_scale(tl.load(s_ptr + sp, mask=smask, other=0), gs, MODE)
-                wf = v * sc
-                if MODE == 0:
-                    wf += tl.load(b_ptr + sp, mask=smask, other=0.0).to(tl.float32)
+            wf = _dequant_tile(wrow, srow, s_ptr, b_ptr, gs, kk, k0, nmask, kmask, K, BITS,
+                               GROUP, MODE, BLOCK_N, BLOCK_K)
             wt = wf.to(xt.dtype)
             if DOT_IEEE:  # fp32 activations, or the interpreter (its bf16 dot is broken)
                 acc = tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), acc,

@@ -2,7 +2,10 @@
 
 `reference.py`: the plain-torch router (softmax / sigmoid top-k variants), expert activations
 (SiLU-GLU, gpt-oss's clamped SwiGLU), the weighted combine and the attention head gate: the spec,
-the CPU path and the test oracle. Triton kernels for the routed expert matmuls (grouped quantized
-GEMV / GEMM over the stacked expert weights) go beside it, same signatures, dispatched from
-`mlxr.ops`. The dense quantized matmuls they build on are in `mlxr.ops.matmul`.
+the CPU path and the test oracle. The Triton kernels for the routed experts, dispatched from
+`mlxr.ops.moe_experts`, each with its torch twin: `decode_experts.py` (a few tokens: gate/up
+with the activation fused, down with the routing weights summed over top-k, experts indexed on
+the device), `grouped_experts.py` (pairs grouped by expert, a grouped GEMM per projection);
+`operands.py`: the stacked expert operands they take (free of triton). The dense quantized
+matmuls they build on are in `mlxr.ops.matmul`.
 """

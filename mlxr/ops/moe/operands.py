@@ -1,0 +1,56 @@
+"""The MoE kernels' operands: one stacked expert projection as the file holds it, and the
+checks that say whether the kernels read it. Free of triton (imported by `mlxr.ops` at start;
+the kernels import triton lazily)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+KERNEL_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")  # codes.MODES
+KERNEL_BITS = (2, 3, 4, 5, 6, 8)
+KERNEL_ACTS = ("silu", "swiglu_oai")  # decode_experts.ACTS
+
+
+class ExpertQuant(NamedTuple):
+    """One projection of all X experts as the file stacks it (N = out, K = in features)."""
+    w: Tensor  # int32 / uint32 words [X, N, K*bits/32]
+    scales: Tensor  # [X, N, K/group] (affine: float; fp modes: uint8)
+    biases: Tensor | None  # affine [X, N, K/group]
+    global_scale: Tensor | None  # nvfp4 [X] float32
+    bias: Tensor | None  # expert bias [X, N] (gpt-oss)
+    mode: str
+    bits: int
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(X experts, N out features, K in features)."""
+        x, n, _ = self.w.shape
+        return x, n, self.scales.shape[-1] * self.group
+
+
+def kernels_take(q: ExpertQuant) -> bool:
+    """Whether the MoE kernels read this stacked projection."""
+    return (q.mode in KERNEL_MODES and q.bits in KERNEL_BITS and q.w.dim() == 3
+            and q.w.dtype in (torch.int32, torch.uint32) and q.shape[2] % 32 == 0
+            and q.w.shape[2] * 32 == q.shape[2] * q.bits
+            and (q.mode != "affine" or q.biases is not None))
+
+
+def check_pair(a: ExpertQuant, b: ExpertQuant) -> None:
+    """gate and up must match to share the fused gate/up launch."""
+    if (a.shape != b.shape or a.mode != b.mode or a.bits != b.bits or a.group != b.group
+            or (a.global_scale is None) != (b.global_scale is None)
+            or (a.bias is None) != (b.bias is None)):
+        raise ValueError("moe_gate_up: gate and up must share shape and quantization")
+
+
+def same_format(a: ExpertQuant, b: ExpertQuant) -> bool:
+    try:
+        check_pair(a, b)
+    except ValueError:
+        return False
+    return True
