@@ -88,6 +88,29 @@ class HybridCache:
         return ([one(i, s, o) for i, (s, o) in enumerate(zip(self.shapes, old[0]))],
                 [one(i, s, o) for i, (s, o) in enumerate(zip(self.shapes, old[1]))])
 
+    def copy(self, capacity: int) -> HybridCache:
+        """A new cache of `capacity` (>= length) holding this one's positions and states: a
+        prefix snapshot (capacity = length: full layers keep exactly the computed positions)
+        or a sequence resumed from one."""
+        if capacity < self.length:
+            raise ValueError(f"a cache of {capacity} positions cannot hold {self.length}")
+        out = HybridCache(self.shapes, self.dtype, self.device, max(1, capacity))
+        out.length = self.length
+        for dst, src in ((out.k, self.k), (out.v, self.v)):
+            for d, s in zip(dst, src):
+                if d is not None:  # slots [0, m) hold every kept position (a wrapped ring is
+                    m = min(self.length, s.shape[1])  # full, window-sized on both sides)
+                    d[:, :m] = s[:, :m]
+        for dst, src in ((out.conv, self.conv), (out.ssm, self.ssm)):
+            for d, s in zip(dst, src):
+                if d is not None:
+                    d.copy_(s)
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (*self.k, *self.v, *self.conv, *self.ssm) if t is not None)
+
     def clear_states(self) -> None:
         """Zero the recurrent states (a sequence starting at position 0)."""
         for t in self.conv + self.ssm:
