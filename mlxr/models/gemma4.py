@@ -25,6 +25,7 @@ from ..quant import QuantWeight
 from .decoder import Fused, _gated_act
 from .hybrid_cache import HybridCache, KVShape, LayerShape
 from .moe import MoeBlock
+from .padded_attention import padded_decode_attention
 from .qwen3_5 import linears
 
 
@@ -236,8 +237,9 @@ class Gemma4Decoder:
         return self._logits(self._layers(ids, attend))
 
     def forward_batch(self, ids: torch.Tensor, caches: list[HybridCache]) -> torch.Tensor:
-        """One new token for each of B sequences (ids [B]): projections, MLPs and PLE
-        batched, each sequence's attention over its own cache. Logits float32 [B, V]."""
+        """One new token for each of B sequences (ids [B]): projections, MLPs, PLE and the
+        attention batched (`padded_decode_attention` over each sequence's visible K/V), the
+        K/V written to each sequence's own cache. Logits float32 [B, V]."""
         starts = [c.length for c in caches]
         for c in caches:
             c.reserve(c.length + 1)
@@ -249,13 +251,16 @@ class Gemma4Decoder:
                                       torch.cat([b for _, b in cs]))
 
         def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
-            q = ly.q_proj(x)
             kv = ly.kv(x) if ly.kv is not None else None
-            cos, sin = tables[id(self.ropes[i].spec)]
-            return ly.o_proj(torch.cat([
-                self._attend_rows(i, ly, q[b:b + 1], None if kv is None else kv[b:b + 1], c,
-                                  starts[b], cos[b:b + 1], sin[b:b + 1], seen[b])
-                for b, c in enumerate(caches)]))
+            # B rows: norms and RoPE row by row, each row its own position's angles
+            q, k, v = self._qkv(i, ly, ly.q_proj(x), kv, *tables[id(self.ropes[i].spec)])
+            src = self.spec.kv_source[i]
+            for b, c in enumerate(caches):  # each sequence's K/V into its own cache
+                if k is not None:
+                    seen[b][i] = c.extend(i, k[:, b:b + 1], v[:, b:b + 1], starts[b])
+            out = padded_decode_attention(q, [s[src][0] for s in seen],
+                                          [s[src][1] for s in seen], self.config.attn_scale)
+            return ly.o_proj(out.reshape(len(caches), -1))
 
         seen: list[dict] = [{} for _ in caches]
 

@@ -23,6 +23,7 @@ from .decoder import Fused, _gated_act
 from .gated_delta import GatedDeltaMixer
 from .hybrid_cache import HybridCache, KVShape, LayerShape, StateShape
 from .moe import MoeBlock
+from .padded_attention import padded_decode_attention
 
 
 @dataclass
@@ -190,7 +191,8 @@ class Qwen35Decoder:
 
     def forward_batch(self, ids: torch.Tensor, caches: list[HybridCache]) -> torch.Tensor:
         """One new token for each of B sequences (ids [B], the next position of each cache):
-        projections and MLPs batched, each sequence's attention and recurrent state its own.
+        projections, MLPs, the recurrence (states gathered and written back) and the attention
+        (`padded_decode_attention`) batched; each sequence's K/V written to its own cache.
         Returns logits float32 [B, V]."""
         starts = [c.length for c in caches]
         for c in caches:
@@ -210,10 +212,15 @@ class Qwen35Decoder:
                     c.conv[i].copy_(conv[b:b + 1])
                     c.ssm[i].copy_(ssm[b:b + 1])
                 return out
-            proj = m.qkv(x)
-            return m.o_proj(torch.cat([
-                self._gated_attention(m, proj[b:b + 1], c, i, starts[b], cos[b:b + 1],
-                                      sin[b:b + 1]) for b, c in enumerate(caches)]))
+            qkv, gate = self._split_gate(m.qkv(x))
+            q = torch.cat([self._q_write(m, qkv[b:b + 1], c, i, cos[b:b + 1], sin[b:b + 1],
+                                         torch.tensor([starts[b]], device=self.device))
+                           for b, c in enumerate(caches)])  # each K/V into its own cache
+            ctx = [s + 1 for s in starts]
+            out = padded_decode_attention(q, [c.k[i][:, :n] for c, n in zip(caches, ctx)],
+                                          [c.v[i][:, :n] for c, n in zip(caches, ctx)],
+                                          self.config.attn_scale)
+            return m.o_proj(out.reshape(len(caches), -1) * torch.sigmoid(gate))
 
         x = self._layers(self.embed(ids.to(self.device)), mixer, False)
         for c, s in zip(caches, starts):
