@@ -1,9 +1,10 @@
 """Serving the hybrid families (decoders with their own per-sequence cache: recurrent state beside
 K/V, or K/V of per-layer shapes): each running sequence owns one such cache.
 
-A sequence's cache is made when it first computes from position 0, dropped when it leaves the
-running set (finished, cancelled, or preempted: a preempted sequence restarts from position 0
-with a fresh cache and zero recurrent state, recomputing its tokens), and its chunks run in
+A sequence's cache is made when it first computes from position 0 (or from a prefix snapshot,
+below), dropped when it leaves the running set (finished, cancelled, or preempted: a preempted
+sequence restarts like a new one, from its longest snapshot or from position 0 with a fresh
+cache and zero recurrent state, recomputing its other tokens), and its chunks run in
 order, so the state carried between steps is exactly the single-request path's. The block
 manager's prefix cache is off for these models (`BlockManager(prefix_caching=False)`: a block
 holds K/V only, not the recurrent state at its end); it still meters the tokens each sequence
@@ -16,9 +17,9 @@ leaves a snapshot of its longest block-aligned proper prefix. An admitted sequen
 the snapshot of its longest such prefix (`resume`). The split is made whether or not snapshots
 are kept, so outputs with and without prefix caching are the same.
 
-Sequences that decode one token run as one batch (`forward_batch`: projections, MLPs and the
-recurrence batched; each sequence's attention over its own K/V); prefill chunks run as one
-forward per sequence (the same computation as `Model.generate`).
+Sequences that decode one token run as one batch (`forward_batch`: projections, MLPs, the
+recurrence and the attention, padded across the sequences' own K/V, batched); prefill chunks run
+as one forward per sequence (the computation of `Model.generate`, split at most once).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class SequenceCaches:
         return snap.length
 
     def _snapshot(self, seq: Sequence, cache) -> None:
-        if cache.length % self.block_size == 0:
+        if self.snapshots.budget and cache.length % self.block_size == 0:
             self.snapshots.put(tuple(seq.token_ids[:cache.length]), cache)
 
     def _forward(self, seq: Sequence, n: int):
