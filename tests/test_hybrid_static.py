@@ -126,3 +126,23 @@ def test_hybrids_are_graphable_on_cuda(built, family, kernels, monkeypatch):
     for block in moe:
         monkeypatch.setattr(block, "capturable", lambda device: kernels)
     assert graphable(dec) is (kernels or not moe)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+@pytest.mark.parametrize("length", [4, 8, 20])
+def test_snapshot_copy_resumes_bit_identically(built, family, length):
+    """A cache copied to its own length (a prefix snapshot: rings not yet wrapped, exactly
+    full, and wrapped) and copied again into a larger one continues exactly as the original."""
+    model, ref = built(family)
+    dec = model.decoder
+    seq = ref.prompt + ref.greedy
+    cache = new_cache(dec, 4)
+    with torch.inference_mode():
+        dec.forward(torch.tensor(seq[:length]), cache)
+        snap = cache.copy(length)
+        assert snap.capacity == length and snap.nbytes() <= cache.nbytes()
+        resumed = snap.copy(64)
+        for a, z in ((length, length + 7), (length + 7, length + 8)):
+            want = dec.forward(torch.tensor(seq[a:z]), cache)
+            got = dec.forward(torch.tensor(seq[a:z]), resumed)
+            assert torch.equal(got, want), (a, z)
