@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+os.environ.setdefault("MLXR_MOE_GRAPHS", "1")  # the MoE decode graph is under test
 import mlxr  # noqa: E402
 from mlxr.engine import EngineRequest, LLMEngine  # noqa: E402
 from mlxr.engine.cuda_graph import GraphDecoder, graphable  # noqa: E402

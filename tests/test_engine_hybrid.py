@@ -1,6 +1,7 @@
 """The serving engine with the hybrid families: per-sequence recurrent state beside the K/V,
 made, carried across prefill chunks, dropped on finish / cancel / preemption; batched greedy
-output equals each request run alone (float32); prefix caching is off for these models."""
+output equals each request run alone (float32); prefix caching by state snapshots at block
+boundaries (resumed sequences equal to recomputed ones, snapshot memory within its budget)."""
 
 from __future__ import annotations
 
@@ -79,16 +80,43 @@ def test_batch_equals_single(model, budget, num_blocks, monkeypatch):
         assert engine.scheduler.num_preemptions > 0
 
 
-def test_prefix_cache_off_and_same_output(model):
-    """A repeated prompt reuses no block (a block holds no recurrent state) and gives the
-    same tokens."""
+def test_prefix_snapshot_resumes_with_the_same_output(model):
+    """A repeated prompt resumes from the state snapshot at its last block boundary before
+    its last token and gives the same tokens; so does a follow-up prompt extending the first
+    exchange (resumed from a snapshot taken while decoding), equal to the engine without
+    prefix caching."""
+    prompt = _prompts()[1]  # 23 tokens: blocks of 4 -> the snapshot at 20
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     engine = LLMEngine(model, max_num_seqs=2, block_size=4)
-    prompt = _prompts()[1]
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    plain = LLMEngine(model, max_num_seqs=2, block_size=4, prefix_snapshot_bytes=0)
     first = _run(engine, [EngineRequest(prompt, params)])[0]
     second = _run(engine, [EngineRequest(prompt, params)])[0]
-    assert _ids(first) == _ids(second)
-    assert second[-1].cached_tokens == 0 and engine.blocks.hits == 0
+    assert _ids(first) == _ids(second) == _single(model, prompt, 10)
+    assert first[-1].cached_tokens == 0 and second[-1].cached_tokens == 20
+    follow = prompt + _ids(first)[:9] + [5, 6, 7]  # 35 tokens, the first 32 computed before
+    got = _run(engine, [EngineRequest(follow, params)])[0]
+    assert got[-1].cached_tokens == 32
+    assert _ids(got) == _ids(_run(plain, [EngineRequest(follow, params)])[0])
+    assert plain.stats()["prefix_snapshots"] == 0 and plain.stats()["prefix_cache_hits"] == 0
+    stats = engine.stats()
+    assert stats["prefix_cache_hits"] == (20 + 32) // 4
+
+
+def test_prefix_snapshots_stay_within_their_budget(model):
+    """Snapshots are dropped oldest first to stay within the byte budget; outputs are those of
+    the engine without prefix caching."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    probe = LLMEngine(model, max_num_seqs=1, block_size=4)
+    _run(probe, [EngineRequest(_prompts()[0], params)])
+    one = max(s.nbytes() for s in probe.seq_caches.snapshots.items.values())
+    budget = 3 * one
+    engine = LLMEngine(model, max_num_seqs=4, block_size=4, prefix_snapshot_bytes=budget)
+    reqs = [EngineRequest(p, params) for p in _prompts()]
+    outs = _run(engine, reqs)
+    snaps = engine.seq_caches.snapshots
+    assert 0 < snaps.used <= budget and len(snaps) < 10
+    assert snaps.used == sum(s.nbytes() for s in snaps.items.values())
+    assert [_ids(o) for o in outs] == [_single(model, p, 6) for p in _prompts()]
 
 
 def test_cancel_drops_the_sequence_cache(model):

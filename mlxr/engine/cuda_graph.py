@@ -37,14 +37,30 @@ from .kv_cache import SequenceCache
 
 def graphable(decoder) -> bool:
     """CUDA decoders whose RoPE does not depend on the sequence length (dynamic NTK does),
-    whose MoE blocks run the MoE kernels (`MoeBlock.capturable`: the torch path groups tokens
-    by expert on the host), and that do not say they cannot be captured (`graphable = False`:
-    the hybrid families). Attention sinks are captured: the Triton attention kernels take
-    them, and the reference attention builds its masks on the device."""
+    whose MoE blocks run the MoE kernels (`capturable`: the torch path groups tokens by
+    expert on the host), and that do not say they cannot be captured (`graphable = False`).
+    Attention sinks are captured: the Triton attention kernels take them, and the reference
+    attention builds its masks on the device. The hybrid families' single-sequence decode
+    step is capturable too (`forward_static` over a HybridCache: states updated in place)."""
     dev = decoder.device
     return dev.type == "cuda" and getattr(decoder, "graphable", True) and not any(
         (r.spec.scaling or {}).get("rope_type") == "dynamic" for r in decoder.ropes) and all(
-        layer.moe is None or layer.moe.capturable(dev) for layer in decoder.layers)
+        layer.moe is None or layer.moe.capturable(dev) for layer in decoder.layers) and \
+        _new_capture_allowed(decoder)
+
+
+def _new_capture_allowed(decoder) -> bool:
+    """Capture of a MoE decode step (MLXR_MOE_GRAPHS=1) and of a hybrid one
+    (MLXR_HYBRID_GRAPHS=1) is opt-in: both are built and checked on the CPU, and the MoE
+    kernels inside a graph replay on the H200, but neither model-level graph has run on a GPU
+    yet. Eager is what was validated there; these switches
+    go on by default once scripts/moe_gpu_check.py and scripts/hybrid_gpu_check.py pass.
+    A hybrid decoder is one whose config carries an `arch` spec (mlxr.config.hybrid)."""
+    hybrid = getattr(getattr(decoder, "config", None), "arch", None) is not None
+    if hybrid and os.environ.get("MLXR_HYBRID_GRAPHS") != "1":
+        return False
+    return all(layer.moe is None for layer in decoder.layers) or \
+        os.environ.get("MLXR_MOE_GRAPHS") == "1"
 
 
 def capture(body, pool=None, warmups: int = 1) -> torch.cuda.CUDAGraph:
@@ -64,7 +80,8 @@ def capture(body, pool=None, warmups: int = 1) -> torch.cuda.CUDAGraph:
 
 
 class GraphDecoder:
-    """A captured decode step bound to one SequenceCache (slot = position)."""
+    """A captured decode step bound to one SequenceCache (slot = position), or one HybridCache
+    (its `pool` is itself; the step updates its recurrent states in place)."""
 
     def __init__(self, decoder, cache: SequenceCache):
         self.decoder, self.cache = decoder, cache
@@ -187,7 +204,10 @@ class GraphCache:
         not captured (`prefill_graphs` False: a tensor-parallel rank 0), or the capture
         failed: that bucket then stays eager, with a warning)."""
         bucket = prefill_bucket(n, cache.capacity)
-        if bucket is None or not graphable(decoder) or not getattr(decoder, "prefill_graphs", True):
+        # hybrids prefill eagerly: no `forward_step` (their prompt runs `forward`, which also
+        # starts the recurrent state)
+        if (bucket is None or not graphable(decoder) or not hasattr(decoder, "forward_step")
+                or not getattr(decoder, "prefill_graphs", True)):
             return None
         key = (cache.capacity, bucket)
         if key not in self.prefill:

@@ -108,7 +108,8 @@ class LLMEngine:
 
     def __init__(self, model, max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None,
-                 memory_fraction: float | None = None, paged_decode: bool | None = None):
+                 memory_fraction: float | None = None, paged_decode: bool | None = None,
+                 prefix_snapshot_bytes: int | None = None):
         self.model, self.decoder = model, model.decoder
         self.block_size = block_size
         # batched decode's 4-bit kernel needs its own weight copy (QuantWeight.add_batch_copy):
@@ -117,9 +118,12 @@ class LLMEngine:
             qw.add_batch_copy()
         n = num_blocks or _kv_blocks(model, block_size, max_num_seqs, memory_fraction)
         c = self.decoder.config
-        # hybrid families: per-sequence caches (seq_caches), no shared pool, no prefix cache
-        self.seq_caches = SequenceCaches(self.decoder) if hasattr(self.decoder,
-                                                                  "new_cache") else None
+        # hybrid families: per-sequence caches (seq_caches), no shared pool; prefix caching by
+        # state snapshots within prefix_snapshot_bytes (default 512 MiB on CUDA, 64 MiB on CPU)
+        if prefix_snapshot_bytes is None:
+            prefix_snapshot_bytes = (512 if self.decoder.device.type == "cuda" else 64) << 20
+        self.seq_caches = SequenceCaches(self.decoder, block_size, prefix_snapshot_bytes) \
+            if hasattr(self.decoder, "new_cache") else None
         hybrid = self.seq_caches is not None
         capture = supported(self.decoder) and not hybrid
         use_paged = capture if paged_decode is None or hybrid else paged_decode
@@ -138,7 +142,8 @@ class LLMEngine:
                 self.paged = make(*args) if make else PagedDecodeRunner(self.decoder, *args)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.decoder.device.type == "cuda" else 256
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens,
+                                   self.seq_caches.resume if hybrid else None)
         self.eos_ids = set(model.eos_token_ids)
         self.lock = threading.Lock()
         # measured once (the model server's memory budget counts them): bytes per device
@@ -178,11 +183,16 @@ class LLMEngine:
 
     def stats(self) -> dict:
         s, b = self.scheduler, self.blocks
-        return {"running": len(s.running), "waiting": len(s.waiting),
-                "kv_blocks_total": len(b.blocks), "kv_blocks_used": len(b.blocks) - b.num_free,
-                "prefix_cache_queries": b.queries, "prefix_cache_hits": b.hits,
-                "preemptions": s.num_preemptions, "weights_bytes": self.weights_bytes,
-                "kv_cache_bytes": self.kv_cache_bytes}
+        out = {"running": len(s.running), "waiting": len(s.waiting),
+               "kv_blocks_total": len(b.blocks), "kv_blocks_used": len(b.blocks) - b.num_free,
+               "prefix_cache_queries": b.queries, "prefix_cache_hits": b.hits,
+               "preemptions": s.num_preemptions, "weights_bytes": self.weights_bytes,
+               "kv_cache_bytes": self.kv_cache_bytes}
+        if self.seq_caches is not None:  # blocks resumed from state snapshots
+            sc = self.seq_caches
+            out.update(prefix_cache_queries=sc.queries, prefix_cache_hits=sc.hits,
+                       prefix_snapshots=len(sc.snapshots), prefix_snapshot_bytes=sc.snapshots.used)
+        return out
 
     def step(self) -> None:
         """Run one batch and emit outputs for every sequence that produced a token."""
@@ -243,7 +253,7 @@ class LLMEngine:
         """A step of a hybrid-family model: each sequence's chunk through its own cache."""
         for seq, _ in batch:
             if seq.num_generated == 0:
-                seq.prompt_cached = 0
+                seq.prompt_cached = seq.num_cached_tokens
         with torch.inference_mode(), trace.span("step", {"sequences": len(batch)}):
             sampling, logits = self.seq_caches.run(batch)
             host = self._needs_host(sampling)

@@ -43,8 +43,11 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
-        self.blocks = blocks
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 resume=None):
+        """resume(seq) -> tokens restored from elsewhere than the block manager's prefix cache
+        (the hybrids' state snapshots), asked at each admission."""
+        self.blocks, self.resume = blocks, resume
         self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -104,6 +107,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.blocks.allocate(seq)
+            if self.resume is not None:
+                seq.num_cached_tokens = self.resume(seq)
             seq.num_computed = seq.num_cached_tokens
             self.running.append(seq)
             n = min(seq.num_pending, budget)

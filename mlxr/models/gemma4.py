@@ -25,6 +25,7 @@ from ..quant import QuantWeight
 from .decoder import Fused, _gated_act
 from .hybrid_cache import HybridCache, KVShape, LayerShape
 from .moe import MoeBlock
+from .padded_attention import padded_decode_attention
 from .qwen3_5 import linears
 
 
@@ -63,6 +64,10 @@ class Gemma4Experts:
     post_mlp_norm: torch.Tensor  # post_feedforward_layernorm_1 (the dense MLP's output)
     post_norm: torch.Tensor  # post_feedforward_layernorm_2 (the experts' output)
 
+    def capturable(self, device: torch.device) -> bool:
+        """As its block's (the routing, scaling and combine around it are device ops)."""
+        return self.block.capturable(device)
+
     def __call__(self, h: torch.Tensor, eps: float) -> torch.Tensor:
         """The routed experts' output for residual rows h [N, E] (router on h itself,
         experts on their own norm of h): post_norm(sum_k w_k expert_k(pre_norm(h)))."""
@@ -85,9 +90,10 @@ class PerLayerEmbedding:
 
 class Gemma4Decoder:
     """Embedding (+ PLE) -> layers -> final norm -> LM head -> soft-cap, over one sequence's
-    HybridCache. Eager (`graphable` False)."""
+    HybridCache. The single-sequence decode step (`forward_static`) can be captured in a CUDA
+    graph (`graphable`; the MoE variant where its block runs the MoE kernels)."""
 
-    graphable = False
+    graphable = True
 
     def __init__(self, config: ModelConfig, embed: Embedding, ple: PerLayerEmbedding | None,
                  layers: list[Gemma4Layer], norm: torch.Tensor, lm_head: Linear | None,
@@ -114,8 +120,8 @@ class Gemma4Decoder:
 
     def layer_shapes(self) -> list[LayerShape]:
         s = self.spec
-        return [KVShape(s.kv_heads[i], s.head_dims[i]) if s.kv_source[i] == i else None
-                for i in range(self.config.num_layers)]
+        return [KVShape(s.kv_heads[i], s.head_dims[i], self.config.layer_window[i])
+                if s.kv_source[i] == i else None for i in range(self.config.num_layers)]
 
     def new_cache(self, capacity: int = 256) -> HybridCache:
         return HybridCache(self.layer_shapes(), self.dtype, self.device, capacity)
@@ -129,29 +135,39 @@ class Gemma4Decoder:
         proj = ops.rms_norm(proj, p.norm, c.rms_norm_eps)
         return _scalar(proj + table, 2.0**-0.5)
 
-    def _attend_rows(self, i: int, ly: Gemma4Layer, q: torch.Tensor, kv: torch.Tensor | None,
-                     cache: HybridCache, start: int, cos: torch.Tensor,
-                     sin: torch.Tensor) -> torch.Tensor:
+    def _qkv(self, i: int, ly: Gemma4Layer, q: torch.Tensor, kv: torch.Tensor | None,
+             cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         """One sequence's rows of the q projection q [T, H*D] (and of [k | v], None on a
-        KV-shared layer) at positions [start, +T) -> attention output [T, H*D] (before o_proj);
-        the layer's own K/V written to the cache."""
+        KV-shared layer) -> q [T, H, D] normed and rotated, and the layer's own K/V
+        [K, T, D] (None on a KV-shared layer)."""
         c, s = self.config, self.spec
         t, d, kh = q.shape[0], s.head_dims[i], s.kv_heads[i]
         eps = c.rms_norm_eps
-        q = ops.rms_norm(q.reshape(t, c.num_heads, d), ly.q_norm, eps)
-        if kv is not None:
-            k = kv[:, :kh * d].reshape(t, kh, d)
-            v = k if s.k_eq_v[i] else kv[:, kh * d:].reshape(t, kh, d)
-            k = ops.rope(ops.rms_norm(k, ly.k_norm, eps), cos, sin, False)
-            v = ops.rms_norm(v, self._ones[d], eps)
-            cache.k[i][:, start:start + t] = k.transpose(0, 1)
-            cache.v[i][:, start:start + t] = v.transpose(0, 1)
-        q = ops.rope(q, cos, sin, False)
-        src, window, ctx = s.kv_source[i], c.layer_window[i], start + t
-        lo = 0 if window is None else max(0, start - window + 1)
-        out = ops.attention(q, cache.k[src][:, lo:ctx], cache.v[src][:, lo:ctx], start, lo,
-                            c.attn_scale, window)
-        return out.reshape(t, c.num_heads * d)
+        q = ops.rope(ops.rms_norm(q.reshape(t, c.num_heads, d), ly.q_norm, eps), cos, sin,
+                     False)
+        if kv is None:
+            return q, None, None
+        k = kv[:, :kh * d].reshape(t, kh, d)
+        v = k if s.k_eq_v[i] else kv[:, kh * d:].reshape(t, kh, d)
+        k = ops.rope(ops.rms_norm(k, ly.k_norm, eps), cos, sin, False)
+        v = ops.rms_norm(v, self._ones[d], eps)
+        return q, k.transpose(0, 1), v.transpose(0, 1)
+
+    def _attend_rows(self, i: int, ly: Gemma4Layer, q: torch.Tensor, kv: torch.Tensor | None,
+                     cache: HybridCache, start: int, cos: torch.Tensor, sin: torch.Tensor,
+                     seen: dict) -> torch.Tensor:
+        """One sequence's rows at positions [start, +T) -> attention output [T, H*D] (before
+        o_proj). The layer's own K/V go to the cache; seen[i] keeps the K/V this forward
+        attends (the window's earlier positions and the new ones, in order), which the
+        KV-shared layers reading layer i attend too (a ring may no longer hold a long chunk's
+        first positions)."""
+        c, s = self.config, self.spec
+        q, k, v = self._qkv(i, ly, q, kv, cos, sin)
+        if k is not None:
+            seen[i] = cache.extend(i, k, v, start)
+        keys, values, lo = seen[s.kv_source[i]]
+        out = ops.attention(q, keys, values, start, lo, c.attn_scale, c.layer_window[i])
+        return out.reshape(q.shape[0], c.num_heads * s.head_dims[i])
 
     def _layers(self, ids: torch.Tensor, attend) -> torch.Tensor:
         """Embedding and the layers over rows ids [N]; attend(i, layer, x) -> the attention
@@ -189,15 +205,41 @@ class Gemma4Decoder:
         def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
             kv = ly.kv(x) if ly.kv is not None else None
             return ly.o_proj(self._attend_rows(i, ly, ly.q_proj(x), kv, cache, start,
-                                               *tables[id(self.ropes[i].spec)]))
+                                               *tables[id(self.ropes[i].spec)], seen))
+
+        seen: dict = {}
 
         h = self._layers(ids.to(self.device), attend)
         cache.length = start + t
         return self._logits(h[-1:] if last_only else h)
 
+    def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, pool: HybridCache,
+                       tables: dict) -> torch.Tensor:
+        """One decode token ids [1] at position pos [1] (device long) with every shape fixed
+        and no host value read, so the step can be captured in a CUDA graph (the cache's
+        length is the caller's). tables: rope spec id -> (cos, sin) [capacity, R], gathered
+        at pos. K/V are written at slot pos % slots; attention covers the layer's whole
+        buffer, its visibility computed from pos. Logits float32 [1, V]."""
+        c, s = self.config, self.spec
+        rows = {key: (cos.index_select(0, pos), sin.index_select(0, pos))
+                for key, (cos, sin) in tables.items()}
+
+        def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
+            kv = ly.kv(x) if ly.kv is not None else None
+            q, k, v = self._qkv(i, ly, ly.q_proj(x), kv, *rows[id(self.ropes[i].spec)])
+            if k is not None:
+                pool.write_at(i, k, v, pos)
+            src = s.kv_source[i]
+            out = ops.attention_at(q, pool.k[src], pool.v[src], pool.visible_upto(src, pos),
+                                   None, c.attn_scale)
+            return ly.o_proj(out.reshape(1, c.num_heads * s.head_dims[i]))
+
+        return self._logits(self._layers(ids, attend))
+
     def forward_batch(self, ids: torch.Tensor, caches: list[HybridCache]) -> torch.Tensor:
-        """One new token for each of B sequences (ids [B]): projections, MLPs and PLE
-        batched, each sequence's attention over its own cache. Logits float32 [B, V]."""
+        """One new token for each of B sequences (ids [B]): projections, MLPs, PLE and the
+        attention batched (`padded_decode_attention` over each sequence's visible K/V), the
+        K/V written to each sequence's own cache. Logits float32 [B, V]."""
         starts = [c.length for c in caches]
         for c in caches:
             c.reserve(c.length + 1)
@@ -209,13 +251,18 @@ class Gemma4Decoder:
                                       torch.cat([b for _, b in cs]))
 
         def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
-            q = ly.q_proj(x)
             kv = ly.kv(x) if ly.kv is not None else None
-            cos, sin = tables[id(self.ropes[i].spec)]
-            return ly.o_proj(torch.cat([
-                self._attend_rows(i, ly, q[b:b + 1], None if kv is None else kv[b:b + 1], c,
-                                  starts[b], cos[b:b + 1], sin[b:b + 1])
-                for b, c in enumerate(caches)]))
+            # B rows: norms and RoPE row by row, each row its own position's angles
+            q, k, v = self._qkv(i, ly, ly.q_proj(x), kv, *tables[id(self.ropes[i].spec)])
+            src = self.spec.kv_source[i]
+            for b, c in enumerate(caches):  # each sequence's K/V into its own cache
+                if k is not None:
+                    seen[b][i] = c.extend(i, k[:, b:b + 1], v[:, b:b + 1], starts[b])
+            out = padded_decode_attention(q, [s[src][0] for s in seen],
+                                          [s[src][1] for s in seen], self.config.attn_scale)
+            return ly.o_proj(out.reshape(len(caches), -1))
+
+        seen: list[dict] = [{} for _ in caches]
 
         h = self._layers(ids.to(self.device), attend)
         for c, s in zip(caches, starts):

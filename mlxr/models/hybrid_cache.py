@@ -2,9 +2,18 @@
 and the recurrent states of linear-attention layers.
 
 Unlike `SequenceCache` (one [K, S, D] shape for every layer), a layer here declares what it
-keeps: K/V [K, capacity, D] (its own K and D: gemma4's full layers are 512 wide), nothing (a
+keeps: K/V [K, S, D] (its own K and D: gemma4's full layers are 512 wide), nothing (a
 KV-shared layer reads another layer's), or a conv state [1, W-1, C] and a float32 recurrent
-state [1, Hv, Dv, Dk] (a gated DeltaNet layer). Positions [0, length) are filled.
+state [1, Hv, Dv, Dk] (a gated DeltaNet layer). Positions [0, length) are computed.
+
+A sliding-window layer (window w: a query sees the w positions ending at its own) keeps a ring
+of R = min(w, capacity) slots, position p in slot p % R: its memory stops growing at w
+positions, however long the context. While R < w the capacity covers every position, so no
+slot has wrapped yet (slot = position) and growing the ring copies slots as they are. Other
+layers keep every position (slot = position), grown geometrically.
+
+Every buffer is updated in place, so a decode step reading them at fixed addresses (and its
+position as a device tensor: `write_at`, `visible_upto`) can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -16,10 +25,12 @@ import torch
 
 @dataclass(frozen=True)
 class KVShape:
-    """A layer that stores K/V: kv heads and head dim."""
+    """A layer that stores K/V: kv heads, head dim, and its attention window (None: every
+    earlier position is visible, all are kept)."""
 
     kv_heads: int
     head_dim: int
+    window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -36,27 +47,69 @@ LayerShape = KVShape | StateShape | None
 
 class HybridCache:
     """One sequence's cache (the `SequenceCache` interface: length, reserve, capacity).
-    k[i] / v[i] [K, capacity, D] for KVShape layers; conv[i] / ssm[i] [1, ...] for StateShape
-    layers; entries of other layers are None."""
+    k[i] / v[i] [K, slots, D] for KVShape layers (slots: capacity, or the ring's
+    min(window, capacity)); conv[i] / ssm[i] [1, ...] for StateShape layers; entries of other
+    layers are None."""
 
     def __init__(self, shapes: list[LayerShape], dtype: torch.dtype, device: torch.device,
                  capacity: int = 256):
         self.shapes, self.dtype, self.device = shapes, dtype, device
         self.length, self.capacity = 0, max(1, capacity)
-        self.k, self.v = self._kv(self.capacity)
+        self._ring_index: tuple = (None, None, None)  # (key, old slots, new slots)
+        none = [None] * len(shapes)
+        self.k, self.v = self._kv(self.capacity, (none, none))
         self.conv = [torch.zeros((1, *s.conv), dtype=dtype, device=device)
                      if isinstance(s, StateShape) else None for s in shapes]
         self.ssm = [torch.zeros((1, *s.ssm), dtype=torch.float32, device=device)
                     if isinstance(s, StateShape) else None for s in shapes]
 
-    def _kv(self, cap: int) -> tuple[list, list]:
-        def one(s: LayerShape) -> torch.Tensor | None:
+    @property
+    def pool(self) -> HybridCache:
+        """The buffers a captured decode step reads (`GraphDecoder`): the cache itself."""
+        return self
+
+    def slots(self, i: int, capacity: int | None = None) -> int:
+        """Layer i's K/V slots at `capacity` (the current one by default)."""
+        cap = self.capacity if capacity is None else capacity
+        w = self.shapes[i].window
+        return cap if w is None else min(w, cap)
+
+    def _kv(self, cap: int, old: tuple[list, list]) -> tuple[list, list]:
+        """K/V lists for `cap`: a full ring (already min(window, cap) slots) is kept as is."""
+        def one(i: int, s: LayerShape, prev: torch.Tensor | None) -> torch.Tensor | None:
             if not isinstance(s, KVShape):
                 return None
-            return torch.zeros((s.kv_heads, cap, s.head_dim), dtype=self.dtype,
+            n = self.slots(i, cap)
+            if prev is not None and prev.shape[1] == n:
+                return prev
+            return torch.zeros((s.kv_heads, n, s.head_dim), dtype=self.dtype,
                                device=self.device)
 
-        return [one(s) for s in self.shapes], [one(s) for s in self.shapes]
+        return ([one(i, s, o) for i, (s, o) in enumerate(zip(self.shapes, old[0]))],
+                [one(i, s, o) for i, (s, o) in enumerate(zip(self.shapes, old[1]))])
+
+    def copy(self, capacity: int) -> HybridCache:
+        """A new cache of `capacity` (>= length) holding this one's positions and states: a
+        prefix snapshot (capacity = length: full layers keep exactly the computed positions)
+        or a sequence resumed from one."""
+        if capacity < self.length:
+            raise ValueError(f"a cache of {capacity} positions cannot hold {self.length}")
+        out = HybridCache(self.shapes, self.dtype, self.device, max(1, capacity))
+        out.length = self.length
+        for dst, src in ((out.k, self.k), (out.v, self.v)):
+            for d, s in zip(dst, src):
+                if d is not None:  # slots [0, m) hold every kept position (a wrapped ring is
+                    m = min(self.length, s.shape[1])  # full, window-sized on both sides)
+                    d[:, :m] = s[:, :m]
+        for dst, src in ((out.conv, self.conv), (out.ssm, self.ssm)):
+            for d, s in zip(dst, src):
+                if d is not None:
+                    d.copy_(s)
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (*self.k, *self.v, *self.conv, *self.ssm) if t is not None)
 
     def clear_states(self) -> None:
         """Zero the recurrent states (a sequence starting at position 0)."""
@@ -65,13 +118,58 @@ class HybridCache:
                 t.zero_()
 
     def reserve(self, length: int) -> None:
-        """Room for `length` positions (K/V grow geometrically, filled positions copied)."""
+        """Room for `length` positions (K/V grow geometrically, filled slots copied; a ring
+        stops at its window)."""
         if length <= self.capacity:
             return
         cap = max(length, 2 * self.capacity)
-        k, v = self._kv(cap)
+        k, v = self._kv(cap, (self.k, self.v))
         for new, old in ((k, self.k), (v, self.v)):
             for n, o in zip(new, old):
-                if n is not None:
+                if n is not None and n is not o:  # not yet wrapped: slot = position
                     n[:, :self.length] = o[:, :self.length]
         self.k, self.v, self.capacity = k, v, cap
+
+    def extend(self, i: int, k: torch.Tensor, v: torch.Tensor,
+               start: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Store layer i's new K/V [K, T, D] at positions [start, +T) (room reserved) and
+        return what its queries attend: K/V [K, S, D] of positions [lo, start + T) in order,
+        and lo (0, or for a window w the first position the first new query sees)."""
+        w, t = self.shapes[i].window, k.shape[1]
+        if w is None:
+            self.k[i][:, start:start + t] = k
+            self.v[i][:, start:start + t] = v
+            return self.k[i][:, :start + t], self.v[i][:, :start + t], 0
+        n = self.k[i].shape[1]
+        lo = max(0, start - w + 1)
+        keep = min(t, n)  # a chunk longer than the ring leaves only its last n positions
+        old, slots = self._ring_slots(lo, start, t, n)
+        keys = torch.cat((self.k[i].index_select(1, old), k), 1)
+        values = torch.cat((self.v[i].index_select(1, old), v), 1)
+        self.k[i].index_copy_(1, slots, k[:, t - keep:])
+        self.v[i].index_copy_(1, slots, v[:, t - keep:])
+        return keys, values, lo
+
+    def _ring_slots(self, lo: int, start: int, t: int, n: int) -> tuple:
+        """Slots of positions [lo, start) (still in the ring: fewer than w back) and of the
+        last min(t, n) new positions, in a ring of n; made once per forward (every ring
+        layer of a model has the same window)."""
+        key = (lo, start, t, n)
+        if self._ring_index[0] != key:
+            keep = min(t, n)
+            self._ring_index = (key, torch.arange(lo, start, device=self.device) % n,
+                                torch.arange(start + t - keep, start + t, device=self.device) % n)
+        return self._ring_index[1], self._ring_index[2]
+
+    def write_at(self, i: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Store one token's K/V [K, 1, D] at position pos [1] (device long): slot pos % slots,
+        no host value read."""
+        slot = torch.remainder(pos, self.k[i].shape[1])
+        self.k[i].index_copy_(1, slot, k)
+        self.v[i].index_copy_(1, slot, v)
+
+    def visible_upto(self, i: int, pos: torch.Tensor) -> torch.Tensor:
+        """The last slot a query at position pos [1] sees in layer i's buffer, as `attention_at`
+        takes it (slots 0..it visible, no window): every slot of a wrapped ring holds one of
+        the last `window` positions, which are all visible."""
+        return torch.clamp(pos, max=self.k[i].shape[1] - 1)

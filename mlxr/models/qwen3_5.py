@@ -23,6 +23,7 @@ from .decoder import Fused, _gated_act
 from .gated_delta import GatedDeltaMixer
 from .hybrid_cache import HybridCache, KVShape, LayerShape, StateShape
 from .moe import MoeBlock
+from .padded_attention import padded_decode_attention
 
 
 @dataclass
@@ -55,9 +56,11 @@ def linears(parts: list) -> list[Linear]:
 
 class Qwen35Decoder:
     """Embedding -> hybrid layers -> final norm -> LM head over one sequence's HybridCache.
-    Not captured in CUDA graphs (`graphable` False): the recurrence runs eagerly."""
+    The single-sequence decode step (`forward_static`: conv and recurrent states updated in
+    place, position on the device) can be captured in a CUDA graph (`graphable`; the MoE
+    families where their blocks run the MoE kernels)."""
 
-    graphable = False
+    graphable = True
 
     def __init__(self, config: ModelConfig, embed: Embedding, layers: list[HybridLayer],
                  norm: torch.Tensor, lm_head: Linear | None, dtype: torch.dtype,
@@ -93,6 +96,25 @@ class Qwen35Decoder:
     def new_cache(self, capacity: int = 256) -> HybridCache:
         return HybridCache(self.layer_shapes(), self.dtype, self.device, capacity)
 
+    def _split_gate(self, proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of the qkv projection proj [T, 2HD + 2KD] -> (qkv [T, HD + 2KD] with the
+        gate halves taken out, gate [T, H*D])."""
+        c = self.config
+        t, h, d = proj.shape[0], c.num_heads, c.head_dim
+        qg = proj[:, :2 * h * d].reshape(t, h, 2 * d)
+        gate = qg[..., d:].reshape(t, h * d)
+        return torch.cat((qg[..., :d].reshape(t, h * d), proj[:, 2 * h * d:]), -1), gate
+
+    def _q_write(self, m: GatedAttention, qkv: torch.Tensor, cache: HybridCache, i: int,
+                 cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
+        """q/k norm and RoPE of qkv [T, HD + 2KD]; K/V written to cache slots `slots` [T];
+        returns q [T, H, D] (`ops.qkv_rope_write`; positions: cos / sin are whole tables)."""
+        c = self.config
+        return ops.qkv_rope_write(qkv, c.num_heads, c.num_kv_heads, c.head_dim, m.q_norm,
+                                  m.k_norm, c.rms_norm_eps, 0.0, self.ropes[0].scale, cos, sin,
+                                  False, cache.k[i], cache.v[i], slots, positions)
+
     def _gated_attention(self, m: GatedAttention, proj: torch.Tensor, cache: HybridCache,
                          i: int, start: int, cos: torch.Tensor,
                          sin: torch.Tensor) -> torch.Tensor:
@@ -100,18 +122,14 @@ class Qwen35Decoder:
         [start, +T) -> attention output times sigmoid(gate) [T, H*D] (before o_proj); K/V
         written to the cache."""
         c = self.config
-        t, h, d = proj.shape[0], c.num_heads, c.head_dim
-        qg = proj[:, :2 * h * d].reshape(t, h, 2 * d)
-        gate = qg[..., d:].reshape(t, h * d)
-        qkv = torch.cat((qg[..., :d].reshape(t, h * d), proj[:, 2 * h * d:]), -1)
+        t = proj.shape[0]
+        qkv, gate = self._split_gate(proj)
         slots = torch.arange(start, start + t, device=self.device)
-        q = ops.qkv_rope_write(qkv, h, c.num_kv_heads, d, m.q_norm, m.k_norm, c.rms_norm_eps,
-                               0.0, self.ropes[0].scale, cos, sin, False, cache.k[i],
-                               cache.v[i], slots)
+        q = self._q_write(m, qkv, cache, i, cos, sin, slots)
         ctx = start + t
         out = ops.attention(q, cache.k[i][:, :ctx], cache.v[i][:, :ctx], start, 0,
                             c.attn_scale)
-        return out.reshape(t, h * d) * torch.sigmoid(gate)
+        return out.reshape(t, c.num_heads * c.head_dim) * torch.sigmoid(gate)
 
     def _layers(self, h: torch.Tensor, mixer, last_only: bool) -> torch.Tensor:
         """The layers over rows h [N, E]; mixer(i, layer, x) -> the mixer's output [N, E].
@@ -149,9 +167,32 @@ class Qwen35Decoder:
         cache.length = start + t
         return self.head(x).float()
 
+    def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, pool: HybridCache,
+                       tables: dict) -> torch.Tensor:
+        """One decode token ids [1] at position pos [1] (device long) with every shape fixed
+        and no host value read, so the step can be captured in a CUDA graph (the cache's
+        length is the caller's; the prefill before it started the states). The conv and
+        recurrent states are updated in place; K/V written at slot pos, attention over the
+        whole capacity with its visibility from pos. tables: rope spec id -> (cos, sin)
+        [capacity, R], indexed by pos in the RoPE kernel. Logits float32 [1, V]."""
+        c = self.config
+        cos, sin = tables[id(self.ropes[0].spec)]
+
+        def mixer(i: int, layer: HybridLayer, x: torch.Tensor) -> torch.Tensor:
+            m = layer.mixer
+            if isinstance(m, GatedDeltaMixer):
+                return m(x[None], pool.conv[i], pool.ssm[i])[0]
+            qkv, gate = self._split_gate(m.qkv(x))
+            q = self._q_write(m, qkv, pool, i, cos, sin, pos, pos)
+            out = ops.attention_at(q, pool.k[i], pool.v[i], pos, None, c.attn_scale)
+            return m.o_proj(out.reshape(1, c.num_heads * c.head_dim) * torch.sigmoid(gate))
+
+        return self.head(self._layers(self.embed(ids), mixer, False)).float()
+
     def forward_batch(self, ids: torch.Tensor, caches: list[HybridCache]) -> torch.Tensor:
         """One new token for each of B sequences (ids [B], the next position of each cache):
-        projections and MLPs batched, each sequence's attention and recurrent state its own.
+        projections, MLPs, the recurrence (states gathered and written back) and the attention
+        (`padded_decode_attention`) batched; each sequence's K/V written to its own cache.
         Returns logits float32 [B, V]."""
         starts = [c.length for c in caches]
         for c in caches:
@@ -171,10 +212,15 @@ class Qwen35Decoder:
                     c.conv[i].copy_(conv[b:b + 1])
                     c.ssm[i].copy_(ssm[b:b + 1])
                 return out
-            proj = m.qkv(x)
-            return m.o_proj(torch.cat([
-                self._gated_attention(m, proj[b:b + 1], c, i, starts[b], cos[b:b + 1],
-                                      sin[b:b + 1]) for b, c in enumerate(caches)]))
+            qkv, gate = self._split_gate(m.qkv(x))
+            q = torch.cat([self._q_write(m, qkv[b:b + 1], c, i, cos[b:b + 1], sin[b:b + 1],
+                                         torch.tensor([starts[b]], device=self.device))
+                           for b, c in enumerate(caches)])  # each K/V into its own cache
+            ctx = [s + 1 for s in starts]
+            out = padded_decode_attention(q, [c.k[i][:, :n] for c, n in zip(caches, ctx)],
+                                          [c.v[i][:, :n] for c, n in zip(caches, ctx)],
+                                          self.config.attn_scale)
+            return m.o_proj(out.reshape(len(caches), -1) * torch.sigmoid(gate))
 
         x = self._layers(self.embed(ids.to(self.device)), mixer, False)
         for c, s in zip(caches, starts):

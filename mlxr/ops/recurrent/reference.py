@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 
 def _scalar(x: torch.Tensor, s: float) -> torch.Tensor:
-    """x * s with s first rounded to x's dtype, as mlx multiplies by a Python float."""
-    return x * torch.tensor(s, dtype=x.dtype, device=x.device)
+    """x * s with s first rounded to x's dtype, as mlx multiplies by a Python float (a fill,
+    not a host-to-device copy: capturable in a CUDA graph)."""
+    return x * torch.full((), s, dtype=x.dtype, device=x.device)
 
 
 def conv1d_silu(x: torch.Tensor, state: torch.Tensor,
