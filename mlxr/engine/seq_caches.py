@@ -32,12 +32,15 @@ from .state_snapshots import StateSnapshots
 
 class SequenceCaches:
     """Per-sequence caches of a hybrid decoder, keyed by sequence id, and the prefix snapshots
-    (at most `snapshot_bytes`; 0: no prefix caching) at multiples of `block_size` tokens."""
+    (at most `snapshot_bytes`; 0: no prefix caching) at multiples of `block_size` tokens.
+    Snapshots need a cache that copies itself (`HybridCache.copy`); a decoder says so with
+    `cache_snapshots = True` (the ONNX fallback decoders' caches do not: no prefix caching)."""
 
     def __init__(self, decoder, block_size: int, snapshot_bytes: int):
         self.decoder, self.block_size = decoder, block_size
         self.caches: dict[int, object] = {}
-        self.snapshots = StateSnapshots(snapshot_bytes)
+        self.snapshots = StateSnapshots(
+            snapshot_bytes if getattr(decoder, "cache_snapshots", False) else 0)
         self.queries = self.hits = 0  # prefix-cache statistics, in blocks (as BlockManager's)
 
     def resume(self, seq: Sequence) -> int:

@@ -94,6 +94,7 @@ class Gemma4Decoder:
     graph (`graphable`; the MoE variant where its block runs the MoE kernels)."""
 
     graphable = True
+    cache_snapshots = True  # HybridCache.copy: prefix caching in the engine
 
     def __init__(self, config: ModelConfig, embed: Embedding, ple: PerLayerEmbedding | None,
                  layers: list[Gemma4Layer], norm: torch.Tensor, lm_head: Linear | None,

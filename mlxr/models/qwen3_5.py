@@ -61,6 +61,7 @@ class Qwen35Decoder:
     families where their blocks run the MoE kernels)."""
 
     graphable = True
+    cache_snapshots = True  # HybridCache.copy: prefix caching in the engine
 
     def __init__(self, config: ModelConfig, embed: Embedding, layers: list[HybridLayer],
                  norm: torch.Tensor, lm_head: Linear | None, dtype: torch.dtype,
