@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("MLXR_HYBRID_GRAPHS", "1")  # the hybrid decode graph is under test
 os.environ.setdefault("MLXR_MOE_GRAPHS", "1")
 import mlxr  # noqa: E402
+from decode_checks import run_ids  # noqa: E402
 from hybrid_configs import FAMILIES  # noqa: E402
 from mlxr import generate  # noqa: E402
 from mlxr.engine import EngineRequest, LLMEngine  # noqa: E402
@@ -93,12 +94,7 @@ def _engine_equals_single(model, n: int = 8) -> bool:
     prompts = [[rng.randrange(VOCAB) for _ in range(k)] for k in (5, 23, 11, 17)]
     engine = LLMEngine(model, max_num_seqs=4, block_size=16)
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    outs = [[] for _ in prompts]
-    for p, o in zip(prompts, outs):
-        engine.add(EngineRequest(p, params), o.append)
-    while engine.has_work():
-        engine.step()
-    got = [[t for x in o for t in x.token_ids] for o in outs]
+    got = run_ids(engine, [EngineRequest(p, params) for p in prompts])
     want = [list(model.generate(p, max_tokens=n, ignore_eos=True)) for p in prompts]
     return got == want
 

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 os.environ.setdefault("MLXR_MOE_GRAPHS", "1")  # the MoE decode graph is under test
 import mlxr  # noqa: E402
+from decode_checks import run_ids  # noqa: E402
 from mlxr.engine import EngineRequest, LLMEngine  # noqa: E402
 from mlxr.engine.cuda_graph import GraphDecoder, graphable  # noqa: E402
 from mlxr.engine.kv_cache import new_cache  # noqa: E402
@@ -123,18 +124,9 @@ def engine_batch(path: Path, family: str, quant: str) -> float:
     rng = random.Random(7)
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (5, 17, 11, 23, 8, 30)]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-
-    def run_all(engine, reqs):
-        outs = [[] for _ in reqs]
-        for i, r in enumerate(reqs):
-            engine.add(r, outs[i].append)
-        while engine.has_work():
-            engine.step()
-        return [[t for o in out for t in o.token_ids] for out in outs]
-
-    batched = run_all(LLMEngine(model, max_num_seqs=8, max_num_batched_tokens=64),
+    batched = run_ids(LLMEngine(model, max_num_seqs=8, max_num_batched_tokens=64),
                       [EngineRequest(p, params) for p in prompts])
-    alone = [run_all(LLMEngine(model, max_num_seqs=1), [EngineRequest(p, params)])[0]
+    alone = [run_ids(LLMEngine(model, max_num_seqs=1), [EngineRequest(p, params)])[0]
              for p in prompts]
     same = sum(a == b for a, b in zip(batched, alone))
     print(f"{family:10s} {quant:13s} engine batched == alone: {same}/{len(prompts)} "

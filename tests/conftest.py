@@ -97,3 +97,15 @@ def onnx_exports(tmp_path_factory) -> Path:
                             str(root)], stdout=f, stderr=subprocess.STDOUT, timeout=900)
     assert r.returncode == 0, f"ONNX export build failed:\n{log.read_text()[-3000:]}"
     return root
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint():
+    """benchmarks/make_checkpoint.py as a module (benchmarks/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_checkpoint",
+                                                  ROOT / "benchmarks" / "make_checkpoint.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

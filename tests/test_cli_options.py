@@ -4,7 +4,6 @@ and --port checks, bench defaults that fit the model, make_checkpoint's tokenize
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -152,16 +151,8 @@ def test_bench_defaults_fit_the_context():
     assert main(["bench", "-p", "512", "-n", "128", "--device", "cpu"]) == 1
 
 
-def _make_checkpoint():
-    spec = importlib.util.spec_from_file_location("make_checkpoint",
-                                                  ROOT / "benchmarks" / "make_checkpoint.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_make_checkpoint_copies_only_tokenizer_files(tmp_path):
-    mc = _make_checkpoint()
+def test_make_checkpoint_copies_only_tokenizer_files(tmp_path, make_checkpoint):
+    mc = make_checkpoint
     src = tmp_path / "model"
     shutil.copytree(STORY, src)
     (src / "chat_template.jinja").write_text("{{ messages[0].content }}")

@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 import mlxr
+from decode_checks import ids_of, run_all
 from mlxr.cli.common import BUNDLED
 from mlxr.engine import AsyncEngine, EngineRequest, LLMEngine
 from mlxr.text.sampling import SamplingParams
@@ -23,22 +24,6 @@ PROMPTS = ["Once upon a time", "Lily and Tom went to the park.", "The sun", "A b
 
 def single(model, prompt_ids, n):
     return list(model.generate(prompt_ids, max_tokens=n, temperature=0, ignore_eos=True))
-
-
-def run_all(engine: LLMEngine, reqs: list[EngineRequest]) -> list[list]:
-    outs = [[] for _ in reqs]
-    for i, r in enumerate(reqs):
-        engine.add(r, outs[i].append)
-    steps = 0
-    while engine.has_work():
-        engine.step()
-        steps += 1
-        assert steps < 10_000
-    return outs
-
-
-def ids_of(outs):
-    return [t for o in outs for t in o.token_ids]
 
 
 @pytest.mark.parametrize("budget,num_blocks", [(256, None), (7, None), (256, 10)])

@@ -12,6 +12,7 @@ import pytest
 hyb = pytest.importorskip("mlx_ref_hybrid")
 
 import mlxr  # noqa: E402
+from decode_checks import ids_of, run_all  # noqa: E402
 from mlxr.engine import EngineRequest, LLMEngine  # noqa: E402
 from mlxr.text.sampling import SamplingParams  # noqa: E402
 
@@ -28,21 +29,6 @@ def model(request, tmp_path_factory):
 def _prompts() -> list[list[int]]:
     rng = random.Random(7)
     return [[rng.randrange(320) for _ in range(n)] for n in (5, 23, 11, 17)]
-
-
-def _run(engine: LLMEngine, reqs: list[EngineRequest]) -> list[list]:
-    outs = [[] for _ in reqs]
-    for i, r in enumerate(reqs):
-        engine.add(r, outs[i].append)
-    for _ in range(10_000):
-        if not engine.has_work():
-            return outs
-        engine.step()
-    raise AssertionError("engine did not finish")
-
-
-def _ids(outs) -> list[int]:
-    return [t for o in outs for t in o.token_ids]
 
 
 _singles: dict = {}
@@ -69,10 +55,10 @@ def test_batch_equals_single(model, budget, num_blocks, monkeypatch):
     inner = model.decoder.forward_batch
     monkeypatch.setattr(model.decoder, "forward_batch",
                         lambda ids, caches: batched.append(len(caches)) or inner(ids, caches))
-    outs = _run(engine, [EngineRequest(p, params) for p in prompts])
+    outs = run_all(engine, [EngineRequest(p, params) for p in prompts])
     assert batched and max(batched) > 1  # decodes ran together
     for p, o in zip(prompts, outs):
-        assert _ids(o) == _single(model, p, n)
+        assert ids_of(o) == _single(model, p, n)
         assert o[-1].finish_reason == "length"
     assert engine.blocks.num_free == len(engine.blocks.blocks)
     assert engine.seq_caches.caches == {}  # dropped as each sequence finished
@@ -89,14 +75,14 @@ def test_prefix_snapshot_resumes_with_the_same_output(model):
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     engine = LLMEngine(model, max_num_seqs=2, block_size=4)
     plain = LLMEngine(model, max_num_seqs=2, block_size=4, prefix_snapshot_bytes=0)
-    first = _run(engine, [EngineRequest(prompt, params)])[0]
-    second = _run(engine, [EngineRequest(prompt, params)])[0]
-    assert _ids(first) == _ids(second) == _single(model, prompt, 10)
+    first = run_all(engine, [EngineRequest(prompt, params)])[0]
+    second = run_all(engine, [EngineRequest(prompt, params)])[0]
+    assert ids_of(first) == ids_of(second) == _single(model, prompt, 10)
     assert first[-1].cached_tokens == 0 and second[-1].cached_tokens == 20
-    follow = prompt + _ids(first)[:9] + [5, 6, 7]  # 35 tokens, the first 32 computed before
-    got = _run(engine, [EngineRequest(follow, params)])[0]
+    follow = prompt + ids_of(first)[:9] + [5, 6, 7]  # 35 tokens, the first 32 computed before
+    got = run_all(engine, [EngineRequest(follow, params)])[0]
     assert got[-1].cached_tokens == 32
-    assert _ids(got) == _ids(_run(plain, [EngineRequest(follow, params)])[0])
+    assert ids_of(got) == ids_of(run_all(plain, [EngineRequest(follow, params)])[0])
     assert plain.stats()["prefix_snapshots"] == 0 and plain.stats()["prefix_cache_hits"] == 0
     stats = engine.stats()
     assert stats["prefix_cache_hits"] == (20 + 32) // 4
@@ -107,16 +93,16 @@ def test_prefix_snapshots_stay_within_their_budget(model):
     the engine without prefix caching."""
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     probe = LLMEngine(model, max_num_seqs=1, block_size=4)
-    _run(probe, [EngineRequest(_prompts()[0], params)])
+    run_all(probe, [EngineRequest(_prompts()[0], params)])
     one = max(s.nbytes() for s in probe.seq_caches.snapshots.items.values())
     budget = 3 * one
     engine = LLMEngine(model, max_num_seqs=4, block_size=4, prefix_snapshot_bytes=budget)
     reqs = [EngineRequest(p, params) for p in _prompts()]
-    outs = _run(engine, reqs)
+    outs = run_all(engine, reqs)
     snaps = engine.seq_caches.snapshots
     assert 0 < snaps.used <= budget and len(snaps) < 10
     assert snaps.used == sum(s.nbytes() for s in snaps.items.values())
-    assert [_ids(o) for o in outs] == [_single(model, p, 6) for p in _prompts()]
+    assert [ids_of(o) for o in outs] == [_single(model, p, 6) for p in _prompts()]
 
 
 def test_cancel_drops_the_sequence_cache(model):
@@ -135,7 +121,7 @@ def test_cancel_drops_the_sequence_cache(model):
     while engine.has_work():
         engine.step()
     assert engine.seq_caches.caches == {}
-    assert _ids(kept) == _single(model, _prompts()[0], 5)
+    assert ids_of(kept) == _single(model, _prompts()[0], 5)
 
 
 def test_sampled_and_logprob_rows_come_from_the_right_sequence(model):
@@ -145,8 +131,8 @@ def test_sampled_and_logprob_rows_come_from_the_right_sequence(model):
     prompts = _prompts()[:3]
     reqs = [EngineRequest(p, params, logprobs=2 if i == 1 else None)
             for i, p in enumerate(prompts)]
-    outs = _run(engine, reqs)
+    outs = run_all(engine, reqs)
     for p, o in zip(prompts, outs):
-        assert _ids(o) == _single(model, p, 3)
+        assert ids_of(o) == _single(model, p, 3)
     lp = [x.logprobs[0] for x in outs[1] if x.logprobs]
     assert lp and all(t.token_id == t.top[0][0] for t in lp)

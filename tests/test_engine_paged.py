@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import ids_of, run_all, single
+from decode_checks import ids_of, run_all
+from test_engine import single
 
 import mlxr
 from mlxr.cli.common import BUNDLED

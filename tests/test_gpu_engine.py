@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import mlxr
+from decode_checks import run_ids
 from mlxr.cli.common import BUNDLED
 from mlxr.engine import EngineRequest, LLMEngine
 from mlxr.text.sampling import SamplingParams
@@ -22,15 +23,6 @@ def model():
     return mlxr.load(BUNDLED / "stories260K-8bit", device="cuda", dtype="float32")
 
 
-def run_all(engine, reqs):
-    outs = [[] for _ in reqs]
-    for i, r in enumerate(reqs):
-        engine.add(r, outs[i].append)
-    while engine.has_work():
-        engine.step()
-    return [[t for o in out for t in o.token_ids] for out in outs]
-
-
 @pytest.mark.parametrize("max_seqs,num_blocks", [(8, None), (3, None), (8, 10)])
 def test_graph_decode_equals_single(model, max_seqs, num_blocks):
     tok = model.tokenizer
@@ -38,7 +30,7 @@ def test_graph_decode_equals_single(model, max_seqs, num_blocks):
     lens = [48, 20, 33, 64, 5, 40, 17, 50]
     engine = LLMEngine(model, max_num_seqs=max_seqs, num_blocks=num_blocks)
     assert engine.paged is not None and max_seqs in engine.paged.graphs
-    outs = run_all(engine, [EngineRequest(p, SamplingParams(max_tokens=n, temperature=0,
+    outs = run_ids(engine, [EngineRequest(p, SamplingParams(max_tokens=n, temperature=0,
                                                             ignore_eos=True))
                             for p, n in zip(prompts, lens)])
     for p, n, o in zip(prompts, lens, outs):
@@ -59,8 +51,8 @@ def test_graph_decode_sampled_rows_match_eager(model):
                 EngineRequest(p[3], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
                               logprobs=1)]
 
-    graph = run_all(LLMEngine(model, max_num_seqs=4), reqs())
-    eager = run_all(LLMEngine(model, max_num_seqs=4, paged_decode=False), reqs())
+    graph = run_ids(LLMEngine(model, max_num_seqs=4), reqs())
+    eager = run_ids(LLMEngine(model, max_num_seqs=4, paged_decode=False), reqs())
     assert graph == eager
 
 

@@ -5,9 +5,7 @@ full-size hybrid MoE shapes parse to their MoE blocks, cut by --layers to whole 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,16 +14,10 @@ import mlxr
 from hybrid_configs import FAMILIES
 from mlxr.config import parse_config
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def mc():
-    spec = importlib.util.spec_from_file_location("make_checkpoint",
-                                                  ROOT / "benchmarks" / "make_checkpoint.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def mc(make_checkpoint):
+    return make_checkpoint
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

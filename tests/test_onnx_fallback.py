@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import mlxr
+from decode_checks import run_ids
 from mlxr.harness import trace
 from mlxr.onnx.fallback import OrtDecoder
 from mlxr.onnx.regions import RegionDecoder
@@ -205,14 +206,6 @@ def test_serving_engine_batches_a_graph_partly_on_onnxruntime(odd_graph):
     engine = LLMEngine(model, max_num_seqs=3, max_num_batched_tokens=8)
     assert engine.seq_caches is not None
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    outs = [[] for _ in prompts]
-    for i, p in enumerate(prompts):
-        engine.add(EngineRequest(p, params), outs[i].append)
-    steps = 0
-    while engine.has_work():
-        engine.step()
-        steps += 1
-        assert steps < 1000
-    for p, o in zip(prompts, outs):
-        got = [t for x in o for t in x.token_ids]
+    outs = run_ids(engine, [EngineRequest(p, params) for p in prompts])
+    for p, got in zip(prompts, outs):
         assert got == list(model.generate(p, max_tokens=n, ignore_eos=True))

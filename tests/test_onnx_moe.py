@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 
 import mlxr
+from decode_checks import run_ids
 from mlxr.onnx import inspect
 from mlxr.onnx.regions import RegionDecoder
 from onnx_ref import copy_folder, empty_past, fp32_reference, prompt_logits, step_feeds
@@ -166,9 +167,5 @@ def test_whole_graph_fallback_runs_window_buffers_as_full_caches(onnx_exports, t
     assert list(model.generate(PROMPT[:6], max_tokens=12, ignore_eos=True)) == want
     engine = LLMEngine(model, max_num_seqs=2)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    outs = [[], []]
-    for i, p in enumerate([PROMPT[:6], PROMPT[6:9]]):
-        engine.add(EngineRequest(p, params), outs[i].append)
-    while engine.has_work():
-        engine.step()
-    assert [t for x in outs[0] for t in x.token_ids] == want
+    outs = run_ids(engine, [EngineRequest(p, params) for p in (PROMPT[:6], PROMPT[6:9])])
+    assert outs[0] == want

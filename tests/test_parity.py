@@ -23,6 +23,7 @@ import pytest
 mlx_ref = pytest.importorskip("mlx_ref")
 
 import mlxr  # noqa: E402
+from decode_checks import assert_static_step_equals_eager  # noqa: E402
 from mlxr.engine.kv_cache import new_cache  # noqa: E402
 
 F32_TOL = 1e-3
@@ -135,24 +136,8 @@ def test_prefill_then_decode_equals_full_recompute(built, family, dtype, tol):
 def test_static_decode_step_equals_eager(built, family):
     """The CUDA-graph decode step (`forward_static`: device-side positions, whole-capacity
     attention under a mask) computes the same logits as the eager step (run here on CPU)."""
-    import torch
-
     b = built(family, "q4g64")
-    dec = b.model32.decoder
-    seq = b.seq[:30]
-    eager = new_cache(dec, 64)
-    static = new_cache(dec, 64)
-    tables = {}
-    for rope in dec.ropes:
-        tables.setdefault(id(rope.spec), rope.cos_sin(0, 64))
-    with torch.inference_mode():
-        dec.forward(torch.tensor(seq[:20]), eager, last_only=True)
-        dec.forward(torch.tensor(seq[:20]), static, last_only=True)
-        for p in range(20, 30):
-            want = dec.forward(torch.tensor([seq[p]]), eager, last_only=True)[0]
-            got = dec.forward_static(torch.tensor([seq[p]]), torch.tensor([p]), static.pool,
-                                     tables)[0]
-            assert torch.allclose(got, want, rtol=0, atol=1e-4 * float(want.max() - want.min()))
+    assert_static_step_equals_eager(b.model32.decoder, b.seq[:30])
 
 
 @pytest.mark.parametrize("family,untied", [("llama", True), ("qwen3", False)])

@@ -25,6 +25,7 @@ import torch
 mlx_ref = pytest.importorskip("mlx_ref")
 
 import mlxr  # noqa: E402
+from decode_checks import assert_static_step_equals_eager, run_ids  # noqa: E402
 from mlxr.engine import EngineRequest, LLMEngine  # noqa: E402
 from mlxr.engine.kv_cache import new_cache  # noqa: E402
 from mlxr.text.sampling import SamplingParams  # noqa: E402
@@ -199,32 +200,7 @@ def test_static_decode_step_equals_eager(built, family):
     """The CUDA-graph decode step's form (device positions, whole-capacity attention under a
     mask: sinks and the head gate there too) equals the eager step (run here on CPU)."""
     b = built(family, "q4g64")
-    dec = b.model32.decoder
-    seq = b.seq[:30]
-    eager, static = new_cache(dec, 64), new_cache(dec, 64)
-    tables = {}
-    for rope in dec.ropes:
-        tables.setdefault(id(rope.spec), rope.cos_sin(0, 64))
-    with torch.inference_mode():
-        dec.forward(torch.tensor(seq[:20]), eager, last_only=True)
-        dec.forward(torch.tensor(seq[:20]), static, last_only=True)
-        for p in range(20, 30):
-            want = dec.forward(torch.tensor([seq[p]]), eager, last_only=True)[0]
-            got = dec.forward_static(torch.tensor([seq[p]]), torch.tensor([p]), static.pool,
-                                     tables)[0]
-            assert torch.allclose(got, want, rtol=0, atol=1e-4 * float(want.max() - want.min()))
-
-
-def _run_all(engine: LLMEngine, reqs: list[EngineRequest]) -> list[list[int]]:
-    outs: list[list] = [[] for _ in reqs]
-    for i, r in enumerate(reqs):
-        engine.add(r, outs[i].append)
-    steps = 0
-    while engine.has_work():
-        engine.step()
-        steps += 1
-        assert steps < 10_000
-    return [[t for o in out for t in o.token_ids] for out in outs]
+    assert_static_step_equals_eager(b.model32.decoder, b.seq[:30])
 
 
 @pytest.mark.parametrize("family", ["laguna", "gpt_oss"])
@@ -237,10 +213,10 @@ def test_engine_batch_equals_single(built, family, paged):
     prompts = [[rng.randrange(mlx_ref.BASE["vocab_size"]) for _ in range(n)]
                for n in (5, 17, 11, 23)]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    batched = _run_all(LLMEngine(model, max_num_seqs=4, max_num_batched_tokens=13,
+    batched = run_ids(LLMEngine(model, max_num_seqs=4, max_num_batched_tokens=13,
                                  paged_decode=paged),
                        [EngineRequest(p, params) for p in prompts])
-    alone = [_run_all(LLMEngine(model, max_num_seqs=1, paged_decode=paged),
+    alone = [run_ids(LLMEngine(model, max_num_seqs=1, paged_decode=paged),
                       [EngineRequest(p, params)])[0] for p in prompts]
     assert batched == alone
 
@@ -355,10 +331,10 @@ def test_moe_kernels_engine_batch_equals_single(built, monkeypatch):
     prompts = [[rng.randrange(mlx_ref.BASE["vocab_size"]) for _ in range(n)]
                for n in (5, 12, 9)]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    batched = _run_all(LLMEngine(model, max_num_seqs=3, max_num_batched_tokens=13,
+    batched = run_ids(LLMEngine(model, max_num_seqs=3, max_num_batched_tokens=13,
                                  paged_decode=True),
                        [EngineRequest(p, params) for p in prompts])
-    alone = [_run_all(LLMEngine(model, max_num_seqs=1, paged_decode=True),
+    alone = [run_ids(LLMEngine(model, max_num_seqs=1, paged_decode=True),
                       [EngineRequest(p, params)])[0] for p in prompts]
     assert batched == alone
 

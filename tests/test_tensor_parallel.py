@@ -25,6 +25,7 @@ import torch
 mlx_ref = pytest.importorskip("mlx_ref")
 
 import mlxr  # noqa: E402
+from decode_checks import run_ids  # noqa: E402
 from mlxr.engine import EngineRequest, LLMEngine  # noqa: E402
 from mlxr.errors import ModelFormatError  # noqa: E402
 from mlxr.parallel import TensorParallelError  # noqa: E402
@@ -146,18 +147,6 @@ def test_splits_that_cut_groups_or_heads_are_refused(models):
         mlxr.load(q4, device="cpu", tensor_parallel=0)
 
 
-def _run_all(engine: LLMEngine, reqs: list[EngineRequest]) -> list[list[int]]:
-    outs: list[list] = [[] for _ in reqs]
-    for i, r in enumerate(reqs):
-        engine.add(r, outs[i].append)
-    steps = 0
-    while engine.has_work():
-        engine.step()
-        steps += 1
-        assert steps < 10_000
-    return [[t for o in out for t in o.token_ids] for out in outs]
-
-
 @pytest.mark.parametrize("paged", [None, True])
 def test_engine_batch_equals_one_process(loaded, paged):
     """The serving engine over 2 ranks (continuous batching, small prefill chunks, with
@@ -169,7 +158,7 @@ def test_engine_batch_equals_one_process(loaded, paged):
     def run(world):
         engine = LLMEngine(loaded("llama_tp", "q4g64", world), max_num_seqs=3,
                            max_num_batched_tokens=13, paged_decode=paged)
-        return _run_all(engine, [EngineRequest(p, params) for p in prompts])
+        return run_ids(engine, [EngineRequest(p, params) for p in prompts])
 
     assert run(2) == run(1)
 
