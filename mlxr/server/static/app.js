@@ -117,8 +117,8 @@
     return body;
   }
 
-  // SSE: "data: {json}\n\n" events; "data: [DONE]" ends the stream
-  async function* sseEvents(response) {
+  // a streamed body's text, frame by frame: the pieces between `sep`s as they complete
+  async function* frames(response, sep) {
     const reader = response.body.getReader();
     const decoder = new TextDecoder();
     let buf = "";
@@ -127,15 +127,21 @@
       if (done) break;
       buf += decoder.decode(value, { stream: true });
       let cut;
-      while ((cut = buf.indexOf("\n\n")) >= 0) {
-        const event = buf.slice(0, cut);
-        buf = buf.slice(cut + 2);
-        for (const line of event.split("\n")) {
-          if (!line.startsWith("data:")) continue;
-          const data = line.slice(5).trim();
-          if (data === "[DONE]") return;
-          yield JSON.parse(data);
-        }
+      while ((cut = buf.indexOf(sep)) >= 0) {
+        yield buf.slice(0, cut);
+        buf = buf.slice(cut + sep.length);
+      }
+    }
+  }
+
+  // SSE: "data: {json}\n\n" events; "data: [DONE]" ends the stream
+  async function* sseEvents(response) {
+    for await (const event of frames(response, "\n\n")) {
+      for (const line of event.split("\n")) {
+        if (!line.startsWith("data:")) continue;
+        const data = line.slice(5).trim();
+        if (data === "[DONE]") return;
+        yield JSON.parse(data);
       }
     }
   }
@@ -292,29 +298,19 @@
   async function pull(name, progress, status) {
     try {
       const r = await api("POST", "/api/pull", { model: name, stream: true });
-      const reader = r.body.getReader();
-      const decoder = new TextDecoder();
       const files = {};
-      let buf = "";
-      for (;;) {
-        const { value, done } = await reader.read();
-        if (done) break;
-        buf += decoder.decode(value, { stream: true });
-        let cut;
-        while ((cut = buf.indexOf("\n")) >= 0) {
-          const line = JSON.parse(buf.slice(0, cut));
-          buf = buf.slice(cut + 1);
-          if (line.error) throw new Error(line.error);
-          status.textContent = line.status;
-          if (line.total) {  // per file: the bar shows the sum over the files seen so far
-            files[line.digest] = [line.total, line.completed || 0];
-            let total = 0, done = 0;
-            Object.values(files).forEach(function (f) { total += f[0]; done += f[1]; });
-            progress.max = total;
-            progress.value = done;
-          }
-          if (line.status === "success") progress.value = progress.max;
+      for await (const text of frames(r, "\n")) {  // NDJSON: one object a line
+        const line = JSON.parse(text);
+        if (line.error) throw new Error(line.error);
+        status.textContent = line.status;
+        if (line.total) {  // per file: the bar shows the sum over the files seen so far
+          files[line.digest] = [line.total, line.completed || 0];
+          let total = 0, done = 0;
+          Object.values(files).forEach(function (f) { total += f[0]; done += f[1]; });
+          progress.max = total;
+          progress.value = done;
         }
+        if (line.status === "success") progress.value = progress.max;
       }
       loadModels();
     } catch (e) { status.textContent = "failed: " + e.message; showError(e.message); }
