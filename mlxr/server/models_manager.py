@@ -193,7 +193,14 @@ class ModelManager:
 
     def _entry(self, name: str | None, keep_alive: float | None,
                pin: bool) -> tuple[Loaded, bool]:
-        """The entry for `name` and whether the caller must start its load."""
+        """The entry for `name` and whether the caller must start its load. A name already
+        in the table (the resolver returns names as their ids) skips the resolver's lookups in
+        the model directories: they are paid once per load, not once per request."""
+        if name:
+            with self.lock:
+                entry = self.models.get(name.removesuffix(":latest"))
+            if entry is not None:
+                return entry, False
         model_id, path = self.resolve(name)
         with self.lock:
             entry = self.models.get(model_id)
