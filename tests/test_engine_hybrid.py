@@ -35,7 +35,7 @@ _singles: dict = {}
 
 
 def _single(model, prompt: list[int], n: int) -> list[int]:
-    key = (id(model), tuple(prompt), n)
+    key = (str(model.path), tuple(prompt), n)  # not id(model): a freed model's id is reused
     if key not in _singles:
         _singles[key] = list(model.generate(prompt, max_tokens=n, ignore_eos=True))
     return _singles[key]

@@ -18,12 +18,12 @@ def model():
 
 
 def test_grammar_checked_without_the_tokenizer(model):
-    G._TOKENIZERS.pop(id(model), None)
+    G._TOKENIZERS.pop(model, None)
     p = G.GrammarProcessor(model, G.response_format_grammar({"type": "json_object"}))
-    assert p.matcher is None and id(model) not in G._TOKENIZERS  # nothing built yet
+    assert p.matcher is None and model not in G._TOKENIZERS  # nothing built yet
     p.prepare()
     m = p.matcher
-    assert m is not None and id(model) in G._TOKENIZERS
+    assert m is not None and model in G._TOKENIZERS
     p.prepare()
     assert p.matcher is m  # built once
     out = p([], torch.zeros(model.config.vocab_size))

@@ -11,27 +11,29 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 
 import torch
 
 from .protocol import bad_request
 
-_TOKENIZERS: dict[int, object] = {}
+# per loaded model, dropped with it: keyed weakly, not by id() (the model manager unloads
+# models, and a later model may get a freed model's id)
+_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
 def _lltokenizer(model):
     import llguidance
 
-    key = id(model)
     with _LOCK:
-        if key not in _TOKENIZERS:
+        if model not in _TOKENIZERS:
             tok = model.tokenizer
             eos = sorted(model.eos_token_ids) or None
-            _TOKENIZERS[key] = llguidance.LLTokenizer(tok._tk.to_str(),
+            _TOKENIZERS[model] = llguidance.LLTokenizer(tok._tk.to_str(),
                                                       n_vocab=model.config.vocab_size,
                                                       eos_token=eos)
-        return _TOKENIZERS[key]
+        return _TOKENIZERS[model]
 
 
 class GrammarProcessor:
