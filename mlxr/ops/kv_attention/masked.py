@@ -252,7 +252,7 @@ def wide_head(block_d: int) -> tuple[int, int, int]:
     env = os.environ.get("MLXR_ATTN_DK")
     dk = int(env) if env else (128 if block_d > 256 else block_d)
     dk = block_d if dk <= 0 else min(dk, block_d)
-    return dk, block_d // dk, 8 if block_d > 256 else 4
+    return dk, block_d // dk, 8 if dk < block_d else 4
 
 
 def attn_splits(s: int, kh: int, mblocks: int) -> int:
