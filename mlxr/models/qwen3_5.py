@@ -19,6 +19,7 @@ from ..config import ModelConfig
 from ..config.hybrid import GatedDeltaSpec
 from ..layers import Embedding, Linear, Rope
 from ..quant import QuantWeight
+from . import cpu_hybrid_decode
 from .decoder import Fused, _gated_act
 from .gated_delta import GatedDeltaMixer
 from .hybrid_cache import HybridCache, KVShape, LayerShape, StateShape
@@ -161,6 +162,8 @@ class Qwen35Decoder:
         def mixer(i: int, layer: HybridLayer, x: torch.Tensor) -> torch.Tensor:
             m = layer.mixer
             if isinstance(m, GatedDeltaMixer):
+                if t == 1 and cpu_hybrid_decode.enabled(x):
+                    return cpu_hybrid_decode.delta_step(m, x, cache.conv[i], cache.ssm[i])
                 return m(x[None], cache.conv[i], cache.ssm[i])[0]
             return m.o_proj(self._gated_attention(m, m.qkv(x), cache, i, start, cos, sin))
 
@@ -208,7 +211,8 @@ class Qwen35Decoder:
             if isinstance(m, GatedDeltaMixer):
                 conv = torch.cat([c.conv[i] for c in caches])
                 ssm = torch.cat([c.ssm[i] for c in caches])
-                out = m(x[:, None], conv, ssm)[:, 0]
+                out = (cpu_hybrid_decode.delta_step(m, x, conv, ssm)
+                       if cpu_hybrid_decode.enabled(x) else m(x[:, None], conv, ssm)[:, 0])
                 for b, c in enumerate(caches):
                     c.conv[i].copy_(conv[b:b + 1])
                     c.ssm[i].copy_(ssm[b:b + 1])

@@ -67,7 +67,9 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     S <- S + d k^T; y = S q. Returns y [B, T, Hv, Dv] in q's dtype.
 
     The readouts are batched matrix-vector products (one pass over the state each): the same
-    float32 math as mlx-lm's step, its Dk sums in another order."""
+    float32 math as mlx-lm's step, its Dk sums in another order. Both take their vector as a
+    transposed [1, Dk] row: torch's CPU bmm runs a [Dk, 1] column ~6x slower (docs/perf.md,
+    "CPU decode of the hybrid and MoE families")."""
     bsz, t, hv, dv = v.shape
     dk = k.shape[-1]
     rep = hv // k.shape[2]
@@ -86,7 +88,7 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         kv = torch.bmm(s, kt.transpose(1, 2))  # [B*Hv, Dv, 1]
         delta = (vf[:, i].reshape(bsz * hv, dv, 1) - kv) * bf[:, i].reshape(bsz * hv, 1, 1)
         s.baddbmm_(delta, kt)  # S + d k^T
-        y = torch.bmm(s, qf[:, i].reshape(bsz * hv, dk, 1))
+        y = torch.bmm(s, qf[:, i].reshape(bsz * hv, 1, dk).transpose(1, 2))
         ys.append(y.reshape(bsz, hv, dv).to(q.dtype))
     return torch.stack(ys, 1)
 
