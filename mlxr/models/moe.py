@@ -24,6 +24,7 @@ from ..config import QuantSpec
 from ..config.moe import MoeSpec
 from ..layers import Linear
 from ..quant.dequant import dequantize
+from . import cpu_moe_decode
 
 GATHER_PAIRS = 16  # stacked experts: up to this many (token, slot) pairs gather on the device
 
@@ -123,6 +124,8 @@ class MoeBlock:
         s = self.spec
         n, k = ids.shape
         flat = ids.reshape(-1)
+        if not isinstance(self.down[0], StackedExperts) and cpu_moe_decode.takes(x):
+            return cpu_moe_decode.experts(self, x, ids)
         if isinstance(self.down[0], StackedExperts) and n * k <= GATHER_PAIRS:
             xs = x.repeat_interleave(k, dim=0)  # [N*k, E], pairs in (token, slot) order
             gate, up = (p(flat, xs) for p in self.gate_up)
