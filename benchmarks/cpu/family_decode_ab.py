@@ -1,0 +1,110 @@
+"""CPU decode of any family (the hybrids' `forward`, the dense and MoE decoders' lean step): the
+lean paths against the generic ones in one process, alternating, in process CPU time, plus the
+share of a step spent in torch's int4 kernel.
+
+    PYTHONPATH=. python benchmarks/cpu/family_decode_ab.py MODEL_DIR [--prompt 64] [--steps 6]
+        [--rounds 6] [--threads 1]
+
+Two caches get the same random prompt; each round decodes `steps` random tokens on each path
+(env MLXR_CPU_DECODE, read per step; the order flipped every round) and keeps the median step.
+Process CPU time counts the work done, not the waits for a core, so with one thread the figures
+hold on the shared dev box (with two, OpenMP's spinning counts too). Then the int4 kernel's
+calls of one lean step are recorded and replayed alone: their CPU time is the step's matmul
+share, the rest is everything else. Prints the medians, the ratio, whether the logits were
+equal, and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mlxr
+from mlxr.engine.kv_cache import new_cache
+
+
+def _cache(dec, capacity: int):
+    return dec.new_cache(capacity) if hasattr(dec, "new_cache") else new_cache(dec, capacity)
+
+
+class _Int4Calls(TorchDispatchMode):
+    """Records the int4 kernel's calls (also those of closures holding the kernel itself)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._weight_int4pack_mm_for_cpu.default:
+            self.calls.append((args[0].clone(), *args[1:]))
+        return func(*args, **(kwargs or {}))
+
+
+def int4_share(dec, cache, token: torch.Tensor, repeats: int = 3) -> float:
+    """CPU seconds of the int4 kernel calls one decode step makes, replayed alone (min over
+    `repeats`)."""
+    with _Int4Calls() as rec:
+        dec.forward(token, cache, last_only=True)
+    mm = torch._weight_int4pack_mm_for_cpu
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.process_time()
+        for c in rec.calls:
+            mm(*c)
+        best = min(best, time.process_time() - t)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    dec = mlxr.load(a.model, device="cpu").decoder
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, dec.config.vocab_size, (a.prompt,), generator=g)
+    paths = {"generic": "0", "lean": "1"}
+    caches = {p: _cache(dec, a.prompt + a.rounds * a.steps + 8) for p in paths}
+    times: dict[str, list[float]] = {p: [] for p in paths}
+    equal = True
+    with torch.inference_mode():
+        for p, flag in paths.items():
+            os.environ["MLXR_CPU_DECODE"] = flag
+            dec.forward(prompt, caches[p], last_only=True)
+        for r in range(a.rounds):
+            tokens = torch.randint(0, dec.config.vocab_size, (a.steps, 1), generator=g)
+            got = {}
+            for p in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
+                os.environ["MLXR_CPU_DECODE"] = paths[p]
+                ts = []
+                for t in tokens:
+                    c = time.process_time()
+                    got[p] = dec.forward(t, caches[p], last_only=True)
+                    ts.append(time.process_time() - c)
+                times[p].append(statistics.median(ts))
+            equal &= torch.equal(got["generic"], got["lean"])
+        os.environ["MLXR_CPU_DECODE"] = "1"
+        mm_s = int4_share(dec, caches["lean"], tokens[0])
+    ms = {p: 1e3 * statistics.median(v) for p, v in times.items()}
+    for p, v in ms.items():
+        print(f"{p:8s} {v:7.2f} ms/step CPU  (round medians "
+              f"{[round(1e3 * x, 1) for x in times[p]]})")
+    print(f"lean / generic: {ms['generic'] / ms['lean']:.2f}x; logits equal: {equal}; int4 "
+          f"kernel {1e3 * mm_s:.1f} ms of the lean step, the rest {ms['lean'] - 1e3 * mm_s:.1f}")
+    print(json.dumps({"ms_generic": ms["generic"], "ms_lean": ms["lean"],
+                      "ms_int4": 1e3 * mm_s, "threads": a.threads, "prompt": a.prompt,
+                      "logits_equal": equal}))
+
+
+if __name__ == "__main__":
+    main()
