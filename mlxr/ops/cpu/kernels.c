@@ -106,24 +106,59 @@ typedef struct {
     const uint8_t *w; int64_t n; int mode, bits, group;
     const void *s; int s_dt; const void *b; int b_dt; float gmul;
     void *y; int y_dt;
-    float *xf;   /* [m, k] x widened to float32, natural order */
-    float *xs;   /* [m, k / group] per-group sums of x */
-    uint16_t *xp; /* [m, k] bf16 x with each 64-chunk's even entries then its odd ones */
+    float *xf;    /* [m, k] x widened to float32, natural order (generic and byte paths) */
+    float *xs;    /* [m, k / group] per-group sums of x */
+    /* the nibble path: a row of `kn` 4-bit codes (8-bit codes as two nibbles each) */
+    int64_t kn; int gn, gshift;  /* nibbles per row, per group, log2(gn) */
+    uint16_t *xp; /* [m, kn] bf16 x per nibble (8-bit: x, 16x), permuted within 128 (below) */
+    float *xo;    /* [m, k / group] 128 * sum of a group's x per nibble (affine's offset) */
+    uint16_t tab16[32]; /* fp4 code -> bf16 value (twice: vpermw indexes 32 entries) */
+    int32_t gidx[16];   /* f32 lane of a 128-nibble step -> its group within the step */
 } QArgs;
 
 /* A row's group scales (and biases) as float32: affine from bf16/f16/f32, mx* from E8M0
  * bytes, nvfp4 from E4M3 bytes times global_scale / 2688 (`gmul`, 1 when absent). */
+static void to_f32(const void *p, int dt, int64_t o, int64_t n, float *out) {
+    if (dt == DT_BF16) {
+        const uint16_t *h = (const uint16_t *)p + o;
+        for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(h[i]);
+    } else if (dt == DT_F32) {
+        memcpy(out, (const float *)p + o, sizeof(float) * (size_t)n);
+    } else {
+        for (int64_t i = 0; i < n; i++) out[i] = load_elem(p, dt, o + i);
+    }
+}
+
 static void row_scales(const QArgs *a, int64_t row, float *sf, float *bf) {
     int64_t ng = a->k / a->group, o = row * ng;
-    for (int64_t g = 0; g < ng; g++) {
-        if (a->mode == MODE_AFFINE) {
-            sf[g] = load_elem(a->s, a->s_dt, o + g);
-            bf[g] = load_elem(a->b, a->b_dt, o + g);
-        } else {
-            uint8_t e = ((const uint8_t *)a->s)[o + g];
-            sf[g] = a->mode == MODE_NVFP4 ? E4M3[e] * a->gmul : e8m0(e);
-        }
+    const uint8_t *e = (const uint8_t *)a->s + o;
+    if (a->mode == MODE_AFFINE) {
+        to_f32(a->s, a->s_dt, o, ng, sf);
+        to_f32(a->b, a->b_dt, o, ng, bf);
+    } else if (a->mode == MODE_NVFP4) {
+        for (int64_t g = 0; g < ng; g++) sf[g] = E4M3[e[g]] * a->gmul;
+    } else {
+        for (int64_t g = 0; g < ng; g++) sf[g] = e8m0(e[g]);
     }
+}
+
+/* An affine row's group terms outside the code dot products: sum_g b_g * sum(x_g), minus
+ * the nibble path's offset s_g * 128 * sum(x'_g) (xo NULL: none). */
+static inline float bias_term(const QArgs *a, const float *sf, const float *bf, int64_t i,
+                              const float *xo) {
+    int64_t ng = a->k / a->group;
+    const float *xs = a->xs + i * ng;
+    float r = 0.0f;
+    if (a->mode != MODE_AFFINE) return r;
+    if (xo) {
+        xo += i * ng;
+#pragma omp simd reduction(+ : r)
+        for (int64_t g = 0; g < ng; g++) r += bf[g] * xs[g] - sf[g] * xo[g];
+    } else {
+#pragma omp simd reduction(+ : r)
+        for (int64_t g = 0; g < ng; g++) r += bf[g] * xs[g];
+    }
+    return r;
 }
 
 /* Codes j0..j0+cnt of a row's little-endian bit stream as their float values. */
@@ -156,118 +191,147 @@ static void qrow_generic(const QArgs *a, int64_t row, float *sf, float *bf, floa
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t j = 0; j < g; j++) dot += qv[j] * xr[j];
-            acc[i] += sf[gi] * dot + (a->mode == MODE_AFFINE ? bf[gi] * a->xs[i * ng + gi] : 0.0f);
+            acc[i] += sf[gi] * dot;
         }
     }
+    for (int64_t i = 0; i < a->m; i++) acc[i] += bias_term(a, sf, bf, i, NULL);
 }
 
 #if MLXR_AVX512
-/* 4-bit codes (affine, mxfp4, nvfp4), bf16 x: 64 codes (32 bytes) per step. Each byte's low
- * nibble is an even code, its high nibble the next odd one; both become bf16 through a
- * 16-entry table (exact: 0..15 or E2M1 values) and meet x's even / odd entries (`xp`) in
- * vdpbf16ps (float32 sums of exact products). f32 lane l of a step holds codes 4l..4l+3, so
- * its group is (4l) / group: the scale vector is a gather of the row's scales (group < 64) or
- * one broadcast. */
-static void qrow_nib(const QArgs *a, int64_t row, float *sf, float *bf, float *acc) {
-    int64_t k = a->k, ng = k / a->group, g = a->group, nchunk = k / 64;
-    const uint8_t *wr = a->w + row * (k / 2);
-    row_scales(a, row, sf, bf);
-    __m512i tab;
-    {
-        uint16_t t[32];
-        for (int c = 0; c < 16; c++) {
-            float v = a->mode == MODE_AFFINE ? (float)c : E2M1[c];
-            t[c] = t[c + 16] = f32_to_bf16(v);
+/* The nibble path (affine 4/8-bit, mxfp4, nvfp4; bf16 x): 128 nibbles (64 bytes, one load)
+ * per step, no shuffles. 16-bit lane l of the step holds nibbles 4l..4l+3; shifting by 4j
+ * and masking gives nibble 4l + j in every lane, for j = 0..3. Affine nibbles become bf16
+ * by OR-ing 0x4300 (= 128 + n exactly: bf16 spacing in [128, 256) is 1), so the dot
+ * products carry an offset of 128 * sum(x') per group, taken off in `bias_term`; fp4 codes
+ * go through a 16-entry bf16 table (vpermw). x' (`xp`) is laid out to match: step entry
+ * 32j + l = x'[4l + j]. vdpbf16ps pairs lanes 2i, 2i + 1: f32 lane i covers nibbles
+ * 8i..8i+7, in group (8i) / gn of the step. 8-bit codes are two nibbles, the low one
+ * against x, the high one against 16 x (exact in bf16). */
+static inline __attribute__((always_inline)) void nib_rows(
+        const QArgs *a, const uint8_t *wr, const float *sf, int64_t i0, const int MB,
+        __m512 *acc) {
+    const __m512i tab = _mm512_loadu_si512(a->tab16);
+    const __m512i gidx = _mm512_loadu_si512(a->gidx);
+    const __m512i m4 = _mm512_set1_epi16(0x0F), magic = _mm512_set1_epi16(0x4300);
+    const int affine = a->mode == MODE_AFFINE, gshift = a->gshift;
+    int64_t kn = a->kn, nstep = kn / 128;
+    for (int i = 0; i < MB; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nstep; c++) {
+        __m512i w = _mm512_loadu_si512(wr + 64 * c);
+        __m512i q[4];
+        for (int j = 0; j < 4; j++) {
+            __m512i nib = j == 3 ? _mm512_srli_epi16(w, 12)
+                                 : _mm512_and_si512(_mm512_srli_epi16(w, 4 * j), m4);
+            q[j] = affine ? _mm512_or_si512(nib, magic) : _mm512_permutexvar_epi16(nib, tab);
         }
-        tab = _mm512_loadu_si512(t);
-    }
-    int32_t gi_idx[16];
-    for (int l = 0; l < 16; l++) gi_idx[l] = g < 64 ? (int32_t)((4 * l) / g) : 0;
-    const __m512i gidx = _mm512_loadu_si512(gi_idx);
-    const __m512i lo4 = _mm512_set1_epi16(0x0F);
-    for (int64_t i0 = 0; i0 < a->m; i0 += 4) {
-        int mb = a->m - i0 < 4 ? (int)(a->m - i0) : 4;
-        __m512 acc4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                          _mm512_setzero_ps()};
-        for (int64_t c = 0; c < nchunk; c++) {
-            __m512i by = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wr + 32 * c)));
-            __m512i qlo = _mm512_permutexvar_epi16(_mm512_and_si512(by, lo4), tab);
-            __m512i qhi = _mm512_permutexvar_epi16(_mm512_srli_epi16(by, 4), tab);
-            int64_t g0 = (c * 64) / g;
-            __m512 sv = g >= 64 ? _mm512_set1_ps(sf[g0])
+        int64_t g0 = (c * 128) >> gshift;
+        __m512 sv = gshift >= 7 ? _mm512_set1_ps(sf[g0])
                                 : _mm512_permutexvar_ps(gidx, _mm512_loadu_ps(sf + g0));
-            for (int i = 0; i < mb; i++) {
-                const uint16_t *xr = a->xp + (i0 + i) * k + 64 * c;
-                __m512 v = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qlo,
-                                            (__m512bh)_mm512_loadu_si512(xr));
-                v = _mm512_dpbf16_ps(v, (__m512bh)qhi, (__m512bh)_mm512_loadu_si512(xr + 32));
-                acc4[i] = _mm512_fmadd_ps(v, sv, acc4[i]);
-            }
-        }
-        for (int i = 0; i < mb; i++) {
-            float r = _mm512_reduce_add_ps(acc4[i]);
-            if (a->mode == MODE_AFFINE) {
-                const float *xs = a->xs + (i0 + i) * ng;
-                for (int64_t gi = 0; gi < ng; gi++) r += bf[gi] * xs[gi];
-            }
-            acc[i0 + i] = r;
+        for (int i = 0; i < MB; i++) {
+            const uint16_t *xr = a->xp + (i0 + i) * kn + 128 * c;
+            /* two short chains: vdpbf16ps' latency, not its throughput, bounds one chain */
+            __m512 v0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q[0],
+                                         (__m512bh)_mm512_loadu_si512(xr));
+            __m512 v1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q[2],
+                                         (__m512bh)_mm512_loadu_si512(xr + 64));
+            v0 = _mm512_dpbf16_ps(v0, (__m512bh)q[1], (__m512bh)_mm512_loadu_si512(xr + 32));
+            v1 = _mm512_dpbf16_ps(v1, (__m512bh)q[3], (__m512bh)_mm512_loadu_si512(xr + 96));
+            acc[i] = _mm512_fmadd_ps(_mm512_add_ps(v0, v1), sv, acc[i]);
         }
     }
 }
 
-/* 8-bit codes (affine, mxfp8), float32 x: 32 codes per step, one group of >= 32 codes at a
- * time (codes widened to float32: ints exactly, E4M3 through its table). */
-static void qrow_byte(const QArgs *a, int64_t row, float *sf, float *bf, float *acc) {
+static void qrow_nib(const QArgs *a, int64_t row, float *sf, float *bf, float *acc) {
+    const uint8_t *wr = a->w + row * (a->kn / 2);
+    row_scales(a, row, sf, bf);
+    for (int64_t i0 = 0; i0 < a->m; i0 += 4) {
+        __m512 v[4];
+        int mb = a->m - i0 < 4 ? (int)(a->m - i0) : 4;
+        switch (mb) {  /* constant row counts: the accumulators stay in registers */
+        case 1: nib_rows(a, wr, sf, i0, 1, v); break;
+        case 2: nib_rows(a, wr, sf, i0, 2, v); break;
+        case 3: nib_rows(a, wr, sf, i0, 3, v); break;
+        default: nib_rows(a, wr, sf, i0, 4, v); break;
+        }
+        for (int i = 0; i < mb; i++)
+            acc[i0 + i] = _mm512_reduce_add_ps(v[i]) + bias_term(a, sf, bf, i0 + i, a->xo);
+    }
+}
+
+/* mxfp8 (E4M3 codes through their table), float32 x: 16 codes per step, a group at a time. */
+static void qrow_fp8(const QArgs *a, int64_t row, float *sf, float *acc) {
     int64_t k = a->k, ng = k / a->group, g = a->group;
     const uint8_t *wr = a->w + row * k;
-    row_scales(a, row, sf, bf);
-    int fp8 = a->mode == MODE_MXFP8;
-    for (int64_t i0 = 0; i0 < a->m; i0 += 4) {
-        int mb = a->m - i0 < 4 ? (int)(a->m - i0) : 4;
-        __m512 acc4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                          _mm512_setzero_ps()};
+    row_scales(a, row, sf, NULL);
+    for (int64_t i = 0; i < a->m; i++) {
+        const float *xr = a->xf + i * k;
+        __m512 tot = _mm512_setzero_ps();
         for (int64_t gi = 0; gi < ng; gi++) {
-            __m512 v4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                            _mm512_setzero_ps()};
+            __m512 v = _mm512_setzero_ps();
             for (int64_t j = gi * g; j < (gi + 1) * g; j += 16) {
                 __m512i ci = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wr + j)));
-                __m512 q = fp8 ? _mm512_i32gather_ps(ci, E4M3, 4) : _mm512_cvtepi32_ps(ci);
-                for (int i = 0; i < mb; i++)
-                    v4[i] = _mm512_fmadd_ps(q, _mm512_loadu_ps(a->xf + (i0 + i) * k + j), v4[i]);
+                v = _mm512_fmadd_ps(_mm512_i32gather_ps(ci, E4M3, 4), _mm512_loadu_ps(xr + j), v);
             }
-            __m512 sv = _mm512_set1_ps(sf[gi]);
-            for (int i = 0; i < mb; i++) acc4[i] = _mm512_fmadd_ps(v4[i], sv, acc4[i]);
+            tot = _mm512_fmadd_ps(v, _mm512_set1_ps(sf[gi]), tot);
         }
-        for (int i = 0; i < mb; i++) {
-            float r = _mm512_reduce_add_ps(acc4[i]);
-            if (a->mode == MODE_AFFINE) {
-                const float *xs = a->xs + (i0 + i) * ng;
-                for (int64_t gi = 0; gi < ng; gi++) r += bf[gi] * xs[gi];
-            }
-            acc[i0 + i] = r;
-        }
+        acc[i] = _mm512_reduce_add_ps(tot);
     }
 }
 #endif
 
-/* Which row routine serves these arguments: 2 nibble, 1 byte, 0 generic. */
+/* Which row routine serves these arguments: 2 nibble, 1 mxfp8, 0 generic. */
 static int qpath(const QArgs *a) {
 #if MLXR_AVX512
-    if (a->bits == 4 && a->x_dt == DT_BF16 && a->k % 64 == 0 && a->group >= 16) return 2;
-    if (a->bits == 8 && a->group % 16 == 0) return 1;
+    int g = a->group;
+    int64_t kn = a->bits == 8 ? 2 * a->k : a->k;
+    int nib = a->bits == 4 || (a->bits == 8 && a->mode == MODE_AFFINE);
+    if (nib && a->x_dt == DT_BF16 && kn % 128 == 0 && g >= 16 && (g & (g - 1)) == 0)
+        return 2;
+    if (a->mode == MODE_MXFP8 && g % 16 == 0) return 1;
 #endif
     (void)a;
     return 0;
 }
 
+/* The nibble path's x: x' per nibble (8-bit: x, 16 x), permuted within each 128-step, and
+ * the offset sums 128 * sum(x'_g) in float32. */
+static void nib_prep(QArgs *a, int64_t i) {
+    const uint16_t *xb = (const uint16_t *)a->x + i * a->k;
+    uint16_t *o = a->xp + i * a->kn;
+    int two = a->bits == 8;
+    int64_t ng = a->k / a->group;
+    for (int64_t c = 0; c < a->kn; c += 128)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) {
+                int64_t t = c + 4 * l + j;  /* nibble index */
+                uint16_t v = two ? xb[t / 2] : xb[t];
+                if (two && (t & 1)) v = f32_to_bf16(16.0f * bf16_to_f32(v));
+                o[c + 32 * j + l] = v;
+            }
+    for (int64_t g = 0; g < ng; g++) {
+        float sum = 0.0f;
+        for (int64_t t = g * a->gn; t < (g + 1) * a->gn; t++) {
+            uint16_t v = two ? xb[t / 2] : xb[t];
+            sum += (two && (t & 1)) ? 16.0f * bf16_to_f32(v) : bf16_to_f32(v);
+        }
+        a->xo[i * ng + g] = 128.0f * sum;
+    }
+}
+
 static int qmm_run(QArgs *a, int nthreads) {
     int64_t m = a->m, k = a->k, ng = k / a->group;
     int path = qpath(a);
+    a->kn = a->bits == 8 ? 2 * k : k;
+    a->gn = a->bits == 8 ? 2 * a->group : a->group;
+    while ((1 << a->gshift) < a->gn) a->gshift++;
     a->xf = malloc(sizeof(float) * (size_t)(m * k));
     a->xs = malloc(sizeof(float) * (size_t)(m * ng));
-    a->xp = path == 2 ? malloc(sizeof(uint16_t) * (size_t)(m * k)) : NULL;
-    if (!a->xf || !a->xs || (path == 2 && !a->xp)) {
-        free(a->xf); free(a->xs); free(a->xp);
+    if (path == 2) {
+        a->xp = malloc(sizeof(uint16_t) * (size_t)(m * a->kn));
+        a->xo = malloc(sizeof(float) * (size_t)(m * ng));
+    }
+    if (!a->xf || !a->xs || (path == 2 && (!a->xp || !a->xo))) {
+        free(a->xf); free(a->xs); free(a->xp); free(a->xo);
         return -1;
     }
     for (int64_t i = 0; i < m; i++) {
@@ -277,16 +341,11 @@ static int qmm_run(QArgs *a, int nthreads) {
             for (int64_t j = 0; j < a->group; j++) s += a->xf[i * k + gi * a->group + j];
             a->xs[i * ng + gi] = s;
         }
-        if (a->xp) {
-            const uint16_t *xb = (const uint16_t *)a->x + i * k;
-            uint16_t *o = a->xp + i * k;
-            for (int64_t c = 0; c < k; c += 64)
-                for (int l = 0; l < 32; l++) {
-                    o[c + l] = xb[c + 2 * l];
-                    o[c + 32 + l] = xb[c + 2 * l + 1];
-                }
-        }
+        if (path == 2) nib_prep(a, i);
     }
+    for (int c = 0; c < 16; c++)
+        a->tab16[c] = a->tab16[c + 16] = f32_to_bf16(E2M1[c]);
+    for (int l = 0; l < 16; l++) a->gidx[l] = a->gn < 128 ? (int32_t)((8 * l) / a->gn) : 0;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -301,7 +360,7 @@ static int qmm_run(QArgs *a, int nthreads) {
             for (int64_t r = 0; r < a->n; r++) {
 #if MLXR_AVX512
                 if (path == 2) qrow_nib(a, r, sf, bf, acc);
-                else if (path == 1) qrow_byte(a, r, sf, bf, acc);
+                else if (path == 1) qrow_fp8(a, r, sf, acc);
                 else qrow_generic(a, r, sf, bf, qv, acc);
 #else
                 qrow_generic(a, r, sf, bf, qv, acc);
@@ -311,7 +370,7 @@ static int qmm_run(QArgs *a, int nthreads) {
             free(sf);
         }
     }
-    free(a->xf); free(a->xs); free(a->xp);
+    free(a->xf); free(a->xs); free(a->xp); free(a->xo);
     return failed ? -1 : 0;
 }
 
