@@ -1,5 +1,9 @@
 """CPU matmul strategies for `QuantWeight.linear`.
 
+* mlxr's compiled kernel (`mlxr.ops.cpu`, built at install where a C compiler is there), for
+  the formats it vectorises (`kernel_serves`: affine 4/8-bit, mxfp4, nvfp4, mxfp8) in bf16 and
+  M <= KERNEL_MAX_M rows: it reads MLX's words as shipped (no int4 copy is built for such a
+  weight; env `MLXR_CPU_KERNELS=0` at load keeps today's storage and paths below).
 * affine 4-bit, bf16, M < `i4_max_m`: torch's packed-int4 kernel (reads 0.5 B/weight); the
   other affine widths through it too, over their nibble planes (`affine.planes`: 2/3-bit
   codes as nibbles, 5/6/8-bit as two planes against x repeated twice; `MLXR_PLANES=0` at load
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from mlxr.ops.cpu import native
 
 from . import int4pack
 
@@ -35,7 +41,29 @@ SMALL_BYTES = 8 << 20
 TILE_BYTES = 4 << 20
 
 
+# Rows of x up to which the compiled kernel serves (it reads the weight once per call and
+# does M dot products per code; above, the tiles' bf16 GEMM wins): docs/perf.md "CPU decode".
+KERNEL_MAX_M = 16
+
+
+def kernel_serves(spec, in_features: int, compute_dtype: torch.dtype) -> bool:
+    """Whether a CPU weight of this format keeps MLX's words for the compiled kernel."""
+    return (compute_dtype == torch.bfloat16 and native.enabled()
+            and native.fast_matmul(spec.mode, spec.bits, spec.group_size, in_features))
+
+
+def kernel_for(qw) -> native.QMatmul:
+    """The compiled kernel bound to a weight that keeps its words (`kernel_serves`)."""
+    gm = 1.0
+    if qw.global_scale is not None:  # nvfp4: as `fp.fp_scales` forms it, in float32
+        gm = float(qw.global_scale.to(torch.float32) / 2688.0)
+    return native.QMatmul(qw.packed, qw.scales, qw.biases, qw.spec.mode, qw.spec.bits,
+                          qw.spec.group_size, qw.in_features, gm, qw.compute_dtype)
+
+
 def linear(qw, x: Tensor) -> Tensor:
+    if qw.ckern is not None and x.shape[0] <= KERNEL_MAX_M and native.enabled():
+        return qw.ckern(x)
     if qw.dense is not None:  # nvfp4 / mxfp8: the weight dequantized once, at load
         return x @ qw.dense.t()
     if qw.i4 is not None and x.shape[0] < i4_max_m(qw):  # two planes read x twice

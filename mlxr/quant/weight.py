@@ -43,7 +43,7 @@ from torch import Tensor
 from mlxr.config import QuantSpec
 from mlxr.errors import ModelFormatError
 
-from . import cuda, cuda_copies, int4pack
+from . import cpu, cuda, cuda_copies, int4pack
 from .affine import PLANE_BITS, merge_planes, planes_on, unpack_codes
 from .dequant import validate
 from .fp import code_table, fp4_codes, fp_scales, nibble_planes
@@ -96,6 +96,7 @@ class QuantWeight:
         self.tc_glu = False  # tc (and q4_sb) in decode_gemv_tc.glu_rows' order (`gated`)
         self.tc_gs: float | None = None  # an nvfp4 fp4 copy's global scale / 2688
         self.dense: Tensor | None = None  # CPU nvfp4 / mxfp8: dequant_rows' result, cached
+        self.ckern = None  # CPU: mlxr.ops.cpu's kernel bound to `packed` (quant.cpu.kernel_for)
         self.planes = 1  # tc / i4 hold this many nibble planes of the codes (`affine.planes`)
         self.q4_sb: Tensor | None = None
         self.matmul = True
@@ -155,7 +156,11 @@ class QuantWeight:
         use_i4 = (dev.type == "cpu" and not exact and compute_dtype == torch.bfloat16
                   and i4_mode
                   and int4pack.supported(self.out_features, in_features, spec.group_size))
-        if use_i4 and self._int4_copy(packed):
+        if dev.type == "cpu" and self.matmul and cpu.kernel_serves(spec, in_features,
+                                                                   compute_dtype):
+            self.packed = packed.contiguous()  # the compiled kernel reads MLX's words
+            self.ckern = cpu.kernel_for(self)
+        elif use_i4 and self._int4_copy(packed):
             pass  # torch's int4 kernel serves decode; the codes are read back from its copy
         elif dev.type == "cpu" and self.matmul and dense_supported(spec, compute_dtype):
             if bits == 8:
@@ -368,7 +373,6 @@ class QuantWeight:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)
         if self.device.type == "cpu":
-            from . import cpu
             y = cpu.linear(self, x2)
         elif x2.is_cuda and _use_triton(self):
             y = cuda.linear(self, x2)
@@ -376,7 +380,7 @@ class QuantWeight:
                 from mlxr.ops.matmul import generic_qmm
                 y = generic_qmm.qmatmul(x2, self)
         else:
-            from . import cpu  # generic torch fallback (MLXR_KERNELS=torch, no triton, ...)
+            # generic torch fallback (MLXR_KERNELS=torch, no triton, ...)
             y = cpu.tiled_linear(self, x2)
         return y.reshape(*lead, self.out_features)
 

@@ -45,14 +45,18 @@ def features() -> dict[str, int]:
     return dict(m.features()) if m is not None else {}
 
 
-def fast_matmul(mode: str, bits: int, group: int, x_dtype: torch.dtype) -> bool:
-    """Whether `qmm` has a vectorised path for this format (the rest run its portable loop,
-    slower than torch's int4 kernel over nibble planes)."""
-    if not features().get("avx512"):
+def fast_matmul(mode: str, bits: int, group: int, in_features: int) -> bool:
+    """Whether `qmm` has a vectorised path for this format with bf16 x (the rest run its
+    portable loop, slower than torch's int4 kernel over nibble planes): 4-bit affine / mxfp4
+    / nvfp4 and 8-bit affine (as two nibbles) with a row of a multiple of 128 nibbles, and
+    mxfp8."""
+    if not features().get("avx512") or group & (group - 1):
         return False
     if bits == 4 and mode in ("affine", "mxfp4", "nvfp4"):
-        return x_dtype in (torch.bfloat16, torch.float32)
-    return bits == 8 and mode in ("affine", "mxfp8") and group % 16 == 0
+        return in_features % 128 == 0
+    if bits == 8 and mode == "affine":
+        return in_features % 64 == 0
+    return bits == 8 and mode == "mxfp8" and group % 16 == 0
 
 
 def _check(cond: bool, what: str) -> None:
@@ -111,3 +115,30 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor | None, st
                      0 if slots is None else slots.data_ptr(), start, length, scale,
                      out.data_ptr(), torch.get_num_threads())
     return out
+
+
+class QMatmul:
+    """`qmm` bound to one weight: its checks done once, so a call costs a dispatch, an output
+    allocation and the kernel (~the per-op cost of one torch call)."""
+
+    def __init__(self, words: Tensor, scales: Tensor, biases: Tensor | None, mode: str,
+                 bits: int, group: int, in_features: int, global_mul: float,
+                 out_dtype: torch.dtype):
+        x = torch.zeros(1, in_features, dtype=out_dtype)
+        qmm(x, words, scales, biases, mode, bits, group, global_mul, out_dtype)  # the checks
+        self.keep = (words, scales, biases)  # the pointers below stay valid while we live
+        self.n, self.k, self.out_dtype = words.shape[0], in_features, out_dtype
+        b = biases if biases is not None else scales
+        self.args = (words.data_ptr(), self.n, MODES[mode], bits, group, scales.data_ptr(),
+                     DTYPES[scales.dtype], b.data_ptr(), DTYPES[b.dtype], global_mul)
+        self.fn = _module().qmm
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x [M, in] (bf16 / f32 / f16) -> [M, out] in the weight's compute dtype."""
+        if x.dim() != 2 or x.shape[1] != self.k or x.dtype not in DTYPES:
+            raise ValueError(f"mlxr.ops.cpu: x {tuple(x.shape)} {x.dtype} for in={self.k}")
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], self.n, dtype=self.out_dtype)
+        self.fn(x.data_ptr(), DTYPES[x.dtype], x.shape[0], self.k, *self.args, y.data_ptr(),
+                DTYPES[self.out_dtype], torch.get_num_threads())
+        return y
