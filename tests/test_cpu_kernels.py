@@ -103,22 +103,37 @@ def test_attend_matches_twin(dtype, heads, kv_heads, gathered):
     assert not ((got.float() - wrong.float()).abs() <= tol).all()
 
 
+def _mxfp4_weight(seed: int):
+    from mlxr.config import QuantSpec
+    from mlxr.quant import QuantWeight
+
+    g = torch.Generator().manual_seed(seed)
+    words, scales, _ = _weight("mxfp4", 4, 32, 96, 256, g)
+    return QuantWeight.from_tensors(words, scales, None, QuantSpec("mxfp4", 4, 32))
+
+
 def test_fallback_without_the_extension(monkeypatch):
-    """With the extension reported absent (or env MLXR_CPU_KERNELS=0), weights keep torch's
-    int4 copy and decode runs the torch paths; with it, they keep MLX's words and the kernel
-    serves decode: both decode the same tokens within the bf16 bound."""
+    """With the extension reported absent, an mxfp4 weight gets no kernel and decodes on
+    torch's int4 planes, and the lean step's attention runs the reference; with it, the
+    kernel serves a few rows (torch's path above its cutoff) and attention runs the kernel:
+    the same values within the bounds above."""
     from test_cpu_decode import _decode, tiny_decoder
 
+    x = torch.randn(20, 256).to(torch.bfloat16)
+    with_k = _mxfp4_weight(1)
+    assert with_k.ckern is not None and with_k.i4 is not None
     ids = torch.tensor([3, 17, 42, 5, 9, 61, 2, 77])
-    with_k = tiny_decoder("qwen3")
-    assert with_k.layers[0].qkv.weight.ckern is not None
-    got, _ = _decode(with_k, ids, 3, True, monkeypatch)
+    got, _ = _decode(tiny_decoder("qwen3"), ids, 3, True, monkeypatch)
+    got_x = with_k.linear(x)
     monkeypatch.setattr(native, "_module", lambda: None)
     assert not native.available() and not native.enabled()
-    without = tiny_decoder("qwen3")
-    assert without.layers[0].qkv.weight.ckern is None
-    assert without.layers[0].qkv.weight.i4 is not None
-    want, _ = _decode(without, ids, 3, True, monkeypatch)
+    without = _mxfp4_weight(1)
+    assert without.ckern is None and without.i4 is not None
+    want_x = without.linear(x)
+    w = without.dequantize(torch.float32)
+    tol = 2 * (256 + 16) * U * (x.float().abs() @ w.abs().t()) + 2 ** -7 * want_x.float().abs()
+    assert ((got_x.float() - want_x.float()).abs() <= tol).all()
+    want, _ = _decode(tiny_decoder("qwen3"), ids, 3, True, monkeypatch)
     rng = want.max(-1).values - want.min(-1).values
     assert ((got - want).abs().max(-1).values <= 0.05 * rng).all()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
@@ -159,27 +174,38 @@ def _decode_logits(path, seq, dtype):
     return torch.cat(rows).float().numpy(), dec
 
 
+_models: dict = {}
+
+
 @pytest.fixture(scope="module")
-def q4(tmp_path_factory):
-    path = mlx_ref.make_model(tmp_path_factory.mktemp("q4"), "qwen3", "q4g64")
-    prompt = mlx_ref.stable_prompt("qwen3", "q4g64", mlx_ref.BASE["vocab_size"])
-    return path, mlx_ref.reference(path, prompt)
+def built(tmp_path_factory):
+    def get(quant):
+        if quant not in _models:
+            path = mlx_ref.make_model(tmp_path_factory.mktemp(quant), "qwen3", quant)
+            prompt = mlx_ref.stable_prompt("qwen3", quant, mlx_ref.BASE["vocab_size"])
+            _models[quant] = path, mlx_ref.reference(path, prompt)
+        return _models[quant]
+
+    return get
 
 
+@pytest.mark.parametrize("quant", ["q4g64", "mxfp4"])
 @pytest.mark.parametrize("kernels", ["1", "0"])
-def test_decode_against_mlx_lm(q4, kernels, monkeypatch):
-    """Decode with the kernels on (the default) and off: float32 logits within 1e-3 of each
-    position's range of mlx-lm's (the kernels do not serve float32: the same path either
-    way), bf16 within test_parity's bar (1.5x mlx-lm's own bf16 error + 1% of the range),
-    greedy tokens teacher-forced equal to mlx-lm's except at near-ties of that bar."""
+def test_decode_against_mlx_lm(built, quant, kernels, monkeypatch):
+    """Decode with the kernels on (the default: attention, and mxfp4's matmuls) and off:
+    float32 logits within 1e-3 of each position's range of mlx-lm's (the kernels do not serve
+    float32: the same path either way), bf16 within test_parity's bar (1.5x mlx-lm's own bf16
+    error + 1% of the range), greedy tokens teacher-forced equal to mlx-lm's except at
+    near-ties of that bar."""
     monkeypatch.setenv("MLXR_CPU_KERNELS", kernels)
-    path, ref = q4
+    path, ref = built(quant)
     seq = ref.prompt + ref.greedy
     scale = mlx_ref.logit_range(ref.logits32)
     ours32, _ = _decode_logits(path, seq, "float32")
     assert (np.abs(ours32 - ref.logits32).max(-1) / scale).max() <= 1e-3
     ours, dec = _decode_logits(path, seq, "bfloat16")
-    assert (dec.layers[0].qkv.weight.ckern is not None) == (kernels == "1")
+    if quant == "mxfp4":
+        assert (dec.layers[0].qkv.weight.ckern is not None) == (kernels == "1")
     err = (np.abs(ours - ref.logits32).max(-1) / scale).max()
     mlx_err = (np.abs(ref.logits_bf16 - ref.logits32).max(-1) / scale).max()
     bar = 1.5 * mlx_err + 0.01

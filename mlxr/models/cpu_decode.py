@@ -18,8 +18,8 @@ calls:
 
 Every intermediate is rounded where `ops.reference` rounds it. With env `MLXR_CPU_KERNELS=0`
 the logits equal the generic loop's bit for bit (tests/test_cpu_decode.py); by default the
-compiled kernels (`mlxr.ops.cpu`) serve the quantized matmuls (in both paths) and, here only,
-attention: q . K in float32 reading the bf16 cache in place (torch would need float32 copies
+compiled kernels (`mlxr.ops.cpu`) serve the matmuls of the formats where they measured faster
+(`quant.cpu.KERNEL_ROWS`, in both paths) and, here only, attention: q . K in float32 reading the bf16 cache in place (torch would need float32 copies
 of the K/V slices, or a bf16 GEMM that rounds the scores), float32 softmax and P . V, rounded
 where the reference rounds; only the float32 summation order differs, so the logits stay
 within float32 rounding of the generic loop's (tests).
@@ -57,8 +57,8 @@ def _matmul(lin) -> Callable[[Tensor], Tensor]:
     from ..quant import cpu
 
     if isinstance(qw, QuantWeight) and qw.ckern is not None:  # mlxr.ops.cpu's kernel
-        kern, kmax = qw.ckern, cpu.KERNEL_MAX_M
-        return lambda x: kern(x) if x.shape[0] <= kmax and native.enabled() else lin(x)
+        kern = qw.ckern
+        return lambda x: kern(x) if x.shape[0] <= kern.max_m and native.enabled() else lin(x)
     if not (isinstance(qw, QuantWeight) and qw.i4 is not None and qw.dense is None
             and qw.device.type == "cpu"):
         return lin

@@ -96,7 +96,7 @@ class QuantWeight:
         self.tc_glu = False  # tc (and q4_sb) in decode_gemv_tc.glu_rows' order (`gated`)
         self.tc_gs: float | None = None  # an nvfp4 fp4 copy's global scale / 2688
         self.dense: Tensor | None = None  # CPU nvfp4 / mxfp8: dequant_rows' result, cached
-        self.ckern = None  # CPU: mlxr.ops.cpu's kernel bound to `packed` (quant.cpu.kernel_for)
+        self.ckern = None  # CPU: mlxr.ops.cpu's kernel bound to MLX's words (quant.cpu.kernel_for)
         self.planes = 1  # tc / i4 hold this many nibble planes of the codes (`affine.planes`)
         self.q4_sb: Tensor | None = None
         self.matmul = True
@@ -156,11 +156,7 @@ class QuantWeight:
         use_i4 = (dev.type == "cpu" and not exact and compute_dtype == torch.bfloat16
                   and i4_mode
                   and int4pack.supported(self.out_features, in_features, spec.group_size))
-        if dev.type == "cpu" and self.matmul and cpu.kernel_serves(spec, in_features,
-                                                                   compute_dtype):
-            self.packed = packed.contiguous()  # the compiled kernel reads MLX's words
-            self.ckern = cpu.kernel_for(self)
-        elif use_i4 and self._int4_copy(packed):
+        if use_i4 and self._int4_copy(packed):
             pass  # torch's int4 kernel serves decode; the codes are read back from its copy
         elif dev.type == "cpu" and self.matmul and dense_supported(spec, compute_dtype):
             if bits == 8:
@@ -179,6 +175,9 @@ class QuantWeight:
             self.codes = unpack_codes(packed, bits, in_features).contiguous()
         else:
             self.packed = packed.contiguous()
+        if dev.type == "cpu" and self.matmul and cpu.kernel_serves(spec, in_features,
+                                                                   compute_dtype):
+            self.ckern = cpu.kernel_for(self, packed)  # holds the words where nothing else does
         return self
 
     def _int4_copy(self, packed: Tensor, chunk_rows: int = 4096) -> bool:
@@ -259,6 +258,10 @@ class QuantWeight:
         ts = (self.packed, self.codes, self.i4, self.i4_sz, self.q4, self.tc, self.q4_sb,
               self.dense,
               self.scales, self.biases, self.global_scale)
+        if self.ckern is not None:  # the compiled kernel's words, where `packed` is not them
+            w = self.ckern.keep[0]
+            if self.packed is None or w.data_ptr() != self.packed.data_ptr():
+                ts = (*ts, w)
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     @property

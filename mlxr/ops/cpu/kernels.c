@@ -211,53 +211,73 @@ static void qrow_generic(const QArgs *a, int64_t row, float *sf, float *bf, floa
  * 8i..8i+7, in group (8i) / gn of the step. 8-bit codes are two nibbles, the low one
  * against x, the high one against 16 x (exact in bf16). */
 static inline __attribute__((always_inline)) void nib_rows(
-        const QArgs *a, const uint8_t *wr, const float *sf, int64_t i0, const int MB,
-        __m512 *acc) {
+        const QArgs *a, const uint8_t *wr, const float *sf, int64_t sstride, int64_t i0,
+        const int R, const int MB, __m512 *acc) {
+    /* R (1 or 2) weight rows (rows `kn / 2` bytes apart, scales `sstride` apart) against MB
+     * x rows: acc[r * MB + i]. Each x vector loaded serves both weight rows. */
     const __m512i tab = _mm512_loadu_si512(a->tab16);
     const __m512i gidx = _mm512_loadu_si512(a->gidx);
     const __m512i m4 = _mm512_set1_epi16(0x0F), magic = _mm512_set1_epi16(0x4300);
     const int affine = a->mode == MODE_AFFINE, gshift = a->gshift;
     int64_t kn = a->kn, nstep = kn / 128;
-    for (int i = 0; i < MB; i++) acc[i] = _mm512_setzero_ps();
+    for (int i = 0; i < R * MB; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < nstep; c++) {
-        __m512i w = _mm512_loadu_si512(wr + 64 * c);
-        __m512i q[4];
-        for (int j = 0; j < 4; j++) {
-            __m512i nib = j == 3 ? _mm512_srli_epi16(w, 12)
-                                 : _mm512_and_si512(_mm512_srli_epi16(w, 4 * j), m4);
-            q[j] = affine ? _mm512_or_si512(nib, magic) : _mm512_permutexvar_epi16(nib, tab);
-        }
+        __m512i q[2][4];
+        __m512 sv[2];
         int64_t g0 = (c * 128) >> gshift;
-        __m512 sv = gshift >= 7 ? _mm512_set1_ps(sf[g0])
-                                : _mm512_permutexvar_ps(gidx, _mm512_loadu_ps(sf + g0));
+        for (int r = 0; r < R; r++) {
+            const uint8_t *wp = wr + r * (kn / 2) + 64 * c;
+            if (i0 == 0) _mm_prefetch((const char *)(wp + PF_ROWS * (kn / 2)), _MM_HINT_T0);
+            __m512i w = _mm512_loadu_si512(wp);
+            for (int j = 0; j < 4; j++) {
+                __m512i nib = j == 3 ? _mm512_srli_epi16(w, 12)
+                                     : _mm512_and_si512(_mm512_srli_epi16(w, 4 * j), m4);
+                q[r][j] = affine ? _mm512_or_si512(nib, magic)
+                                 : _mm512_permutexvar_epi16(nib, tab);
+            }
+            const float *st = sf + r * sstride;
+            sv[r] = gshift >= 7 ? _mm512_set1_ps(st[g0])
+                                : _mm512_permutexvar_ps(gidx, _mm512_loadu_ps(st + g0));
+        }
         for (int i = 0; i < MB; i++) {
             const uint16_t *xr = a->xp + (i0 + i) * kn + 128 * c;
-            /* two short chains: vdpbf16ps' latency, not its throughput, bounds one chain */
-            __m512 v0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q[0],
-                                         (__m512bh)_mm512_loadu_si512(xr));
-            __m512 v1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q[2],
-                                         (__m512bh)_mm512_loadu_si512(xr + 64));
-            v0 = _mm512_dpbf16_ps(v0, (__m512bh)q[1], (__m512bh)_mm512_loadu_si512(xr + 32));
-            v1 = _mm512_dpbf16_ps(v1, (__m512bh)q[3], (__m512bh)_mm512_loadu_si512(xr + 96));
-            acc[i] = _mm512_fmadd_ps(_mm512_add_ps(v0, v1), sv, acc[i]);
+            __m512bh x[4];
+            for (int j = 0; j < 4; j++) x[j] = (__m512bh)_mm512_loadu_si512(xr + 32 * j);
+            for (int r = 0; r < R; r++) {
+                /* two short chains: vdpbf16ps' latency, not its throughput, bounds one */
+                __m512 v0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q[r][0], x[0]);
+                __m512 v1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q[r][2], x[2]);
+                v0 = _mm512_dpbf16_ps(v0, (__m512bh)q[r][1], x[1]);
+                v1 = _mm512_dpbf16_ps(v1, (__m512bh)q[r][3], x[3]);
+                acc[r * MB + i] = _mm512_fmadd_ps(_mm512_add_ps(v0, v1), sv[r], acc[r * MB + i]);
+            }
         }
     }
 }
 
-static void qrow_nib(const QArgs *a, int64_t row, float *sf, float *bf, float *acc) {
+/* R weight rows from `row` (R = 2 where two are left) against every x row: acc[r * m + i]. */
+static void qrows_nib(const QArgs *a, int64_t row, int R, float *sf, float *bf, int64_t sstride,
+                      float *acc) {
     const uint8_t *wr = a->w + row * (a->kn / 2);
-    row_scales(a, row, sf, bf);
+    for (int r = 0; r < R; r++) row_scales(a, row + r, sf + r * sstride, bf + r * sstride);
     for (int64_t i0 = 0; i0 < a->m; i0 += 4) {
-        __m512 v[4];
+        __m512 v[8];
         int mb = a->m - i0 < 4 ? (int)(a->m - i0) : 4;
+#define NIB_CASE(MBV) \
+        if (R == 2) nib_rows(a, wr, sf, sstride, i0, 2, MBV, v); \
+        else nib_rows(a, wr, sf, sstride, i0, 1, MBV, v); \
+        break;
         switch (mb) {  /* constant row counts: the accumulators stay in registers */
-        case 1: nib_rows(a, wr, sf, i0, 1, v); break;
-        case 2: nib_rows(a, wr, sf, i0, 2, v); break;
-        case 3: nib_rows(a, wr, sf, i0, 3, v); break;
-        default: nib_rows(a, wr, sf, i0, 4, v); break;
+        case 1: NIB_CASE(1)
+        case 2: NIB_CASE(2)
+        case 3: NIB_CASE(3)
+        default: NIB_CASE(4)
         }
-        for (int i = 0; i < mb; i++)
-            acc[i0 + i] = _mm512_reduce_add_ps(v[i]) + bias_term(a, sf, bf, i0 + i, a->xo);
+#undef NIB_CASE
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < mb; i++)
+                acc[r * a->m + i0 + i] = _mm512_reduce_add_ps(v[r * mb + i])
+                    + bias_term(a, sf + r * sstride, bf + r * sstride, i0 + i, a->xo);
     }
 }
 
@@ -403,7 +423,7 @@ static int qmm_run(QArgs *a, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
     {
         /* scales padded by 16: the nibble path loads 16 from a group index */
-        float *sf = malloc(sizeof(float) * (size_t)(8 * (ng + 16) + a->group + m + 4));
+        float *sf = malloc(sizeof(float) * (size_t)(8 * (ng + 16) + a->group + 2 * m + 4));
         if (!sf) {
 #pragma omp atomic write
             failed = 1;
@@ -417,10 +437,21 @@ static int qmm_run(QArgs *a, int nthreads) {
                 for (int t = 0; t < 4; t++) store_elem(a->y, a->y_dt, 4 * qd + t, acc[t]);
             }
 #endif
-#pragma omp for schedule(static)
-            for (int64_t r = 4 * quads; r < a->n; r++) {
+            int64_t pairs = path == 2 ? (a->n - 4 * quads) / 2 : 0, r1 = 4 * quads + 2 * pairs;
 #if MLXR_AVX512
-                if (path == 2) qrow_nib(a, r, sf, bf, acc);
+#pragma omp for schedule(static) nowait
+            for (int64_t pr = 0; pr < pairs; pr++) {
+                int64_t r = 4 * quads + 2 * pr;
+                qrows_nib(a, r, 2, sf, bf, ng + 16, acc);
+                for (int t = 0; t < 2; t++)
+                    for (int64_t i = 0; i < m; i++)
+                        store_elem(a->y, a->y_dt, i * a->n + r + t, acc[t * m + i]);
+            }
+#endif
+#pragma omp for schedule(static)
+            for (int64_t r = r1; r < a->n; r++) {
+#if MLXR_AVX512
+                if (path == 2) qrows_nib(a, r, 1, sf, bf, ng + 16, acc);
                 else if (path == 1) qrow_fp8(a, r, sf, acc);
                 else qrow_generic(a, r, sf, bf, qv, acc);
 #else

@@ -123,11 +123,12 @@ class QMatmul:
 
     def __init__(self, words: Tensor, scales: Tensor, biases: Tensor | None, mode: str,
                  bits: int, group: int, in_features: int, global_mul: float,
-                 out_dtype: torch.dtype):
+                 out_dtype: torch.dtype, max_m: int):
         x = torch.zeros(1, in_features, dtype=out_dtype)
         qmm(x, words, scales, biases, mode, bits, group, global_mul, out_dtype)  # the checks
         self.keep = (words, scales, biases)  # the pointers below stay valid while we live
         self.n, self.k, self.out_dtype = words.shape[0], in_features, out_dtype
+        self.max_m = max_m  # the caller's cutoff: rows of x up to which this serves
         b = biases if biases is not None else scales
         self.args = (words.data_ptr(), self.n, MODES[mode], bits, group, scales.data_ptr(),
                      DTYPES[scales.dtype], b.data_ptr(), DTYPES[b.dtype], global_mul)
