@@ -68,7 +68,7 @@ def residual_stream(g: OnnxGraph, embed: onnx.NodeProto, layers: int) -> Stream 
             return None
         skips.append(nxt[0])
         out = nxt[0].output
-        if len(out) < 4 or not out[3]:
+        if len(out) < 4 or not g.consumers.get(out[3]):  # the final norm (sum unused)
             break
         cur = out[3]
     if len(skips) != 2 * layers:

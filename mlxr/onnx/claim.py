@@ -237,8 +237,8 @@ def _norm(g: OnnxGraph, node, a: dict) -> str | None:
         return "stash_type other than float32"
     if node.op_type == "SkipSimplifiedLayerNormalization" and _input(node, 3):
         return "SkipSimplifiedLayerNormalization with a bias input"
-    if node.op_type == "SkipSimplifiedLayerNormalization" and (len(node.output) > 1 and any(
-            node.output[1:3])):
+    if node.op_type == "SkipSimplifiedLayerNormalization" and any(
+            v in g.consumers or v in g.outputs for v in node.output[1:3] if v):
         return "mean / inv_std outputs are consumed"
     return None
 

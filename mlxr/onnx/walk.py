@@ -20,6 +20,7 @@ import onnx
 from ..config import RopeSpec
 from .claim import MS, ClaimReport, attrs
 from .graph import FLOAT_TYPES, OnnxGraph
+from .mask import constant_value
 from .weights import FLOAT_NAMES, OnnxCheckpoint, Projection
 
 PROJ_OPS = {"MatMulNBits", "MatMul"}
@@ -96,9 +97,9 @@ class Walk:
             return [int(x) for x in self.g.tensor(v).flatten().tolist()]
         p = self.g.producer.get(v)
         if p is not None and p.op_type == "Constant":
-            t = attrs(p).get("value")
+            t = constant_value(attrs(p))
             if t is not None:
-                return [int(x) for x in onnx.numpy_helper.to_array(t).flatten().tolist()]
+                return [int(x) for x in t.flatten().tolist()]
         raise Decline(at, f"'{v}' is not a constant")
 
     def norm_weight(self, node: onnx.NodeProto, size: int) -> str:
