@@ -53,17 +53,18 @@ class Walk:
         self.ck = OnnxCheckpoint(g.path)
         self._projs: dict[int, Projection] = {}
         self.eps: set[float] = set()
+        self.subregions: list = []  # mlp.SubRegion: parts of layers left to onnxruntime
 
     def snapshot(self) -> tuple:
         """What a layer's walk may change, to undo it when the layer is declined."""
-        return set(self.claimed), self.ck.snapshot(), set(self.eps)
+        return set(self.claimed), self.ck.snapshot(), set(self.eps), list(self.subregions)
 
     def restore(self, snap: tuple) -> None:
-        claimed, ck, eps = snap
+        claimed, ck, eps, subregions = snap
         self.claimed.clear()
         self.claimed.update(claimed)
         self.ck.restore(ck)
-        self.eps = eps
+        self.eps, self.subregions = eps, subregions
 
     def claim(self, *nodes: onnx.NodeProto) -> None:
         for n in nodes:
@@ -187,3 +188,17 @@ def float_name(elem: int) -> str:
 
 def rope_spec(dims: int, base: float, interleaved: bool, rows: int) -> RopeSpec:
     return RopeSpec(dims, base, interleaved, None, rows)
+
+
+def add_bias(w: Walk, ck, path: str, bias: tuple[str, int] | None, n: int) -> None:
+    """`path`.bias: n values of initializer bias[0] from offset bias[1], or zeros (None)."""
+    g = w.g
+    if bias is None:
+        import torch
+
+        ck.add(path + ".bias", "F32", (n,), lambda: torch.zeros(n))
+        return
+    name, off = bias
+    if g.inits[name].numel < off + n or g.inits[name].elem not in (1, 10, 16):
+        raise Decline(None, f"bias '{name}' is too short or not float")
+    ck.add(path + ".bias", "F32", (n,), lambda: g.tensor(name).flatten()[off:off + n].float())
