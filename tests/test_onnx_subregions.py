@@ -109,3 +109,23 @@ def test_regions_are_trace_spans(graphs, tmp_path):
                    (0, "MLP activation", 1), (1, "MLP input", 1)]
     spans = [e["args"]["layers"] for e in events if e["name"] == "mlxr"]
     assert spans == ["0..0 (MLP activation)", "0..1 (MLP input)", "1..head"] * 2
+
+
+def test_session_api_runs_the_regions(graphs):
+    """mlxr.onnx.InferenceSession on a graph with both regions: the graph's own outputs,
+    equal to onnxruntime's, for the prompt and a decode step."""
+    from onnx_ref import empty_past, step_feeds
+
+    ours = mlxr.onnx.InferenceSession(graphs["both"])
+    assert ours.claimed
+    ref = fp32_reference(graphs["both"])
+    names = [o.name for o in ref.get_outputs()]
+    feeds = step_feeds(ref, np.array([PROMPT]), empty_past(ref, 1), 0)
+    want = ref.run(names, feeds)
+    for a, b in zip(ours.run(names, feeds), want):
+        _close(a, b)
+    past = {k.replace("present.", "past_key_values."): v for k, v in zip(names, want)
+            if k.startswith("present.")}
+    feeds = step_feeds(ref, want[0][:, -1:].argmax(-1), past, len(PROMPT))
+    for a, b in zip(ours.run(names, feeds), ref.run(names, feeds)):
+        _close(a, b)
