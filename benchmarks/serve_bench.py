@@ -287,7 +287,8 @@ class NullLLMEngine:
 
         self.step_s, self.host_s = step_s, host_s
         self.lock, self.running = threading.Lock(), []
-        self.scheduler = type("Scheduler", (), {"waiting": [], "running": self.running})()
+        self.scheduler = type("Scheduler", (), {"waiting": [], "running": self.running,
+                                                "waiting_requests": lambda _: 0})()
 
     def add(self, req, emit):
         seq = NullSeq(req, emit)

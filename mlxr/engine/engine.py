@@ -2,7 +2,9 @@
 
 `LLMEngine.step()` runs one scheduled batch through the decoder and turns the logits of every
 sequence that reached the end of its pending tokens into a sampled token, text and (at the end)
-a finish reason. `mlxr.engine.async_engine.AsyncEngine` drives it from a background thread.
+a finish reason; the texts of embeddings requests (embedding_seqs.py) run in the same steps and
+leave with their pooled final hidden state. `mlxr.engine.async_engine.AsyncEngine` drives it
+from a background thread.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from .. import ops
 from ..errors import MlxrError
 from ..generate import TextStream, check_prompt
 from ..harness import trace
-from ..models.decoder import PagedBatch, Step, span_for, write_slots_for
+from ..models.decoder import Decoder, PagedBatch, Step, span_for, write_slots_for
 from ..text.sampling import Sampler, SamplingParams
 from .decode_graphs import PagedDecodeRunner, supported
+from .embedding_seqs import EmbeddingSeq, check_inputs, new_group, pool_step
 from .kv_cache import BlockManager, KVPool
 from .memory import tensor_bytes
 from .scheduler import Scheduler, Sequence
@@ -144,6 +147,8 @@ class LLMEngine:
             max_num_batched_tokens = 2048 if self.decoder.device.type == "cuda" else 256
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens,
                                    self.seq_caches.resume if hybrid else None)
+        # embeddings need the final norm's hidden states: the plain decoder's forward_step
+        self.embeds = not hybrid and type(self.decoder) is Decoder
         self.eos_ids = set(model.eos_token_ids)
         self.lock = threading.Lock()
         # measured once (the model server's memory budget counts them): bytes per device
@@ -174,6 +179,22 @@ class LLMEngine:
         with self.lock:
             self.scheduler.add(r)
         return r
+
+    def add_embeddings(self, seqs: list[list[int]], pooling: str,
+                       emit: Callable[[object], None]) -> list[EmbeddingSeq]:
+        """Validate and queue an embeddings request's token lists (MlxrError naming the bad
+        input's index); `emit` receives each text's EmbeddingOutput (from the engine thread)."""
+        if not self.embeds:
+            raise MlxrError(f"{self.model.path.name}: embeddings need a plain decoder (not a "
+                            "hybrid family, tensor-parallel or ONNX model)")
+        c = self.model.config
+        check_inputs(seqs, pooling, c.vocab_size, c.context_length,
+                     len(self.blocks.blocks) * self.block_size)
+        group = new_group(seqs, pooling, emit)
+        with self.lock:
+            for seq in group:
+                self.scheduler.add(seq)
+        return group
 
     def abort(self, seq: _Request) -> None:
         seq.aborted = True
@@ -209,10 +230,12 @@ class LLMEngine:
             self._sequence_cache_step(batch)
             return
         if self.paged is not None and all(n == 1 and s.num_computed + 1 == len(s.token_ids)
-                                          for s, n in batch):
+                                          and s.group is None for s, n in batch):
             self._decode_step([s for s, _ in batch])
             return
         ids, spans, slots, rows, sampling = [], [], [], [], []
+        pooled: list[tuple[EmbeddingSeq, int, int]] = []  # (text, chunk start, its rows)
+        pool_rows: list[int] = []
         paged = self.paged is not None
         positions, tiles = [], []
         for s, (seq, n) in enumerate(batch):
@@ -226,7 +249,11 @@ class LLMEngine:
                 spans.append(span_for(seq.block_table, self.block_size, start, n, "cpu"))
             ids += seq.token_ids[start:start + n]
             slots += write_slots_for(seq.block_table, self.block_size, start, n)
-            if start + n == len(seq.token_ids):
+            if isinstance(seq, EmbeddingSeq):
+                want = seq.wanted_rows(len(ids) - n, start, n)
+                pooled.append((seq, start, len(want)))
+                pool_rows += want
+            elif start + n == len(seq.token_ids):
                 rows.append(len(ids) - 1)
                 sampling.append(seq)
         dev = self.decoder.device
@@ -234,12 +261,12 @@ class LLMEngine:
             if sp.slots is not None:
                 sp.slots = sp.slots.to(dev)
         step = Step(spans, torch.tensor(slots, dtype=torch.long, device=dev),
-                    torch.tensor(rows, dtype=torch.long, device=dev))
+                    torch.tensor(rows + pool_rows, dtype=torch.long, device=dev))
         if paged:
             step.paged = self._paged_batch([seq for seq, _ in batch], tiles, positions)
         with torch.inference_mode(), trace.span("step", {"sequences": len(batch),
                                                          "tokens": len(ids)}):
-            logits = self.decoder.forward_step(torch.tensor(ids), step, self.pool)
+            logits, hidden = self._forward(torch.tensor(ids), step, len(rows), bool(pooled))
             host = self._needs_host(sampling)
             greedy = logits.argmax(dim=-1).tolist()
             want = [r for r, h in enumerate(host) if h]
@@ -248,6 +275,25 @@ class LLMEngine:
             seq.num_computed += n
             self.blocks.register(seq, seq.num_computed)
         self._emit_all(sampling, host, greedy, dict(zip(want, host_logits)))
+        if pooled:
+            done = pool_step(pooled, hidden)
+            with self.lock:
+                for seq in done:
+                    self.scheduler.finish(seq)
+            for seq in done:
+                seq.emit(seq.output())
+
+    def _forward(self, ids: torch.Tensor, step: Step, n_logits: int,
+                 pooling: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits float32 [n_logits, V], hidden float32 [R - n_logits, E] | None) of a step
+        whose wanted rows are the sampling rows, then (with `pooling`) the embedding texts'."""
+        if not pooling:  # the generation path, as it always ran
+            return self.decoder.forward_step(ids, step, self.pool), None
+        x = self.decoder.forward_step(ids, step, self.pool, hidden=True)  # [R, E]
+        d = self.decoder
+        logits = d.cap_logits(d.head(x[:n_logits]).float()) if n_logits else \
+            x.new_empty((0, d.config.vocab_size), dtype=torch.float32)
+        return logits, x[n_logits:].float()
 
     def _sequence_cache_step(self, batch: list[tuple[_Request, int]]) -> None:
         """A step of a hybrid-family model: each sequence's chunk through its own cache."""

@@ -81,15 +81,12 @@ class ServerState:
         """(model, engine) for one model directory (the ModelManager's loader)."""
         import mlxr
 
-        from ..embed import is_embedding_model
         from ..engine import AsyncEngine
         from ..engine.proc_engine import ProcEngine
 
         mode = self.engine_process
         if mode == "auto":
             mode = "on" if self._device().type == "cuda" else "off"
-        if is_embedding_model(path):
-            mode = "off"  # embeddings run on the decoder in this process (embeddings.py)
         if mode == "on":
             # the child loads (and validates) the weights; here: config and tokenizer
             engine = ProcEngine(path, self.load_kw, **self.engine_kw)
