@@ -24,7 +24,7 @@ from ..text.sampling import Sampler, SamplingParams
 from .decode_graphs import PagedDecodeRunner, supported
 from .embedding_seqs import EmbeddingSeq, check_inputs, new_group, pool_step
 from .kv_cache import BlockManager, KVPool
-from .memory import tensor_bytes
+from .memory import blocks_in_budget, free_memory_blocks, pool_plan, tensor_bytes
 from .scheduler import Scheduler, Sequence
 from .seq_caches import SequenceCaches
 
@@ -79,47 +79,30 @@ class _Request(Sequence):
         self.prompt_cached = 0
 
 
-def _kv_blocks(model, block_size: int, max_num_seqs: int, memory_fraction: float | None) -> int:
-    """Size the KV pool from free memory (capped at what max_num_seqs full contexts need).
-    Shapes are the decoder's (a tensor-parallel rank's: its share of the KV heads)."""
-    c, dev = model.decoder.config, model.decoder.device
-    per_block = 2 * c.num_layers * c.num_kv_heads * c.head_dim * block_size * \
-        torch.tensor([], dtype=model.dtype).element_size()
-    if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        budget = free * (memory_fraction or 0.8)
-    else:
-        avail = 8 << 30
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        avail = int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        budget = avail * (memory_fraction or 0.25)
-    need = max_num_seqs * -(-c.context_length // block_size)
-    return max(1, min(int(budget // per_block), need))
-
-
 class LLMEngine:
     """Continuous batching over one model (synchronous; AsyncEngine drives it from a thread).
 
     Steps in which every scheduled sequence decodes one token run through a PagedDecodeRunner
     (`paged_decode`: None = on CUDA where the step can be captured in graphs, True = also
-    eagerly elsewhere, for tests); other steps (prefill chunks) run `Decoder.forward_step`."""
+    eagerly elsewhere, for tests); other steps (prefill chunks) run `Decoder.forward_step`.
+
+    The KV pool: `num_blocks`, else what `memory_budget` (bytes for weights and pool together,
+    the model server's share for this model) leaves after the measured weights (MemoryBudgetError
+    below memory.MIN_POOL_TOKENS), else a share of the free memory (`memory_fraction`); never
+    more than max_num_seqs full contexts."""
 
     def __init__(self, model, max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None,
                  memory_fraction: float | None = None, paged_decode: bool | None = None,
-                 prefix_snapshot_bytes: int | None = None):
+                 prefix_snapshot_bytes: int | None = None, memory_budget: int | None = None):
         self.model, self.decoder = model, model.decoder
         self.block_size = block_size
         # batched decode's 4-bit kernel needs its own weight copy (QuantWeight.add_batch_copy):
         # built before the KV pool is sized from the free memory
         for qw in self.decoder.quant_weights():
             qw.add_batch_copy()
-        n = num_blocks or _kv_blocks(model, block_size, max_num_seqs, memory_fraction)
+        # measured once (the model server's memory budget counts them): bytes per device
+        self.weights_bytes = sum(tensor_bytes(self.decoder).values())
         c = self.decoder.config
         # hybrid families: per-sequence caches (seq_caches), no shared pool; prefix caching by
         # state snapshots within prefix_snapshot_bytes (default 512 MiB on CUDA, 64 MiB on CPU)
@@ -130,6 +113,13 @@ class LLMEngine:
         hybrid = self.seq_caches is not None
         capture = supported(self.decoder) and not hybrid
         use_paged = capture if paged_decode is None or hybrid else paged_decode
+        n = num_blocks
+        if not n:
+            plan = pool_plan(c, self.decoder.dtype, block_size, max_num_seqs)
+            n = free_memory_blocks(plan, self.decoder.device, memory_fraction) \
+                if memory_budget is None or hybrid else \
+                blocks_in_budget(plan, memory_budget, self.weights_bytes, int(use_paged),
+                                 model.path.name)
         # one extra block when decoding in buckets: the padding rows' trash block
         self.pool = None if hybrid else KVPool(c.num_layers, c.num_kv_heads, c.head_dim,
                                                n + use_paged, block_size, self.decoder.dtype,
@@ -151,8 +141,6 @@ class LLMEngine:
         self.embeds = not hybrid and type(self.decoder) is Decoder
         self.eos_ids = set(model.eos_token_ids)
         self.lock = threading.Lock()
-        # measured once (the model server's memory budget counts them): bytes per device
-        self.weights_bytes = sum(tensor_bytes(self.decoder).values())
         self.kv_cache_bytes = self.pool.nbytes if self.pool is not None else 0
 
     def add(self, req: EngineRequest, emit: Callable[[RequestOutput], None]) -> _Request:
