@@ -191,3 +191,27 @@ def test_server_refusals(server, model):
     r = httpx.post(server.url + "/api/embed", json={"model": NAME, "input": ["a", ""]})
     assert r.status_code == 400 and "input[1]" in r.json()["error"]
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_make_checkpoint_embedding_shape_and_bench(tmp_path):
+    """make_checkpoint's embedding shape is recognised as one (sentence-transformers files,
+    last-token pooling), and embed_bench runs both paths on it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mlxr.embed import is_embedding_model, pooling
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "tiny"
+    subprocess.run([sys.executable, "benchmarks/make_checkpoint.py", "qwen3-embedding-tiny",
+                    str(out)], cwd=root, check=True, capture_output=True, timeout=120)
+    assert is_embedding_model(out) and pooling(out) == "last"
+    r = subprocess.run([sys.executable, "benchmarks/embed_bench.py", str(out), "--device", "cpu",
+                        "--batch", "1,3", "--tokens", "8", "--repeats", "1"], cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout.splitlines()[-1])["rows"]
+    assert [(x["path"], x["batch"]) for x in rows] == [("embed", 1), ("engine", 1),
+                                                       ("embed", 3), ("engine", 3)]
+    assert all(x["texts_s"] > 0 for x in rows)
