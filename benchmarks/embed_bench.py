@@ -5,7 +5,8 @@ batch path and through the serving engine (the path the server's /v1/embeddings 
         [--tokens 16,512] [--repeats 3] [--threads N] [--engine-tokens N] [--dtype D]
 
 Each configuration (batch B texts of T tokens each, random ids inside the vocabulary, so no
-tokenizer is needed and every text is exactly T tokens) runs once to warm up, then `--repeats`
+tokenizer is needed and every text is exactly T tokens; new texts for every run, so the
+engine's prefix cache never answers from an earlier run) runs once to warm up, then `--repeats`
 times; the median wall time is reported, device-synchronised:
 - `embed`: `mlxr.embed.embed_ids` -- model.embed without the tokenizer: one forward pass per
   8192 tokens over a scratch KV range, last-token pooling, L2 norm;
@@ -48,13 +49,14 @@ def through_engine(engine: LLMEngine, seqs: list[list[int]]) -> torch.Tensor:
     return torch.stack([got[i] for i in range(len(seqs))])
 
 
-def timed(fn, dev: torch.device, repeats: int) -> float:
-    fn()  # warm-up
+def timed(fn, runs: list[list[list[int]]], dev: torch.device) -> float:
+    """Median wall time of fn(texts) over runs[1:] (runs[0] warms up)."""
+    fn(runs[0])
     walls = []
-    for _ in range(repeats):
+    for seqs in runs[1:]:
         sync(dev)
         t = time.perf_counter()
-        fn()
+        fn(seqs)
         sync(dev)
         walls.append(time.perf_counter() - t)
     return statistics.median(walls)
@@ -88,12 +90,13 @@ def main() -> None:
     rows = []
     for n in lengths:
         for b in batches:
-            seqs = torch.randint(0, model.config.vocab_size, (b, n), generator=g).tolist()
-            check = embed_ids(model, seqs[:2])
-            assert (through_engine(engine, seqs[:2]) - check).abs().max() < 1e-2
-            for path, fn in (("embed", lambda: embed_ids(model, seqs)),
-                             ("engine", lambda: through_engine(engine, seqs))):
-                s = timed(fn, dev, a.repeats)
+            runs = [torch.randint(0, model.config.vocab_size, (b, n), generator=g).tolist()
+                    for _ in range(2 * (a.repeats + 1))]
+            check = embed_ids(model, runs[0][:2])
+            assert (through_engine(engine, runs[0][:2]) - check).abs().max() < 1e-2
+            for i, (path, fn) in enumerate((("embed", lambda s: embed_ids(model, s)),
+                                            ("engine", lambda s: through_engine(engine, s)))):
+                s = timed(fn, runs[i * (a.repeats + 1):(i + 1) * (a.repeats + 1)], dev)
                 r = {"path": path, "batch": b, "tokens": n, "seconds": round(s, 4),
                      "texts_s": round(b / s, 1), "tokens_s": round(b * n / s, 1)}
                 rows.append(r)
