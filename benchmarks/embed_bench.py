@@ -98,10 +98,10 @@ def main() -> None:
                                             ("engine", lambda s: through_engine(engine, s)))):
                 s = timed(fn, runs[i * (a.repeats + 1):(i + 1) * (a.repeats + 1)], dev)
                 r = {"path": path, "batch": b, "tokens": n, "seconds": round(s, 4),
-                     "texts_s": round(b / s, 1), "tokens_s": round(b * n / s, 1)}
+                     "texts_s": round(b / s, 3), "tokens_s": round(b * n / s, 1)}
                 rows.append(r)
                 print(f"{dev.type} {path:6s} batch {b:4d} x {n:4d} tokens: "
-                      f"{r['texts_s']:10.1f} texts/s {r['tokens_s']:11.1f} tokens/s "
+                      f"{r['texts_s']:10.3f} texts/s {r['tokens_s']:11.1f} tokens/s "
                       f"(median of {a.repeats}: {s:.3f} s)", flush=True)
     print(json.dumps({"model": model.path.name, "device": dev.type, "dtype": str(model.dtype),
                       "threads": torch.get_num_threads(), "engine_tokens": budget,
