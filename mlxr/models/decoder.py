@@ -210,8 +210,8 @@ class Decoder:
                     self.layers[i].sinks)
 
             return self._run(ids, pb.rope, pool, step.write_slots, attend_paged,
-                             step.logits_rows, pb.positions)
-        if (self.device.type == "cpu" and all(sp.q_len == 1 for sp in step.spans)
+                             step.logits_rows, pb.positions, hidden)
+        if (not hidden and self.device.type == "cpu" and all(sp.q_len == 1 for sp in step.spans)
                 and cpu_decode.enabled() and cpu_decode.eligible(self)):
             return cpu_decode.run(self, ids, step, pool)
         tables: dict[int, tuple] = {}
