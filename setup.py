@@ -1,4 +1,4 @@
-"""Builds mlxr's optional CPU kernels (mlxr/ops/cpu/kernels.c) at install time.
+"""Builds mlxr's optional CPU kernels (mlxr/ops/cpu/*.c) at install time.
 
 Everything else is in pyproject.toml. The extension is optional: where no C compiler (or no
 OpenMP, or no -march=native) is at hand, the build retries with fewer flags and finally skips
@@ -39,6 +39,8 @@ class OptionalBuild(build_ext):
 
 
 setup(
-    ext_modules=[Extension("mlxr.ops.cpu._kernels", ["mlxr/ops/cpu/kernels.c"], optional=True)],
+    ext_modules=[Extension("mlxr.ops.cpu._kernels",
+                           [f"mlxr/ops/cpu/{f}.c" for f in ("kernels", "qmm", "attend")],
+                           depends=["mlxr/ops/cpu/kernels.h"], optional=True)],
     cmdclass={"build_ext": OptionalBuild},
 )
