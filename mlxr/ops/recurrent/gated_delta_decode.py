@@ -22,6 +22,8 @@ Capturable: no host reads, fixed addresses, states written in place.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -56,6 +58,13 @@ def qk_norm_constants(dk: int) -> tuple[float, float, float]:
     """(eps added to the mean square, q's scale, k's scale) of `reference.l2norm_qk`."""
     inv = dk**-0.5  # the same float64 expressions, rounded alike
     return 1e-6 * inv**2, inv**2, inv
+
+
+@functools.cache
+def _rounded(x: float, dtype: torch.dtype) -> float:
+    """x rounded to dtype, as the reference multiplies by a scalar of the dtype (cached: no
+    tensor made per step)."""
+    return torch.tensor(x, dtype=dtype).item()
 
 
 if HAVE_TRITON:
@@ -185,7 +194,7 @@ def gated_delta_decode(proj: Tensor, conv_state: Tensor, ssm_state: Tensor, conv
     block_k, block_v = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
     qk_eps, q_scale, k_scale = qk_norm_constants(dk)
     # the scales rounded to the dtype first, as the reference multiplies by a dtype scalar
-    q_scale, k_scale = (torch.tensor(x, dtype=proj.dtype).item() for x in (q_scale, k_scale))
+    q_scale, k_scale = _rounded(q_scale, proj.dtype), _rounded(k_scale, proj.dtype)
     _gdn_decode_kernel[(bsz, hk)](
         proj, proj.stride(0), conv_state, conv_state.stride(0), conv_state.stride(1),
         conv_w.contiguous(), ssm_state, a_log, dt_bias, norm_w, out, out.stride(0), qk_eps,
