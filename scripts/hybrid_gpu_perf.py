@@ -3,6 +3,7 @@ runs in its own try/except: a failure prints FAIL and the next part runs.
 
     PYTHONPATH=. python scripts/hybrid_gpu_perf.py DIR          # CUDA: DIR holds checkpoints
     PYTHONPATH=. python scripts/hybrid_gpu_perf.py DIR --tiny   # CPU, Triton interpreter
+    (--only kernel | decode: one part)
 
 1. kernel: `recurrent.gated_delta_decode` (one launch) vs its twin (the reference ops composed)
    at the qwen3.5-0.8b / 2b layer shape (Hk = Hv = 16, Dk = Dv = 128, conv 4; both sizes share
@@ -275,6 +276,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", type=Path)
     ap.add_argument("--tiny", action="store_true", help="CPU, interpreter, tiny shapes")
+    ap.add_argument("--only", choices=("kernel", "decode"), help="run one part")
     a = ap.parse_args()
     dev = "cpu" if a.tiny else "cuda"
     if not a.tiny and not torch.cuda.is_available():
@@ -284,8 +286,10 @@ def main() -> None:
         ops._fast = lambda x: True  # every op on the Triton kernels (the interpreter)
         ops._fused = norm_rope_act
     a.dir.mkdir(parents=True, exist_ok=True)
-    kernel_part(dev, a.tiny)
-    decode_part(a.dir, dev, a.tiny)
+    if a.only != "decode":
+        kernel_part(dev, a.tiny)
+    if a.only != "kernel":
+        decode_part(a.dir, dev, a.tiny)
     print(f"done: {'FAIL ' + ', '.join(FAILED) if FAILED else 'all ok'}", flush=True)
     sys.exit(1 if FAILED else 0)
 
