@@ -129,9 +129,9 @@ if HAVE_TRITON:
                            BLOCK_V: tl.constexpr, BLOCK_RV: tl.constexpr,
                            BLOCK_W: tl.constexpr, OUT: tl.constexpr):
         b, hk = tl.program_id(0), tl.program_id(1)
-        REP: tl.constexpr = HV // HK
-        RV: tl.constexpr = REP * DV  # the program's value channels
-        CONV: tl.constexpr = 2 * HK * DK + HV * DV  # conv channels; then z, b, a
+        REP = HV // HK  # constexpr arithmetic: constexprs
+        RV = REP * DV  # the program's value channels
+        CONV = 2 * HK * DK + HV * DV  # conv channels; then z, b, a
         x_row = proj + b * s_pb
         st = conv_state + b * s_cb
         rk, rrv = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_RV)
@@ -142,7 +142,8 @@ if HAVE_TRITON:
         k, k_rows = _conv_roll(x_row, st, s_cw, conv_w, k_ch, DK, BLOCK_K, W, BLOCK_W, OUT)
         v, v_rows = _conv_roll(x_row, st, s_cw, conv_w, v_ch, RV, BLOCK_RV, W, BLOCK_W, OUT)
         o_row = out + b * s_ob + hk * RV
-        tl.store(o_row + rrv, _cast(v, OUT), mask=rrv < RV)
+        if REP > 1:  # read back per value head below (REP = 1: v is the head's already)
+            tl.store(o_row + rrv, _cast(v, OUT), mask=rrv < RV)
         q = _unit_rms_scaled(q, DK, qk_eps, q_scale, OUT)
         k = _unit_rms_scaled(k, DK, qk_eps, k_scale, OUT)
         tl.debug_barrier()  # every old conv state value and the v stores above are done
@@ -160,7 +161,10 @@ if HAVE_TRITON:
             g = tl.exp(-tl.exp(tl.load(a_log + hv).to(tl.float32)) * sp.to(tl.float32))
             bt = tl.load(x_row + CONV + HV * DV + hv).to(tl.float32)
             beta = _cast(tl.sigmoid(bt), OUT).to(tl.float32)
-            vj = tl.load(o_row + j * DV + rv, mask=mv, other=0.0).to(tl.float32)
+            if REP > 1:
+                vj = tl.load(o_row + j * DV + rv, mask=mv, other=0.0).to(tl.float32)
+            else:
+                vj = v
             s_ptr = ssm + ((b * HV + hv) * DV + rv[:, None]) * DK + rk[None, :]
             m2 = mv[:, None] & mk[None, :]
             s = tl.load(s_ptr, mask=m2, other=0.0) * g  # [BLOCK_V, BLOCK_K] float32
