@@ -124,12 +124,12 @@ if HAVE_TRITON:
     @triton.jit
     def _gdn_decode_kernel(proj, s_pb, conv_state, s_cb, s_cw, conv_w, ssm, a_log, dt_bias,
                            norm_w, out, s_ob, qk_eps, q_scale, k_scale, eps,
-                           HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+                           HK: tl.constexpr, HV: tl.constexpr, REP: tl.constexpr,
+                           DK: tl.constexpr,
                            DV: tl.constexpr, W: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_V: tl.constexpr, BLOCK_RV: tl.constexpr,
                            BLOCK_W: tl.constexpr, OUT: tl.constexpr):
         b, hk = tl.program_id(0), tl.program_id(1)
-        REP = HV // HK  # constexpr arithmetic: constexprs
         RV = REP * DV  # the program's value channels
         CONV = 2 * HK * DK + HV * DV  # conv channels; then z, b, a
         x_row = proj + b * s_pb
@@ -202,7 +202,7 @@ def gated_delta_decode(proj: Tensor, conv_state: Tensor, ssm_state: Tensor, conv
     _gdn_decode_kernel[(bsz, hk)](
         proj, proj.stride(0), conv_state, conv_state.stride(0), conv_state.stride(1),
         conv_w.contiguous(), ssm_state, a_log, dt_bias, norm_w, out, out.stride(0), qk_eps,
-        q_scale, k_scale, eps, HK=hk, HV=hv, DK=dk, DV=dv, W=width, BLOCK_K=block_k,
+        q_scale, k_scale, eps, HK=hk, HV=hv, REP=hv // hk, DK=dk, DV=dv, W=width, BLOCK_K=block_k,
         BLOCK_V=block_v, BLOCK_RV=triton.next_power_of_2(hv // hk * dv),
         BLOCK_W=triton.next_power_of_2(width - 1), OUT=_DTYPES[proj.dtype],
         num_warps=8 if block_k * block_v >= 8192 else 4)
