@@ -13,12 +13,14 @@ runs in its own try/except: a failure prints FAIL and the next part runs.
    (MLXR_GDN_FUSED=0's: the conv and recurrence kernels beside torch ops) and of the twin.
 2. decode: the qwen3.5-0.8b and qwen3.5-2b shapes (make_checkpoint, 4-bit g64, full depth,
    DIR/graph-<shape>, bf16) in the CUDA graph (MLXR_HYBRID_GRAPHS=1), prompt 512, 128 tokens,
-   MLXR_GDN_FUSED=1 and 0 alternating, median of 3 after a warm-up each; kernels per eager
+   MLXR_GDN_FUSED=1 and 0 alternating (each path's graph captured once in the warm-up round,
+   put back when the path is selected), median of 3; kernels per eager
    decode step (counted as benchmarks/gpu/gpu_profile.py does); greedy tokens fused == unfused
    (a first difference allowed only at a near-tie: top-2 margin of the unfused path's eager
    logits under 10% of the range, hybrid_gpu_check's rule).
 --tiny: the same parts at tiny shapes on the CPU (hybrid_configs' qwen3_5; ops forced onto
-the Triton kernels as the tests force them; aten ops per step counted instead of kernels).
+the Triton kernels as the tests force them; aten ops + Triton launches per step counted
+instead of kernels).
 """
 
 from __future__ import annotations
@@ -211,65 +213,89 @@ def _near_tie_same(model, prompt, fused, unfused) -> bool:
     return float(top[0] - top[1]) < TIE * float(logits.max() - logits.min())
 
 
+_captured: dict = {}  # (decoder, fused) -> its GraphCache: each path captured once
+
+
 def _set_fused(model, on: bool) -> None:
+    """Select the path; the decode graphs captured with it are put back (a graph replays the
+    kernels it recorded, whatever the flag says later)."""
+    dec = model.decoder
+    if dec in generate._graphs:
+        _captured[(id(dec), os.environ.get("MLXR_GDN_FUSED") != "0")] = generate._graphs.pop(dec)
     os.environ["MLXR_GDN_FUSED"] = "1" if on else "0"
-    generate._graphs.pop(model.decoder, None)  # re-captured with this path
+    if (id(dec), on) in _captured:
+        generate._graphs[dec] = _captured[(id(dec), on)]
 
 
-@part("decode")
-def decode_part(out: Path, dev: str, tiny: bool) -> None:
+def _make_checkpoint():
     spec = importlib.util.spec_from_file_location("make_checkpoint",
                                                   ROOT / "benchmarks" / "make_checkpoint.py")
     mc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mc)
-    shapes = ["tiny-qwen3_5"] if tiny else ["qwen3.5-0.8b", "qwen3.5-2b"]
+    return mc
+
+
+def decode_part(out: Path, dev: str, tiny: bool) -> None:
+    mc = _make_checkpoint()
+    for shape in ["tiny-qwen3_5"] if tiny else ["qwen3.5-0.8b", "qwen3.5-2b"]:
+        part(f"decode {shape}")(_decode_shape)(mc, out, shape, dev, tiny)
+    os.environ.pop("MLXR_GDN_FUSED", None)
+
+
+def _decode_shape(mc, out: Path, shape: str, dev: str, tiny: bool) -> None:
     prompt_len, new, reps = (6, 3, 1) if tiny else (512, 128, 3)
-    for shape in shapes:
-        path = out / f"graph-{shape}"
-        if not (path / "config.json").is_file():
-            print(f"writing {path} ...", flush=True)
-            if tiny:
-                from hybrid_configs import FAMILIES
-                mc.write_hybrid(copy.deepcopy(FAMILIES["qwen3_5"]), path, (4, 64, "affine"))
-            else:
-                mc.write(shape, path, 4, 64, "affine")
-        model = mlxr.load(path, device=dev, **({"dtype": "float32"} if tiny else {}))
-        rng = random.Random(0)
-        prompt = [rng.randrange(model.config.vocab_size) for _ in range(prompt_len)]
-        tps: dict[bool, list] = {True: [], False: []}
-        toks: dict[bool, list] = {}
-        for k in range(reps + 1):  # the first round: warm-up (compile, capture)
-            for on in (True, False):
-                _set_fused(model, on)
-                ids, stats = [], None
-                for chunk in model.stream(prompt, max_tokens=new, temperature=0,
-                                          ignore_eos=True):
-                    ids += chunk.token_ids
-                    stats = chunk.stats
-                toks.setdefault(on, ids)
-                if k or tiny:
-                    tps[on].append(stats.decode_tps)
-        counts = {}
-        for on in (True, False):
-            _set_fused(model, on)
-            cache = new_cache(model.decoder, prompt_len + 8)
-            with torch.inference_mode():
-                model.decoder.forward(torch.tensor(prompt), cache, last_only=True)
-            counts[on] = step_ops(model.decoder, cache, prompt_len, dev)
-        same = _near_tie_same(model, prompt, toks[True], toks[False])
-        if not same:
-            FAILED.append(f"decode {shape} tokens")
-        unit = "kernels" if dev == "cuda" else "aten ops"
-        print(f"{shape} decode {new} (graph {'on' if dev == 'cuda' else 'off: CPU'}): fused "
-              f"{statistics.median(tps[True]):8.1f} tok/s, op-by-op "
-              f"{statistics.median(tps[False]):8.1f} tok/s (median of {reps}); {unit} per "
-              f"step fused {counts[True][0]}, op-by-op {counts[False][0]}; greedy tokens "
-              f"same (near-tie rule) {same}  {'ok' if same else 'FAIL'}", flush=True)
-        print(f"  top {unit} fused: {counts[True][1]}", flush=True)
+    path = out / f"graph-{shape}"
+    if not (path / "config.json").is_file():
+        print(f"writing {path} ...", flush=True)
+        if tiny:
+            from hybrid_configs import FAMILIES
+            mc.write_hybrid(copy.deepcopy(FAMILIES["qwen3_5"]), path, (4, 64, "affine"))
+        else:
+            mc.write(shape, path, 4, 64, "affine")
+    model = mlxr.load(path, device=dev, **({"dtype": "float32"} if tiny else {}))
+    try:
+        _measure(model, shape, dev, tiny, prompt_len, new, reps)
+    finally:
+        generate._graphs.pop(model.decoder, None)
+        _captured.clear()
         del model
         if dev == "cuda":
             torch.cuda.empty_cache()
-    os.environ.pop("MLXR_GDN_FUSED", None)
+
+
+def _measure(model, shape: str, dev: str, tiny: bool, prompt_len: int, new: int,
+             reps: int) -> None:
+    rng = random.Random(0)
+    prompt = [rng.randrange(model.config.vocab_size) for _ in range(prompt_len)]
+    tps: dict[bool, list] = {True: [], False: []}
+    toks: dict[bool, list] = {}
+    for k in range(reps + 1):  # the first round: warm-up (compile, capture)
+        for on in (True, False):
+            _set_fused(model, on)
+            ids, stats = [], None
+            for chunk in model.stream(prompt, max_tokens=new, temperature=0, ignore_eos=True):
+                ids += chunk.token_ids
+                stats = chunk.stats
+            toks.setdefault(on, ids)
+            if k or tiny:
+                tps[on].append(stats.decode_tps)
+    counts = {}
+    for on in (True, False):
+        _set_fused(model, on)
+        cache = new_cache(model.decoder, prompt_len + 8)
+        with torch.inference_mode():
+            model.decoder.forward(torch.tensor(prompt), cache, last_only=True)
+        counts[on] = step_ops(model.decoder, cache, prompt_len, dev)
+    same = _near_tie_same(model, prompt, toks[True], toks[False])
+    if not same:
+        FAILED.append(f"decode {shape} tokens")
+    unit = "kernels" if dev == "cuda" else "ops"
+    print(f"{shape} decode {new} (graph {'on' if dev == 'cuda' else 'off: CPU'}): fused "
+          f"{statistics.median(tps[True]):8.1f} tok/s, op-by-op "
+          f"{statistics.median(tps[False]):8.1f} tok/s (median of {reps}); {unit} per "
+          f"step fused {counts[True][0]}, op-by-op {counts[False][0]}; greedy tokens "
+          f"same (near-tie rule) {same}  {'ok' if same else 'FAIL'}", flush=True)
+    print(f"  top {unit} fused: {counts[True][1]}", flush=True)
 
 
 def main() -> None:
