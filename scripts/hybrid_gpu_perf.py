@@ -269,7 +269,7 @@ def _measure(model, shape: str, dev: str, tiny: bool, prompt_len: int, new: int,
     prompt = [rng.randrange(model.config.vocab_size) for _ in range(prompt_len)]
     tps: dict[bool, list] = {True: [], False: []}
     toks: dict[bool, list] = {}
-    for k in range(reps + 1):  # the first round: warm-up (compile, capture)
+    for k in range(reps + (not tiny)):  # CUDA's first round: warm-up (compile, capture)
         for on in (True, False):
             _set_fused(model, on)
             ids, stats = [], None
