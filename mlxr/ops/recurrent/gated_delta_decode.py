@@ -134,7 +134,12 @@ if HAVE_TRITON:
         CONV = 2 * HK * DK + HV * DV  # conv channels; then z, b, a
         x_row = proj + b * s_pb
         st = conv_state + b * s_cb
-        rk, rrv = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_RV)
+        rk, rrv, rv = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_RV), tl.arange(0, BLOCK_V)
+        mv, mk = rv < DV, rk < DK
+        m2 = mv[:, None] & mk[None, :]
+        if REP == 1:  # the state tile's load issued first: its latency hides under the conv
+            s_first = tl.load(ssm + ((b * HV + hk) * DV + rv[:, None]) * DK + rk[None, :],
+                              mask=m2, other=0.0)
         q_ch = hk * DK + rk
         k_ch = HK * DK + hk * DK + rk
         v_ch = 2 * HK * DK + hk * RV + rrv
@@ -150,8 +155,6 @@ if HAVE_TRITON:
         _store_rows(st, s_cw, q_ch, DK, q_rows, BLOCK_K, W, BLOCK_W)
         _store_rows(st, s_cw, k_ch, DK, k_rows, BLOCK_K, W, BLOCK_W)
         _store_rows(st, s_cw, v_ch, RV, v_rows, BLOCK_RV, W, BLOCK_W)
-        rv = tl.arange(0, BLOCK_V)
-        mv, mk = rv < DV, rk < DK
         for j in tl.static_range(REP):
             hv = hk * REP + j
             a = tl.load(x_row + CONV + HV * DV + HV + hv).to(tl.float32)
@@ -166,8 +169,10 @@ if HAVE_TRITON:
             else:
                 vj = v
             s_ptr = ssm + ((b * HV + hv) * DV + rv[:, None]) * DK + rk[None, :]
-            m2 = mv[:, None] & mk[None, :]
-            s = tl.load(s_ptr, mask=m2, other=0.0) * g  # [BLOCK_V, BLOCK_K] float32
+            if REP == 1:
+                s = s_first * g  # [BLOCK_V, BLOCK_K] float32
+            else:
+                s = tl.load(s_ptr, mask=m2, other=0.0) * g
             delta = (vj - tl.sum(s * k[None, :], axis=1)) * beta
             s = s + k[None, :] * delta[:, None]
             tl.store(s_ptr, s, mask=m2)
