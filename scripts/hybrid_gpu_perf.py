@@ -122,11 +122,14 @@ def kernel_part(dev: str, tiny: bool) -> None:
                 y_ref, s_ref = _steps(R.gated_delta_decode, heads, dtype, bsz, dev)
                 s_err = float((s - s_ref).abs().max() / s_ref.abs().max())
                 y_err = (y - y_ref).abs()
-                tol = 2e-5 * y_ref.abs().max() + 1e-6
+                # 3 steps of sums over <= Dk = 128 terms, each off by <= n 2^-24 of the sum
+                # of |terms| (test_triton_gdn_decode's derivation at these sizes)
+                rel = 3 * max(heads[2], heads[3]) * 2.0**-24
+                tol = rel * y_ref.abs().max() + 1e-6
                 if dtype == torch.bfloat16:
                     tol = tol + 4 * ULP * y_ref.abs()
                 differ = float((y != y_ref).float().mean())
-                ok = (s_err <= 2e-5 and bool((y_err <= tol).all())
+                ok = (s_err <= rel and bool((y_err <= tol).all())
                       and (differ <= 0.02 or dtype == torch.float32))
                 if not ok:
                     FAILED.append(f"kernel {name}")
