@@ -5,17 +5,23 @@ the reference ops composed).
 One program per (sequence, key head): it owns the conv channels of its q and k head and of the
 REP value heads that read them (contiguous channels), so it alone reads and rewrites their
 rolling conv state; a program per value head would race on the shared q/k channels (one
-rewriting the state another has not read yet). Steps, each rounded where the reference rounds:
+rewriting the state another has not read yet); and RMSNormGated needs a value head's whole
+Dv row, so the rows are not split across programs either (B = 1 at the 0.8b / 2b shapes: 16
+programs, each streaming its head's 64 KB state in and out). Steps, each rounded where the
+reference rounds:
 
 1. conv1d + SiLU over the owned channels (taps summed in order in float32, rounded to the
-   dtype, SiLU in float32 rounded again); the conv'd v goes to the program's own slice of
-   `out` (exact: already in the dtype) and is read back per value head after a barrier;
+   dtype, SiLU in float32 rounded again); with REP > 1 the conv'd v goes to the program's own
+   slice of `out` (exact: already in the dtype) and is read back per value head after the
+   barrier (REP = 1: it stays in registers, and the state tile's load is issued first);
 2. the q / k unit RMS in float32, rounded, times Dk^-1 / Dk^-0.5 rounded to the dtype;
 3. a barrier (every old conv state value read), then the rolled state [old rows 1.. | x];
 4. per value head: gates (softplus in the dtype, g float32, beta = sigmoid(b) in the dtype),
    the delta rule on the float32 state tile [Dv, Dk] (all of it in registers, updated in
    place), y rounded to the dtype, then RMSNormGated: rms_norm(y) rounded, times the weight
-   rounded, times SiLU(z) in float32, rounded.
+   rounded, times SiLU(z) in float32, rounded. softplus is max(a, 0) + log(1 + exp(-|a|))
+   (torch: log1p; where they differ, exp(-|a|) < 2^-24, the difference is under 2^-24 and
+   vanishes in g = exp(-A sp) at float32 precision).
 
 Capturable: no host reads, fixed addresses, states written in place.
 """
