@@ -20,8 +20,8 @@ reference rounds:
    the delta rule on the float32 state tile [Dv, Dk] (all of it in registers, updated in
    place), y rounded to the dtype, then RMSNormGated: rms_norm(y) rounded, times the weight
    rounded, times SiLU(z) in float32, rounded. softplus is max(a, 0) + log(1 + exp(-|a|))
-   (torch: log1p; where they differ, exp(-|a|) < 2^-24, the difference is under 2^-24 and
-   vanishes in g = exp(-A sp) at float32 precision).
+   (torch: log1p; they differ only where exp(-|a|) is below float32's epsilon, by < 2^-23
+   absolute: g = exp(-A sp) moves by < A 2^-23 relative, a few float32 ulps).
 
 Capturable: no host reads, fixed addresses, states written in place.
 """
