@@ -105,22 +105,57 @@ def _project(rows: Tensor, w: Tensor, offs: Tensor, q: ExpertQuant, experts: Ten
     return y
 
 
+def _check(x: Tensor, q: ExpertQuant) -> None:
+    if x.dim() != 2 or x.shape[1] != q.shape[2]:
+        raise ValueError(f"moe_grouped_mm: input {tuple(x.shape)} does not match K = "
+                         f"{q.shape[2]}")
+
+
+def _gate_up_sorted(x: Tensor, k: int, order: Tensor, experts: Tensor, offs: Tensor,
+                    gate: ExpertQuant, up: ExpertQuant, act: str, alpha: float,
+                    limit: float) -> Tensor:
+    """h [P, F] of the pairs in sorted order (x's row pair // k for each)."""
+    rows = x.index_select(0, order // k)  # [P, K] the sorted pairs' tokens
+    g = _project(rows, dequant_experts(gate, x.dtype), offs, gate, experts)
+    u = _project(rows, dequant_experts(up, x.dtype), offs, up, experts)
+    return moe_reference.expert_act(g, u, act, alpha, limit)
+
+
+def moe_grouped_mm_gate_up(x: Tensor, ids: Tensor, gate: ExpertQuant, up: ExpertQuant,
+                           act: str, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
+    """h [T*k, F] in pair order, as `grouped_experts.moe_grouped_gate_up` (twin:
+    `moe_grouped_gate_up_ref`)."""
+    check_pair(gate, up)
+    _check(x, gate)
+    order, experts, offs = sort_pairs(ids, gate.shape[0])
+    hs = _gate_up_sorted(x, ids.shape[1], order, experts, offs, gate, up, act, alpha, limit)
+    return torch.empty_like(hs).index_copy_(0, order, hs)
+
+
+def moe_grouped_mm_down(h: Tensor, ids: Tensor, down: ExpertQuant) -> Tensor:
+    """y [T*k, E]: row p of h through expert ids.flat[p] (+ bias), as
+    `grouped_experts.moe_grouped_down` (twin: `moe_grouped_down_ref`)."""
+    _check(h, down)
+    order, experts, offs = sort_pairs(ids, down.shape[0])
+    ys = _project(h.index_select(0, order), dequant_experts(down, h.dtype), offs, down, experts)
+    return torch.empty_like(ys).index_copy_(0, order, ys)
+
+
 def moe_grouped_mm(x: Tensor, ids: Tensor, weights: Tensor, gate: ExpertQuant,
                    up: ExpertQuant, down: ExpertQuant, act: str, alpha: float, limit: float,
                    out_dtype: torch.dtype, routed_scale: float = 1.0) -> Tensor:
     """The routed experts' weighted sum [T, E] for x [T, K] (bf16), ids / weights [T, k]:
-    `grouped_experts.moe_grouped`'s contract (its twin: `moe_grouped_ref`)."""
+    `grouped_experts.moe_grouped`'s contract (its twin: `moe_grouped_ref`). Equal to
+    `moe_grouped_mm_gate_up`, `moe_grouped_mm_down` and the combine, without the round trip
+    of h through pair order."""
     check_pair(gate, up)
-    nx, f, kin = gate.shape
-    if x.dim() != 2 or x.shape[1] != kin or down.shape[2] != f:
-        raise ValueError(f"moe_grouped_mm: x {tuple(x.shape)}, gate {gate.shape}, down "
-                         f"{down.shape} do not fit")
+    _check(x, gate)
+    if down.shape[2] != gate.shape[1]:
+        raise ValueError(f"moe_grouped_mm: down {down.shape} does not take F = "
+                         f"{gate.shape[1]}")
     t, k = ids.shape
-    order, experts, offs = sort_pairs(ids, nx)
-    rows = x.index_select(0, order // k)  # [P, K] the sorted pairs' tokens
-    g = _project(rows, dequant_experts(gate, x.dtype), offs, gate, experts)
-    u = _project(rows, dequant_experts(up, x.dtype), offs, up, experts)
-    h = moe_reference.expert_act(g, u, act, alpha, limit)
+    order, experts, offs = sort_pairs(ids, gate.shape[0])
+    h = _gate_up_sorted(x, k, order, experts, offs, gate, up, act, alpha, limit)
     ys = _project(h, dequant_experts(down, x.dtype), offs, down, experts)  # [P, E] sorted
     y = torch.empty_like(ys).index_copy_(0, order, ys)
     return moe_reference.combine(y.reshape(t, k, -1), weights, out_dtype, routed_scale)
