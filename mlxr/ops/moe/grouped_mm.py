@@ -19,7 +19,9 @@ the affine dequant that may move a weight by one bf16 unit where the fp32 value 
 rounding boundary). bf16 only: fp32 (the exact mode) and fp16 stay on the Triton kernel.
 
 Selection (`mm_takes`): env MLXR_MOE_GROUPED = "mm" (default) or "triton"; at least
-MLXR_MOE_MM_MIN_PAIRS pairs (default 0: every batch past the decode kernels).
+MLXR_MOE_MM_MIN_PAIRS pairs (default 0: every batch past the decode kernels); while a CUDA
+graph is being captured (the serving engine's batch buckets) only if MLXR_MOE_MM_GRAPHS is
+not "0" (capture of the path is checked by scripts/moe_gpu_perf.py).
 """
 
 from __future__ import annotations
@@ -60,13 +62,19 @@ def _device_ok(dev: torch.device) -> bool:
     return torch.cuda.get_device_capability(dev) >= (9, 0)
 
 
+def _graphs_ok(dev: torch.device) -> bool:
+    if dev.type != "cuda" or os.environ.get("MLXR_MOE_MM_GRAPHS", "1") != "0":
+        return True
+    return not torch.cuda.is_current_stream_capturing()
+
+
 def mm_takes(x: Tensor, pairs: int, gate: ExpertQuant, up: ExpertQuant,
              down: ExpertQuant) -> bool:
     """Whether `moe_grouped_mm` serves this call (see the module doc)."""
     return (grouped_mode() == "mm" and hasattr(torch, "_grouped_mm")
             and x.dtype == torch.bfloat16 and pairs >= mm_min_pairs()
             and all(dequant_takes(q) and q.shape[1] % 8 == 0 for q in (gate, up, down))
-            and _device_ok(x.device))
+            and _device_ok(x.device) and _graphs_ok(x.device))
 
 
 def dequant_experts(q: ExpertQuant, dtype: torch.dtype = torch.bfloat16) -> Tensor:
