@@ -260,6 +260,10 @@ def sweep_shape(shape, dev, ts, budget: float) -> dict:
                 f"{'' if graphed else ' (eager)'}")
         if res:
             best[t] = res
+        if t == 1:  # the router beside the experts (torch softmax + topk, not fused)
+            logits = torch.randn(1, x_, device=dev, dtype=torch.bfloat16)
+            sec, _ = time_call(lambda: ops.moe_route(logits, "softmax_topk", k, True), dev)
+            say(f"  {name} T=    1 router softmax+topk (torch) {sec * 1e6:8.1f} us")
     return best
 
 
