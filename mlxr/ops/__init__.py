@@ -25,6 +25,7 @@ from .reference import attention, paged_items, prefill_tile
 
 from .moe.operands import KERNEL_ACTS as MOE_KERNEL_ACTS
 from .moe.operands import ExpertQuant
+from .moe.operands import dense_experts as moe_dense_experts
 from .moe.operands import kernels_take as moe_kernels_take
 from .moe.operands import same_format as moe_gate_up_pair
 
@@ -178,6 +179,7 @@ def fast_kernels(device) -> bool:
 __all__ = ["MOE_KERNEL_ACTS", "ExpertQuant", "add_rms_norm", "attention", "attention_at",
            "attention_masked",
            "conv1d_silu", "fast_kernels", "gated_act", "gated_delta", "head_gate", "moe_combine",
-           "moe_expert_act", "moe_experts", "moe_gate_up_pair", "moe_kernels_take",
+           "moe_dense_experts", "moe_expert_act", "moe_experts", "moe_gate_up_pair",
+           "moe_kernels_take",
            "moe_reference", "moe_route", "paged_attention", "paged_items",
            "paged_prefill_attention", "prefill_tile", "qkv_rope_write", "rms_norm", "rope"]
