@@ -27,7 +27,7 @@ from torch import Tensor
 
 from . import decode_experts as D
 from .operands import ExpertQuant, check_pair
-from ..matmul.codes import HAVE_TRITON, MODES
+from ..matmul.codes import HAVE_TRITON
 from ..matmul.generic_qmm import _next_pow2
 
 if HAVE_TRITON:
@@ -162,10 +162,10 @@ def _partials(x: Tensor, ids: Tensor, q: ExpertQuant, row_div: int, cfg: DecodeC
     s, p = out.shape[0], out.shape[1]
     kc = k // s
     bn = cfg.block_n or D._block(n, p * s, x.device)
-    b, gs, _ = D._gs_bias(q, q.scales)
+    b, gs, _ = D._gs_bias(q, D._scales(q))
     _partial_kernel[(p, triton.cdiv(n, bn), s)](
-        x, ids, out, D._words_i32(q.w), q.scales, b, gs, n, p, x.stride(0), K=k, KC=kc,
-        ROW_DIV=row_div, BITS=q.bits, GROUP=q.group, MODE=MODES[q.mode],
+        x, ids, out, D._words_i32(q.w), D._scales(q), b, gs, n, p, x.stride(0), K=k, KC=kc,
+        ROW_DIV=row_div, BITS=q.bits, GROUP=q.group, MODE=D.KERNEL_MODE[q.mode],
         HAS_GS=q.global_scale is not None, BLOCK_N=bn, GT=D._gt(kc, q.bits, q.group),
         num_warps=cfg.num_warps)
 
@@ -198,8 +198,8 @@ def moe_gate_up_split(x: Tensor, ids: Tensor, gate: ExpertQuant, up: ExpertQuant
     part = torch.empty(2, s, p, f, device=x.device, dtype=torch.float32)
     _partials(x, ids, gate, topk, cfg, part[0])
     _partials(x, ids, up, topk, cfg, part[1])
-    _, _, gbias = D._gs_bias(gate, gate.scales)
-    _, _, ubias = D._gs_bias(up, up.scales)
+    _, _, gbias = D._gs_bias(gate, D._scales(gate))
+    _, _, ubias = D._gs_bias(up, D._scales(up))
     fb = _finish_block(f)
     _gate_up_finish[(p, triton.cdiv(f, fb))](
         part[0], part[1], ids, h, gbias, ubias, f, p, float(alpha), float(limit), S=s,
@@ -228,7 +228,7 @@ def moe_down_split(h: Tensor, ids: Tensor, weights: Tensor, down: ExpertQuant,
     s, p = chunks(f, down.group, cfg.split), t * topk
     part = torch.empty(s, p, e, device=h.device, dtype=torch.float32)
     _partials(h, ids, down, 1, cfg, part)
-    _, _, bias = D._gs_bias(down, down.scales)
+    _, _, bias = D._gs_bias(down, D._scales(down))
     fb = _finish_block(e)
     _down_finish[(t, triton.cdiv(e, fb))](
         part, h, ids, weights, y, bias, e, p, float(routed_scale), S=s, TOPK=topk,

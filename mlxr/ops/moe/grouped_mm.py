@@ -50,7 +50,10 @@ def mm_min_pairs() -> int:
 
 
 def dequant_takes(q: ExpertQuant) -> bool:
-    """Whether `dequant_experts` reads this stack (the dense prefill dequant's formats)."""
+    """Whether `dequant_experts` reads this stack (the dense prefill dequant's formats, or
+    unquantized "dense" experts: their weights as they are, cast once if not bf16)."""
+    if q.mode == "dense":
+        return True
     if q.mode == "affine":
         return q.bits in AFFINE_BITS and q.group in (32, 64, 128) and q.biases is not None
     return FP_FORMATS.get(q.mode) == (q.bits, q.group)
@@ -73,7 +76,8 @@ def mm_takes(x: Tensor, pairs: int, gate: ExpertQuant, up: ExpertQuant,
     """Whether `moe_grouped_mm` serves this call (see the module doc)."""
     return (grouped_mode() == "mm" and hasattr(torch, "_grouped_mm")
             and x.dtype == torch.bfloat16 and pairs >= mm_min_pairs()
-            and all(dequant_takes(q) and q.shape[1] % 8 == 0 for q in (gate, up, down))
+            and all(dequant_takes(q) and q.shape[1] % 8 == 0 and q.shape[2] % 8 == 0
+                    for q in (gate, up, down))
             and _device_ok(x.device) and _graphs_ok(x.device))
 
 
@@ -82,6 +86,8 @@ def dequant_experts(q: ExpertQuant, dtype: torch.dtype = torch.bfloat16) -> Tens
     [X*N, K*bits/32] rows (nvfp4: each expert's global scale, one per N rows)."""
     from ..matmul.prefill_dequant import dequant_affine, dequant_fp
 
+    if q.mode == "dense":
+        return q.w if q.w.dtype == dtype else q.w.to(dtype)
     x, n, k = q.shape
     w = q.w.reshape(x * n, -1)
     s = q.scales.reshape(x * n, -1)
