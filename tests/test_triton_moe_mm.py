@@ -76,10 +76,15 @@ def check_routed_sum(q_args, t, topk, experts, seed, bias=False, mm=M.moe_groupe
     assert_within(M.moe_grouped_mm_gate_up(x, ids, gate, up, "silu"), href, dh, "mm gate_up")
     out = mm(x, ids, w, gate, up, down, "silu", 1.702, 7.0, BF, 1.5)
     ref = G.moe_grouped_ref(x, ids, w, gate, up, down, "silu", 1.702, 7.0, BF, 1.5)
-    carried = torch.cat([abs_bound(dh[r:r + 1].float(), down.w[i], down.scales[i],
-                                   None if down.biases is None else down.biases[i],
-                                   None if down.global_scale is None else down.global_scale[i],
-                                   *q_args[:3])[0] for r, i in enumerate(pe.tolist())])
+    if down.mode == "dense":  # |dh| @ |W|^T
+        carried = torch.cat([dh[r:r + 1] @ down.w[i].double().abs().t()
+                             for r, i in enumerate(pe.tolist())])
+    else:
+        carried = torch.cat([abs_bound(dh[r:r + 1].float(), down.w[i], down.scales[i],
+                                       None if down.biases is None else down.biases[i],
+                                       None if down.global_scale is None
+                                       else down.global_scale[i], *q_args[:3])[0]
+                             for r, i in enumerate(pe.tolist())])
     yv = G.expert_matmul_ref(href, pe, down, BF, round_weights=True).double()
     extra = 2 if bias else 1
     b = (carried + row_bounds(href, pe, down) + extra * R * yv.abs()).reshape(t, topk, -1)
@@ -91,6 +96,13 @@ def check_routed_sum(q_args, t, topk, experts, seed, bias=False, mm=M.moe_groupe
 @pytest.mark.parametrize("q_args", QUANTS[:2] + QUANTS[3:5] + QUANTS[6:])
 def test_mm_vs_twin(q_args):
     check_routed_sum(q_args, 9, 2, 4, 11 + q_args[1])
+
+
+def test_mm_dense_experts():
+    """Unquantized bf16 experts: their weights go to _grouped_mm as they are."""
+    gate, up, down, x, ids, w = _case(("dense", 16, 0, False), 4, 2, 3, 5)
+    assert M.dequant_experts(gate, BF) is gate.w
+    check_routed_sum(("dense", 16, 0, False), 7, 2, 3, 6)
 
 
 def test_mm_bias_and_unused_experts():

@@ -23,13 +23,14 @@ INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GP
 
 # (mode, bits, group, global scale), config: K = 128 holds 2 (g64), 4 (g32), 8 (g16) groups
 GATE_UP_CASES = [(("affine", 4, 64, False), S.DecodeConfig(16, 2, 4)),
-                 (("nvfp4", 4, 16, True), S.DecodeConfig(8, 4, 2)),
+                 (("nvfp4", 4, 16, True), S.DecodeConfig(16, 4, 2)),
                  (("mxfp8", 8, 32, False), S.DecodeConfig(None, 4, 4)),
                  (("affine", 3, 32, False), S.DecodeConfig(16, 3, 4))]  # 3 -> 2 chunks
 DOWN_CASES = [(("affine", 8, 32, False), S.DecodeConfig(16, 1, 4)),  # pair-parallel, no split
               (("mxfp4", 4, 32, False), S.DecodeConfig(16, 4, 4)),
               (("nvfp4", 4, 16, True), S.DecodeConfig(None, 8, 4)),
-              (("affine", 6, 64, False), S.DecodeConfig(16, 2, 4))]
+              (("affine", 6, 64, False), S.DecodeConfig(16, 2, 4)),
+              (("dense", 16, 0, False), S.DecodeConfig(16, 2, 4))]  # one group: no K split
 
 
 def test_chunks_divide_the_groups():
@@ -47,7 +48,7 @@ def test_gate_up_split(q_args, cfg):
 
 
 def test_gate_up_split_swiglu_bias():
-    cfg = S.DecodeConfig(16, 4, 4)
+    cfg = S.DecodeConfig(16, 2, 4)
     check_gate_up(("mxfp4", 4, 32, False), "swiglu_oai", 2, 3, 7, bias=True,
                   fn=lambda *a: S.moe_gate_up_split(*a, config=cfg))
 
