@@ -118,7 +118,7 @@ def test_rms_norm_rounding_points(offset):
     interp_exact(F.rms_norm(x, w, 1e-5, offset), trunc_bf16(y * w32))
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "sigmoid"])
 def test_gated_act_rounding_points(act):
     g = gen(("act-exact", act))
     gate = (torch.randn(2, 1024, generator=g) * 3).to(torch.bfloat16)
@@ -157,7 +157,7 @@ def test_rope_strided_input():
 
 # ---------------------------------------------------------------------------- gated_act
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "sigmoid"])
 def test_gated_act(dtype, act):
     g = gen((str(dtype), act))
     gu = (torch.randn(3, 2 * 1100, generator=g) * 4).to(dtype)
