@@ -28,8 +28,8 @@ _Proj = Callable[[Tensor], Tensor]
 
 def takes(x: Tensor) -> bool:
     """Whether `experts` serves a step on x's device (the caller checks that the block's
-    experts are per-expert projections): CPU, not switched off."""
-    return x.device.type == "cpu" and cpu_decode.enabled()
+    experts are per-expert projections): CPU, not switched off, no Triton kernels forced."""
+    return x.device.type == "cpu" and cpu_decode.enabled() and not ops.fast_kernels(x.device)
 
 
 def _projections(block, e: int) -> tuple[_Proj, _Proj]:
