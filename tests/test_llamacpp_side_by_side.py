@@ -131,7 +131,10 @@ def test_copy_tokenizer_unpacks_and_pads(assets, tmp_path):
     tok = json.loads((tmp_path / "tokenizer.json").read_text())
     ids = sorted(tok["model"]["vocab"].values())
     assert ids == list(range(32_100))
-    assert all(a["id"] < 32_000 for a in tok["added_tokens"])  # <|user|> etc. (>= 32000) gone
+    assert tok["model"]["vocab"]["<|user|>"] == 32_010  # added tokens: vocabulary entries
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(tmp_path)) == 32_100  # nothing appended past it
     plain = tmp_path / "plain"
     plain.mkdir()
     names = hf_checkpoint.copy_tokenizer(assets / "tokenizers" / "qwen3-0.6b-base", plain)

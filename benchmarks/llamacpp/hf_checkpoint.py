@@ -89,8 +89,7 @@ def write_hf(cfg: dict, out: Path, seed: int = 0) -> Path:
 def copy_tokenizer(src: Path, out: Path, vocab_size: int | None = None) -> list[str]:
     """Copy a tokenizer folder's files into `out` (X.gz unpacked to X, its config.json
     left out: the model's is written beside); `vocab_size`: pad tokenizer.json's vocabulary
-    with `<unused_N>` tokens up to it (its added tokens past the base vocabulary dropped, so
-    the ids stay contiguous). Returns the names written."""
+    to it (pad_vocab). Returns the names written."""
     names = []
     for f in sorted(src.iterdir()):
         name = f.name.removesuffix(".gz")
@@ -106,10 +105,13 @@ def copy_tokenizer(src: Path, out: Path, vocab_size: int | None = None) -> list[
 
 
 def pad_vocab(path: Path, vocab_size: int) -> None:
-    """Fill a BPE tokenizer.json's vocabulary to `vocab_size` ids."""
+    """Fill a BPE tokenizer.json's vocabulary to `vocab_size` ids: its added tokens become
+    vocabulary entries at their ids (so transformers appends none past `vocab_size`), the
+    free ids `<unused_N>`."""
     tok = json.loads(path.read_text())
     vocab = tok["model"]["vocab"]
-    base = len(vocab)
-    tok["added_tokens"] = [a for a in tok["added_tokens"] if a["id"] < base]
-    vocab.update({f"<unused_{i}>": i for i in range(base, vocab_size)})
+    for a in tok["added_tokens"]:
+        vocab.setdefault(a["content"], a["id"])
+    taken = set(vocab.values())
+    vocab.update({f"<unused_{i}>": i for i in range(vocab_size) if i not in taken})
     path.write_text(json.dumps(tok, ensure_ascii=False))
