@@ -21,7 +21,7 @@ SDIST = "llama-cpp-python==0.3.36"
 # fixtures, the web UI and the backends of other hardware (Metal, Vulkan, SYCL, ...).
 TRIM = ("models", "docs", "media", "benches", "tests", ".github", "tools/ui",
         *(f"ggml/src/ggml-{b}" for b in ("et", "metal", "hexagon", "sycl", "vulkan", "opencl",
-                                          "cann", "musa", "webgpu", "zdnn", "openvino")))
+                                          "cann", "webgpu", "zdnn", "openvino")))
 TARGETS = ("llama-bench", "llama-quantize")
 
 

@@ -96,7 +96,7 @@ def parser(device: str) -> argparse.ArgumentParser:
     p.add_argument("--tokenizers", type=Path, default=compare.REPO / "tests/assets/tokenizers",
                    help="folder of the tokenizer folders the shapes name")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="build jobs")
-    p.add_argument("--build-wait", type=int, default=540,
+    p.add_argument("--build-wait", type=int, default=120,
                    help="prep: seconds to wait for the background build before leaving the "
                         "quantizing to `run`")
     return p
@@ -152,6 +152,8 @@ def main(device: str, argv: list[str] | None = None) -> None:
     if a.step in ("all", "prep"):
         for job in jobs:
             write_checkpoints(job, work, tree, a.tokenizers)
+            if not build.build_running(work, device) and build.wait_build(work, device, 0):
+                quantize_ready([job], work, bins)  # the f16 GGUF off the disk before the next
     if not build.wait_build(work, device, a.build_wait if a.step == "prep" else 3600):
         print(f"build still running: `run` quantizes ({work}/build-{device}.log)")
         return

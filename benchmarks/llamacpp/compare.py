@@ -101,6 +101,7 @@ def alternate(shape: str, gguf: Path, mlx: Path, bins: Path, device: str,
                      parse_llama_bench),
                     ("mlxr", mlxr_bench_cmd(mlx, device, t, repeats, prompt, gen),
                      parse_mlxr_bench)):
+                print(f"  {shape} t={t} round {rnd} {side}: {' '.join(cmd)}", flush=True)
                 (pp, tg), load = run_once(cmd, parse)
                 runs.append(Run(shape, side, t, rnd, pp, tg, load))
                 print(f"  {shape} t={t} round {rnd} {side:9s}: prefill {pp:9.1f} "
