@@ -20,6 +20,12 @@ first N layers (the laguna pattern and its per-layer lists cut to match).
     python benchmarks/make_checkpoint.py qwen3.5-35b-a3b OUT_DIR [--layers 4]
     python benchmarks/make_checkpoint.py qwen3-next-80b-a3b OUT_DIR [--layers 4]
 
+    python benchmarks/make_checkpoint.py qwen3-embedding-0.6b OUT_DIR   (or qwen3-embedding-tiny)
+
+The embedding shapes also write the sentence-transformers files (modules.json,
+config_sentence_transformers.json, 1_Pooling/config.json with last-token pooling) by which mlxr
+recognises an embedding model, as Qwen/Qwen3-Embedding-0.6B ships them.
+
 The hybrid MoE shapes (text weights only) are 4-bit g64 with the routers (mlp.gate) and the
 shared-expert gates 8-bit, as mlx_lm.convert quantizes them; `--layers 4` keeps three gated
 DeltaNet layers and one gated-attention layer.
@@ -50,6 +56,7 @@ from mlxr.text.tokenizer import TOKENIZER_FILES, check_tokenizer_files
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # hybrid_tables beside this file
 import hybrid_tables  # noqa: E402
+from embedding_files import write_sentence_transformers  # noqa: E402
 from hybrid_tables import HYBRID_MOE_SHAPES as HYBRID_MOE  # noqa: E402
 
 SHAPES = {
@@ -134,6 +141,13 @@ MOE_SHAPES = {
                                           beta_slow=1.0, original_max_position_embeddings=4096,
                                           truncate=False)),
 }
+# Qwen3-Embedding-0.6B: Qwen3-0.6B's body, its own vocabulary and context; and a tiny one
+SHAPES["qwen3-embedding-0.6b"] = dict(SHAPES["qwen3-0.6b"], vocab_size=151669,
+                                      max_position_embeddings=32768)
+SHAPES["qwen3-embedding-tiny"] = dict(SHAPES["qwen3-0.6b"], hidden_size=64,
+                                      num_hidden_layers=2, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      vocab_size=384, max_position_embeddings=1024)
 FP_MODES = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
 SHAPES["qwen3.5-2b"] = dict(SHAPES["qwen3.5-0.8b"], text_config=dict(
     SHAPES["qwen3.5-0.8b"]["text_config"], hidden_size=2048, intermediate_size=6144))
@@ -417,6 +431,8 @@ def main() -> None:
         out = write_hybrid(dict(HYBRID_MOE[a.shape]), a.out, (4, 64, "affine"), a.layers)
     else:
         out = write(a.shape, a.out, a.bits, a.group_size, a.mode)
+        if "embedding" in a.shape:
+            write_sentence_transformers(out, SHAPES[a.shape]["hidden_size"])
     if a.tokenizer:
         copy_tokenizer(a.tokenizer, out)
     print(out)

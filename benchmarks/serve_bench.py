@@ -287,7 +287,8 @@ class NullLLMEngine:
 
         self.step_s, self.host_s = step_s, host_s
         self.lock, self.running = threading.Lock(), []
-        self.scheduler = type("Scheduler", (), {"waiting": [], "running": self.running})()
+        self.scheduler = type("Scheduler", (), {"waiting": [], "running": self.running,
+                                                "waiting_requests": lambda _: 0})()
 
     def add(self, req, emit):
         seq = NullSeq(req, emit)
@@ -366,7 +367,7 @@ def null_engine_server(model_path: str, port: int, max_seqs: int, step_s: float,
     else:
         eng = AsyncEngine(None, engine=NullLLMEngine(**null), **kw)
     state = ServerState(path, path.name, {}, {})
-    state.models.loader = lambda _: (mlxr.load(path, weights=False), eng)  # the stand-in
+    state.models.loader = lambda _, _budget: (mlxr.load(path, weights=False), eng)  # the stand-in
     app = create_app(state, SecurityConfig(), load_in_background=False)
     state.load()
     freeze_heap()

@@ -21,6 +21,10 @@ class ContextLengthError(MlxrError):
     """A prompt (plus the requested tokens) does not fit the model's context."""
 
 
+class MemoryBudgetError(MlxrError):
+    """A model's weights plus the smallest KV pool do not fit what the memory budget leaves."""
+
+
 class NotDownloadedError(MlxrError):
     """A Hub model (or alias) is not in the local cache; `mlxr pull NAME` would fetch it."""
 

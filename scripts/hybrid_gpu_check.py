@@ -3,6 +3,9 @@ shapes. Needs torch and triton, not mlx.
 
     PYTHONPATH=. python scripts/hybrid_gpu_check.py DIR [--layers 4] [--no-bench]
 
+0. Kernels (scripts/hybrid_gpu_kernels.py): the attention kernels at head widths 512 / 256
+   (decode graph, paged decode and prefill, the batched padded decode) and the MoE kernels'
+   GeGLU on quantized and dense bf16 experts, CUDA vs the torch twins, one line per check.
 1. Parity, for every tiny config of tests/hybrid_configs.py (qwen3_5, qwen3_5_untied,
    qwen3_5_moe, qwen3_next, gemma4_text, gemma4, gemma4_moe) in q4g64, mxfp4 and bf16. A model
    already in DIR/<family>-<quant> is used as it is (e.g. made by mlx-lm elsewhere with
@@ -49,6 +52,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 os.environ.setdefault("MLXR_HYBRID_GRAPHS", "1")  # the hybrid decode graph is under test
 os.environ.setdefault("MLXR_MOE_GRAPHS", "1")
+sys.path.insert(0, str(ROOT / "scripts"))
+import hybrid_gpu_kernels  # noqa: E402
 import mlxr  # noqa: E402
 from decode_checks import run_ids  # noqa: E402
 from hybrid_configs import FAMILIES  # noqa: E402
@@ -263,7 +268,9 @@ def main() -> None:
         raise SystemExit("no CUDA device")
     a.dir.mkdir(parents=True, exist_ok=True)
     mc = _make_checkpoint()
-    ok = parity(a.dir, mc)
+    kernels_ok = hybrid_gpu_kernels.main()  # the kernel paths against their twins, per line
+    print(f"kernels {'ok' if kernels_ok else 'FAIL'}", flush=True)
+    ok = parity(a.dir, mc) & kernels_ok
     print(f"parity {'ok' if ok else 'FAIL'}", flush=True)
     graphs_ok = graph_checks(a.dir, mc)
     print(f"decode graphs {'ok' if graphs_ok else 'FAIL'}", flush=True)

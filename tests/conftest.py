@@ -100,6 +100,22 @@ def onnx_exports(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def mobius_exports(tmp_path_factory) -> Path:
+    """Tiny random-weight decoders exported by Mobius (tests/mobius_build.py: fp32 `build`,
+    GGUF Q4_0 / Q4_1 `build-gguf --keep-quantized`, an fp16 "cuda" one; one subprocess)."""
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("mobius_exports")
+    log = root / "build.log"
+    with open(log, "w") as f:
+        r = subprocess.run([sys.executable, str(Path(__file__).parent / "mobius_build.py"),
+                            str(root)], stdout=f, stderr=subprocess.STDOUT, timeout=900)
+    assert r.returncode == 0, f"Mobius export build failed:\n{log.read_text()[-3000:]}"
+    return root
+
+
+@pytest.fixture(scope="session")
 def make_checkpoint():
     """benchmarks/make_checkpoint.py as a module (benchmarks/ is not a package)."""
     import importlib.util

@@ -149,3 +149,28 @@ def odd_copy(src, dst, after: str):
     g.node.extend(nodes[:i + 1] + extra + nodes[i + 1:])
     onnx.save(m, str(folder / "model.onnx"))
     return folder
+
+
+def with_unknown_ops(src, dst, activation: str | None = None, norm: str | None = None):
+    """A copy of the export with ops mlxr has no translation for, that change what it
+    computes: in the MLP whose Sigmoid node's name contains `activation`, Softsign instead of
+    the Sigmoid (act = gate * Softsign(gate)); after the skip norm whose name contains `norm`,
+    an LpNormalization (p=2, last axis) of its output (the MLP reads x / |x|)."""
+    folder = copy_folder(src, dst)
+    m = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    g = m.graph
+    nodes = list(g.node)
+    if activation is not None:
+        next(n for n in nodes if activation in n.name and n.op_type == "Sigmoid").op_type = \
+            "Softsign"
+    if norm is not None:
+        o = next(n for n in nodes if norm in n.name)
+        out = o.output[0]
+        o.output[0] = out + "/raw"
+        lp = onnx.helper.make_node("LpNormalization", [out + "/raw"], [out], name="odd/lpnorm",
+                                   axis=-1, p=2)
+        nodes.insert(nodes.index(o) + 1, lp)
+    g.ClearField("node")
+    g.node.extend(nodes)
+    onnx.save(m, str(folder / "model.onnx"))
+    return folder

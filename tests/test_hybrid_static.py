@@ -127,11 +127,11 @@ def test_hybrids_are_graphable_on_cuda(built, family, kernels, monkeypatch):
         monkeypatch.setattr(block, "capturable", lambda device: kernels)
     monkeypatch.delenv("MLXR_HYBRID_GRAPHS", raising=False)
     monkeypatch.delenv("MLXR_MOE_GRAPHS", raising=False)
-    assert not graphable(dec)  # opt-in until the model-level graphs have run on a GPU
-    monkeypatch.setenv("MLXR_HYBRID_GRAPHS", "1")
+    assert graphable(dec) is (kernels or not moe)  # captured by default
+    monkeypatch.setenv("MLXR_MOE_GRAPHS", "0")
     assert graphable(dec) is (not moe)
-    monkeypatch.setenv("MLXR_MOE_GRAPHS", "1")
-    assert graphable(dec) is (kernels or not moe)
+    monkeypatch.setenv("MLXR_HYBRID_GRAPHS", "0")
+    assert not graphable(dec)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])

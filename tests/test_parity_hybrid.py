@@ -182,16 +182,19 @@ def test_forward_batch_equals_single(built, family):
         assert (np.abs(nxt - want2).max(-1) / mlx_ref.logit_range(want2)).max() <= 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
-def test_moe_kernels_equal_torch_path(built, family, monkeypatch):
-    """The hybrids' MoE block (shared expert with its sigmoid gate) on the MoE kernels (the
+@pytest.mark.parametrize("family,quant", [("qwen3_5_moe", "q4g64"), ("qwen3_next", "q4g64"),
+                                          ("gemma4_moe", "q4g64"), ("gemma4_moe", "bf16")])
+def test_moe_kernels_equal_torch_path(built, family, quant, monkeypatch):
+    """The hybrids' MoE block (shared expert with its sigmoid gate; Gemma 4's GeGLU experts,
+    quantized and unquantized bf16 ones as the kernels' dense mode) on the MoE kernels (the
     Triton interpreter here, CUDA's path) equals its torch path: float32 logits within 1e-5
     of the range (fp32 sums in other orders), stacked experts."""
-    b = built(family, "q4g64")
+    b = built(family, quant)
     monkeypatch.setenv("MLXR_MOE", "stacked")
     model = mlxr.load(b.path, device="cpu", dtype="float32")
     blocks = [m for m in (getattr(ly, "moe", None) for ly in model.decoder.layers)
               if m is not None]
+    blocks = [m.block if hasattr(m, "block") else m for m in blocks]  # gemma4's experts
     assert blocks and all(blk.quant is not None for blk in blocks)
     seq = b.seq[:24]
     for blk in blocks:

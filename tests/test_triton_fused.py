@@ -118,7 +118,7 @@ def test_rms_norm_rounding_points(offset):
     interp_exact(F.rms_norm(x, w, 1e-5, offset), trunc_bf16(y * w32))
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "sigmoid"])
 def test_gated_act_rounding_points(act):
     g = gen(("act-exact", act))
     gate = (torch.randn(2, 1024, generator=g) * 3).to(torch.bfloat16)
@@ -157,7 +157,7 @@ def test_rope_strided_input():
 
 # ---------------------------------------------------------------------------- gated_act
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "sigmoid"])
 def test_gated_act(dtype, act):
     g = gen((str(dtype), act))
     gu = (torch.randn(3, 2 * 1100, generator=g) * 4).to(dtype)
@@ -229,6 +229,33 @@ def _check_attention(out, exact, vmax):
         o, e = out.float(), exact
         tol = 2**-7 * (vmax.amax(-1)[None, :, None] + e.abs())
         assert ((o - e).abs() <= tol).all(), float((o - e).abs().max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [256, 512])
+def test_attention_wide_heads(dtype, d, monkeypatch):
+    """Gemma 4's 512-wide full-attention heads and 256-wide sliding ones, decode (t = 1, the
+    graph's attention_at) and a 3-row chunk, single pass and split: over 256 the q.k dot goes
+    by 128-wide slices (`wide_head`), equal to the one-dot launch (MLXR_ATTN_DK=0) within the
+    fp32 reordering bound, and both within the module's bounds of the fp32 reference."""
+    kh, rep_, s = 1, 2, 70
+    for t in (1, 3):
+        q, k, v, vis = attn_case(("wide", str(dtype), d, t), dtype, t, kh, rep_, s, d, None)
+        pos = torch.tensor([s - 1, 40, 5][:t])
+        exact = R.attention_at(q.float(), k.float(), v.float(), pos, None, 1.0)
+        vmax = v.float().abs().amax(dim=1).repeat_interleave(rep_, 0)
+        for splits in (1, 3):
+            out = A.attention_masked_split(q, k, v, None, 1.0, None, None, splits,
+                                           positions=pos)
+            _check_attention(out, exact, vmax)
+            if d > 256:
+                monkeypatch.setenv("MLXR_ATTN_DK", "0")
+                one = A.attention_masked_split(q, k, v, None, 1.0, None, None, splits,
+                                               positions=pos)
+                monkeypatch.delenv("MLXR_ATTN_DK")
+                if dtype == torch.float32:
+                    check(out, one, 0.0, 1e-5 * float(vmax.max()))
+    assert A.wide_head(512) == (128, 4, 8) and A.wide_head(256) == (256, 1, 4)
 
 
 def test_attention_default_policy_and_odd_head_dim():

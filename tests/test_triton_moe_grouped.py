@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_triton_moe_decode import (EPS, QUANTS, assert_within, check_gate_up, random_ids,
+from test_triton_moe_decode import (DENSE, EPS, QUANTS, assert_within, check_gate_up, random_ids,
                                     row_bounds, stacked)
 from test_triton_qmm import abs_bound
 
@@ -67,13 +67,21 @@ def test_gate_up(q_args):
                   fn=grouped_gate_up, ref_fn=G.moe_grouped_gate_up_ref)
 
 
+@pytest.mark.parametrize("q_args", DENSE)
+def test_gate_up_dense_gelu_tanh(q_args):
+    """Gemma 4's MoE as bf16 / f32 checkpoints ship it: unquantized experts, GeGLU; 30 pairs
+    over 2 experts: several row blocks per expert."""
+    check_gate_up(q_args, "gelu_tanh", 15, 2, 43, experts=2, fn=grouped_gate_up,
+                  ref_fn=G.moe_grouped_gate_up_ref)
+
+
 def test_gate_up_swiglu_bias_multi_block():
     """gpt-oss's activation and biases; 24 pairs per expert: two row blocks of one expert."""
     check_gate_up(("mxfp4", 4, 32, False), "swiglu_oai", 24, 2, 3, bias=True, experts=2,
                   fn=grouped_gate_up, ref_fn=G.moe_grouped_gate_up_ref)
 
 
-@pytest.mark.parametrize("q_args", QUANTS)
+@pytest.mark.parametrize("q_args", QUANTS + DENSE)
 def test_down(q_args):
     mode, bits, group, gs = q_args
     t, topk, experts, e, f = 7, 2, 3, 40, 128

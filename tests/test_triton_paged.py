@@ -64,6 +64,9 @@ CASES = [  # lens, kv heads, rep, head dim, block size, window, softcap, splits
     ([100, 1, 200], 2, 1, 16, 32, 40, None, None),
     ([77, 129], 2, 2, 24, 16, 64, 30.0, 2),
     ([3], 4, 2, 16, 16, None, 50.0, 5),
+    # Gemma 4's heads: 512 wide (q.k by 128-wide slices, 16-key tiles), 256 wide (one dot)
+    ([1, 40], 1, 2, 512, 16, None, None, 2),
+    ([37], 2, 1, 256, 16, 20, None, None),
 ]
 
 
@@ -114,6 +117,7 @@ PREFILL = [  # context lengths, new tokens per sequence, kv heads, rep, head dim
     ([130, 20], [1, 20], 1, 4, 32, 16, 24, None),
     ([70, 33, 5], [70, 2, 5], 2, 1, 16, 32, None, 30.0),
     ([100], [65], 4, 2, 16, 16, 40, 20.0),
+    ([40, 6], [40, 2], 1, 2, 512, 16, None, None),  # 512-wide heads
 ]
 
 

@@ -16,6 +16,10 @@ once): interval = `stream_interval`, or by default ceil(running / 64), i.e. ever
 Coalescing: a consumer that lags (the HTTP stream is still writing the previous chunk when the
 next step lands) receives everything queued for it merged into one RequestOutput
 (`merge_outputs`), so a slow client costs one SSE chunk per catch-up, not one per token.
+
+Embeddings (`embed`): an embeddings request's texts are queued in the engine as one group
+(engine.add_embeddings); each text's EmbeddingOutput arrives in the request's mailbox as it
+completes, and the request returns once all have.
 """
 
 from __future__ import annotations
@@ -25,7 +29,10 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator
 
+import torch
+
 from ..errors import MlxrError
+from .embedding_seqs import EmbeddingOutput
 from .engine import EngineRequest, LLMEngine, QueueFullError, RequestOutput
 
 __all__ = ["AsyncEngine", "RequestOutput", "merge_outputs"]
@@ -113,6 +120,23 @@ async def next_output(stream: _Stream) -> RequestOutput:
     return merge_outputs(outs)
 
 
+async def embeddings_of(stream: _Stream, n: int) -> tuple[torch.Tensor, int]:
+    """On the stream's loop: the n EmbeddingOutputs of one request as (float32 [n, E] in
+    input order, total prompt tokens); an exception in the mailbox is raised."""
+    got: dict[int, EmbeddingOutput] = {}
+    while len(got) < n:
+        if not stream.items:
+            stream.waiter = stream.loop.create_future()
+            await stream.waiter
+        while stream.items:
+            item = stream.items.popleft()
+            if isinstance(item, BaseException):
+                raise item
+            got[item.index] = item
+    return (torch.stack([got[i].vector for i in range(n)]),
+            sum(o.prompt_tokens for o in got.values()))
+
+
 class AsyncEngine:
     """LLMEngine on a background thread, with an async generator per request. `engine`: an
     LLMEngine-like object to drive instead of LLMEngine(model, ...) (serve_bench's stand-in)."""
@@ -196,6 +220,32 @@ class AsyncEngine:
                         seq.emit(engine_failure(e))
                 self._flush()
 
+    def _check_queue(self) -> None:
+        if self.engine.scheduler.waiting_requests() >= self.max_queued:
+            raise QueueFullError("too many requests are waiting; retry later", retry_after=1)
+
+    async def embed(self, seqs: list[list[int]], pooling: str = "last") -> tuple[torch.Tensor,
+                                                                               int]:
+        """Embeddings of token lists through the engine's steps: (float32 [B, E] L2-normalised,
+        prompt tokens). Raises QueueFullError or MlxrError (naming the bad input) before any
+        runs; cancelling the caller aborts the texts still queued or running."""
+        if self._closed:
+            raise engine_failure(MlxrError("the model was unloaded"))
+        self._check_queue()
+        stream = _Stream(asyncio.get_running_loop())
+        group = self.engine.add_embeddings(seqs, pooling,
+                                           lambda out: self._outbox.append((stream, out)))
+        self._ensure_thread()
+        self._wake.set()
+        try:
+            return await embeddings_of(stream, len(group))
+        finally:
+            stream.closed = True
+            for seq in group:
+                if not seq.finished:
+                    self.engine.abort(seq)
+            self._wake.set()
+
     def _ensure_thread(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="mlxr-engine", daemon=True)
@@ -208,8 +258,7 @@ class AsyncEngine:
         early aborts the request and frees its KV blocks."""
         if self._closed:  # the model server unloaded this model
             raise engine_failure(MlxrError("the model was unloaded"))
-        if len(self.engine.scheduler.waiting) >= self.max_queued:
-            raise QueueFullError("too many requests are waiting; retry later", retry_after=1)
+        self._check_queue()
         prepare = getattr(req.logits_processor, "prepare", None)
         if prepare is not None:  # e.g. a grammar's matcher: built here, not on the engine thread
             prepare()

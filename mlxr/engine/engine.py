@@ -2,7 +2,9 @@
 
 `LLMEngine.step()` runs one scheduled batch through the decoder and turns the logits of every
 sequence that reached the end of its pending tokens into a sampled token, text and (at the end)
-a finish reason. `mlxr.engine.async_engine.AsyncEngine` drives it from a background thread.
+a finish reason; the texts of embeddings requests (embedding_seqs.py) run in the same steps and
+leave with their pooled final hidden state. `mlxr.engine.async_engine.AsyncEngine` drives it
+from a background thread.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from .. import ops
 from ..errors import MlxrError
 from ..generate import TextStream, check_prompt
 from ..harness import trace
-from ..models.decoder import PagedBatch, Step, span_for, write_slots_for
+from ..models.decoder import Decoder, PagedBatch, Step, span_for, write_slots_for
 from ..text.sampling import Sampler, SamplingParams
 from .decode_graphs import PagedDecodeRunner, supported
+from .embedding_seqs import EmbeddingSeq, check_inputs, new_group, pool_step
 from .kv_cache import BlockManager, KVPool
-from .memory import tensor_bytes
+from .memory import blocks_in_budget, free_memory_blocks, pool_plan, tensor_bytes
 from .scheduler import Scheduler, Sequence
 from .seq_caches import SequenceCaches
 
@@ -76,47 +79,30 @@ class _Request(Sequence):
         self.prompt_cached = 0
 
 
-def _kv_blocks(model, block_size: int, max_num_seqs: int, memory_fraction: float | None) -> int:
-    """Size the KV pool from free memory (capped at what max_num_seqs full contexts need).
-    Shapes are the decoder's (a tensor-parallel rank's: its share of the KV heads)."""
-    c, dev = model.decoder.config, model.decoder.device
-    per_block = 2 * c.num_layers * c.num_kv_heads * c.head_dim * block_size * \
-        torch.tensor([], dtype=model.dtype).element_size()
-    if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        budget = free * (memory_fraction or 0.8)
-    else:
-        avail = 8 << 30
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        avail = int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        budget = avail * (memory_fraction or 0.25)
-    need = max_num_seqs * -(-c.context_length // block_size)
-    return max(1, min(int(budget // per_block), need))
-
-
 class LLMEngine:
     """Continuous batching over one model (synchronous; AsyncEngine drives it from a thread).
 
     Steps in which every scheduled sequence decodes one token run through a PagedDecodeRunner
     (`paged_decode`: None = on CUDA where the step can be captured in graphs, True = also
-    eagerly elsewhere, for tests); other steps (prefill chunks) run `Decoder.forward_step`."""
+    eagerly elsewhere, for tests); other steps (prefill chunks) run `Decoder.forward_step`.
+
+    The KV pool: `num_blocks`, else what `memory_budget` (bytes for weights and pool together,
+    the model server's share for this model) leaves after the measured weights (MemoryBudgetError
+    below memory.MIN_POOL_TOKENS), else a share of the free memory (`memory_fraction`); never
+    more than max_num_seqs full contexts."""
 
     def __init__(self, model, max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None,
                  memory_fraction: float | None = None, paged_decode: bool | None = None,
-                 prefix_snapshot_bytes: int | None = None):
+                 prefix_snapshot_bytes: int | None = None, memory_budget: int | None = None):
         self.model, self.decoder = model, model.decoder
         self.block_size = block_size
         # batched decode's 4-bit kernel needs its own weight copy (QuantWeight.add_batch_copy):
         # built before the KV pool is sized from the free memory
         for qw in self.decoder.quant_weights():
             qw.add_batch_copy()
-        n = num_blocks or _kv_blocks(model, block_size, max_num_seqs, memory_fraction)
+        # measured once (the model server's memory budget counts them): bytes per device
+        self.weights_bytes = sum(tensor_bytes(self.decoder).values())
         c = self.decoder.config
         # hybrid families: per-sequence caches (seq_caches), no shared pool; prefix caching by
         # state snapshots within prefix_snapshot_bytes (default 512 MiB on CUDA, 64 MiB on CPU)
@@ -127,6 +113,13 @@ class LLMEngine:
         hybrid = self.seq_caches is not None
         capture = supported(self.decoder) and not hybrid
         use_paged = capture if paged_decode is None or hybrid else paged_decode
+        n = num_blocks
+        if not n:
+            plan = pool_plan(c, self.decoder.dtype, block_size, max_num_seqs)
+            n = free_memory_blocks(plan, self.decoder.device, memory_fraction) \
+                if memory_budget is None or hybrid else \
+                blocks_in_budget(plan, memory_budget, self.weights_bytes, int(use_paged),
+                                 model.path.name)
         # one extra block when decoding in buckets: the padding rows' trash block
         self.pool = None if hybrid else KVPool(c.num_layers, c.num_kv_heads, c.head_dim,
                                                n + use_paged, block_size, self.decoder.dtype,
@@ -144,10 +137,10 @@ class LLMEngine:
             max_num_batched_tokens = 2048 if self.decoder.device.type == "cuda" else 256
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens,
                                    self.seq_caches.resume if hybrid else None)
+        # embeddings need the final norm's hidden states: the plain decoder's forward_step
+        self.embeds = not hybrid and type(self.decoder) is Decoder
         self.eos_ids = set(model.eos_token_ids)
         self.lock = threading.Lock()
-        # measured once (the model server's memory budget counts them): bytes per device
-        self.weights_bytes = sum(tensor_bytes(self.decoder).values())
         self.kv_cache_bytes = self.pool.nbytes if self.pool is not None else 0
 
     def add(self, req: EngineRequest, emit: Callable[[RequestOutput], None]) -> _Request:
@@ -174,6 +167,22 @@ class LLMEngine:
         with self.lock:
             self.scheduler.add(r)
         return r
+
+    def add_embeddings(self, seqs: list[list[int]], pooling: str,
+                       emit: Callable[[object], None]) -> list[EmbeddingSeq]:
+        """Validate and queue an embeddings request's token lists (MlxrError naming the bad
+        input's index); `emit` receives each text's EmbeddingOutput (from the engine thread)."""
+        if not self.embeds:
+            raise MlxrError(f"{self.model.path.name}: embeddings need a plain decoder (not a "
+                            "hybrid family, tensor-parallel or ONNX model)")
+        c = self.model.config
+        check_inputs(seqs, pooling, c.vocab_size, c.context_length,
+                     len(self.blocks.blocks) * self.block_size)
+        group = new_group(seqs, pooling, emit)
+        with self.lock:
+            for seq in group:
+                self.scheduler.add(seq)
+        return group
 
     def abort(self, seq: _Request) -> None:
         seq.aborted = True
@@ -209,10 +218,12 @@ class LLMEngine:
             self._sequence_cache_step(batch)
             return
         if self.paged is not None and all(n == 1 and s.num_computed + 1 == len(s.token_ids)
-                                          for s, n in batch):
+                                          and s.group is None for s, n in batch):
             self._decode_step([s for s, _ in batch])
             return
         ids, spans, slots, rows, sampling = [], [], [], [], []
+        pooled: list[tuple[EmbeddingSeq, int, int]] = []  # (text, chunk start, its rows)
+        pool_rows: list[int] = []
         paged = self.paged is not None
         positions, tiles = [], []
         for s, (seq, n) in enumerate(batch):
@@ -226,7 +237,11 @@ class LLMEngine:
                 spans.append(span_for(seq.block_table, self.block_size, start, n, "cpu"))
             ids += seq.token_ids[start:start + n]
             slots += write_slots_for(seq.block_table, self.block_size, start, n)
-            if start + n == len(seq.token_ids):
+            if isinstance(seq, EmbeddingSeq):
+                want = seq.wanted_rows(len(ids) - n, start, n)
+                pooled.append((seq, start, len(want)))
+                pool_rows += want
+            elif start + n == len(seq.token_ids):
                 rows.append(len(ids) - 1)
                 sampling.append(seq)
         dev = self.decoder.device
@@ -234,12 +249,12 @@ class LLMEngine:
             if sp.slots is not None:
                 sp.slots = sp.slots.to(dev)
         step = Step(spans, torch.tensor(slots, dtype=torch.long, device=dev),
-                    torch.tensor(rows, dtype=torch.long, device=dev))
+                    torch.tensor(rows + pool_rows, dtype=torch.long, device=dev))
         if paged:
             step.paged = self._paged_batch([seq for seq, _ in batch], tiles, positions)
         with torch.inference_mode(), trace.span("step", {"sequences": len(batch),
                                                          "tokens": len(ids)}):
-            logits = self.decoder.forward_step(torch.tensor(ids), step, self.pool)
+            logits, hidden = self._forward(torch.tensor(ids), step, len(rows), bool(pooled))
             host = self._needs_host(sampling)
             greedy = logits.argmax(dim=-1).tolist()
             want = [r for r, h in enumerate(host) if h]
@@ -248,6 +263,25 @@ class LLMEngine:
             seq.num_computed += n
             self.blocks.register(seq, seq.num_computed)
         self._emit_all(sampling, host, greedy, dict(zip(want, host_logits)))
+        if pooled:
+            done = pool_step(pooled, hidden)
+            with self.lock:
+                for seq in done:
+                    self.scheduler.finish(seq)
+            for seq in done:
+                seq.emit(seq.output())
+
+    def _forward(self, ids: torch.Tensor, step: Step, n_logits: int,
+                 pooling: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits float32 [n_logits, V], hidden float32 [R - n_logits, E] | None) of a step
+        whose wanted rows are the sampling rows, then (with `pooling`) the embedding texts'."""
+        if not pooling:  # the generation path, as it always ran
+            return self.decoder.forward_step(ids, step, self.pool), None
+        x = self.decoder.forward_step(ids, step, self.pool, hidden=True)  # [R, E]
+        d = self.decoder
+        logits = d.cap_logits(d.head(x[:n_logits]).float()) if n_logits else \
+            x.new_empty((0, d.config.vocab_size), dtype=torch.float32)
+        return logits, x[n_logits:].float()
 
     def _sequence_cache_step(self, batch: list[tuple[_Request, int]]) -> None:
         """A step of a hybrid-family model: each sequence's chunk through its own cache."""

@@ -46,7 +46,8 @@ class BlockManager:
 
     A sequence is any object with `token_ids: list[int]`, `block_table: list[int]`,
     `num_cached_tokens: int` (tokens whose KV came from the prefix cache) and `num_hashed: int`
-    (leading blocks of its table already in the prefix cache; the manager keeps it).
+    (leading blocks of its table already in the prefix cache; the manager keeps it) and
+    `reuse_prefix: bool` (False: computes every token, e.g. an embedding pooled over them all).
     """
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
@@ -87,7 +88,8 @@ class BlockManager:
         h = -1
         for i in range(self.blocks_needed(len(ids))):
             tokens = tuple(ids[i * bs:(i + 1) * bs])
-            if len(tokens) < bs or (i + 1) * bs >= len(ids) or not self.prefix_caching:
+            if len(tokens) < bs or (i + 1) * bs >= len(ids) or not self.prefix_caching \
+                    or not seq.reuse_prefix:
                 break
             h = block_hash(h, tokens)
             self.queries += 1

@@ -7,12 +7,13 @@ turns on one GIL. ProcEngine runs the model and `AsyncEngine`'s engine thread in
 and the HTTP work.
 
 Protocol, two one-way pipes of pickled tuples (nothing per token):
-- in: ("add", rid, EngineRequest) and ("abort", rid). EOF (the server closed it or died) ends the
-  child.
+- in: ("add", rid, EngineRequest), ("embed", rid, token lists, pooling) and ("abort", rid). EOF
+  (the server closed it or died) ends the child.
 - out: first ("ready", stats) or ("failed", exception); then at most ONE message per engine step,
-  (outputs, errors, stats values) with outputs = [(rid, token_ids, text, finish_reason,
-  prompt_tokens, completion_tokens, cached_tokens, logprobs)] and errors = [(rid, queue_full,
-  message)]. The stream interval and the merging of held outputs run in the child (AsyncEngine's
+  (outputs, errors, stats values, embeddings) with outputs = [(rid, token_ids, text,
+  finish_reason, prompt_tokens, completion_tokens, cached_tokens, logprobs)], errors = [(rid,
+  queue_full, message)] and embeddings = [(rid, EmbeddingOutput)] (one per text that
+  completed). The stream interval and the merging of held outputs run in the child (AsyncEngine's
   `_flush`), so a step's message carries only what is due; a step with nothing due but changed
   stats (blocks freed by an abort) sends the stats alone.
 One reader thread in the server process turns what arrived (a step, or several when it fell
@@ -38,11 +39,14 @@ import pickle
 import signal
 import threading
 from collections.abc import AsyncIterator
+from typing import Any
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from ..errors import MlxrError
-from .async_engine import AsyncEngine, _Stream, next_output, to_loops
+from .async_engine import AsyncEngine, _Stream, embeddings_of, next_output, to_loops
+from .embedding_seqs import EmbeddingOutput
 from .engine import EngineRequest, QueueFullError, RequestOutput, TokenLogprob
 
 __all__ = ["ProcEngine"]
@@ -72,12 +76,14 @@ def _messages(fd: int):
 # -- the engine process --------------------------------------------------------------------------
 
 class _Remote:
-    """The child's handle of a request: what AsyncEngine's `_flush` keys the held outputs on."""
+    """The child's handle of a request: what AsyncEngine's `_flush` keys the held outputs on.
+    `seqs`: its engine sequence(s) (an embeddings request has one per text); `left`: the
+    outputs still to come before it is over (its texts' embeddings; 1 for a generation)."""
 
-    __slots__ = ("closed", "rid", "seq")
+    __slots__ = ("closed", "left", "rid", "seqs")
 
     def __init__(self, rid: int):
-        self.rid, self.closed, self.seq = rid, False, None
+        self.rid, self.closed, self.seqs, self.left = rid, False, [], 1
 
 
 class _ChildEngine(AsyncEngine):
@@ -90,16 +96,21 @@ class _ChildEngine(AsyncEngine):
         self.remotes: dict[int, _Remote] = {}
         self.sent_stats = None
 
-    def _send(self, outs: list, errs: list) -> None:
+    def _send(self, outs: list, errs: list, embs: list | None = None) -> None:
         stats = tuple(self.engine.stats().values())
         with self.send_lock:
-            self.tx.send((outs, errs, stats))
+            self.tx.send((outs, errs, stats, embs or []))
         self.sent_stats = stats
 
     def _handoff(self, batch: list) -> None:
-        outs, errs = [], []
+        outs, errs, embs = [], [], []
         for r, o in batch:
-            if isinstance(o, RequestOutput):
+            if isinstance(o, EmbeddingOutput):
+                embs.append((r.rid, o))
+                r.left -= 1
+                if r.left:
+                    continue
+            elif isinstance(o, RequestOutput):
                 outs.append((r.rid, o.token_ids, o.text, o.finish_reason, o.prompt_tokens,
                              o.completion_tokens, o.cached_tokens,
                              o.logprobs and [(t.token_id, t.logprob, t.top) for t in o.logprobs]))
@@ -108,25 +119,31 @@ class _ChildEngine(AsyncEngine):
             else:  # engine_failure(...): the request is over
                 errs.append((r.rid, False, str(o)))
             self.remotes.pop(r.rid, None)
-        self._send(outs, errs)
+        self._send(outs, errs, embs)
 
     def _flush(self) -> None:
         super()._flush()
         if tuple(self.engine.stats().values()) != self.sent_stats:
             self._send([], [])
 
-    def _add(self, rid: int, req: EngineRequest) -> None:
+    def _emit(self, r: _Remote, out) -> None:
+        self._outbox.append((r, out))
+
+    def _add(self, rid: int, req: EngineRequest | tuple) -> None:
         r = self.remotes[rid] = _Remote(rid)
         try:
-            if len(self.engine.scheduler.waiting) >= self.max_queued:
-                raise QueueFullError("too many requests are waiting; retry later")
-            if isinstance(req.logits_processor, tuple):  # ("grammar", text), see ProcEngine
-                from ..server.grammar import GrammarProcessor
+            self._check_queue()
+            if isinstance(req, tuple):  # (token lists, pooling): an embeddings request
+                r.seqs = self.engine.add_embeddings(*req, partial(self._emit, r))
+                r.left = len(r.seqs)
+            else:
+                if isinstance(req.logits_processor, tuple):  # ("grammar", text): ProcEngine
+                    from ..server.grammar import GrammarProcessor
 
-                proc = GrammarProcessor(self.engine.model, req.logits_processor[1])
-                proc.prepare()  # a grammar that does not fit the vocabulary fails here: a 400
-                req = replace(req, logits_processor=proc)
-            r.seq = self.engine.add(req, lambda out: self._outbox.append((r, out)))
+                    proc = GrammarProcessor(self.engine.model, req.logits_processor[1])
+                    proc.prepare()  # a grammar that does not fit the vocabulary fails: a 400
+                    req = replace(req, logits_processor=proc)
+                r.seqs = [self.engine.add(req, partial(self._emit, r))]
         except Exception as e:  # noqa: BLE001 -- bad input is a 400, anything else a 500
             self.remotes.pop(rid, None)
             msg = str(e) if isinstance(e, ValueError) else f"engine failure: {e}"
@@ -141,9 +158,12 @@ class _ChildEngine(AsyncEngine):
             for msg in msgs:
                 if msg[0] == "add":
                     self._add(msg[1], msg[2])
+                elif msg[0] == "embed":
+                    self._add(msg[1], (msg[2], msg[3]))
                 elif (r := self.remotes.pop(msg[1], None)) is not None:  # abort
                     r.closed = True
-                    self.engine.abort(r.seq)
+                    for seq in r.seqs:
+                        self.engine.abort(seq)
                     self._wake.set()
 
 
@@ -252,13 +272,17 @@ class ProcEngine:
         with contextlib.suppress(OSError):
             for msgs in _messages(self._rx.fileno()):
                 batch = []
-                for outs, errs, self._stats in msgs:
+                for outs, errs, self._stats, embs in msgs:
                     for rid, ids, text, finish, p, c, cached, lps in outs:
                         st = streams.get(rid)
                         if st is not None and not st.closed:
                             batch.append((st, RequestOutput(
                                 ids, text, finish, p, c, cached,
                                 lps and [TokenLogprob(*t) for t in lps])))
+                    for rid, out in embs:
+                        st = streams.get(rid)
+                        if st is not None and not st.closed:
+                            batch.append((st, out))
                     for rid, full, msg in errs:
                         if (st := streams.get(rid)) is not None:
                             batch.append((st, QueueFullError(msg) if full else MlxrError(msg)))
@@ -295,6 +319,25 @@ class ProcEngine:
                 yield out
                 if done:
                     return
+        finally:
+            stream.closed = True
+            del self._streams[rid]
+            if not done:
+                with contextlib.suppress(MlxrError):
+                    self._send(("abort", rid))
+
+    async def embed(self, seqs: list[list[int]], pooling: str = "last") -> tuple[Any, int]:
+        """As AsyncEngine.embed, in the engine process: (float32 [B, E], prompt tokens)."""
+        if not self.ready:
+            raise MlxrError(f"engine failure: {self.error or 'the engine is not ready'}")
+        rid = next(self._ids)
+        stream = self._streams[rid] = _Stream(asyncio.get_running_loop())
+        done = False
+        try:
+            self._send(("embed", rid, [list(s) for s in seqs], pooling))
+            out = await embeddings_of(stream, len(seqs))
+            done = True
+            return out
         finally:
             stream.closed = True
             del self._streams[rid]

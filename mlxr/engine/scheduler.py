@@ -4,13 +4,17 @@ Every step mixes decodes (one token per running sequence) with chunks of prompts
 prefilled, under a token budget, so a long prompt never stalls the streams already running.
 A request joins at the next step; finished ones leave. When the KV pool runs out, the newest
 running sequence is preempted (its blocks freed, recomputed later from its tokens).
+
+An embeddings request's texts (`group` set: prefill only, see embedding_seqs.py) queue in the
+same FIFO and share the token budget, but do not count against `max_num_seqs` (that bounds the
+decode batch; they never decode) and count as one waiting request per group.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .kv_cache import BlockManager
@@ -32,6 +36,8 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     finished: bool = False
     aborted: bool = False
+    group: int | None = None  # the embeddings request this text belongs to (None: generation)
+    reuse_prefix: bool = True  # may start from cached prefix blocks (BlockManager.allocate)
 
     @property
     def num_generated(self) -> int:
@@ -52,27 +58,52 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._waiting_groups: Counter[int] = Counter()  # group -> its texts in `waiting`
+        self._running_decoders = 0  # running sequences that are not embedding texts
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        if seq.group is not None:
+            self._waiting_groups[seq.group] += 1
+
+    def waiting_requests(self) -> int:
+        """Requests waiting: one per generation sequence, one per embeddings request."""
+        grouped = sum(self._waiting_groups.values())
+        return len(self.waiting) - grouped + len(self._waiting_groups)
+
+    def _left_waiting(self, seq: Sequence) -> None:
+        if seq.group is not None:
+            self._waiting_groups[seq.group] -= 1
+            if not self._waiting_groups[seq.group]:
+                del self._waiting_groups[seq.group]
+
+    def _run(self, seq: Sequence) -> None:
+        self.running.append(seq)
+        self._running_decoders += seq.group is None
+
+    def _stop(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._running_decoders -= seq.group is None
+        self.blocks.free_seq(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.blocks.free_seq(seq)
+        self._stop(seq)
         seq.num_computed = 0
         self.waiting.appendleft(seq)
+        if seq.group is not None:
+            self._waiting_groups[seq.group] += 1
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
         seq.finished = True
         if seq in self.running:
-            self.running.remove(seq)
-            self.blocks.free_seq(seq)
+            self._stop(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self._left_waiting(seq)
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """The next step: (sequence, number of its pending tokens to compute) pairs."""
@@ -101,16 +132,19 @@ class Scheduler:
             batch.append((seq, n))
             budget -= n
         # Then admit waiting requests while there is budget, a sequence slot and KV room.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if seq.group is None and self._running_decoders >= self.max_num_seqs:
+                break
             if not self.blocks.can_allocate(seq):
                 break
             self.waiting.popleft()
+            self._left_waiting(seq)
             self.blocks.allocate(seq)
             if self.resume is not None:
                 seq.num_cached_tokens = self.resume(seq)
             seq.num_computed = seq.num_cached_tokens
-            self.running.append(seq)
+            self._run(seq)
             n = min(seq.num_pending, budget)
             batch.append((seq, n))
             budget -= n

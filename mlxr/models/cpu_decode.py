@@ -94,9 +94,9 @@ class _Rope:
 
 def eligible(dec) -> bool:
     """Whether `run` serves this decoder (cached on it): CPU, a 16-bit compute dtype, no layer
-    with a window, soft-cap, sinks, head gate, sandwich norms or fp16 residual clipping, no
-    rope pre-scale or length-dependent (dynamic) frequencies, at most 64 query heads per kv
-    head (more take the reference's SDPA branch)."""
+    computed elsewhere (an ONNX region), no layer with a window, soft-cap, sinks, head gate,
+    sandwich norms or fp16 residual clipping, no rope pre-scale or length-dependent (dynamic)
+    frequencies, at most 64 query heads per kv head (more take the reference's SDPA branch)."""
     ok = getattr(dec, "_cpu_decode_ok", None)
     if ok is None:
         c = dec.config
@@ -107,10 +107,17 @@ def eligible(dec) -> bool:
               and all(r.scale == 1.0 and not r.dynamic for r in dec.ropes)
               and all(layer.post_attn_norm is None and layer.post_mlp_norm is None
                       and layer.sinks is None and layer.head_gate is None
+                      and not _elsewhere(layer)
                       and (layer.q_norm is None) == (layer.k_norm is None)
                       for layer in dec.layers))
         dec._cpu_decode_ok = ok
     return ok
+
+
+def _elsewhere(layer) -> bool:
+    """Whether (part of) the layer is computed outside mlxr's kernels (an ONNX region)."""
+    return (layer.external is not None or layer.mlp_input is not None
+            or layer.mlp_act is not None)
 
 
 def _plan(dec) -> _Plan:

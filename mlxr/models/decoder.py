@@ -118,6 +118,11 @@ class Layer:
     # mlxr.onnx.regions): (x [N, E] normed input, h [N, E] stream, layer index, pool, slots)
     # -> (h after the attention's residual add, MLP output); only input_norm is set beside it
     external: Callable | None = None
+    # parts of the dense MLP computed outside mlxr's kernels (mlxr.onnx.regions): mlp_input
+    # maps the MLP norm's output x [N, E] to what gate/up read [N, E]; mlp_act maps gate/up's
+    # two output halves [N, F] each to down's input [N, F]
+    mlp_input: Callable | None = None
+    mlp_act: Callable | None = None
 
 
 class Decoder:
@@ -205,8 +210,8 @@ class Decoder:
                     self.layers[i].sinks)
 
             return self._run(ids, pb.rope, pool, step.write_slots, attend_paged,
-                             step.logits_rows, pb.positions)
-        if (self.device.type == "cpu" and all(sp.q_len == 1 for sp in step.spans)
+                             step.logits_rows, pb.positions, hidden)
+        if (not hidden and self.device.type == "cpu" and all(sp.q_len == 1 for sp in step.spans)
                 and cpu_decode.enabled() and cpu_decode.eligible(self)):
             return cpu_decode.run(self, ids, step, pool)
         tables: dict[int, tuple] = {}
@@ -304,12 +309,21 @@ class Decoder:
             if layer.post_attn_norm is not None:
                 o = ops.rms_norm(o, layer.post_attn_norm, eps, off)
             h, x = self._add_norm(h, o, layer.mlp_norm)
-            m = (layer.moe(x) if layer.moe is not None else
-                 layer.down_proj(_gated_act(layer.gate_up, x, c.hidden_act)))
+            m = layer.moe(x) if layer.moe is not None else self._mlp(layer, x)
             if layer.post_mlp_norm is not None:
                 m = ops.rms_norm(m, layer.post_mlp_norm, eps, off)
             h, x = self._next_norm(i, h, m, rows)
         return x if hidden else self.cap_logits(self.head(x).float())
+
+    def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+        """The dense MLP down(act(gate) * up), with the parts the layer computes elsewhere."""
+        if layer.mlp_input is None and layer.mlp_act is None:
+            return layer.down_proj(_gated_act(layer.gate_up, x, self.config.hidden_act))
+        if layer.mlp_input is not None:
+            x = layer.mlp_input(x)
+        if layer.mlp_act is None:
+            return layer.down_proj(_gated_act(layer.gate_up, x, self.config.hidden_act))
+        return layer.down_proj(layer.mlp_act(*layer.gate_up(x).chunk(2, dim=-1)))
 
     def _next_norm(self, i: int, h: torch.Tensor, m: torch.Tensor,
                    rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,6 +56,7 @@ def eligible(dec) -> bool:
               and all(layer.post_attn_norm is None and layer.post_mlp_norm is None
                       and layer.moe is None and layer.head_gate is None
                       and layer.sinks is None and not c.layer_heads
+                      and layer.mlp_input is None and layer.mlp_act is None
                       and all(_qualifies(p, dt) for p in (layer.qkv, layer.o_proj,
                                                           layer.gate_up, layer.down_proj))
                       for layer in dec.layers))

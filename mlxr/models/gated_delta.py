@@ -3,10 +3,14 @@
 x -> [qkv | z | b | a] (one projection) -> causal conv + SiLU over qkv (rolling state of the last
 W-1 inputs) -> q, k L2-normalised -> gated delta rule (float32 state [Hv, Dv, Dk]) ->
 RMSNormGated(y, z) -> out_proj. The states live in the caller's cache and are updated in place.
+A decode step (T = 1) runs everything between the two projections as one op
+(`ops.gated_delta_decode`: one Triton launch on CUDA); MLXR_GDN_FUSED=0 (read at each call)
+keeps the op-by-op path.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +45,11 @@ class GatedDeltaMixer:
         s = self.spec
         bsz, t, _ = x.shape
         proj = self.in_proj(x.reshape(bsz * t, -1)).reshape(bsz, t, -1)
+        if t == 1 and os.environ.get("MLXR_GDN_FUSED", "1") != "0":
+            heads = (s.num_k_heads, s.num_v_heads, s.k_head_dim, s.v_head_dim)
+            out = ops.gated_delta_decode(proj[:, 0], conv_state, ssm_state, self.conv,
+                                         self.a_log, self.dt_bias, self.norm, heads, self.eps)
+            return self.out_proj(out).reshape(bsz, 1, -1)
         qkv, z, b, a = proj.split([s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads], -1)
         mixed, new_conv = ops.conv1d_silu(qkv, conv_state, self.conv)
         conv_state.copy_(new_conv)

@@ -75,7 +75,13 @@ class Gemma4Experts:
         ids, w = ops.moe_route(logits, "topk_softmax", self.block.spec.top_k)
         w = w * self.per_expert_scale[ids]
         x = ops.rms_norm(h, self.pre_norm, eps)
-        y = ops.moe_combine(self.block.experts(x, ids), w, x.dtype)
+        blk = self.block
+        if blk.use_kernels(x.device):  # the GeGLU experts on the MoE kernels (CUDA)
+            s = blk.spec
+            y = ops.moe_experts(x, ids, w, *blk.quant, s.expert_act, s.act_alpha, s.act_limit,
+                                x.dtype)
+        else:
+            y = ops.moe_combine(blk.experts(x, ids), w, x.dtype)
         return ops.rms_norm(y, self.post_norm, eps)
 
 

@@ -8,7 +8,8 @@ default on CUDA). Either way a step reads only the weights of the experts its to
 selected; stacked, a step of at most GATHER_PAIRS (token, expert) pairs (decode) gathers
 them by the device-side ids, with no host synchronisation.
 
-On CUDA with Triton kernels, quantized stacked experts run the MoE kernels instead
+On CUDA with Triton kernels, stacked experts (quantized, or bf16 / f16 / f32 as the kernels'
+"dense" mode) run the MoE kernels instead
 (`ops.moe_experts`: the decode kernels for a few pairs, the grouped GEMM beyond): no host
 synchronisation at any batch size, so the block can be captured in CUDA graphs
 (`MoeBlock.capturable`). The torch path stays the CPU path and the kernels' spec.
@@ -43,10 +44,11 @@ class StackedExperts:
         self.global_scale = global_scale
 
     def quant(self):
-        """The stack as the MoE kernels take it (`ops.ExpertQuant`), or None (float weights,
-        or a format the kernels do not read)."""
+        """The stack as the MoE kernels take it (`ops.ExpertQuant`; float weights as the
+        "dense" mode), or None (a format the kernels do not read)."""
         if self.spec is None:
-            return None
+            q = ops.moe_dense_experts(self.weight, self.bias)
+            return q if ops.moe_kernels_take(q) else None
         q = ops.ExpertQuant(self.weight, self.scales, self.biases, self.global_scale, self.bias,
                             self.spec.mode, self.spec.bits, self.spec.group_size)
         return q if ops.moe_kernels_take(q) else None

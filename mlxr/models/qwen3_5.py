@@ -62,6 +62,7 @@ class Qwen35Decoder:
 
     graphable = True
     cache_snapshots = True  # HybridCache.copy: prefix caching in the engine
+    _qkv_cols: torch.Tensor | None = None  # `_split_gate`'s columns, made at the first call
 
     def __init__(self, config: ModelConfig, embed: Embedding, layers: list[HybridLayer],
                  norm: torch.Tensor, lm_head: Linear | None, dtype: torch.dtype,
@@ -99,12 +100,22 @@ class Qwen35Decoder:
 
     def _split_gate(self, proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of the qkv projection proj [T, 2HD + 2KD] -> (qkv [T, HD + 2KD] with the
-        gate halves taken out, gate [T, H*D])."""
+        gate halves taken out: one gather of fixed columns, gate [T, H, D]: a view)."""
         c = self.config
         t, h, d = proj.shape[0], c.num_heads, c.head_dim
-        qg = proj[:, :2 * h * d].reshape(t, h, 2 * d)
-        gate = qg[..., d:].reshape(t, h * d)
-        return torch.cat((qg[..., :d].reshape(t, h * d), proj[:, 2 * h * d:]), -1), gate
+        if self._qkv_cols is None or self._qkv_cols.device != proj.device:
+            q = (torch.arange(h)[:, None] * 2 * d + torch.arange(d)).reshape(-1)
+            kv = torch.arange(2 * h * d, proj.shape[1])
+            self._qkv_cols = torch.cat((q, kv)).to(proj.device)
+        gate = proj[:, :2 * h * d].reshape(t, h, 2 * d)[..., d:]
+        return proj.index_select(1, self._qkv_cols), gate
+
+    def _gated_out(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Attention output out [T, H, D] times sigmoid(gate [T, H, D]) -> [T, H*D] (one
+        `ops.gated_act`; for T = 1 the gate rows are a strided view, not copied)."""
+        t, h, d = gate.shape
+        return ops.gated_act(gate.reshape(t * h, d), out.reshape(t * h, d),
+                             "sigmoid").reshape(t, h * d)
 
     def _q_write(self, m: GatedAttention, qkv: torch.Tensor, cache: HybridCache, i: int,
                  cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
@@ -130,7 +141,7 @@ class Qwen35Decoder:
         ctx = start + t
         out = ops.attention(q, cache.k[i][:, :ctx], cache.v[i][:, :ctx], start, 0,
                             c.attn_scale)
-        return out.reshape(t, c.num_heads * c.head_dim) * torch.sigmoid(gate)
+        return self._gated_out(out, gate)
 
     def _layers(self, h: torch.Tensor, mixer, last_only: bool) -> torch.Tensor:
         """The layers over rows h [N, E]; mixer(i, layer, x) -> the mixer's output [N, E].
@@ -186,7 +197,7 @@ class Qwen35Decoder:
             qkv, gate = self._split_gate(m.qkv(x))
             q = self._q_write(m, qkv, pool, i, cos, sin, pos, pos)
             out = ops.attention_at(q, pool.k[i], pool.v[i], pos, None, c.attn_scale)
-            return m.o_proj(out.reshape(1, c.num_heads * c.head_dim) * torch.sigmoid(gate))
+            return m.o_proj(self._gated_out(out, gate))
 
         return self.head(self._layers(self.embed(ids), mixer, False)).float()
 
@@ -221,7 +232,7 @@ class Qwen35Decoder:
             out = padded_decode_attention(q, [c.k[i][:, :n] for c, n in zip(caches, ctx)],
                                           [c.v[i][:, :n] for c, n in zip(caches, ctx)],
                                           self.config.attn_scale)
-            return m.o_proj(out.reshape(len(caches), -1) * torch.sigmoid(gate))
+            return m.o_proj(self._gated_out(out, gate))
 
         x = self._layers(self.embed(ids.to(self.device)), mixer, False)
         for c, s in zip(caches, starts):

@@ -68,7 +68,7 @@ def residual_stream(g: OnnxGraph, embed: onnx.NodeProto, layers: int) -> Stream 
             return None
         skips.append(nxt[0])
         out = nxt[0].output
-        if len(out) < 4 or not out[3]:
+        if len(out) < 4 or not g.consumers.get(out[3]):  # the final norm (sum unused)
             break
         cur = out[3]
     if len(skips) != 2 * layers:
@@ -83,14 +83,14 @@ def residual_stream(g: OnnxGraph, embed: onnx.NodeProto, layers: int) -> Stream 
         if len(m) != 1:
             return None
         outs = [mid.output[3], m[0]]
-        nodes, gin = _between(g, {x, h_in}, outs)
+        nodes, gin = between(g, {x, h_in}, outs)
         if nodes is None:
             return None
         cuts.append(LayerCut(i, x, h_in, mid.output[3], m[0], start, mid, end, nodes, gin))
     return Stream(embed, first[0], tuple(cuts))
 
 
-def _between(g: OnnxGraph, stop: set[str], outputs: list[str]):
+def between(g: OnnxGraph, stop: set[str], outputs: list[str]):
     """Nodes computing `outputs` from the values `stop`, initializers and graph inputs, and
     which graph inputs they read; (None, ()) if they reach input_ids (not one layer)."""
     seen: set[int] = set()

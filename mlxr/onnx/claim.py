@@ -83,10 +83,12 @@ class ClaimReport:
     declined: list[tuple[onnx.NodeProto | None, str]] = field(default_factory=list)
     # layers that run on onnxruntime while mlxr runs the rest: (layer index, why)
     regions: list[tuple[int, str]] = field(default_factory=list)
+    # parts of mlxr's layers that run on onnxruntime: (layer index, which part, why)
+    parts: list[tuple[int, str, str]] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
-        return not self.declined and not self.regions
+        return not self.declined and not self.regions and not self.parts
 
     def lines(self) -> list[str]:
         """One line per (op, reason): how many nodes, and what to do about it; then one line
@@ -94,15 +96,19 @@ class ClaimReport:
         counts = Counter(("graph" if n is None else f"{n.domain or 'ai.onnx'}:{n.op_type}", why)
                          for n, why in self.declined)
         out = [f"declined {op} x{k}: {why}" for (op, why), k in sorted(counts.items())]
-        return out + [f"layer {i}: onnxruntime CPU ({why})" for i, why in self.regions]
+        return (out + [f"layer {i}: onnxruntime CPU ({why})" for i, why in self.regions]
+                + [f"layer {i} {part}: onnxruntime CPU ({why})" for i, part, why in self.parts])
 
     def summary(self, total: int) -> str:
         if self.complete:
             return f"claimed all {total} nodes (mlxr's decoder)"
-        if self.regions:
-            where = ", ".join(str(i) for i, _ in self.regions)
+        if self.regions or self.parts:
+            whole = ", ".join(str(i) for i, _ in self.regions)
+            part = ", ".join(sorted({str(i) for i, _, _ in self.parts}))
+            ort = " and ".join(x for x in (whole and f"layer(s) {whole}",
+                                           part and f"part(s) of layer(s) {part}") if x)
             return (f"claimed {len(self.claimed)} of {total} nodes: mlxr runs the decoder, "
-                    f"onnxruntime's CPU provider layer(s) {where}")
+                    f"onnxruntime's CPU provider {ort}")
         return (f"declined {len(self.declined)} of {total} nodes: the whole graph runs on "
                 "onnxruntime's CPU provider")
 
@@ -237,8 +243,8 @@ def _norm(g: OnnxGraph, node, a: dict) -> str | None:
         return "stash_type other than float32"
     if node.op_type == "SkipSimplifiedLayerNormalization" and _input(node, 3):
         return "SkipSimplifiedLayerNormalization with a bias input"
-    if node.op_type == "SkipSimplifiedLayerNormalization" and (len(node.output) > 1 and any(
-            node.output[1:3])):
+    if node.op_type == "SkipSimplifiedLayerNormalization" and any(
+            v in g.consumers or v in g.outputs for v in node.output[1:3] if v):
         return "mean / inv_std outputs are consumed"
     return None
 

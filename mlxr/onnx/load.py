@@ -18,7 +18,7 @@ from .claim import ClaimReport, check_node, check_opsets, debug_enabled, print_r
 from .fallback import OrtDecoder, fallback_config
 from .folder import KVNames, OnnxFolder, kv_names, resolve
 from .graph import OnnxGraph
-from .regions import OrtRegion, RegionDecoder, StepClock
+from .regions import OrtRegion, OrtSubRegion, RegionDecoder, StepClock
 from .rope import TableRope
 from .translate import Translation, translate
 from .walk import Decline
@@ -58,6 +58,7 @@ def inspect(path) -> Inspection:
         report.declined.append((d.node, d.reason))
     else:
         inside = {id(n) for cut, _ in translation.external.values() for n in cut.nodes}
+        inside |= {id(n) for r, _ in translation.subregions for n in r.nodes}
         rest = [n for n in g.nodes if id(n) not in report.claimed and id(n) not in inside]
         for n in rest:
             report.declined.append((n, "not part of the recognised decoder structure"))
@@ -65,6 +66,7 @@ def inspect(path) -> Inspection:
             translation = None
         else:
             report.regions = [(i, why) for i, (_, why) in sorted(translation.external.items())]
+            report.parts = [(r.layer, r.describe(), why) for r, why in translation.subregions]
     if translation is None:
         report.claimed.clear()
     if debug_enabled():
@@ -88,10 +90,19 @@ def build_translated(ins: Inspection, dtype: torch.dtype, device: torch.device):
     external = {i: OrtRegion(ins.graph, cut, ins.kv[i], clock)
                 for i, (cut, _) in t.external.items()}
     decoder = build_decoder(t.checkpoint, t.config, dtype, device, external=external)
-    if external:
+    for r, _ in t.subregions:
+        layer = decoder.layers[r.layer]
+        hook = OrtSubRegion(ins.graph, r, ins.graph.inputs[ins.kv[0].past_key].elem, clock)
+        if r.where == "MLP input":
+            layer.mlp_input = hook
+        else:
+            layer.mlp_act = hook
+    if external or t.subregions:
         if device.type != "cpu":
-            log.warning("%s: layers %s run on onnxruntime's CPU provider (tensors cross to "
-                        "the CPU and back each step)", ins.files.model.name, sorted(external))
+            log.warning("%s: layers (or parts of layers) %s run on onnxruntime's CPU "
+                        "provider (tensors cross to the CPU and back each step)",
+                        ins.files.model.name,
+                        sorted(set(external) | {r.layer for r, _ in t.subregions}))
         decoder = RegionDecoder.wrap(decoder, clock)
     tables = {}
     ropes = []

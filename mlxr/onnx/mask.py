@@ -42,16 +42,26 @@ def _eval(g: OnnxGraph, name: str, mask: np.ndarray, seen: set[int], memo: dict)
     seen.add(id(n))
     a = {x.name: onnx.helper.get_attribute_value(x) for x in n.attribute}
     if n.op_type == "Constant":
-        if "value" not in a:
-            raise NotMask(name)
-        out = numpy_helper.to_array(a["value"])
-        if out.size > 16:
+        out = constant_value(a)
+        if out is None or out.size > 16:
             raise NotMask(name)
     else:
         xs = [_eval(g, i, mask, seen, memo) if i else None for i in n.input]
         out = _apply(n.op_type, a, xs)
     memo[name] = out
     return out
+
+
+def constant_value(a: dict) -> np.ndarray | None:
+    """A Constant node's value: a tensor (`value`) or, as Mobius writes them, a plain
+    `value_int` / `value_ints` (int64 scalar / 1-D)."""
+    if "value" in a:
+        return numpy_helper.to_array(a["value"])
+    if "value_int" in a:
+        return np.asarray(a["value_int"], dtype=np.int64)
+    if "value_ints" in a:
+        return np.asarray(a["value_ints"], dtype=np.int64)
+    return None
 
 
 def _apply(op: str, a: dict, xs: list) -> np.ndarray:

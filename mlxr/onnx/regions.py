@@ -1,6 +1,10 @@
 """Per-layer fallback: the layers mlxr declines run on onnxruntime's CPU provider, the rest on
 mlxr's decoder, in one forward.
 
+A part of a layer can go instead of the whole (`OrtSubRegion`, see mlxr.onnx.mlp): an
+unknown op between the MLP norm and its projections, or in the MLP's activation; mlxr runs
+the rest of that layer and hands onnxruntime just the boundary tensors.
+
 A declined layer (an op mlxr has no translation for, a QMoE it cannot take, ...) becomes an
 `OrtRegion`: one onnxruntime session over that layer's own subgraph (`chain.LayerCut`: from
 its normed input x and stream h to the attention's residual sum h_mid and the MLP output m),
@@ -33,6 +37,7 @@ from .chain import LayerCut
 from .fallback import NP_TYPES, ort_session
 from .folder import KVNames
 from .graph import OnnxGraph
+from .mlp import SubRegion
 
 NP_INT = {onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32}
 
@@ -59,8 +64,20 @@ def region_model(g: OnnxGraph, cut: LayerCut, kv: KVNames, act_elem: int) -> byt
     if odd:
         raise ModelFormatError(f"{g.path.name}: layer {cut.index} reads graph inputs {odd}: "
                                "it cannot run as a region")
-    nodes = []
-    for n in cut.nodes:
+    model_in = {v.name: v for v in g.model.graph.input}
+    model_out = {v.name: v for v in g.model.graph.output}
+    inputs = [onnx.helper.make_tensor_value_info(v, act_elem, None) for v in (cut.x, cut.h)]
+    inputs += [model_in[v] for v in cut.graph_inputs]
+    outputs = [onnx.helper.make_tensor_value_info(v, act_elem, None) for v in (cut.h_mid, cut.m)]
+    outputs += [model_out[v] for v in (kv.present_key, kv.present_value)]
+    return subgraph_model(g, cut.nodes, inputs, outputs, f"layer{cut.index}")
+
+
+def subgraph_model(g: OnnxGraph, nodes, inputs: list, outputs: list, name: str) -> bytes:
+    """The serialized graph of `nodes` (of `g`, in graph order) between the value infos
+    `inputs` and `outputs`, with the initializers they read inside."""
+    copies = []
+    for n in nodes:
         c = onnx.NodeProto()
         c.CopyFrom(n)
         for a in c.attribute:
@@ -69,16 +86,10 @@ def region_model(g: OnnxGraph, cut: LayerCut, kv: KVNames, act_elem: int) -> byt
             if (c.op_type, a.name) in (("MatMulNBits", "accuracy_level"),
                                        ("GroupQueryAttention", "sliding_window_cache")):
                 a.i = 0
-        nodes.append(c)
-    names = {i for n in cut.nodes for i in n.input if i in g.inits}
-    inits = [g.tensor_proto(name) for name in sorted(names)]
-    model_in = {v.name: v for v in g.model.graph.input}
-    model_out = {v.name: v for v in g.model.graph.output}
-    inputs = [onnx.helper.make_tensor_value_info(v, act_elem, None) for v in (cut.x, cut.h)]
-    inputs += [model_in[v] for v in cut.graph_inputs]
-    outputs = [onnx.helper.make_tensor_value_info(v, act_elem, None) for v in (cut.h_mid, cut.m)]
-    outputs += [model_out[v] for v in (kv.present_key, kv.present_value)]
-    graph = onnx.helper.make_graph(nodes, f"layer{cut.index}", inputs, outputs, inits)
+        copies.append(c)
+    names = {i for n in nodes for i in n.input if i in g.inits}
+    inits = [g.tensor_proto(x) for x in sorted(names)]
+    graph = onnx.helper.make_graph(copies, name, inputs, outputs, inits)
     m = onnx.helper.make_model(graph, opset_imports=list(g.model.opset_import))
     m.ir_version = g.model.ir_version
     return m.SerializeToString()
@@ -121,6 +132,35 @@ class OrtRegion:
 
     def _np(self, t: torch.Tensor) -> np.ndarray:
         return t.detach().float().cpu().numpy().astype(self.np_dtype, copy=False)
+
+
+class OrtSubRegion:
+    """`Layer.mlp_input` / `Layer.mlp_act` for a part of a layer mlxr declines
+    (`mlp.SubRegion`): its nodes on onnxruntime's CPU provider, fed the boundary tensors
+    ([T, width] each, one sequence: a batch of one for the graph)."""
+
+    def __init__(self, g: OnnxGraph, r: SubRegion, act_elem: int, clock: StepClock):
+        self.region, self.clock = r, clock
+        self.np_dtype = NP_TYPES.get(act_elem)
+        if self.np_dtype is None:
+            raise ModelFormatError(f"{g.path.name}: activations of type {act_elem} are not "
+                                   "float32/16")
+        io = [onnx.helper.make_tensor_value_info(v, act_elem, None)
+              for v in (*r.inputs, r.output)]
+        self.session = ort_session(g.path, model=subgraph_model(
+            g, r.nodes, io[:-1], io[-1:], f"layer{r.layer}_{r.where.replace(' ', '_')}"))
+
+    def __call__(self, *xs: torch.Tensor) -> torch.Tensor:
+        r = self.region
+        self.clock.close(f"{r.layer} ({r.where})", r.layer)
+        with trace.span("onnxruntime", {"layer": r.layer, "part": r.where,
+                                        "tokens": xs[0].shape[0]}):
+            feeds = {name: x.detach().float().cpu().numpy().astype(self.np_dtype)[None]
+                     for name, x in zip(r.inputs, xs)}
+            out = self.session.run([r.output], feeds)[0][0]
+            y = torch.from_numpy(out).to(device=xs[0].device, dtype=xs[0].dtype)
+        self.clock.t0 = time.perf_counter_ns()
+        return y
 
 
 class RegionDecoder(Decoder):

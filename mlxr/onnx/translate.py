@@ -19,7 +19,8 @@ from .graph import OnnxGraph
 from .mask import check_mask_inputs
 from .qmoe import is_qmoe, moe_spec, translate_qmoe
 from .folder import KVNames
-from .walk import (PROJ_OPS, Decline, Traced, Walk, fit_rope_base, float_name,
+from .mlp import SubRegion, translate_mlp
+from .walk import (PROJ_OPS, Decline, Traced, Walk, add_bias, fit_rope_base, float_name,
                    rope_spec)
 from .weights import OnnxCheckpoint, Projection
 
@@ -104,20 +105,7 @@ def _rope(w: Walk, gqa: onnx.NodeProto, a: dict, q: Traced, k: Traced, d: int):
 def _add_traced(w: Walk, ck, path: str, t: Traced, bias: bool) -> None:
     ck.add_projection(path, t.proj, t.start, t.start + t.n)
     if bias:
-        _add_bias(w, ck, path, t.bias, t.n)
-
-
-def _add_bias(w: Walk, ck, path: str, bias: tuple[str, int] | None, n: int) -> None:
-    g = w.g
-    if bias is None:
-        import torch
-
-        ck.add(path + ".bias", "F32", (n,), lambda: torch.zeros(n))
-        return
-    name, off = bias
-    if g.inits[name].numel < off + n or g.inits[name].elem not in (1, 10, 16):
-        raise Decline(None, f"bias '{name}' is too short or not float")
-    ck.add(path + ".bias", "F32", (n,), lambda: g.tensor(name).flatten()[off:off + n].float())
+        add_bias(w, ck, path, t.bias, t.n)
 
 
 def _norm_tensor(w: Walk, ck, name: str, node: onnx.NodeProto, size: int) -> None:
@@ -132,45 +120,6 @@ def _skip_norm(w: Walk, value: str, residual: str, at: onnx.NodeProto) -> onnx.N
     return n
 
 
-def _mlp(w: Walk, ck, x: str, p: str, at: onnx.NodeProto):
-    """gate/up/down of one layer from the norm output x; returns (down output, F, biased)."""
-    projs = [n for n in w.consumers(x) if n.op_type in PROJ_OPS]
-    if len(projs) != 2 or len(w.consumers(x)) != 2:
-        ops = sorted(n.op_type for n in w.consumers(x))
-        raise Decline(at, f"the MLP norm's output feeds {ops}, not the MLP's two projections "
-                          "(only gate/up SiLU MLPs are translated)")
-    outs = {id(n): w.linear_out(n) for n in projs}
-    gate = up = None
-    for n in projs:
-        if any(c.op_type == "Sigmoid" for c in w.consumers(outs[id(n)][0])):
-            gate = n
-        else:
-            up = n
-    if gate is None or up is None:
-        raise Decline(at, "no SiLU gate (x * Sigmoid(x)) in the MLP")
-    gv, uv = outs[id(gate)][0], outs[id(up)][0]
-    sig = w.one(gv, {"Sigmoid"}, gate)
-    act = w.one(sig.output[0], {"Mul"}, sig)
-    if sorted(act.input) != sorted([gv, sig.output[0]]):
-        raise Decline(act, "gate activation is not x * Sigmoid(x)")
-    mul = w.one(act.output[0], {"Mul"}, act)
-    if sorted(mul.input) != sorted([act.output[0], uv]):
-        raise Decline(mul, "the MLP product is not act(gate) * up")
-    down = w.one(mul.output[0], PROJ_OPS, mul)
-    w.claim(sig, act, mul)
-    gp, upp, dp = w.proj(gate), w.proj(up), w.proj(down)
-    if gp.rows != upp.rows or dp.cols != gp.rows:
-        raise Decline(down, "gate/up/down sizes disagree")
-    dv, db = w.linear_out(down)
-    biased = any(b is not None for b in (outs[id(gate)][1], outs[id(up)][1], db))
-    for name, pr, b in (("gate_proj", gp, outs[id(gate)][1]), ("up_proj", upp, outs[id(up)][1]),
-                        ("down_proj", dp, db)):
-        ck.add_projection(p + "mlp." + name, pr, 0, pr.rows)
-        if biased:
-            _add_bias(w, ck, p + "mlp." + name, None if b is None else (b, 0), pr.rows)
-    return dv, gp.rows, biased
-
-
 @dataclass
 class Translation:
     config: ModelConfig
@@ -179,6 +128,8 @@ class Translation:
     position_ids: str | None  # graph input feeding standalone RotaryEmbedding nodes
     # layers left to onnxruntime: index -> (the layer's cut, why)
     external: dict[int, tuple[LayerCut, str]] = field(default_factory=dict)
+    # parts of mlxr's layers left to onnxruntime, and why (the declined ops in them)
+    subregions: list[tuple[SubRegion, str]] = field(default_factory=list)
 
 
 def _qk_norms(w: Walk, ck, gqa, a: dict, p: str, q: Traced, k: Traced, d: int) -> bool:
@@ -226,7 +177,7 @@ def _layer(w: Walk, gqa, i: int, x: str, h: str, names: KVNames, last: bool):
     o, ob = w.linear_out(o_node)
     ck.add_projection(p + "self_attn.o_proj", o_proj, 0, o_proj.rows)
     if ob is not None:
-        _add_bias(w, ck, p + "self_attn.o_proj", (ob, 0), o_proj.rows)
+        add_bias(w, ck, p + "self_attn.o_proj", (ob, 0), o_proj.rows)
     post = _skip_norm(w, o, h, o_node)
     _norm_tensor(w, ck, p + "post_attention_layernorm.weight", post, hidden)
     h, x = _residual(post), post.output[0]
@@ -235,7 +186,7 @@ def _layer(w: Walk, gqa, i: int, x: str, h: str, names: KVNames, last: bool):
         m, moe_props = translate_qmoe(w, ck, x, p, post, moe[0])
         inter_size, mlp_bias = moe_props["width"], False
     else:
-        (m, inter_size, mlp_bias), moe_props = _mlp(w, ck, x, p, post), None
+        (m, inter_size, mlp_bias), moe_props = translate_mlp(w, ck, x, h, p, post, i), None
     nxt = _skip_norm(w, m, h, post)
     _norm_tensor(w, ck, "model.norm.weight" if last else
                  f"model.layers.{i + 1}.input_layernorm.weight", nxt, hidden)
@@ -290,19 +241,20 @@ def translate(g: OnnxGraph, report: ClaimReport, meta: dict, kv: list[KVNames],
         i, last = cut.index, cut.index == len(kv) - 1
         _norm_tensor(w, w.ck, "model.norm.weight" if last else
                      f"model.layers.{i + 1}.input_layernorm.weight", cut.end, hidden)
-        why = _refusal(cut, refused, mask_nodes)
-        if why is None:
-            snap = w.snapshot()
-            try:
-                this, rope, table, win = _claim_layer(w, cut, kv[i], last, props)
-            except Decline as d:
-                w.restore(snap)
-                why = d.reason
-            else:
-                props = props or this
-                ropes[i], tables[i], windows[i] = rope, table, win
+        snap, why = w.snapshot(), None
+        try:
+            this, rope, table, win = _claim_layer(w, cut, kv[i], last, props)
+            # declined ops outside the layer's sub-regions send the whole layer to ORT
+            parts = w.subregions[len(snap[3]):]
+            why = _refusal(cut.nodes, refused, mask_nodes | _inside(parts))
+        except Decline as d:
+            why = _refusal(cut.nodes, refused, mask_nodes) or d.reason
         if why is not None:
+            w.restore(snap)
             external[i] = why
+        else:
+            props = props or this
+            ropes[i], tables[i], windows[i] = rope, table, win
     if props is None:
         raise Decline(None, "no layer is translated (every layer runs on onnxruntime)")
     ref = min(ropes)  # declined layers' rope / window entries are placeholders, never read
@@ -329,14 +281,20 @@ def translate(g: OnnxGraph, report: ClaimReport, meta: dict, kv: list[KVNames],
     _check_io(g, kv, out, positions or ("position_ids" if "position_ids" in g.inputs and
                                         external else None))
     return Translation(config, w.ck, tables, positions,
-                       {i: (stream.layers[i], why) for i, why in external.items()})
+                       {i: (stream.layers[i], why) for i, why in external.items()},
+                       [(r, _refusal(r.nodes, refused, mask_nodes) or r.why)
+                        for r in w.subregions])
 
 
-def _refusal(cut: LayerCut, refused: dict[int, str], mask_nodes: set[int]) -> str | None:
-    """Why layer `cut` cannot be mlxr's: the claim's reasons for its declined nodes."""
-    why = sorted({f"{n.op_type}: {refused[id(n)]}" for n in cut.nodes
-                  if id(n) in refused and id(n) not in mask_nodes})
+def _refusal(nodes, refused: dict[int, str], skip: set[int]) -> str | None:
+    """The claim's reasons for the declined nodes among `nodes` (those in `skip` aside)."""
+    why = sorted({f"{n.op_type}: {refused[id(n)]}" for n in nodes
+                  if id(n) in refused and id(n) not in skip})
     return "; ".join(why) or None
+
+
+def _inside(parts: list[SubRegion]) -> set[int]:
+    return {id(n) for r in parts for n in r.nodes}
 
 
 def _claim_layer(w: Walk, cut: LayerCut, names: KVNames, last: bool, props: dict | None):
@@ -348,7 +306,8 @@ def _claim_layer(w: Walk, cut: LayerCut, names: KVNames, last: bool, props: dict
     x, _, this, rope, table, win = _layer(w, gqa[0], cut.index, cut.x, cut.h, names, last)
     if x != cut.end.output[0]:
         raise Decline(cut.end, "the layer does not end at the residual stream's norm")
-    rest = [n for n in cut.nodes if id(n) not in w.claimed]
+    inside = _inside([r for r in w.subregions if r.layer == cut.index])
+    rest = [n for n in cut.nodes if id(n) not in w.claimed and id(n) not in inside]
     if rest:
         raise Decline(rest[0], f"{len(rest)} nodes ({', '.join(sorted({n.op_type for n in rest}))})"
                                " are not part of the recognised layer")

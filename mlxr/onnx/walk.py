@@ -20,6 +20,7 @@ import onnx
 from ..config import RopeSpec
 from .claim import MS, ClaimReport, attrs
 from .graph import FLOAT_TYPES, OnnxGraph
+from .mask import constant_value
 from .weights import FLOAT_NAMES, OnnxCheckpoint, Projection
 
 PROJ_OPS = {"MatMulNBits", "MatMul"}
@@ -52,17 +53,18 @@ class Walk:
         self.ck = OnnxCheckpoint(g.path)
         self._projs: dict[int, Projection] = {}
         self.eps: set[float] = set()
+        self.subregions: list = []  # mlp.SubRegion: parts of layers left to onnxruntime
 
     def snapshot(self) -> tuple:
         """What a layer's walk may change, to undo it when the layer is declined."""
-        return set(self.claimed), self.ck.snapshot(), set(self.eps)
+        return set(self.claimed), self.ck.snapshot(), set(self.eps), list(self.subregions)
 
     def restore(self, snap: tuple) -> None:
-        claimed, ck, eps = snap
+        claimed, ck, eps, subregions = snap
         self.claimed.clear()
         self.claimed.update(claimed)
         self.ck.restore(ck)
-        self.eps = eps
+        self.eps, self.subregions = eps, subregions
 
     def claim(self, *nodes: onnx.NodeProto) -> None:
         for n in nodes:
@@ -96,9 +98,9 @@ class Walk:
             return [int(x) for x in self.g.tensor(v).flatten().tolist()]
         p = self.g.producer.get(v)
         if p is not None and p.op_type == "Constant":
-            t = attrs(p).get("value")
+            t = constant_value(attrs(p))
             if t is not None:
-                return [int(x) for x in onnx.numpy_helper.to_array(t).flatten().tolist()]
+                return [int(x) for x in t.flatten().tolist()]
         raise Decline(at, f"'{v}' is not a constant")
 
     def norm_weight(self, node: onnx.NodeProto, size: int) -> str:
@@ -186,3 +188,17 @@ def float_name(elem: int) -> str:
 
 def rope_spec(dims: int, base: float, interleaved: bool, rows: int) -> RopeSpec:
     return RopeSpec(dims, base, interleaved, None, rows)
+
+
+def add_bias(w: Walk, ck, path: str, bias: tuple[str, int] | None, n: int) -> None:
+    """`path`.bias: n values of initializer bias[0] from offset bias[1], or zeros (None)."""
+    g = w.g
+    if bias is None:
+        import torch
+
+        ck.add(path + ".bias", "F32", (n,), lambda: torch.zeros(n))
+        return
+    name, off = bias
+    if g.inits[name].numel < off + n or g.inits[name].elem not in (1, 10, 16):
+        raise Decline(None, f"bias '{name}' is too short or not float")
+    ck.add(path + ".bias", "F32", (n,), lambda: g.tensor(name).flatten()[off:off + n].float())

@@ -25,6 +25,7 @@ from .reference import attention, paged_items, prefill_tile
 
 from .moe.operands import KERNEL_ACTS as MOE_KERNEL_ACTS
 from .moe.operands import ExpertQuant
+from .moe.operands import dense_experts as moe_dense_experts
 from .moe.operands import kernels_take as moe_kernels_take
 from .moe.operands import same_format as moe_gate_up_pair
 
@@ -150,6 +151,19 @@ def gated_delta(q, k, v, g, beta, state):
     return recurrent_reference.gated_delta(q, k, v, g, beta, state)
 
 
+def gated_delta_decode(proj, conv_state, ssm_state, conv_w, a_log, dt_bias, norm_w,
+                       heads: tuple[int, int, int, int], eps: float):
+    """The gated DeltaNet mixer's decode step, projection rows [B, P] -> out_proj's input
+    [B, Hv*Dv], states updated in place: one Triton launch where the head dims fit
+    (`recurrent.gated_delta_decode`), else the reference ops composed."""
+    args = (proj, conv_state, ssm_state, conv_w, a_log, dt_bias, norm_w, heads, eps)
+    if _fast(proj):
+        from .recurrent import gated_delta_decode as fused
+        if fused.supported(proj, conv_state, ssm_state, conv_w, heads):
+            return fused.gated_delta_decode(*args)
+    return recurrent_reference.gated_delta_decode(*args)
+
+
 def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: float,
                 out_dtype, routed_scale: float = 1.0):
     """The routed experts' weighted sum [T, E] by the MoE kernels: x [T, E_in], ids / weights
@@ -172,7 +186,8 @@ def fast_kernels(device) -> bool:
 
 __all__ = ["MOE_KERNEL_ACTS", "ExpertQuant", "add_rms_norm", "attention", "attention_at",
            "attention_masked",
-           "conv1d_silu", "fast_kernels", "gated_act", "gated_delta", "head_gate", "moe_combine",
-           "moe_expert_act", "moe_experts", "moe_gate_up_pair", "moe_kernels_take",
+           "conv1d_silu", "fast_kernels", "gated_act", "gated_delta", "gated_delta_decode",
+           "head_gate", "moe_combine", "moe_dense_experts", "moe_expert_act", "moe_experts",
+           "moe_gate_up_pair", "moe_kernels_take",
            "moe_reference", "moe_route", "paged_attention", "paged_items",
            "paged_prefill_attention", "prefill_tile", "qkv_rope_write", "rms_norm", "rope"]

@@ -31,6 +31,8 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
         return F.gelu(gate) * up
     if act == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
+    if act == "sigmoid":
+        return torch.sigmoid(gate) * up
     raise ValueError(f"unknown activation {act!r}")
 
 

@@ -67,7 +67,8 @@ class ServerState:
         self.metrics = Metrics()
         self.ready = threading.Event()
         self.models = ModelManager(self.build_engine, resolver(self.pinned), self.metrics,
-                                   self._device().type, keep_alive, memory_budget)
+                                   self._device().type, keep_alive, memory_budget,
+                                   self.kv_pool_sizes)
         # called once the preload ended (state.error says how); the runner stops the server on
         # an error and reports it, so it is only logged here when nobody is told
         self.on_loaded: Callable[[], None] | None = None
@@ -77,22 +78,33 @@ class ServerState:
 
         return _pick_device(self.load_kw.get("device"))
 
-    def build_engine(self, path: Path):
-        """(model, engine) for one model directory (the ModelManager's loader)."""
+    def kv_pool_sizes(self, path: Path) -> tuple[int, int]:
+        """The smallest and the full KV pool of a model's engine, in bytes, from its config
+        (the ModelManager's sizer)."""
         import mlxr
 
-        from ..embed import is_embedding_model
+        from ..engine.memory import pool_plan
+
+        model = mlxr.load(path, **self.load_kw, weights=False)
+        plan = pool_plan(model.config, model.dtype, self.engine_kw.get("block_size", 16),
+                         self.engine_kw.get("max_num_seqs", 16))
+        return plan.bytes(plan.min_blocks), plan.bytes(plan.full_blocks)
+
+    def build_engine(self, path: Path, memory_budget: int | None = None):
+        """(model, engine) for one model directory, its weights and KV pool within
+        `memory_budget` bytes when given (the ModelManager's loader)."""
+        import mlxr
+
         from ..engine import AsyncEngine
         from ..engine.proc_engine import ProcEngine
 
         mode = self.engine_process
         if mode == "auto":
             mode = "on" if self._device().type == "cuda" else "off"
-        if is_embedding_model(path):
-            mode = "off"  # embeddings run on the decoder in this process (embeddings.py)
+        kw = dict(self.engine_kw, memory_budget=memory_budget)
         if mode == "on":
             # the child loads (and validates) the weights; here: config and tokenizer
-            engine = ProcEngine(path, self.load_kw, **self.engine_kw)
+            engine = ProcEngine(path, self.load_kw, **kw)
             try:
                 model = mlxr.load(path, **self.load_kw, weights=False)
                 model.tokenizer  # noqa: B018 -- fail now, not on the first request
@@ -103,7 +115,7 @@ class ServerState:
         else:
             model = mlxr.load(path, **self.load_kw)
             model.tokenizer  # noqa: B018 -- fail now, not on the first request
-            engine = AsyncEngine(model, **self.engine_kw)
+            engine = AsyncEngine(model, **kw)
         freeze_heap()
         return model, engine
 

@@ -1,7 +1,9 @@
 """Embeddings: `POST /v1/embeddings` (OpenAI) and `POST /api/embed` (Ollama), for decoder
 embedding models (mlxr.embed: last-token pooling, L2 norm). A model that is not an embedding
-model is a 400. The texts of one request run as one batch (split past mlxr.embed's token
-budget) on a worker thread, one request at a time per model.
+model is a 400. The texts go through the model's serving engine (`AsyncEngine.embed`, or
+`ProcEngine.embed` in the engine's process): each is a prefill-only sequence packed with the
+other requests' texts and the generations into the engine's steps under its token budget;
+a client that disconnects aborts its texts.
 
 Extensions: `instruction` (Qwen3-Embedding's task line, put in front of every input) and
 `dimensions` (the first N components, renormalised: Qwen3-Embedding is trained for it).
@@ -9,9 +11,7 @@ Extensions: `instruction` (Qwen3-Embedding's task line, put in front of every in
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import threading
 import time
 from typing import Any
 
@@ -19,6 +19,7 @@ from fastapi import Request  # module level: FastAPI resolves the (string) annot
 from pydantic import Field
 
 from ..errors import MlxrError
+from . import render
 from .protocol import APIError, _Req, bad_request
 
 MAX_INPUTS = 2048  # OpenAI's limit per request
@@ -41,9 +42,6 @@ class OllamaEmbedRequest(_Req):
     keep_alive: float | str | None = None
     dimensions: int | None = Field(default=None, ge=1)
     instruction: str | None = None
-
-
-_locks: dict[str, threading.Lock] = {}
 
 
 def _token_lists(model, inp, instruction: str | None) -> list[list[int]]:
@@ -76,27 +74,28 @@ async def embed(entry, inp, instruction: str | None, dimensions: int | None):
     """(embeddings float32 [B, E'], prompt token count) for one request."""
     import torch
 
-    from ..embed import embed_ids, is_embedding_model, pooling
+    from ..embed import is_embedding_model, pooling
+    from ..engine import QueueFullError
 
     if not is_embedding_model(entry.path):
         raise bad_request(f"model {entry.model_id!r} is not an embedding model (no "
                           "sentence-transformers files, no encoder architecture)", "model",
                           "not_an_embedding_model")
     seqs = _token_lists(entry.model, inp, instruction)
-    lock = _locks.setdefault(entry.model_id, threading.Lock())
-
-    def work():
-        with lock:
-            return embed_ids(entry.model, seqs, pooling(entry.path))
     try:
-        e = await asyncio.to_thread(work)
+        e, n = await entry.engine.embed(seqs, pooling(entry.path))
+    except QueueFullError as err:
+        raise APIError(429, "the server is busy: too many queued requests", "server_error",
+                       code="queue_full", headers={"Retry-After": str(err.retry_after)}) from None
     except MlxrError as err:
+        if str(err).startswith("engine failure"):
+            raise APIError(500, str(err), "server_error") from None
         raise bad_request(str(err), "input") from None
     if dimensions is not None:
         if dimensions > e.shape[1]:
             raise bad_request(f"dimensions must be <= {e.shape[1]}", "dimensions")
         e = torch.nn.functional.normalize(e[:, :dimensions], dim=-1)
-    return e, sum(len(s) for s in seqs)
+    return e, n
 
 
 def register(app, state, parse) -> None:
@@ -108,15 +107,18 @@ def register(app, state, parse) -> None:
         if req.encoding_format not in (None, "float", "base64"):
             raise bad_request("encoding_format must be float or base64", "encoding_format")
         entry = await state.acquire(req.model)
-        e, n = await embed(entry, req.input, req.instruction, req.dimensions)
-        if req.encoding_format == "base64":  # little-endian float32, as OpenAI's
-            vecs = [base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() for v in e]
-        else:
-            vecs = e.tolist()
-        return {"object": "list", "model": entry.model_id,
-                "data": [{"object": "embedding", "index": i, "embedding": v}
-                         for i, v in enumerate(vecs)],
-                "usage": {"prompt_tokens": n, "total_tokens": n}}
+
+        async def body() -> dict:
+            e, n = await embed(entry, req.input, req.instruction, req.dimensions)
+            if req.encoding_format == "base64":  # little-endian float32, as OpenAI's
+                vecs = [base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() for v in e]
+            else:
+                vecs = e.tolist()
+            return {"object": "list", "model": entry.model_id,
+                    "data": [{"object": "embedding", "index": i, "embedding": v}
+                             for i, v in enumerate(vecs)],
+                    "usage": {"prompt_tokens": n, "total_tokens": n}}
+        return await render.json_unless_disconnected(request.receive, body())
 
     @app.post("/api/embed")
     async def ollama_embed(request: Request):
@@ -124,9 +126,15 @@ def register(app, state, parse) -> None:
         try:
             req = parse(OllamaEmbedRequest, await request.body())
             entry = await state.acquire(req.model or None, req.keep_alive)
-            e, n = await embed(entry, req.input, req.instruction, req.dimensions)
         except APIError as err:
             return JSONResponse({"error": err.message}, err.status, headers=err.headers)
-        return {"model": entry.model_id, "embeddings": e.tolist(),
-                "total_duration": int((time.monotonic() - t0) * 1e9), "load_duration": 0,
-                "prompt_eval_count": n}
+
+        async def body() -> dict:
+            e, n = await embed(entry, req.input, req.instruction, req.dimensions)
+            return {"model": entry.model_id, "embeddings": e.tolist(),
+                    "total_duration": int((time.monotonic() - t0) * 1e9), "load_duration": 0,
+                    "prompt_eval_count": n}
+        try:
+            return await render.json_unless_disconnected(request.receive, body())
+        except APIError as err:
+            return JSONResponse({"error": err.message}, err.status, headers=err.headers)

@@ -8,9 +8,13 @@ idle). A model is "active" while its engine has requests running or waiting; onl
 are unloaded or evicted.
 
 Memory: the budget is per device (bytes, `--memory-budget`; None = no limit). Before a load the
-new model is estimated from its weight files; after it, the engine's measured bytes (its
-weights' tensors and its KV pool, `LLMEngine.stats()`) replace the estimate, and idle models are
-evicted, least recently used first, until the device's sum fits again.
+new model is estimated from its weight files plus its KV pool (`sizer`: the smallest pool worth
+serving with and the full one, max_num_seqs whole contexts). Idle models are evicted, least
+recently used first, until the full size fits, or while the smallest does not; the engine is
+then built with what the budget leaves (`loader(path, share)`: it sizes its pool to the share
+less its measured weights). A model that does not fit even with the smallest pool is refused
+with a MemoryBudgetError (HTTP 507, naming the sizes and the budget). After the load the
+engine's measured bytes (`LLMEngine.stats()`: weights, KV pool) replace the estimate.
 
 Loads run one at a time on a thread; requests for a model being loaded wait for it, and a model
 that fails to load answers each of its waiters with the error (a later request tries again).
@@ -28,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import MlxrError, NotDownloadedError
+from ..errors import MemoryBudgetError, MlxrError, NotDownloadedError
 from .protocol import APIError
 
 log = logging.getLogger("mlxr.server")
@@ -75,7 +79,10 @@ class Loaded:
     model: object = None
     engine: object = None
     error: str | None = None
+    error_status: int = 500  # 507 when the memory budget refused it
     estimate: int = 0  # bytes, from the weight files, until measured
+    kv_least: int = 0  # bytes: the smallest KV pool (before the load; memory.pool_plan)
+    kv_full: int = 0  # bytes: the full KV pool
     weights_bytes: int = 0
     kv_cache_bytes: int = 0
     keep_alive: float | None = None
@@ -123,12 +130,15 @@ def weight_file_bytes(path: Path) -> int:
 
 
 class ModelManager:
-    """`loader(path) -> (model, engine)` builds one model's engine (ServerState.build_engine);
-    `resolve(name) -> (model_id, path)` maps a request's model name (raises APIError 404)."""
+    """`loader(path, share) -> (model, engine)` builds one model's engine within `share` bytes
+    (None: no budget; ServerState.build_engine); `resolve(name) -> (model_id, path)` maps a
+    request's model name (raises APIError 404); `sizer(path) -> (least, full)` gives a model's
+    smallest and full KV pool in bytes (None: 0, 0)."""
 
     def __init__(self, loader, resolve, metrics, device: str, keep_alive: float | None = 300.0,
-                 memory_budget: int | None = None):
+                 memory_budget: int | None = None, sizer=None):
         self.loader, self.resolve, self.metrics = loader, resolve, metrics
+        self.sizer = sizer or (lambda path: (0, 0))
         self.device, self.default_keep_alive, self.budget = device, keep_alive, memory_budget
         self.models: dict[str, Loaded] = {}
         self.lock = threading.Lock()  # guards self.models
@@ -158,6 +168,9 @@ class ModelManager:
             entry = await self._wait_for(name, ka)
             if entry.error or entry.engine is not None:
                 break  # else it was unloaded (evicted, stopped) just now: load it again
+        if entry.error and entry.error_status == 507:
+            raise APIError(507, f"the model {entry.model_id!r} does not fit: {entry.error}",
+                           "server_error", code="memory_budget_exceeded")
         if entry.error:
             raise APIError(500, f"the model {entry.model_id!r} failed to load: {entry.error}",
                            "server_error", code="model_load_failed")
@@ -217,20 +230,24 @@ class ModelManager:
             t0 = time.monotonic()
             log.info("loading %s (%s)", entry.model_id, entry.path)
             try:
-                self._make_room(entry, entry.estimate)
-                model, engine = self.loader(entry.path)
+                if self.budget is not None:
+                    entry.kv_least, entry.kv_full = self.sizer(entry.path)
+                share = self._make_room(entry, entry.estimate + entry.kv_full,
+                                        entry.estimate + entry.kv_least)
+                model, engine = self.loader(entry.path, share)
                 stats = engine.stats()
                 entry.weights_bytes = int(stats.get("weights_bytes", 0)) or entry.estimate
                 entry.kv_cache_bytes = int(stats.get("kv_cache_bytes", 0))
                 entry.model, entry.engine = model, engine
                 entry.load_seconds = time.monotonic() - t0
-                self._make_room(entry, 0)  # measured now: evict more if the estimate was low
+                self._make_room(entry, 0, 0)  # measured now: evict more if it is over
                 log.info("loaded %s in %.2f s: weights %d bytes, KV cache %d bytes (%s)",
                          entry.model_id, entry.load_seconds, entry.weights_bytes,
                          entry.kv_cache_bytes, entry.device)
             except Exception as e:  # each waiter gets it; the server serves the others
                 log.debug("loading %s failed", entry.path, exc_info=True)
                 entry.error = str(e) if isinstance(e, MlxrError) else f"{type(e).__name__}: {e}"
+                entry.error_status = 507 if isinstance(e, MemoryBudgetError) else 500
                 if report:
                     log.error("loading %s failed: %s", entry.model_id, entry.error)
                 with self.lock:
@@ -245,30 +262,37 @@ class ModelManager:
                     loop.call_soon_threadsafe(_resolve, fut)
             self._ensure_sweeper()
 
-    def _make_room(self, entry: Loaded, extra: int) -> None:
-        """Evict idle models (least recently used first) until the loaded ones plus `extra`
-        bytes fit the budget; wait for busy ones up to EVICT_WAIT_SECONDS."""
+    def _make_room(self, entry: Loaded, want: int, least: int) -> int | None:
+        """Evict idle models (least recently used first) until the loaded ones plus `want`
+        bytes fit the budget, or while not even `least` fits (waiting for busy ones up to
+        EVICT_WAIT_SECONDS); returns the bytes the budget leaves `entry` (None: no budget)."""
         if self.budget is None:
-            return
-        if entry.size > self.budget or extra > self.budget:
-            raise MlxrError(f"{entry.model_id} needs {max(entry.size, extra)} bytes, more "
-                            f"than the memory budget of {self.budget} bytes (--memory-budget)")
+            return None
+        if max(entry.size if entry.engine else 0, least) > self.budget:
+            raise MemoryBudgetError(
+                f"{entry.model_id} needs at least {least} bytes ({entry.estimate} of weight "
+                f"files and a KV pool of {entry.kv_least}), more than the memory budget of "
+                f"{self.budget} bytes (--memory-budget)")
         deadline = time.monotonic() + EVICT_WAIT_SECONDS
         while True:
             with self.lock:
                 others = [e for e in self.models.values() if e is not entry and e.engine]
             used = sum(e.size for e in others) + (entry.size if entry.engine else 0)
-            if used + extra <= self.budget:
-                return
+            if used + want <= self.budget:
+                return self.budget - used
             idle = sorted((e for e in others if not e.busy()), key=lambda e: e.last_used)
             if idle:
                 log.info("evicting %s (least recently used) to fit %s in the memory budget",
                          idle[0].model_id, entry.model_id)
                 self.unload(idle[0].model_id)
                 continue
+            if used + least <= self.budget:  # the rest is busy: a smaller KV pool
+                return self.budget - used
             if time.monotonic() > deadline:
-                raise MlxrError(f"{entry.model_id} does not fit in the memory budget "
-                                f"({self.budget} bytes) while the loaded models are busy")
+                raise MemoryBudgetError(
+                    f"{entry.model_id} needs at least {least} bytes; the memory budget of "
+                    f"{self.budget} bytes has {self.budget - used} left while the loaded "
+                    "models are busy (--memory-budget)")
             time.sleep(0.1)
 
     # -- unloading -------------------------------------------------------------------------

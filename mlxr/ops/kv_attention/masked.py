@@ -51,6 +51,35 @@ if HAVE_TRITON:
         return _score_scale(sc, qk_scale, inv_cap, cap2, SOFTCAP)
 
     @triton.jit
+    def _tile_scores(q, qp, qmask, kp, kmask, d, dmask, qk_scale, inv_cap, cap2,
+                     SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_S: tl.constexpr, D: tl.constexpr, DK: tl.constexpr,
+                     NDK: tl.constexpr):
+        """One tile's scores fp32 [BLOCK_M, BLOCK_S] in log2 units: q [BLOCK_M, BLOCK_D]
+        (rows at pointers qp [BLOCK_M, 1], live where qmask) against the keys at kp
+        [BLOCK_S, 1] (read where kmask). NDK == 1: one dot over the whole head (K loaded
+        [BLOCK_S, BLOCK_D]). NDK > 1 (head dims over 256): NDK dots over DK-wide slices of q
+        and K, summed in fp32, so no [*, 512] operand of the dot is live across the key loop
+        (q's slices are re-read from L1 per tile; the preloaded q is then dead code)."""
+        if NDK == 1:
+            k = tl.load(kp + d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
+            sc = _scores(q, k, qk_scale, inv_cap, cap2, SOFTCAP, DOT_F32)
+        else:
+            raw = tl.zeros([BLOCK_M, BLOCK_S], tl.float32)
+            for c in tl.static_range(NDK):
+                dd = c * DK + tl.arange(0, DK)
+                ddm = dd < D
+                qc = tl.load(qp + dd[None, :], mask=qmask[:, None] & ddm[None, :], other=0.0)
+                kc = tl.load(kp + dd[None, :], mask=kmask[:, None] & ddm[None, :], other=0.0)
+                if DOT_F32:
+                    raw += tl.dot(qc.to(tl.float32), tl.trans(kc.to(tl.float32)),
+                                  input_precision="ieee")
+                else:
+                    raw += tl.dot(qc, tl.trans(kc))
+            sc = _score_scale(raw, qk_scale, inv_cap, cap2, SOFTCAP)
+        return sc
+
+    @triton.jit
     def _score_scale(sc, qk_scale, inv_cap, cap2, SOFTCAP: tl.constexpr):
         """Raw q.k scores (fp32) -> log2 units, scale or softcap applied."""
         if SOFTCAP:  # cap * tanh(s / cap), tanh(z) = 1 - 2 / (exp(2z) + 1); log2 units
@@ -107,7 +136,8 @@ if HAVE_TRITON:
                            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                            BLOCK_S: tl.constexpr, TILES: tl.constexpr, NSPLIT: tl.constexpr,
                            SOFTCAP: tl.constexpr, SINGLE: tl.constexpr, DOT_F32: tl.constexpr,
-                           POS: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
+                           POS: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+                           DK: tl.constexpr, NDK: tl.constexpr):
         """POS: no mask in memory; query row t sits at position pos[t] and sees key slot j iff
         j <= pos[t] (and pos[t] - j < window with WINDOW): the decode graph's visibility with
         no mask to build per step, and no mask load before each tile's K."""
@@ -121,8 +151,8 @@ if HAVE_TRITON:
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
         qm = rmask[:, None] & dmask[None, :]
-        q = tl.load(q_ptr + t.to(tl.int64)[:, None] * sq0 + head.to(tl.int64)[:, None] * sq1
-                    + d[None, :], mask=qm, other=0.0)
+        qp = q_ptr + t.to(tl.int64)[:, None] * sq0 + head.to(tl.int64)[:, None] * sq1
+        q = tl.load(qp + d[None, :], mask=qm, other=0.0)
         kbase = k_ptr + g.to(tl.int64) * sk0
         vbase = v_ptr + g.to(tl.int64) * sv0
         if POS:
@@ -148,8 +178,9 @@ if HAVE_TRITON:
                 # keys no row sees are not read (0): stale NaN/inf there cannot leak via 0 * v
                 kvis = tl.max(vis.to(tl.int32), axis=0) > 0
                 km = (smask & kvis)[:, None] & dmask[None, :]
-                k = tl.load(kbase + kv_off * sk1 + d[None, :], mask=km, other=0.0)
-                sc = _scores(q, k, qk_scale, inv_cap, cap2, SOFTCAP, DOT_F32)
+                sc = _tile_scores(q, qp, rmask, kbase + kv_off * sk1, smask & kvis, d, dmask,
+                                  qk_scale, inv_cap, cap2, SOFTCAP, DOT_F32, BLOCK_M, BLOCK_S,
+                                  D, DK, NDK)
                 sc = tl.where(vis, sc, float("-inf"))
                 v = tl.load(vbase + kv_off * sv1 + d[None, :], mask=km, other=0.0)
                 m_i, l_i, acc = _online_softmax(sc, v, m_i, l_i, acc, DOT_F32)
@@ -200,13 +231,28 @@ def score_consts(scale: float, softcap: float | None) -> tuple[float, float, flo
 
 
 def attn_block_s(block_d: int) -> int:
-    """Keys per tile of `attention_masked`: 64 (32 for head dims over 128). Env
+    """Keys per tile of `attention_masked`: 64 (32 for head dims over 128, 16 over 256). Env
     `MLXR_ATTN_BLOCK_S` (read at each call, i.e. when a decode graph is captured) sets it, for
     A/B runs."""
     env = os.environ.get("MLXR_ATTN_BLOCK_S")
     if env:
         return int(env)
-    return 64 if block_d <= 128 else 32
+    return 64 if block_d <= 128 else (32 if block_d <= 256 else 16)
+
+
+def wide_head(block_d: int) -> tuple[int, int, int]:
+    """(DK, NDK, warps) for a head of block_d (a power of two) features. Up to 256: one dot
+    over the head (DK = block_d, NDK = 1) and 4 warps, the launch every dense model has run.
+    Over 256 (Gemma 4's 512-wide full-attention heads), per program with 16 query rows and 16
+    keys per tile: the P.V accumulator [16, 512] fp32 is 8192 values, 64 registers per thread
+    at 4 warps; the K and V tiles [16, 512] bf16 add 16 KB each. The q.k dot goes by DK = 128
+    slices (q [16, 128] and K [16, 128] per slice, re-read from L1), and 8 warps halve the
+    accumulator's share per thread (32 registers), so nothing spills on Hopper's 255
+    registers a thread. Env `MLXR_ATTN_DK` sets DK (A/B runs; 0: one dot as below 256)."""
+    env = os.environ.get("MLXR_ATTN_DK")
+    dk = int(env) if env else (128 if block_d > 256 else block_d)
+    dk = block_d if dk <= 0 else min(dk, block_d)
+    return dk, block_d // dk, 8 if dk < block_d else 4
 
 
 def attn_splits(s: int, kh: int, mblocks: int) -> int:
@@ -279,6 +325,7 @@ def attention_masked_split(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | No
         pml = torch.empty((kh * nsplit * rt, 2), dtype=torch.float32, device=q.device)
     qk_scale, inv_cap, cap2 = score_consts(scale, softcap)
     dot_f32 = q.dtype == torch.float32 or _interpret()
+    dk, ndk, warps = wide_head(block_d)
     _attn_split_kernel[(kh, nsplit, mblocks)](
         q, k, v, vis, pos, sinks if sinks is not None else q, out, pacc, pml, s, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), svis, window or 0,
@@ -286,7 +333,7 @@ def attention_masked_split(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | No
         T=t, REP=rep, H=h, D=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=block_s, TILES=per,
         NSPLIT=nsplit, SOFTCAP=softcap is not None, SINGLE=single, DOT_F32=dot_f32,
         POS=positions is not None, WINDOW=window is not None, HAS_SINKS=sinks is not None,
-        num_warps=4)
+        DK=dk, NDK=ndk, num_warps=warps)
     if not single:
         _attn_combine_kernel[(kh * rt,)](
             pacc, pml, out, T=t, REP=rep, H=h, D=d, NSPLIT=nsplit, BLOCK_N=_p2(nsplit),

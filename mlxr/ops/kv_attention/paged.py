@@ -24,7 +24,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference import prefill_tile
-from .masked import _merge_splits, _online_softmax, _scores, _sink_start, score_consts
+from .masked import (_merge_splits, _online_softmax, _sink_start, _tile_scores, score_consts,
+                     wide_head)
 
 TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
 MAX_SPLITS = 32
@@ -37,7 +38,8 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, sink_ptr, o_ptr, p
                        REP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                        NSPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                       SINGLE: tl.constexpr, DOT_F32: tl.constexpr, HAS_SINKS: tl.constexpr):
+                       SINGLE: tl.constexpr, DOT_F32: tl.constexpr, HAS_SINKS: tl.constexpr,
+                       DK: tl.constexpr, NDK: tl.constexpr):
     b = tl.program_id(0)
     g = tl.program_id(1)
     sp = tl.program_id(2)
@@ -47,8 +49,8 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, sink_ptr, o_ptr, p
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     qm = rmask[:, None] & dmask[None, :]
-    q = tl.load(q_ptr + b.to(tl.int64) * sq0 + head.to(tl.int64)[:, None] * sq1 + d[None, :],
-                mask=qm, other=0.0)
+    qp = q_ptr + b.to(tl.int64) * sq0 + head.to(tl.int64)[:, None] * sq1
+    q = tl.load(qp + d[None, :], mask=qm, other=0.0)
     n = tl.load(len_ptr + b)
     lo = n * 0
     if HAS_WINDOW:
@@ -71,8 +73,8 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, sink_ptr, o_ptr, p
         blk = tl.load(tab + pos // BS, mask=valid, other=0)
         slot = (blk.to(tl.int64) * BS + pos % BS)[:, None]
         km = valid[:, None] & dmask[None, :]
-        k = tl.load(kbase + slot * sk1 + d[None, :], mask=km, other=0.0)
-        sc = _scores(q, k, qk_scale, inv_cap, cap2, SOFTCAP, DOT_F32)
+        sc = _tile_scores(q, qp, rmask, kbase + slot * sk1, valid, d, dmask, qk_scale, inv_cap,
+                          cap2, SOFTCAP, DOT_F32, BLOCK_M, BLOCK_S, D, DK, NDK)
         sc = tl.where(valid[None, :], sc, float("-inf"))
         v = tl.load(vbase + slot * sv1 + d[None, :], mask=km, other=0.0)
         m_i, l_i, acc = _online_softmax(sc, v, m_i, l_i, acc, DOT_F32)
@@ -111,7 +113,7 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, item_ptr, o_ptr,
                           REP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                           TQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                          DOT_F32: tl.constexpr):
+                          DOT_F32: tl.constexpr, DK: tl.constexpr, NDK: tl.constexpr):
     it = tl.program_id(0)
     g = tl.program_id(1)
     seq = tl.load(item_ptr + it * 4)
@@ -127,8 +129,8 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, item_ptr, o_ptr,
     dmask = d < D
     qm = rmask[:, None] & dmask[None, :]
     qrow = (row0 + t).to(tl.int64)
-    q = tl.load(q_ptr + qrow[:, None] * sq0 + head.to(tl.int64)[:, None] * sq1 + d[None, :],
-                mask=qm, other=0.0)
+    qp = q_ptr + qrow[:, None] * sq0 + head.to(tl.int64)[:, None] * sq1
+    q = tl.load(qp + d[None, :], mask=qm, other=0.0)
     lo = pos0 * 0
     if HAS_WINDOW:
         lo = tl.maximum(pos0 - window + 1, 0)
@@ -146,8 +148,8 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, item_ptr, o_ptr,
         blk = tl.load(tab + pos // BS, mask=live, other=0)
         slot = (blk.to(tl.int64) * BS + pos % BS)[:, None]
         km = live[:, None] & dmask[None, :]
-        k = tl.load(kbase + slot * sk1 + d[None, :], mask=km, other=0.0)
-        sc = _scores(q, k, qk_scale, inv_cap, cap2, SOFTCAP, DOT_F32)
+        sc = _tile_scores(q, qp, rmask, kbase + slot * sk1, live, d, dmask, qk_scale, inv_cap,
+                          cap2, SOFTCAP, DOT_F32, BLOCK_M, BLOCK_S, D, DK, NDK)
         vis = live[None, :] & (pos[None, :] <= qpos[:, None])
         if HAS_WINDOW:
             vis = vis & (qpos[:, None] - pos[None, :] < window)
@@ -162,6 +164,11 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, item_ptr, o_ptr,
 
 def _p2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _block_s(block_d: int) -> int:
+    """Positions per tile: 64, 32 for heads over 128 wide, 16 over 256 (`wide_head`)."""
+    return 64 if block_d <= 128 else (32 if block_d <= 256 else 16)
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, ctx_lens: Tensor,
@@ -184,10 +191,12 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, ctx_l
     if bsz == 0:
         return out
     block_d = max(16, _p2(d))
-    block_s = block_s or (64 if block_d <= 128 else 32)
+    block_s = block_s or _block_s(block_d)
+    dk, ndk, wide_warps = wide_head(block_d)
     # H200 sweep (benchmarks/gpu/gpu_paged_attn_sweep.py, docs/perf.md): with >= 512 (sequence,
-    # kv head) programs, 2 warps per program beat 4 by 9-26% (more programs resident per SM)
-    num_warps = num_warps or (2 if bsz * kh >= 512 else 4)
+    # kv head) programs, 2 warps per program beat 4 by 9-26% (more programs resident per SM);
+    # heads over 256 wide take wide_head's 8 (its register budget)
+    num_warps = num_warps or (wide_warps if ndk > 1 else (2 if bsz * kh >= 512 else 4))
     if splits is None:
         splits = min(MAX_SPLITS, max(1, triton.cdiv(TARGET_PROGRAMS, bsz * kh)))
     single = splits == 1
@@ -206,7 +215,7 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, ctx_l
         BLOCK_M=max(16, _p2(rep)), BLOCK_D=block_d, BLOCK_S=block_s, NSPLIT=splits,
         HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, SINGLE=single,
         DOT_F32=q.dtype == torch.float32 or interpret, HAS_SINKS=sinks is not None,
-        num_warps=num_warps)
+        DK=dk, NDK=ndk, num_warps=num_warps)
     if not single:
         _paged_combine_kernel[(bsz * h,)](pacc, pml, out, REP=rep, H=h, D=d, NSPLIT=splits,
                                           BLOCK_N=_p2(splits), BLOCK_D=block_d, num_warps=4)
@@ -234,11 +243,12 @@ def paged_prefill_attention(q: Tensor, k: Tensor, v: Tensor, block_tables: Tenso
     block_d = max(16, _p2(d))
     qk_scale, inv_cap, cap2 = score_consts(scale, softcap)
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    dk, ndk, warps = wide_head(block_d)
     _paged_prefill_kernel[(items.shape[0], kh)](
         q, k, v, block_tables, items, out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), block_tables.stride(0), int(window or 0), qk_scale, inv_cap,
         cap2, REP=rep, H=h, D=d, BS=block_size, TQ=tq, BLOCK_M=max(16, _p2(tq * rep)),
-        BLOCK_D=block_d, BLOCK_S=64 if block_d <= 128 else 32, HAS_WINDOW=window is not None,
+        BLOCK_D=block_d, BLOCK_S=_block_s(block_d), HAS_WINDOW=window is not None,
         SOFTCAP=softcap is not None, DOT_F32=q.dtype == torch.float32 or interpret,
-        num_warps=4)
+        DK=dk, NDK=ndk, num_warps=warps)
     return out

@@ -32,7 +32,7 @@ try:
 except ImportError:  # pragma: no cover - torch-only installs
     HAVE_TRITON = False
 
-ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "sigmoid": 3}
 
 
 def _interpret() -> bool:
@@ -118,14 +118,16 @@ if HAVE_TRITON:
 
     @triton.jit
     def _act(g, ACT: tl.constexpr):
-        """act(g) in fp32 for g fp32 (ACTS: silu, gelu with exact erf, gelu_tanh)."""
+        """act(g) in fp32 for g fp32 (ACTS: silu, gelu with exact erf, gelu_tanh, sigmoid)."""
         if ACT == 0:  # silu: x / (1 + exp(-x))
             a = g / (1.0 + tl.exp(-g))
         elif ACT == 1:  # gelu, exact erf
             a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-        else:  # gelu_tanh: 0.5 x (1 + tanh(z)) == x / (1 + exp(-2z))
+        elif ACT == 2:  # gelu_tanh: 0.5 x (1 + tanh(z)) == x / (1 + exp(-2z))
             z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
             a = g / (1.0 + tl.exp(-2.0 * z))
+        else:  # sigmoid (qwen3_5's attention output gate)
+            a = 1.0 / (1.0 + tl.exp(-g))
         return a
 
     @triton.jit

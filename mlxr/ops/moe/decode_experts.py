@@ -39,7 +39,9 @@ if HAVE_TRITON:
     from ..matmul.decode_gemv import _value, _words
     from ..matmul.codes import _group_scale
 
-ACTS = {"silu": 0, "swiglu_oai": 1}
+ACTS = {"silu": 0, "swiglu_oai": 1, "gelu_tanh": 2}
+# the kernels' MODE: codes.MODES, and 4 for unquantized ("dense") float experts
+KERNEL_MODE = {**MODES, "dense": 4}
 MAX_PAIRS = 16  # (token, slot) pairs the decode kernels serve; more go to the grouped GEMM
 
 
@@ -52,6 +54,21 @@ def _words_i32(w: Tensor) -> Tensor:
     return w.view(torch.int32) if w.dtype == torch.uint32 else w
 
 
+def _scales(q: ExpertQuant) -> Tensor:
+    """The scales pointer (dense experts have none: their weights stand in, never read)."""
+    return q.w if q.scales is None else q.scales
+
+
+def expert_f32(q: ExpertQuant, e: Tensor) -> Tensor:
+    """Expert e [1] of q as the kernels see it: fp32 [N, K] (dense weights widened exactly)."""
+    if q.mode == "dense":
+        return q.w.index_select(0, e)[0].float()
+    gs = None if q.global_scale is None else q.global_scale.index_select(0, e)[0]
+    return dequant_f32(q.w.index_select(0, e)[0], q.scales.index_select(0, e)[0],
+                       None if q.biases is None else q.biases.index_select(0, e)[0], gs,
+                       q.mode, q.bits, q.group)
+
+
 # ====================================================================== torch twins
 def expert_matmul_ref(x: Tensor, pe: Tensor, q: ExpertQuant, out_dtype: torch.dtype,
                       round_weights: bool = False) -> Tensor:
@@ -60,11 +77,7 @@ def expert_matmul_ref(x: Tensor, pe: Tensor, q: ExpertQuant, out_dtype: torch.dt
     rounded to out_dtype, plus the expert bias (rounded) -> [P, N]."""
     rows = []
     for r in range(x.shape[0]):
-        e = pe[r:r + 1]
-        gs = None if q.global_scale is None else q.global_scale.index_select(0, e)[0]
-        wf = dequant_f32(q.w.index_select(0, e)[0], q.scales.index_select(0, e)[0],
-                         None if q.biases is None else q.biases.index_select(0, e)[0], gs,
-                         q.mode, q.bits, q.group)
+        wf = expert_f32(q, pe[r:r + 1])
         if round_weights:
             wf = wf.to(x.dtype).float()
         rows.append(x[r:r + 1].float() @ wf.t())
@@ -104,7 +117,37 @@ if HAVE_TRITON:
                      BLOCK_N: tl.constexpr, GT: tl.constexpr):
         """fp32 [BLOCK_N]: rows rn of one expert's packed matrix (w_ptr, s_ptr, b_ptr at that
         expert's [N, ...] slice) dotted with the K values at x_ptr. `_gemv_kernel`'s tile
-        [BLOCK_N, GT groups, UPG units] at M = 1, scale and bias once per group."""
+        [BLOCK_N, GT groups, UPG units] at M = 1, scale and bias once per group; dense
+        experts (MODE 4): float rows [BLOCK_N, K] read in tiles of GT values."""
+        if MODE == 4:
+            res = _dense_rows(x_ptr, w_ptr, rn, N, K, BLOCK_N, GT)
+        else:
+            res = _quant_rows(x_ptr, w_ptr, s_ptr, b_ptr, gs, rn, N, K, BITS, GROUP, MODE,
+                              BLOCK_N, GT)
+        return res
+
+    @triton.jit
+    def _dense_rows(x_ptr, w_ptr, rn, N, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        """fp32 [BLOCK_N]: float rows rn of one expert's [N, K] weight dotted with x_ptr's K
+        values, fp32 products summed per tile, then over the tiles."""
+        rk = tl.arange(0, BLOCK_K)
+        nmask = rn < N
+        wrow = w_ptr + rn[:, None].to(tl.int64) * K
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            kmask = kk < K
+            w = tl.load(wrow + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            xv = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+            acc += w.to(tl.float32) * xv[None, :]
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
+    def _quant_rows(x_ptr, w_ptr, s_ptr, b_ptr, gs, rn, N, K: tl.constexpr,
+                    BITS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
+                    BLOCK_N: tl.constexpr, GT: tl.constexpr):
+        """`_expert_rows` of packed codes."""
         PER: tl.constexpr = 32 // BITS if BITS == 2 or BITS == 4 or BITS == 8 else (
             16 if BITS == 6 else 32)
         UW: tl.constexpr = PER * BITS // 32  # words per unit
@@ -165,6 +208,10 @@ if HAVE_TRITON:
         rounded to DT; returned in fp32 (rounded by the caller's store)."""
         if ACT == 0:  # silu(g) * up
             h = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32) * u
+        elif ACT == 2:  # gemma4's GeGLU: gelu_tanh(g) * up, gelu in fp32 rounded once (torch)
+            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2/pi)
+            th = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)  # tanh(z), saturating to +-1
+            h = (0.5 * g * (1.0 + th)).to(DT).to(tl.float32) * u
         else:  # gpt-oss: (clip(up, +-limit) + 1) * (gc * sigmoid(alpha * gc)), gc = min(g, limit)
             gc = tl.minimum(g, limit)
             uc = (tl.minimum(tl.maximum(u, -limit), limit) + 1.0).to(DT).to(tl.float32)
@@ -252,7 +299,11 @@ def _block(n: int, pairs: int, device: torch.device) -> int:
 
 def _gt(k: int, bits: int, group: int) -> int:
     """Groups per tile (a power of two): ~256 words of a row (as
-    `matmul.decode_gemv.default_config`)."""
+    `matmul.decode_gemv.default_config`); dense experts (bits 32, one group per row): values
+    per tile, 256 at most (the same row bytes in flight as 128 words of codes, twice that
+    for fp32)."""
+    if bits == 32:
+        return min(256, _next_pow2(k))
     per = unit_codes(bits)
     gw = group // per * (per * bits // 32)  # words per group
     fit = 1 << (max(1, 256 // gw).bit_length() - 1)
@@ -284,13 +335,13 @@ def moe_gate_up(x: Tensor, ids: Tensor, gate: ExpertQuant, up: ExpertQuant, act:
     if p == 0:
         return h
     bn = block_n or _block(f, p, x.device)
-    gb, ggs, gbias = _gs_bias(gate, gate.scales)
-    ub, ugs, ubias = _gs_bias(up, up.scales)
+    gb, ggs, gbias = _gs_bias(gate, _scales(gate))
+    ub, ugs, ubias = _gs_bias(up, _scales(up))
     _gate_up_kernel[(p, triton.cdiv(f, bn))](
-        x, ids, h, _words_i32(gate.w), gate.scales, gb, ggs, gbias,
-        _words_i32(up.w), up.scales, ub, ugs, ubias, f, x.stride(0), float(alpha),
+        x, ids, h, _words_i32(gate.w), _scales(gate), gb, ggs, gbias,
+        _words_i32(up.w), _scales(up), ub, ugs, ubias, f, x.stride(0), float(alpha),
         float(limit), K=k, TOPK=topk, BITS=gate.bits, GROUP=gate.group,
-        MODE=MODES[gate.mode], HAS_GS=gate.global_scale is not None,
+        MODE=KERNEL_MODE[gate.mode], HAS_GS=gate.global_scale is not None,
         HAS_BIAS=gate.bias is not None, ACT=ACTS[act], BLOCK_N=bn,
         GT=_gt(k, gate.bits, gate.group), num_warps=4)
     return h
@@ -311,11 +362,11 @@ def moe_down(h: Tensor, ids: Tensor, weights: Tensor, down: ExpertQuant,
     if t == 0:
         return y
     bn = block_n or _block(e, t, h.device)
-    b, gs, bias = _gs_bias(down, down.scales)
+    b, gs, bias = _gs_bias(down, _scales(down))
     _down_kernel[(t, triton.cdiv(e, bn))](
-        h, ids, weights, y, _words_i32(down.w), down.scales, b, gs, bias, e,
+        h, ids, weights, y, _words_i32(down.w), _scales(down), b, gs, bias, e,
         float(routed_scale), F=f, TOPK=topk, BITS=down.bits, GROUP=down.group,
-        MODE=MODES[down.mode], HAS_GS=down.global_scale is not None,
+        MODE=KERNEL_MODE[down.mode], HAS_GS=down.global_scale is not None,
         HAS_BIAS=down.bias is not None,
         ROUND_PROD=weights.dtype == h.dtype != torch.float32,
         SCALED=routed_scale != 1.0, BLOCK_N=bn, GT=_gt(f, down.bits, down.group),

@@ -37,8 +37,8 @@ from torch import Tensor
 
 from . import reference as moe_reference
 from .operands import ExpertQuant, check_pair
-from .decode_experts import ACTS, _gs_bias, _words_i32, expert_matmul_ref
-from ..matmul.codes import HAVE_TRITON, MODES
+from .decode_experts import ACTS, KERNEL_MODE, _gs_bias, _scales, _words_i32, expert_matmul_ref
+from ..matmul.codes import HAVE_TRITON
 from ..matmul.generic_qmm import _interpret
 
 if HAVE_TRITON:
@@ -126,6 +126,19 @@ def moe_grouped_ref(x: Tensor, ids: Tensor, weights: Tensor, gate: ExpertQuant,
 if HAVE_TRITON:
 
     @triton.jit
+    def _weight_tile(wrow, srow, s_ptr, b_ptr, gs, kk, k0, nmask, kmask, K: tl.constexpr,
+                     BITS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The [BLOCK_N, BLOCK_K] weight tile at K offset k0: `_dequant_tile` of packed codes,
+        or (MODE 4, dense experts: wrow at float rows of K values) the values as stored."""
+        if MODE == 4:
+            w = tl.load(wrow + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        else:
+            w = _dequant_tile(wrow, srow, s_ptr, b_ptr, gs, kk, k0, nmask,
+                              kmask, K, BITS, GROUP, MODE, BLOCK_N, BLOCK_K)
+        return w
+
+    @triton.jit
     def _grouped_kernel(
         x_ptr, pairs_ptr, bexp_ptr, out_ptr,
         aw_ptr, as_ptr, ab_ptr, ags_ptr, abias_ptr,
@@ -164,16 +177,16 @@ if HAVE_TRITON:
             kmask = kk < K
             xt = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=kmask[None, :],
                          other=0.0)
-            wa = _dequant_tile(wrow_a, srow, as_ptr, ab_ptr, gs_a, kk, k0, nmask, kmask, K,
-                               BITS, GROUP, MODE, BLOCK_N, BLOCK_K).to(xt.dtype)
+            wa = _weight_tile(wrow_a, srow, as_ptr, ab_ptr, gs_a, kk, k0, nmask, kmask, K,
+                              BITS, GROUP, MODE, BLOCK_N, BLOCK_K).to(xt.dtype)
             if DOT_IEEE:  # fp32 activations, or the interpreter (its bf16 dot is broken)
                 acc_a = tl.dot(xt.to(tl.float32), tl.trans(wa.to(tl.float32)), acc_a,
                                input_precision="ieee")
             else:
                 acc_a = tl.dot(xt, tl.trans(wa), acc_a)
             if GLU:
-                wb = _dequant_tile(wrow_b, srow, bs_ptr, bb_ptr, gs_b, kk, k0, nmask, kmask, K,
-                                   BITS, GROUP, MODE, BLOCK_N, BLOCK_K).to(xt.dtype)
+                wb = _weight_tile(wrow_b, srow, bs_ptr, bb_ptr, gs_b, kk, k0, nmask, kmask, K,
+                                  BITS, GROUP, MODE, BLOCK_N, BLOCK_K).to(xt.dtype)
                 if DOT_IEEE:
                     acc_b = tl.dot(xt.to(tl.float32), tl.trans(wb.to(tl.float32)), acc_b,
                                    input_precision="ieee")
@@ -200,14 +213,14 @@ def _launch(x: Tensor, align: tuple[Tensor, Tensor], a: ExpertQuant, b: ExpertQu
     if p == 0:
         return out
     pairs, experts = align
-    ab, ags, abias = _gs_bias(a, a.scales)
+    ab, ags, abias = _gs_bias(a, _scales(a))
     bq = b if b is not None else a
-    bb, bgs, bbias = _gs_bias(bq, bq.scales)
+    bb, bgs, bbias = _gs_bias(bq, _scales(bq))
     grid = (experts.shape[0], triton.cdiv(n, cfg.block_n))
     _grouped_kernel[grid](
-        x, pairs, experts, out, _words_i32(a.w), a.scales, ab, ags, abias,
-        _words_i32(bq.w), bq.scales, bb, bgs, bbias, n, p, x.stride(0), float(alpha),
-        float(limit), K=k, ROW_DIV=row_div, BITS=a.bits, GROUP=a.group, MODE=MODES[a.mode],
+        x, pairs, experts, out, _words_i32(a.w), _scales(a), ab, ags, abias,
+        _words_i32(bq.w), _scales(bq), bb, bgs, bbias, n, p, x.stride(0), float(alpha),
+        float(limit), K=k, ROW_DIV=row_div, BITS=a.bits, GROUP=a.group, MODE=KERNEL_MODE[a.mode],
         HAS_GS=a.global_scale is not None, HAS_BIAS=a.bias is not None, GLU=b is not None,
         ACT=ACTS[act], DOT_IEEE=x.dtype == torch.float32 or _interpret(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

@@ -11,13 +11,16 @@ from torch import Tensor
 
 KERNEL_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")  # codes.MODES
 KERNEL_BITS = (2, 3, 4, 5, 6, 8)
-KERNEL_ACTS = ("silu", "swiglu_oai")  # decode_experts.ACTS
+KERNEL_ACTS = ("silu", "swiglu_oai", "gelu_tanh")  # decode_experts.ACTS
+# unquantized experts: float weights [X, N, K] read as they are ("dense" mode)
+DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class ExpertQuant(NamedTuple):
-    """One projection of all X experts as the file stacks it (N = out, K = in features)."""
-    w: Tensor  # int32 / uint32 words [X, N, K*bits/32]
-    scales: Tensor  # [X, N, K/group] (affine: float; fp modes: uint8)
+    """One projection of all X experts as the file stacks it (N = out, K = in features).
+    mode "dense": w is the float weight [X, N, K] itself, no scales (`dense_experts`)."""
+    w: Tensor  # int32 / uint32 words [X, N, K*bits/32] (dense: float [X, N, K])
+    scales: Tensor | None  # [X, N, K/group] (affine: float; fp modes: uint8; dense: None)
     biases: Tensor | None  # affine [X, N, K/group]
     global_scale: Tensor | None  # nvfp4 [X] float32
     bias: Tensor | None  # expert bias [X, N] (gpt-oss)
@@ -28,12 +31,22 @@ class ExpertQuant(NamedTuple):
     @property
     def shape(self) -> tuple[int, int, int]:
         """(X experts, N out features, K in features)."""
+        if self.mode == "dense":
+            return tuple(self.w.shape)
         x, n, _ = self.w.shape
         return x, n, self.scales.shape[-1] * self.group
 
 
+def dense_experts(w: Tensor, bias: Tensor | None = None) -> ExpertQuant:
+    """Unquantized stacked experts w [X, N, K] (bf16 / f16 / f32) as the kernels take them:
+    one element per "word" (bits 32 gives the kernels' row stride K), one group per row."""
+    return ExpertQuant(w, None, None, None, bias, "dense", 32, w.shape[-1])
+
+
 def kernels_take(q: ExpertQuant) -> bool:
     """Whether the MoE kernels read this stacked projection."""
+    if q.mode == "dense":
+        return q.w.dim() == 3 and q.w.dtype in DENSE_DTYPES and q.scales is None
     return (q.mode in KERNEL_MODES and q.bits in KERNEL_BITS and q.w.dim() == 3
             and q.w.dtype in (torch.int32, torch.uint32) and q.shape[2] % 32 == 0
             and q.w.shape[2] * 32 == q.shape[2] * q.bits

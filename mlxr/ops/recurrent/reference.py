@@ -98,3 +98,26 @@ def rms_norm_gated(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
     y32 = y.float()
     n = (y32 * torch.rsqrt(y32.pow(2).mean(-1, keepdim=True) + eps)).to(y.dtype) * weight
     return (F.silu(z.float()) * n.float()).to(y.dtype)
+
+
+def gated_delta_decode(proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                       conv_w: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                       norm_w: torch.Tensor, heads: tuple[int, int, int, int],
+                       eps: float) -> torch.Tensor:
+    """The gated DeltaNet mixer's decode step (one token for each of B sequences) from the
+    input projection's rows proj [B, P] (P = C + Hv*Dv + 2*Hv: [qkv | z | b | a]) to the
+    input of out_proj [B, Hv*Dv] in proj's dtype: the ops above composed. heads = (Hk, Hv,
+    Dk, Dv); conv_state [B, W-1, C] and ssm_state [B, Hv, Dv, Dk] (float32) updated in place;
+    conv_w [C, W], a_log [Hv], dt_bias [Hv], norm_w [Dv]. The twin of the one-launch kernel
+    (`gated_delta_decode.gated_delta_decode`)."""
+    hk, hv, dk, dv = heads
+    bsz = proj.shape[0]
+    key, val = hk * dk, hv * dv
+    qkv, z, b, a = proj[:, None].split([2 * key + val, val, hv, hv], -1)
+    mixed, new_conv = conv1d_silu(qkv, conv_state, conv_w)
+    conv_state.copy_(new_conv)
+    q, k, v = mixed.split([key, key, val], -1)
+    q, k = l2norm_qk(q.reshape(bsz, 1, hk, dk), k.reshape(bsz, 1, hk, dk))
+    g, beta = delta_gates(a, b, a_log, dt_bias)
+    y = gated_delta(q, k, v.reshape(bsz, 1, hv, dv), g, beta, ssm_state)
+    return rms_norm_gated(y, z.reshape(bsz, 1, hv, dv), norm_w, eps).reshape(bsz, val)
