@@ -77,6 +77,8 @@ def test_lean_step_equals_generic(kind, bits, traditional, rotary, offset, monke
     """Decode steps through cpu_decode.run give the generic loop's logits and K/V bit for bit
     (q/k norms with and without the gemma offset, traditional and half RoPE, partial rotary,
     one and two nibble planes); the step is in fact taken."""
+    monkeypatch.setenv("MLXR_CPU_KERNELS", "0")  # the torch paths: bit for bit (the kernels'
+    # attention sums in another order: tests/test_cpu_kernels.py)
     dec = tiny_decoder(kind, bits, traditional=traditional, rotary=rotary, norm_offset=offset)
     ids = torch.tensor([3, 17, 42, 5, 9, 61, 2, 77])
     want, cache_want = _decode(dec, ids, 3, False, monkeypatch)

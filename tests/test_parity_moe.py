@@ -137,7 +137,10 @@ def test_default_dtype_close_to_reference(built, family, quant):
     b = built(family, quant)
     if b.ref.logits_bf16 is None:
         pytest.skip("mlx cannot run this model in bf16 on the CPU")
-    model = mlxr.load(b.path, device="cpu")
+    _assert_bf16_close(b, mlxr.load(b.path, device="cpu"))
+
+
+def _assert_bf16_close(b, model) -> None:
     n = b.clean
     ref = b.ref.logits32[:n]
     scale = mlx_ref.logit_range(ref)
@@ -146,6 +149,28 @@ def test_default_dtype_close_to_reference(built, family, quant):
     beyond = ours > 1.5 * mlx.max() + 0.01
     assert beyond.mean() <= 0.1, f"bf16 errors {np.sort(ours)[-8:]} vs mlx-lm's {mlx.max():.3f}"
     assert np.median(ours) <= 1.5 * np.median(mlx) + 0.01
+
+
+@pytest.mark.parametrize("grouped", ["mm", "triton"])
+def test_bf16_grouped_paths_close_to_reference(built, grouped, monkeypatch):
+    """The bf16 prefill on the MoE kernels (the teacher-forced pass: every position's k pairs,
+    past the decode kernels) by dequant + torch._grouped_mm or by the grouped Triton GEMM, held to
+    test_default_dtype_close_to_reference's bound (the torch path's), and the path taken."""
+    from mlxr.ops.moe import grouped_experts, grouped_mm
+
+    b = built("qwen3_moe", "q4g64")
+    if b.ref.logits_bf16 is None:
+        pytest.skip("mlx cannot run this model in bf16 on the CPU")
+    monkeypatch.setenv("MLXR_MOE", "stacked")
+    monkeypatch.setenv("MLXR_MOE_GROUPED", grouped)
+    model = mlxr.load(b.path, device="cpu")
+    _with_kernels(model, True)
+    taken = []
+    for mod, fn in ((grouped_mm, "moe_grouped_mm"), (grouped_experts, "moe_grouped")):
+        real = getattr(mod, fn)
+        monkeypatch.setattr(mod, fn, lambda *a, _r=real, _n=fn: taken.append(_n) or _r(*a))
+    _assert_bf16_close(b, model)
+    assert set(taken) == {"moe_grouped_mm" if grouped == "mm" else "moe_grouped"}
 
 
 def _decode_logits(model, seq: list[int], split: int) -> tuple[np.ndarray, np.ndarray]:

@@ -350,10 +350,11 @@ def test_int4_block_layouts_decode(monkeypatch, blk):
     assert torch.equal(got, wide[64:])
 
 
-def test_int4_layout_decode_matches_codes():
+def test_int4_layout_decode_matches_codes(monkeypatch):
     """Rows decode from torch's int4 CPU layout where this torch build packs a layout
     `int4pack.decode_rows` reads (no second copy: the 64- or 32-row blocks of the AVX-512 and
     AVX2 builds); where it packs another one the MLX words are kept for it."""
+    monkeypatch.setenv("MLXR_CPU_KERNELS", "0")  # the torch paths' storage
     from mlxr.quant import int4pack
 
     Q, _, (qw, _, _) = build("affine", 4, 64, 192, 256, 5, torch.bfloat16)
@@ -374,6 +375,7 @@ def test_other_widths_take_int4_planes_on_cpu(bits, monkeypatch):
     bar of mlx's weight, the codes read back from the copy (rows and gathered rows) equal
     mlx's, a copy packed in row slices equals one packed whole, MLXR_PLANES=0 keeps the old
     storage."""
+    monkeypatch.setenv("MLXR_CPU_KERNELS", "0")  # the torch paths' storage
     Q, W, (qw, _, _) = build("affine", bits, 64, 192, 256, 40 + bits, torch.bfloat16)
     assert Q.i4 is not None and Q.planes == (2 if bits > 4 else 1)
     codes = unpack_codes(t(qw), bits, 256)
@@ -393,6 +395,7 @@ def test_other_widths_take_int4_planes_on_cpu(bits, monkeypatch):
 def test_cpu_rows_route_between_int4_and_tiles(monkeypatch):
     """Prompts take torch's int4 kernel below `cpu.i4_max_m` rows (one plane: 160, two: 80,
     mxfp4's two too), the tiles from there on."""
+    monkeypatch.setenv("MLXR_CPU_KERNELS", "0")  # the torch paths' storage
     from mlxr.quant import cpu, int4pack
 
     calls = []
@@ -413,6 +416,7 @@ def test_mxfp4_takes_int4_planes_on_cpu(monkeypatch):
     give s v exactly for every code; the weight keeps only torch's int4 copy of them, whose
     decoded rows dequantize to the same bits as the file's codes; a non-finite scale (E8M0
     byte 255) keeps the tiled path; MLXR_PLANES=0 too."""
+    monkeypatch.setenv("MLXR_CPU_KERNELS", "0")  # the torch paths' storage
     from mlxr.quant import fp
 
     codes = torch.arange(16, dtype=torch.uint8).repeat(2, 2)  # [2, 32]: every code, twice
@@ -441,6 +445,7 @@ def test_dense_copy_on_cpu(mode, bits, group, monkeypatch):
     `embed` and `dequant_rows` give bit for bit what the tiles give without it (MLXR_DENSE=0),
     mlx's own dequantization rounded to bf16 included; `dense_bytes` is its size; the
     float32 exact mode and an only-gathered weight (matmul=False) build none."""
+    monkeypatch.setenv("MLXR_CPU_KERNELS", "0")  # the torch paths' storage
     from mlxr.quant.weight import dense_bytes
 
     Q, W, (qw, s, _) = build(mode, bits, group, 96, 256, 11, torch.bfloat16)

@@ -165,14 +165,16 @@ def test_gate_up_swiglu_with_bias(q_args):
 
 
 def check_down(q_args, t, topk, seed, wdtype=torch.float32, scale=1.0, bias=False, e=40,
-               f=128, experts=5):
+               f=128, experts=5, fn=None):
+    """fn: (h, ids, w, down, out_dtype, scale) -> y (default: the decode kernel)."""
     mode, bits, group, gs = q_args
     down = stacked(mode, bits, group, gs, experts, e, f, seed, bias)
     g = torch.Generator().manual_seed(seed + 3)
     h = torch.randn(t * topk, f, generator=g)
     ids = random_ids(t, topk, experts, g)
     w = torch.softmax(torch.randn(t, topk, generator=g), -1).to(wdtype)
-    y = D.moe_down(h, ids, w, down, torch.float32, scale, block_n=16)
+    fn = fn or (lambda *a: D.moe_down(*a, block_n=16))
+    y = fn(h, ids, w, down, torch.float32, scale)
     ref = D.moe_down_ref(h, ids, w, down, torch.float32, scale)
     assert y.shape == (t, e)
     pe = ids.reshape(-1)

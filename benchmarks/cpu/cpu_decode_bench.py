@@ -1,5 +1,8 @@
-"""CPU decode, the lean step (`mlxr.models.cpu_decode`) against the generic layer loop, in one
-process, alternating (the dev box's 2 cores are shared: only ratios measured this way mean much).
+"""CPU decode, three arms in one process, alternating (the dev box's 2 cores are shared: only
+ratios measured this way mean much): the generic layer loop and the lean step
+(`mlxr.models.cpu_decode`) on torch's kernels (a model loaded with MLXR_CPU_KERNELS=0), and the
+lean step on mlxr's compiled kernels (`mlxr.ops.cpu`, a second load of the model; skipped where
+they were not built).
 
     PYTHONPATH=. python benchmarks/cpu/cpu_decode_bench.py MODEL_DIR [--prompt 512]
         [--steps 8] [--rounds 8] [--batch 1] [--threads N] [--cpu-time]
@@ -7,8 +10,9 @@ process, alternating (the dev box's 2 cores are shared: only ratios measured thi
 Two KV caches get the same random prompt; then each round decodes `steps` tokens on each path
 (env MLXR_CPU_DECODE=0 selects the generic loop, read per step), the paths' order flipped every
 round. `--batch B` decodes B sequences per step through `forward_step` (the serving engine's
-CPU decode). Prints each path's median ms per step over the rounds' medians, tok/s, the ratio,
-and whether the two paths' logits were equal (they must be: the lean step keeps the numbers).
+CPU decode). Prints each path's median ms per step over the rounds' medians, tok/s, the ratios,
+whether the torch arms' logits were equal (they must be: the lean step keeps the numbers) and
+the kernels arm's largest logit difference from them, relative to the logit range.
 `--cpu-time` times the process's CPU time instead of the wall: with `--threads 1` on a busy
 box it counts the work done, not the waits for a core (with 2 threads, OpenMP's spinning
 counts too).
@@ -26,6 +30,7 @@ import time
 import torch
 
 import mlxr
+from mlxr.ops.cpu import native
 from mlxr.engine.kv_cache import new_cache
 from mlxr.models.decoder import SeqSpan, Step
 
@@ -70,22 +75,29 @@ def main() -> None:
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    model = mlxr.load(a.model, device="cpu")
-    dec = model.decoder
+    os.environ["MLXR_CPU_KERNELS"] = "0"
+    dec0 = mlxr.load(a.model, device="cpu").decoder
+    arms = {"generic": (dec0, "0", "0"), "lean": (dec0, "1", "0")}
+    if native.available():
+        os.environ["MLXR_CPU_KERNELS"] = "1"
+        arms["kernels"] = (mlxr.load(a.model, device="cpu").decoder, "1", "1")
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, dec.config.vocab_size, (a.prompt,), generator=g)
+    vocab = dec0.config.vocab_size
+    prompt = torch.randint(0, vocab, (a.prompt,), generator=g)
     cap = a.prompt + a.rounds * a.steps + 8
-    paths = {"generic": "0", "lean": "1"}
     clock = time.process_time if a.cpu_time else time.perf_counter
     with torch.inference_mode():
-        seqs = {name: _Seqs(dec, a.batch, prompt, cap) for name in paths}
-        times: dict[str, list[float]] = {name: [] for name in paths}
-        equal = True
+        seqs = {}
+        for name, (dec, lean, kern) in arms.items():
+            os.environ["MLXR_CPU_KERNELS"] = kern
+            seqs[name] = _Seqs(dec, a.batch, prompt, cap)
+        times: dict[str, list[float]] = {name: [] for name in arms}
+        equal, diff = True, 0.0
         for r in range(a.rounds):
-            tokens = torch.randint(0, dec.config.vocab_size, (a.steps, a.batch), generator=g)
+            tokens = torch.randint(0, vocab, (a.steps, a.batch), generator=g)
             got = {}
-            for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
-                os.environ["MLXR_CPU_DECODE"] = paths[name]
+            for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
+                _, os.environ["MLXR_CPU_DECODE"], os.environ["MLXR_CPU_KERNELS"] = arms[name]
                 ts = []
                 for t in tokens:
                     t0 = clock()
@@ -93,15 +105,26 @@ def main() -> None:
                     ts.append(clock() - t0)
                 times[name].append(statistics.median(ts))
             equal &= torch.equal(got["generic"], got["lean"])
+            if "kernels" in got:
+                rng = got["generic"].max(-1).values - got["generic"].min(-1).values
+                d = (got["kernels"] - got["generic"]).abs().max(-1).values / rng
+                diff = max(diff, float(d.max()))
     ms = {name: 1e3 * statistics.median(v) for name, v in times.items()}
     for name, v in ms.items():
         print(f"{name:8s} {v:7.2f} ms/step  {1e3 * a.batch / v:7.1f} tok/s  "
               f"(round medians {[round(1e3 * x, 1) for x in times[name]]})")
-    ratio = ms["generic"] / ms["lean"]
-    print(f"lean / generic tok/s: {ratio:.2f}x; logits equal: {equal}")
-    print(json.dumps({"ms_generic": ms["generic"], "ms_lean": ms["lean"], "ratio": ratio,
-                      "batch": a.batch, "prompt": a.prompt, "threads": torch.get_num_threads(),
-                      "cpu_time": a.cpu_time, "logits_equal": equal}))
+    out = {f"ms_{k}": v for k, v in ms.items()}
+    out["ratio"] = ms["generic"] / ms["lean"]
+    line = f"lean / generic tok/s: {out['ratio']:.2f}x; torch arms' logits equal: {equal}"
+    if "kernels" in ms:
+        out["ratio_kernels"] = ms["lean"] / ms["kernels"]
+        out["kernels_max_diff_of_range"] = diff
+        line += (f"; kernels / lean: {out['ratio_kernels']:.2f}x, logits within "
+                 f"{diff:.2e} of the range")
+    print(line)
+    out.update(batch=a.batch, prompt=a.prompt, threads=torch.get_num_threads(),
+               cpu_time=a.cpu_time, logits_equal=equal)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

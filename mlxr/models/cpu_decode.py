@@ -16,10 +16,15 @@ calls:
   built once: in float32 each term rounds as `x1 * c - x2 * s` does (a negated product is
   exact), so the rotated values are the reference's bit for bit.
 
-Every intermediate is rounded where `ops.reference` rounds it, so the logits equal the generic
-loop's bit for bit (tests/test_cpu_decode.py). Attention stays the reference's (the cache
-slice widened to float32, float32 scores and softmax): reading bf16 keys without widening
-needs a bf16 GEMM that rounds the scores (rejected: it changes the numbers, docs/perf.md).
+Every intermediate is rounded where `ops.reference` rounds it. With env `MLXR_CPU_KERNELS=0`
+the logits equal the generic loop's bit for bit (tests/test_cpu_decode.py); by default the
+compiled kernels (`mlxr.ops.cpu`) serve the matmuls of the formats where they measured faster
+(`quant.cpu.KERNEL_ROWS`, in both paths) and, here only, attention: q . K in float32
+reading the bf16 cache in place (torch would need float32 copies of the K/V slices, or a bf16
+GEMM that rounds the scores), float32 softmax and P . V, rounded where the reference rounds.
+Only the float32 summation order differs, but an output can then round to the neighbouring
+bf16 value: the logits stay within the bf16 tolerance of the generic loop's (measured < 0.5%
+of the logit range; tests/test_cpu_kernels.py).
 
 Not taken (the generic loop runs): the float32 exact mode (its parity path stays as it is),
 sliding windows, logit soft-caps, attention sinks, head gates, sandwich norms and gemma3's
@@ -38,6 +43,7 @@ from torch import Tensor
 
 from .. import ops
 from ..layers import Linear
+from ..ops.cpu import native
 from ..quant import QuantWeight
 
 
@@ -50,11 +56,14 @@ def _matmul(lin) -> Callable[[Tensor], Tensor]:
     kernel called directly where `QuantWeight.linear` would call it for a few rows (the same
     kernel, the same inputs: the same values), else the projection itself."""
     qw = lin.weight if isinstance(lin, Linear) and lin.bias is None else None
+    from ..quant import cpu
+
+    if isinstance(qw, QuantWeight) and qw.ckern is not None:  # mlxr.ops.cpu's kernel
+        kern = qw.ckern
+        return lambda x: kern(x) if x.shape[0] <= kern.max_m and native.enabled() else lin(x)
     if not (isinstance(qw, QuantWeight) and qw.i4 is not None and qw.dense is None
             and qw.device.type == "cpu"):
         return lin
-    from ..quant import cpu
-
     w, sz, g, planes, max_m = qw.i4, qw.i4_sz, qw.spec.group_size, qw.planes, cpu.i4_max_m(qw)
     mm = torch._weight_int4pack_mm_for_cpu
 
@@ -211,8 +220,15 @@ def run(dec, ids: Tensor, step, pool) -> Tensor:
         kc.index_copy_(1, slots, qk[:, heads:].transpose(0, 1))
         vc.index_copy_(1, slots, qkv[:, heads + kvh:].transpose(0, 1))
         outs = []
+        kern = native.enabled() and kc.is_contiguous() and vc.is_contiguous()
         for r, sp in enumerate(step.spans):
             ctx = sp.q_start + 1
+            if kern:  # bf16 K/V read in place, float32 math (`native.attend`)
+                a0 = sp.slot_range[0] if sp.slot_range is not None else 0
+                sl = None if sp.slot_range is not None else sp.slots[:ctx].to(torch.int64)
+                outs.append(native.attend(qk[r, :heads].contiguous(), kc, vc, sl, a0, ctx,
+                                          c.attn_scale))
+                continue
             if sp.slot_range is not None:
                 a = sp.slot_range[0]
                 keys, values = kc[:, a:a + ctx], vc[:, a:a + ctx]

@@ -167,16 +167,21 @@ def gated_delta_decode(proj, conv_state, ssm_state, conv_w, a_log, dt_bias, norm
 def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: float,
                 out_dtype, routed_scale: float = 1.0):
     """The routed experts' weighted sum [T, E] by the MoE kernels: x [T, E_in], ids / weights
-    [T, k] on the device; the decode kernels for at most MAX_PAIRS (token, slot) pairs, the
-    grouped GEMM beyond (`moe.decode_experts`, `moe.grouped_experts`)."""
-    from .moe import decode_experts as dec
+    [T, k] on the device; the decode kernels up to `decode_split.decode_max_pairs` (token,
+    slot) pairs (launch configs from the env), beyond: dequant + torch._grouped_mm in bf16
+    (`moe.grouped_mm`, MLXR_MOE_GROUPED=mm), else the grouped Triton GEMM
+    (`moe.grouped_experts`: fp32, fp16, MLXR_MOE_GROUPED=triton)."""
+    from .moe import decode_split as dec
+    from .moe import grouped_mm
 
-    if ids.numel() <= dec.MAX_PAIRS:
-        h = dec.moe_gate_up(x, ids, gate, up, act, alpha, limit)
-        return dec.moe_down(h, ids, weights, down, out_dtype, routed_scale)
+    if ids.numel() <= dec.decode_max_pairs():
+        h = dec.moe_gate_up_split(x, ids, gate, up, act, alpha, limit)
+        return dec.moe_down_split(h, ids, weights, down, out_dtype, routed_scale)
+    args = (x, ids, weights, gate, up, down, act, alpha, limit, out_dtype, routed_scale)
+    if grouped_mm.mm_takes(x, ids.numel(), gate, up, down):
+        return grouped_mm.moe_grouped_mm(*args)
     from .moe.grouped_experts import moe_grouped
-    return moe_grouped(x, ids, weights, gate, up, down, act, alpha, limit, out_dtype,
-                       routed_scale)
+    return moe_grouped(*args)
 
 
 def fast_kernels(device) -> bool:

@@ -1,5 +1,9 @@
 """CPU matmul strategies for `QuantWeight.linear`.
 
+* mlxr's compiled kernel (`mlxr.ops.cpu`, built at install where a C compiler is there), for
+  the formats and row counts where it measured faster (`KERNEL_ROWS`: mxfp4, nvfp4) in bf16:
+  it reads MLX's words as shipped (kept beside the storage below: mxfp4 +0.5 B per weight;
+  nvfp4 keeps them anyway). Env `MLXR_CPU_KERNELS=0` at load builds nothing for it.
 * affine 4-bit, bf16, M < `i4_max_m`: torch's packed-int4 kernel (reads 0.5 B/weight); the
   other affine widths through it too, over their nibble planes (`affine.planes`: 2/3-bit
   codes as nibbles, 5/6/8-bit as two planes against x repeated twice; `MLXR_PLANES=0` at load
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from mlxr.ops.cpu import native
 
 from . import int4pack
 
@@ -35,7 +41,38 @@ SMALL_BYTES = 8 << 20
 TILE_BYTES = 4 << 20
 
 
+# Formats the compiled kernel serves, and the rows of x up to which it beats the storage
+# torch's path reads (docs/perf.md "CPU decode", 6144 x 1024, 1 thread, kernel vs torch µs:
+# mxfp4 M=1 222 vs 646, M=4 619 vs 1040, M=16 2463 vs 4017 (torch: two int4 planes, 1 B per
+# weight); nvfp4 M=1 348 vs 1256, M=4 755 vs 857, M=16 2683 vs 1260 (torch: the bf16 dense
+# copy). Not served, measured: affine 4-bit (M=1 321 vs 255: torch's int4 kernel reads the
+# same 0.5 B per weight and is faster here), affine 8-bit (M=1 541 vs 658 but M=4 1419 vs 984:
+# not worth keeping the words beside the int4 planes, +1 B per weight), mxfp8 (E4M3 through a
+# gather: 2659 vs 1179).
+KERNEL_ROWS = {("mxfp4", 4): 16, ("nvfp4", 4): 4}
+
+
+def kernel_serves(spec, in_features: int, compute_dtype: torch.dtype) -> bool:
+    """Whether a CPU weight of this format gets the compiled kernel (beside torch's storage:
+    the kernel reads MLX's words, kept for it)."""
+    return (compute_dtype == torch.bfloat16 and (spec.mode, spec.bits) in KERNEL_ROWS
+            and native.enabled()
+            and native.fast_matmul(spec.mode, spec.bits, spec.group_size, in_features))
+
+
+def kernel_for(qw, words: Tensor) -> native.QMatmul:
+    """The compiled kernel bound to a weight's MLX words (`kernel_serves`)."""
+    gm = 1.0
+    if qw.global_scale is not None:  # nvfp4: as `fp.fp_scales` forms it, in float32
+        gm = float(qw.global_scale.to(torch.float32) / 2688.0)
+    return native.QMatmul(words.contiguous(), qw.scales, qw.biases, qw.spec.mode, qw.spec.bits,
+                          qw.spec.group_size, qw.in_features, gm, qw.compute_dtype,
+                          KERNEL_ROWS[(qw.spec.mode, qw.spec.bits)])
+
+
 def linear(qw, x: Tensor) -> Tensor:
+    if qw.ckern is not None and x.shape[0] <= qw.ckern.max_m and native.enabled():
+        return qw.ckern(x)
     if qw.dense is not None:  # nvfp4 / mxfp8: the weight dequantized once, at load
         return x @ qw.dense.t()
     if qw.i4 is not None and x.shape[0] < i4_max_m(qw):  # two planes read x twice

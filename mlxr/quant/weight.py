@@ -43,7 +43,7 @@ from torch import Tensor
 from mlxr.config import QuantSpec
 from mlxr.errors import ModelFormatError
 
-from . import cuda, cuda_copies, int4pack
+from . import cpu, cuda, cuda_copies, int4pack
 from .affine import PLANE_BITS, merge_planes, planes_on, unpack_codes
 from .dequant import validate
 from .fp import code_table, fp4_codes, fp_scales, nibble_planes
@@ -96,6 +96,7 @@ class QuantWeight:
         self.tc_glu = False  # tc (and q4_sb) in decode_gemv_tc.glu_rows' order (`gated`)
         self.tc_gs: float | None = None  # an nvfp4 fp4 copy's global scale / 2688
         self.dense: Tensor | None = None  # CPU nvfp4 / mxfp8: dequant_rows' result, cached
+        self.ckern = None  # CPU: mlxr.ops.cpu's kernel bound to MLX's words (quant.cpu.kernel_for)
         self.planes = 1  # tc / i4 hold this many nibble planes of the codes (`affine.planes`)
         self.q4_sb: Tensor | None = None
         self.matmul = True
@@ -174,6 +175,9 @@ class QuantWeight:
             self.codes = unpack_codes(packed, bits, in_features).contiguous()
         else:
             self.packed = packed.contiguous()
+        if dev.type == "cpu" and self.matmul and cpu.kernel_serves(spec, in_features,
+                                                                   compute_dtype):
+            self.ckern = cpu.kernel_for(self, packed)  # holds the words where nothing else does
         return self
 
     def _int4_copy(self, packed: Tensor, chunk_rows: int = 4096) -> bool:
@@ -254,6 +258,10 @@ class QuantWeight:
         ts = (self.packed, self.codes, self.i4, self.i4_sz, self.q4, self.tc, self.q4_sb,
               self.dense,
               self.scales, self.biases, self.global_scale)
+        if self.ckern is not None:  # the compiled kernel's words, where `packed` is not them
+            w = self.ckern.keep[0]
+            if self.packed is None or w.data_ptr() != self.packed.data_ptr():
+                ts = (*ts, w)
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     @property
@@ -368,7 +376,6 @@ class QuantWeight:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)
         if self.device.type == "cpu":
-            from . import cpu
             y = cpu.linear(self, x2)
         elif x2.is_cuda and _use_triton(self):
             y = cuda.linear(self, x2)
@@ -376,7 +383,7 @@ class QuantWeight:
                 from mlxr.ops.matmul import generic_qmm
                 y = generic_qmm.qmatmul(x2, self)
         else:
-            from . import cpu  # generic torch fallback (MLXR_KERNELS=torch, no triton, ...)
+            # generic torch fallback (MLXR_KERNELS=torch, no triton, ...)
             y = cpu.tiled_linear(self, x2)
         return y.reshape(*lead, self.out_features)
 

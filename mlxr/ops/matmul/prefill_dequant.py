@@ -178,11 +178,12 @@ if HAVE_TRITON:
     def _dequant_kernel(w_ptr, s_ptr, b_ptr, gs_ptr, out_ptr, N, stride_w, K: tl.constexpr,
                         BITS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
                         HAS_GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN: tl.constexpr, EXACT_ROUND: tl.constexpr):
+                        EVEN: tl.constexpr, EXACT_ROUND: tl.constexpr, GS_ROWS: tl.constexpr = 0):
         """out[n, k] = s[n, k // G] * code(n, k) + b[n, k // G] over a [BLOCK_N, BLOCK_K] tile:
         one 2-D word load (3/5/6-bit: `_dequant_units`), scales per group, contiguous 16-byte
         stores. MODE > 0 (`codes.MODES`): fp codes and scale bytes (`_fp_tile`; nvfp4
-        with HAS_GS, the global scale at gs_ptr), no biases."""
+        with HAS_GS, the global scale at gs_ptr; GS_ROWS > 0: one per GS_ROWS rows, the
+        stacked experts' [X] scales over their [X*N, K] rows), no biases."""
         if BITS == 3 or BITS == 5 or BITS == 6:
             _dequant_units(w_ptr, s_ptr, b_ptr, out_ptr, N, K, BITS, GROUP, BLOCK_N, BLOCK_K,
                            EVEN, EXACT_ROUND)
@@ -225,7 +226,11 @@ if HAVE_TRITON:
             else:
                 gs = 1.0
                 if HAS_GS:
-                    gs = tl.load(gs_ptr).to(tl.float32) / 2688.0
+                    if GS_ROWS > 0:  # [BLOCK_N, 1]: each row's expert's scale
+                        gs = (tl.load(gs_ptr + rn // GS_ROWS, mask=rn < N, other=0.0)
+                              .to(tl.float32) / 2688.0)[:, None]
+                    else:
+                        gs = tl.load(gs_ptr).to(tl.float32) / 2688.0
                 out = _fp_tile(wd, s, gs, out_ptr.dtype.element_ty, MODE, BITS, BLOCK_N,
                                BLOCK_K, NGT, EXACT_ROUND)
             op = out_ptr + rows * K + rk[None, :]
@@ -236,12 +241,13 @@ if HAVE_TRITON:
 
 
 def dequant_fp(packed: Tensor, scales: Tensor, global_scale: Tensor | None, mode: str,
-               dtype: torch.dtype = torch.bfloat16) -> Tensor:
+               dtype: torch.dtype = torch.bfloat16, gs_rows: int = 0) -> Tensor:
     """fp-mode words int32 [N, K*bits/32] (mxfp4 / nvfp4: 4-bit E2M1 codes; mxfp8: 8-bit E4M3),
     scale bytes uint8 [N, K/G] (E8M0; nvfp4: E4M3, times global_scale / 2688 if given) -> [N, K] in
     `dtype`: value * scale in fp32, rounded once (bit for bit `mlxr.quant.fp.fp_dequantize`,
     except the E4M3 bytes 0x7F / 0xFF, NaN there and +-480 here as in the GEMVs; mlx's
-    quantizer never writes them)."""
+    quantizer never writes them). gs_rows > 0 (stacked experts as [X*N, ...] rows): nvfp4's
+    global_scale holds one scale [N_rows / gs_rows] per gs_rows rows."""
     from ...quant.fp import FP_MODES
 
     if mode not in FP_MODES:
@@ -250,7 +256,9 @@ def dequant_fp(packed: Tensor, scales: Tensor, global_scale: Tensor | None, mode
     n = packed.shape[0]
     k = scales.shape[-1] * group if scales.dim() == 2 else -1
     if (packed.dim() != 2 or scales.shape[0] != n or packed.shape[1] * 32 != k * bits
-            or scales.dtype != torch.uint8 or (mode != "nvfp4" and global_scale is not None)):
+            or scales.dtype != torch.uint8 or (mode != "nvfp4" and global_scale is not None)
+            or (gs_rows > 0 and (global_scale is None or n % gs_rows
+                                 or global_scale.numel() != n // gs_rows))):
         raise ValueError(f"dequant_fp: {mode} words {tuple(packed.shape)}, scales "
                          f"{tuple(scales.shape)} {scales.dtype}, global scale "
                          f"{global_scale is not None}")
@@ -263,7 +271,7 @@ def dequant_fp(packed: Tensor, scales: Tensor, global_scale: Tensor | None, mode
                           k * bits // 32, K=k, BITS=bits, GROUP=group, MODE=MODES[mode],
                           HAS_GS=global_scale is not None, BLOCK_N=bn, BLOCK_K=bk,
                           EVEN=n % bn == 0 and k % bk == 0, EXACT_ROUND=_interpret(),
-                          num_warps=4)
+                          GS_ROWS=gs_rows, num_warps=4)
     return out
 
 

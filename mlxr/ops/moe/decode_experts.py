@@ -114,30 +114,32 @@ if HAVE_TRITON:
     @triton.jit
     def _expert_rows(x_ptr, w_ptr, s_ptr, b_ptr, gs, rn, N, K: tl.constexpr,
                      BITS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, GT: tl.constexpr):
+                     BLOCK_N: tl.constexpr, GT: tl.constexpr, KC: tl.constexpr):
         """fp32 [BLOCK_N]: rows rn of one expert's packed matrix (w_ptr, s_ptr, b_ptr at that
-        expert's [N, ...] slice) dotted with the K values at x_ptr. `_gemv_kernel`'s tile
-        [BLOCK_N, GT groups, UPG units] at M = 1, scale and bias once per group; dense
-        experts (MODE 4): float rows [BLOCK_N, K] read in tiles of GT values."""
+        expert's [N, ...] slice; rows of K values) dotted with the KC values at x_ptr (KC = K,
+        or a split-K chunk of whole groups: the caller offsets every pointer to its start).
+        `_gemv_kernel`'s tile [BLOCK_N, GT groups, UPG units] at M = 1, scale and bias once
+        per group; dense experts (MODE 4): float rows [BLOCK_N, K] read in tiles of GT
+        values."""
         if MODE == 4:
-            res = _dense_rows(x_ptr, w_ptr, rn, N, K, BLOCK_N, GT)
+            res = _dense_rows(x_ptr, w_ptr, rn, N, K, KC, BLOCK_N, GT)
         else:
             res = _quant_rows(x_ptr, w_ptr, s_ptr, b_ptr, gs, rn, N, K, BITS, GROUP, MODE,
-                              BLOCK_N, GT)
+                              BLOCK_N, GT, KC)
         return res
 
     @triton.jit
-    def _dense_rows(x_ptr, w_ptr, rn, N, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-        """fp32 [BLOCK_N]: float rows rn of one expert's [N, K] weight dotted with x_ptr's K
+    def _dense_rows(x_ptr, w_ptr, rn, N, K: tl.constexpr, KC: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """fp32 [BLOCK_N]: float rows rn of one expert's [N, K] weight dotted with x_ptr's KC
         values, fp32 products summed per tile, then over the tiles."""
         rk = tl.arange(0, BLOCK_K)
         nmask = rn < N
         wrow = w_ptr + rn[:, None].to(tl.int64) * K
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(0, KC, BLOCK_K):
             kk = k0 + rk
-            kmask = kk < K
+            kmask = kk < KC
             w = tl.load(wrow + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
             xv = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * xv[None, :]
@@ -146,7 +148,7 @@ if HAVE_TRITON:
     @triton.jit
     def _quant_rows(x_ptr, w_ptr, s_ptr, b_ptr, gs, rn, N, K: tl.constexpr,
                     BITS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
-                    BLOCK_N: tl.constexpr, GT: tl.constexpr):
+                    BLOCK_N: tl.constexpr, GT: tl.constexpr, KC: tl.constexpr):
         """`_expert_rows` of packed codes."""
         PER: tl.constexpr = 32 // BITS if BITS == 2 or BITS == 4 or BITS == 8 else (
             16 if BITS == 6 else 32)
@@ -154,7 +156,8 @@ if HAVE_TRITON:
         UPG: tl.constexpr = GROUP // PER  # units per group
         KWORDS: tl.constexpr = K * BITS // 32
         NG: tl.constexpr = K // GROUP
-        NT: tl.constexpr = (NG + GT - 1) // GT
+        NGC: tl.constexpr = KC // GROUP  # the groups this call sums
+        NT: tl.constexpr = (NGC + GT - 1) // GT
         rg = tl.arange(0, GT)
         u2 = rg[:, None] * UPG + tl.arange(0, UPG)[None, :]  # [GT, UPG]
         wrow = w_ptr + rn[:, None, None].to(tl.int64) * KWORDS + u2[None, :, :] * UW
@@ -163,7 +166,7 @@ if HAVE_TRITON:
         acc = tl.zeros([BLOCK_N, GT], dtype=tl.float32)
         for t in range(NT):
             g0 = t * GT
-            gmask = (g0 + rg) < NG  # [GT]
+            gmask = (g0 + rg) < NGC  # [GT]
             wmask = nmask[:, None, None] & gmask[None, :, None]
             w0, w1, w2, w3, w4 = _words(wrow + g0 * UPG * UW, wmask, UW, True)
             smask = nmask[:, None] & gmask[None, :]
@@ -242,10 +245,10 @@ if HAVE_TRITON:
         so = e * F * NG
         g = _expert_rows(xrow, gw_ptr + wo, gsc_ptr + so, gb_ptr + so,
                          _expert_gs(ggs_ptr, e, HAS_GS), rn, F, K, BITS, GROUP, MODE,
-                         BLOCK_N, GT)
+                         BLOCK_N, GT, K)
         u = _expert_rows(xrow, uw_ptr + wo, usc_ptr + so, ub_ptr + so,
                          _expert_gs(ugs_ptr, e, HAS_GS), rn, F, K, BITS, GROUP, MODE,
-                         BLOCK_N, GT)
+                         BLOCK_N, GT, K)
         g = _biased(g, gbias_ptr, e * F + rn, nmask, HAS_BIAS, DT)
         u = _biased(u, ubias_ptr, e * F + rn, nmask, HAS_BIAS, DT)
         h = _act(g, u, alpha, limit, ACT, DT)
@@ -273,7 +276,7 @@ if HAVE_TRITON:
             y = _expert_rows(h_ptr + (t * TOPK + j) * F, w_ptr + e * E * WX,
                              s_ptr + e * E * NG, b_ptr + e * E * NG,
                              _expert_gs(gs_ptr, e, HAS_GS), rn, E, F, BITS, GROUP, MODE,
-                             BLOCK_N, GT)
+                             BLOCK_N, GT, F)
             y = _biased(y, bias_ptr, e * E + rn, nmask, HAS_BIAS, DT) * wt
             if ROUND_PROD:  # bf16 y times bf16 weights: torch rounds each product
                 y = y.to(DT).to(tl.float32)
@@ -317,7 +320,8 @@ def _gs_bias(q: ExpertQuant, dummy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def moe_gate_up(x: Tensor, ids: Tensor, gate: ExpertQuant, up: ExpertQuant, act: str,
-                alpha: float = 1.702, limit: float = 7.0, block_n: int | None = None) -> Tensor:
+                alpha: float = 1.702, limit: float = 7.0, block_n: int | None = None,
+                num_warps: int = 4) -> Tensor:
     """h [T*k, F] = act(gate_e(x_t), up_e(x_t)) for each (token t, slot) pair with expert
     e = ids[t, slot]; x [T, K], ids [T, k] (device int). Output in x.dtype. block_n: rows
     per program (default `_block`)."""
@@ -343,13 +347,13 @@ def moe_gate_up(x: Tensor, ids: Tensor, gate: ExpertQuant, up: ExpertQuant, act:
         float(limit), K=k, TOPK=topk, BITS=gate.bits, GROUP=gate.group,
         MODE=KERNEL_MODE[gate.mode], HAS_GS=gate.global_scale is not None,
         HAS_BIAS=gate.bias is not None, ACT=ACTS[act], BLOCK_N=bn,
-        GT=_gt(k, gate.bits, gate.group), num_warps=4)
+        GT=_gt(k, gate.bits, gate.group), num_warps=num_warps)
     return h
 
 
 def moe_down(h: Tensor, ids: Tensor, weights: Tensor, down: ExpertQuant,
              out_dtype: torch.dtype, routed_scale: float = 1.0,
-             block_n: int | None = None) -> Tensor:
+             block_n: int | None = None, num_warps: int = 4) -> Tensor:
     """[T, E] = sum over slots j of weights[t, j] * down_e(h[t*k + j]), e = ids[t, j]
     (`moe_reference.combine`'s order and roundings), times routed_scale after the cast."""
     _, e, f = down.shape
@@ -370,5 +374,5 @@ def moe_down(h: Tensor, ids: Tensor, weights: Tensor, down: ExpertQuant,
         HAS_BIAS=down.bias is not None,
         ROUND_PROD=weights.dtype == h.dtype != torch.float32,
         SCALED=routed_scale != 1.0, BLOCK_N=bn, GT=_gt(f, down.bits, down.group),
-        num_warps=4)
+        num_warps=num_warps)
     return y

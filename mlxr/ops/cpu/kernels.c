@@ -1,0 +1,106 @@
+/* mlxr's own CPU kernels, the Python module (qmm.c: quantized matmul straight from MLX's
+ * packed layout; attend.c: one-token attention over a bf16 / f32 KV cache).
+ *
+ * Why hand-written (docs/perf.md, "CPU decode"): torch reads mxfp4 through two int4 nibble
+ * planes (twice the bytes, x twice) and nvfp4 / mxfp8 through a bf16 copy (2 B per weight);
+ * decode attention in torch needs float32 copies of the bf16 K/V (a bf16 bmm rounds the
+ * scores, an out_dtype=float32 bmm is not on the CPU); and every torch op costs a dispatch of
+ * a few microseconds. Here a matmul is one call that reads the MLX words once, and attention
+ * reads the bf16 K/V in place with float32 math. (For affine 4-bit torch's int4 kernel reads
+ * the same bytes and measured faster: mlxr keeps it there, quant/cpu.py says where.)
+ *
+ * A plain CPython extension: tensors arrive as data_ptr() integers and sizes (no torch headers,
+ * so the build is fast and independent of torch's C++ ABI); the caller (mlxr/ops/cpu/native.py)
+ * checks shapes, dtypes and contiguity. The GIL is released while a kernel runs. OpenMP (the
+ * libgomp torch has already loaded, by soname) parallelises over output rows / kv heads.
+ *
+ * Numerics: float32 accumulation everywhere, the output rounded to its dtype once (bf16: round
+ * to nearest even). Quantized matmul per group g of a row: s_g * (x_g . q_g) + b_g * sum(x_g),
+ * the same algebra as mlx's qmv; only the summation order (and, for affine codes, an offset of
+ * 128 per code taken off per group, qmm.c) differs from the torch twin.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "kernels.h"
+
+const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+float E4M3[256];
+
+void init_e4m3(void) {
+    for (int b = 0; b < 256; b++) {
+        int e = (b >> 3) & 15, m = b & 7;
+        float v = e == 0 ? ldexpf((float)m / 8.0f, -6) : ldexpf(1.0f + (float)m / 8.0f, e - 7);
+        if ((b & 0x7F) == 0x7F) v = NAN;
+        E4M3[b] = b >= 128 ? -v : v;
+    }
+}
+
+static PyObject *py_qmm(PyObject *self, PyObject *args) {
+    (void)self;
+    QArgs a;
+    unsigned long long x, w, s, b, y;
+    long long m, k, n;
+    int nthreads;
+    memset(&a, 0, sizeof a);
+    if (!PyArg_ParseTuple(args, "KiLLKLiiiKiKifKii", &x, &a.x_dt, &m, &k, &w, &n, &a.mode,
+                          &a.bits, &a.group, &s, &a.s_dt, &b, &a.b_dt, &a.gmul, &y, &a.y_dt,
+                          &nthreads))
+        return NULL;
+    a.x = (const void *)(uintptr_t)x; a.w = (const uint8_t *)(uintptr_t)w;
+    a.s = (const void *)(uintptr_t)s; a.b = (const void *)(uintptr_t)b;
+    a.y = (void *)(uintptr_t)y; a.m = m; a.k = k; a.n = n;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = qmm_run(&a, nthreads < 1 ? 1 : nthreads);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_attend(PyObject *self, PyObject *args) {
+    (void)self;
+    AArgs a;
+    unsigned long long q, kc, vc, slots, out;
+    long long h, d, kh, hs, start, s;
+    int nthreads;
+    memset(&a, 0, sizeof a);
+    if (!PyArg_ParseTuple(args, "KiLLKKiLLKLLfKi", &q, &a.q_dt, &h, &d, &kc, &vc, &a.kv_dt,
+                          &kh, &hs, &slots, &start, &s, &a.scale, &out, &nthreads))
+        return NULL;
+    a.q = (const void *)(uintptr_t)q; a.kc = (const void *)(uintptr_t)kc;
+    a.vc = (const void *)(uintptr_t)vc; a.slots = (const int64_t *)(uintptr_t)slots;
+    a.out = (void *)(uintptr_t)out;
+    a.h = h; a.d = d; a.kh = kh; a.head_stride = hs; a.start = start; a.s = s;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = attend_run(&a, nthreads < 1 ? 1 : nthreads);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_features(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+#ifdef _OPENMP
+    int omp = 1;
+#else
+    int omp = 0;
+#endif
+    return Py_BuildValue("{s:i,s:i}", "avx512", MLXR_AVX512, "openmp", omp);
+}
+
+static PyMethodDef methods[] = {
+    {"qmm", py_qmm, METH_VARARGS, "quantized x @ W^T from MLX's packed layout"},
+    {"attend", py_attend, METH_VARARGS, "one-token attention over a KV cache"},
+    {"features", py_features, METH_NOARGS, "how this build was compiled"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+    init_e4m3();
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,112 @@
+/* Shared declarations of mlxr's CPU kernels (kernels.c: the module; qmm.c, attend.c). */
+#ifndef MLXR_CPU_KERNELS_H
+#define MLXR_CPU_KERNELS_H
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define MLXR_AVX512 1
+#else
+#define MLXR_AVX512 0
+#endif
+
+/* rows ahead the GEMV prefetches (8, 16, 32 tried in the decode step: 16 best) */
+#define PF_ROWS 16
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_U8 = 3 };
+enum { MODE_AFFINE = 0, MODE_MXFP4 = 1, MODE_NVFP4 = 2, MODE_MXFP8 = 3 };
+
+extern const float E2M1[16];
+extern float E4M3[256];  /* filled by init_e4m3() when the module loads */
+void init_e4m3(void);
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    _Float16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    _Float16 v = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &v, 2);
+    return h;
+}
+
+static inline float load_elem(const void *p, int dt, int64_t i) {
+    switch (dt) {
+    case DT_F32: return ((const float *)p)[i];
+    case DT_BF16: return bf16_to_f32(((const uint16_t *)p)[i]);
+    case DT_F16: return f16_to_f32(((const uint16_t *)p)[i]);
+    default: return (float)((const uint8_t *)p)[i];
+    }
+}
+
+static inline void store_elem(void *p, int dt, int64_t i, float v) {
+    if (dt == DT_F32) ((float *)p)[i] = v;
+    else if (dt == DT_BF16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((uint16_t *)p)[i] = f32_to_f16(v);
+}
+
+static inline float e8m0(uint8_t e) {
+    uint32_t u = e == 0 ? 0x00400000u : (uint32_t)e << 23;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* ------------------------------------------------------------------ quantized matmul */
+
+typedef struct {
+    const void *x; int x_dt; int64_t m, k;
+    const uint8_t *w; int64_t n; int mode, bits, group;
+    const void *s; int s_dt; const void *b; int b_dt; float gmul;
+    void *y; int y_dt;
+    float *xf;    /* [m, k] x widened to float32, natural order (generic and byte paths) */
+    float *xs;    /* [m, k / group] per-group sums of x */
+    /* the nibble path: a row of `kn` 4-bit codes (8-bit codes as two nibbles each) */
+    int64_t kn; int gn, gshift;  /* nibbles per row, per group, log2(gn) */
+    uint16_t *xp; /* [m, kn] bf16 x per nibble (8-bit: x, 16x), permuted within 128 (below) */
+    float *xo;    /* [m, k / group] 128 * sum of a group's x per nibble (affine's offset) */
+    uint16_t tab16[32]; /* fp4 code -> bf16 value (twice: vpermw indexes 32 entries) */
+    int32_t gidx[16];   /* f32 lane of a 128-nibble step -> its group within the step */
+} QArgs;
+
+int qmm_run(QArgs *a, int nthreads);
+
+/* ------------------------------------------------------------------ decode attention */
+
+/* One token per (sequence, query head): scores = (q * scale) . K in float32 over the S
+ * visible positions (read in the cache dtype, never copied), softmax in float32, then P . V;
+ * the output rounded to q's dtype once. Query head h reads kv head h / rep (GQA). Positions
+ * are the cache slots `slots[0..S)` (or start..start+S when slots is NULL); a kv head's
+ * rows are `head_stride` elements apart, a slot's `D` elements. */
+typedef struct {
+    const void *q; int q_dt; int64_t h, d;
+    const void *kc, *vc; int kv_dt; int64_t kh, head_stride;
+    const int64_t *slots; int64_t start, s;
+    float scale; void *out;
+} AArgs;
+
+int attend_run(const AArgs *a, int nthreads);
+#endif

@@ -1,0 +1,145 @@
+"""The compiled CPU kernels (`kernels.c`, the `_kernels` extension), typed over torch tensors.
+
+`available()` says whether the extension was built (setup.py compiles it at install time, and
+skips it where no compiler is present); `enabled()` adds env `MLXR_CPU_KERNELS` ("0" selects the
+torch paths, read at each call: weights choose their storage when they load, so flip it before
+loading for a clean A/B). Every wrapper checks shapes, dtypes and contiguity before passing raw
+pointers: the C side trusts them. Threads: torch's count (`torch.get_num_threads`, which
+`--threads` sets); the extension links the libgomp torch has already loaded (same soname), so
+both share one OpenMP pool.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.uint8: 3}
+MODES = {"affine": 0, "mxfp4": 1, "nvfp4": 2, "mxfp8": 3}
+
+
+@functools.cache
+def _module():
+    try:
+        from . import _kernels
+    except ImportError:
+        return None
+    return _kernels
+
+
+def available() -> bool:
+    """The extension was built and imports."""
+    return _module() is not None
+
+
+def enabled() -> bool:
+    return available() and os.environ.get("MLXR_CPU_KERNELS", "") != "0"
+
+
+def features() -> dict[str, int]:
+    """How the extension was compiled: {"avx512": 0/1, "openmp": 0/1} ({} when absent)."""
+    m = _module()
+    return dict(m.features()) if m is not None else {}
+
+
+def fast_matmul(mode: str, bits: int, group: int, in_features: int) -> bool:
+    """Whether `qmm` has a vectorised path for this format with bf16 x (the rest run its
+    portable loop, slower than torch's int4 kernel over nibble planes): 4-bit affine / mxfp4
+    / nvfp4 and 8-bit affine (as two nibbles) with a row of a multiple of 128 nibbles, and
+    mxfp8."""
+    if not features().get("avx512") or group & (group - 1):
+        return False
+    if bits == 4 and mode in ("affine", "mxfp4", "nvfp4"):
+        return in_features % 128 == 0
+    if bits == 8 and mode == "affine":
+        return in_features % 64 == 0
+    return bits == 8 and mode == "mxfp8" and group % 16 == 0
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(f"mlxr.ops.cpu: {what}")
+
+
+def qmm(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor | None, mode: str, bits: int,
+        group: int, global_mul: float, out_dtype: torch.dtype) -> Tensor:
+    """y [M, N] = x [M, K] @ W^T for W in MLX's packed layout: words [N, K * bits / 32] (int32 /
+    uint32 / uint8 bytes of the same rows), scales [N, K / group] (affine: float dtypes, with
+    biases alike; mx*/nvfp4: uint8 E8M0 / E4M3 bytes, no biases), nvfp4's per-tensor
+    multiplier `global_mul` (global_scale / 2688 in float32; 1.0 otherwise). Float32
+    accumulation, rounded to `out_dtype` once."""
+    m, k = x.shape
+    n = words.shape[0]
+    _check(x.dtype in DTYPES and x.dtype != torch.uint8 and x.is_contiguous(), "x")
+    _check(k % group == 0 and k * bits % 32 == 0, f"K={k} vs group {group}, {bits} bits")
+    _check(words.is_contiguous() and words.numel() * words.element_size() == n * k * bits // 8,
+           f"words {tuple(words.shape)} for [{n}, {k}] x {bits} bits")
+    _check(scales.is_contiguous() and tuple(scales.shape) == (n, k // group), "scales")
+    if mode == "affine":
+        _check(biases is not None and biases.is_contiguous() and biases.shape == scales.shape
+               and scales.dtype in DTYPES and biases.dtype in DTYPES, "biases")
+    else:
+        _check(scales.dtype == torch.uint8, "scale bytes")
+    y = torch.empty(m, n, dtype=out_dtype)
+    b = biases if biases is not None else scales
+    _module().qmm(x.data_ptr(), DTYPES[x.dtype], m, k, words.data_ptr(), n, MODES[mode], bits,
+                  group, scales.data_ptr(), DTYPES[scales.dtype], b.data_ptr(),
+                  DTYPES[b.dtype], global_mul, y.data_ptr(), DTYPES[out_dtype],
+                  torch.get_num_threads())
+    return y
+
+
+def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor | None, start: int,
+           length: int, scale: float) -> Tensor:
+    """One token's attention: q [H, D] over cache positions of k_cache / v_cache [KH, P, D]
+    (slots long [length] or, when None, start .. start + length) -> [H, D] in q's dtype.
+    Query head h reads kv head h // (H / KH); float32 scores, softmax and sum."""
+    h, d = q.shape
+    kh, p, d2 = k_cache.shape
+    _check(q.is_contiguous() and q.dtype in (torch.float32, torch.bfloat16), "q")
+    _check(d2 == d and h % kh == 0 and k_cache.shape == v_cache.shape
+           and k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16)
+           and k_cache.is_contiguous() and v_cache.is_contiguous(), "k/v cache")
+    if slots is not None:
+        _check(slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == length
+               and (length == 0 or (0 <= int(slots.min()) and int(slots.max()) < p)), "slots")
+    else:
+        _check(0 <= start and start + length <= p, "slot range")
+    _check(length > 0, "no positions")
+    out = torch.empty(h, d, dtype=q.dtype)
+    _module().attend(q.data_ptr(), DTYPES[q.dtype], h, d, k_cache.data_ptr(),
+                     v_cache.data_ptr(), DTYPES[k_cache.dtype], kh, p * d,
+                     0 if slots is None else slots.data_ptr(), start, length, scale,
+                     out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+class QMatmul:
+    """`qmm` bound to one weight: its checks done once, so a call costs a dispatch, an output
+    allocation and the kernel (~the per-op cost of one torch call)."""
+
+    def __init__(self, words: Tensor, scales: Tensor, biases: Tensor | None, mode: str,
+                 bits: int, group: int, in_features: int, global_mul: float,
+                 out_dtype: torch.dtype, max_m: int):
+        x = torch.zeros(1, in_features, dtype=out_dtype)
+        qmm(x, words, scales, biases, mode, bits, group, global_mul, out_dtype)  # the checks
+        self.keep = (words, scales, biases)  # the pointers below stay valid while we live
+        self.n, self.k, self.out_dtype = words.shape[0], in_features, out_dtype
+        self.max_m = max_m  # the caller's cutoff: rows of x up to which this serves
+        b = biases if biases is not None else scales
+        self.args = (words.data_ptr(), self.n, MODES[mode], bits, group, scales.data_ptr(),
+                     DTYPES[scales.dtype], b.data_ptr(), DTYPES[b.dtype], global_mul)
+        self.fn = _module().qmm
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x [M, in] (bf16 / f32 / f16) -> [M, out] in the weight's compute dtype."""
+        if x.dim() != 2 or x.shape[1] != self.k or x.dtype not in DTYPES:
+            raise ValueError(f"mlxr.ops.cpu: x {tuple(x.shape)} {x.dtype} for in={self.k}")
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], self.n, dtype=self.out_dtype)
+        self.fn(x.data_ptr(), DTYPES[x.dtype], x.shape[0], self.k, *self.args, y.data_ptr(),
+                DTYPES[self.out_dtype], torch.get_num_threads())
+        return y

@@ -1,0 +1,49 @@
+"""Plain-torch twins of `native`'s kernels: the same signatures and the same arithmetic (float32
+throughout, one rounding at the end), in torch ops. They are the tests' oracle and what runs
+where the extension was not built."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mlxr.quant.affine import unpack_codes
+from mlxr.quant.fp import E2M1, E4M3, E8M0
+
+
+def qmm(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor | None, mode: str, bits: int,
+        group: int, global_mul: float, out_dtype: torch.dtype) -> Tensor:
+    """`native.qmm` in torch: per group s * (x . q) + b * sum(x), summed over groups."""
+    m, k = x.shape
+    n = words.shape[0]
+    w32 = words.contiguous().view(torch.uint8).view(n, -1).view(torch.int32)
+    q = unpack_codes(w32, bits, k).to(torch.int64)  # [N, K]
+    if mode == "affine":
+        v = q.to(torch.float32)
+        s = scales.to(torch.float32)
+    else:
+        v = (E4M3 if mode == "mxfp8" else E2M1)[q]
+        s = (E4M3 if mode == "nvfp4" else E8M0)[scales.to(torch.int64)]
+        if mode == "nvfp4":
+            s = s * global_mul
+    xg = x.to(torch.float32).view(m, k // group, group)
+    dots = torch.einsum("mgj,ngj->mng", xg, v.view(n, k // group, group))  # [M, N, G]
+    y = (dots * s).sum(-1)
+    if mode == "affine":
+        y = y + xg.sum(-1) @ biases.to(torch.float32).t()
+    return y.to(out_dtype)
+
+
+def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor | None, start: int,
+           length: int, scale: float) -> Tensor:
+    """`native.attend` in torch: the reference decode attention (float32 copies of the K/V)."""
+    h, d = q.shape
+    kh = k_cache.shape[0]
+    if slots is None:
+        keys, values = k_cache[:, start:start + length], v_cache[:, start:start + length]
+    else:
+        keys, values = k_cache.index_select(1, slots), v_cache.index_select(1, slots)
+    qg = q.reshape(kh, h // kh, d).float()
+    scores = torch.bmm(qg * scale, keys.float().transpose(1, 2))
+    out = torch.bmm(torch.softmax(scores, dim=-1), values.float())
+    return out.reshape(h, d).to(q.dtype)

@@ -1,0 +1,215 @@
+"""mlxr's compiled CPU kernels (`mlxr.ops.cpu`) against their plain-torch twins on fresh random
+data, the torch fallback when the extension is absent, and a tiny mlx-lm model decoded with the
+kernels on and off against mlx-lm.
+
+Tolerances (derived): both sides sum float32 terms in different orders, so each is within
+gamma_n * T of the exact sum (T = the sum of the terms' magnitudes, gamma_n ~ n * 2^-24 for n
+terms in a chain); the kernel's affine path also carries an offset of 128 per code (bf16 code
+values 128 + q, the offset's sum taken off per group), which is in T. A bf16 output adds one
+rounding on each side: one bf16 ulp (2^-7 of the value at most) between them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mlxr.ops.cpu import native, twins
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="mlxr's CPU kernels not built")
+
+U = 2.0 ** -24
+FORMATS = [("affine", 4, 32), ("affine", 4, 64), ("affine", 4, 128), ("affine", 8, 32),
+           ("affine", 8, 64), ("affine", 2, 64), ("affine", 3, 32), ("affine", 5, 64),
+           ("affine", 6, 128), ("mxfp4", 4, 32), ("nvfp4", 4, 16), ("mxfp8", 8, 32)]
+
+
+def _weight(mode, bits, group, n, k, g):
+    words = torch.randint(-2**31, 2**31 - 1, (n, k * bits // 32), dtype=torch.int32, generator=g)
+    if mode == "mxfp8":  # no NaN codes (0x7F / 0xFF)
+        b = words.view(torch.uint8)
+        b[(b & 0x7F) == 0x7F] = 0x3F
+    if mode == "affine":
+        s = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).to(torch.bfloat16)
+        return words, s, (torch.randn(n, k // group, generator=g) * 0.1).to(torch.bfloat16)
+    lo, hi = (0, 0x7E) if mode == "nvfp4" else (115, 135)
+    return words, torch.randint(lo, hi, (n, k // group), dtype=torch.uint8, generator=g), None
+
+
+def _bound(x, words, scales, biases, mode, bits, group, gm):
+    """gamma_n * T per output [M, N] (see the module docstring), n = K + groups + 8."""
+    m, k = x.shape
+    n = words.shape[0]
+    a = twins.qmm(x.abs(), words, scales.abs() if mode == "affine" else scales,
+                  biases.abs() if biases is not None else None, mode, bits, group, gm,
+                  torch.float32).abs()
+    if mode == "affine":  # the kernel's offset: 128 * |s| * sum|x'| per group (8-bit: x' has
+        xs = x.abs().float().view(m, k // group, group).sum(-1)  # x and 16 x per code)
+        a = a + 128 * (17 if bits == 8 else 1) * xs @ scales.float().abs().t()
+    else:  # fp codes are signed: the twin of |x| with |codes| is not available; bound by max
+        a = a + x.abs().float().sum(-1, keepdim=True) * 448 * a.new_ones(1, n)
+    return 2 * (k + k // group + 8) * U * a
+
+
+@pytest.mark.parametrize("mode,bits,group", FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 6])
+def test_qmm_matches_twin(mode, bits, group, m):
+    g = torch.Generator().manual_seed(bits * 1000 + group + m)
+    n, k = 40, 256
+    words, s, b = _weight(mode, bits, group, n, k, g)
+    gm = 0.37 if mode == "nvfp4" else 1.0
+    for xdt in (torch.bfloat16, torch.float32):
+        x = torch.randn(m, k, generator=g).to(xdt)
+        want = twins.qmm(x, words, s, b, mode, bits, group, gm, torch.float32)
+        tol = _bound(x, words, s, b, mode, bits, group, gm)
+        got = native.qmm(x, words, s, b, mode, bits, group, gm, torch.float32)
+        assert ((got - want).abs() <= tol).all(), ((got - want).abs() / tol).max()
+        got16 = native.qmm(x, words, s, b, mode, bits, group, gm, torch.bfloat16)
+        want16 = want.to(torch.bfloat16).float()
+        # two float32 values within tol round to bf16 values at most one ulp (2^-7 |v|) apart
+        assert ((got16.float() - want16).abs() <= tol + 2 ** -7 * want16.abs()).all()
+    if mode == "affine":  # the bound is tight enough to see a bias off by one scale
+        bad = twins.qmm(x, words, s, (b.float() + s.float()).to(torch.bfloat16), mode, bits,
+                        group, gm, torch.float32)
+        assert not ((got - bad).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2)])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_attend_matches_twin(dtype, heads, kv_heads, gathered):
+    """float32 scores / softmax / sum on both sides: the scores within 2 (D + 8) u of
+    sum|q k| * scale, the output (a convex combination of V rows) within 2 (S + D + 8) u
+    max|V| plus the scores' error times max|V|; bf16 adds one ulp (2^-7 |v|)."""
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads + gathered)
+    d, p, length, start = 32, 64, 37, 5
+    q = torch.randn(heads, d, generator=g).to(dtype)
+    kc = torch.randn(kv_heads, p, d, generator=g).to(dtype)
+    vc = torch.randn(kv_heads, p, d, generator=g).to(dtype)
+    slots = torch.randperm(p, generator=g)[:length] if gathered else None
+    scale = d ** -0.5
+    got = native.attend(q, kc, vc, slots, start, length, scale)
+    want = twins.attend(q, kc, vc, slots, start, length, scale)
+    vmax = vc.float().abs().max()
+    score_err = 2 * (d + 8) * U * (q.float().abs().sum(-1).max() * kc.float().abs().max()) * scale
+    tol = (2 * (length + d + 8) * U + 2 * score_err) * vmax
+    err = (got.float() - want.float()).abs()
+    if dtype == torch.bfloat16:
+        tol = tol + 2 ** -7 * want.float().abs()
+    assert (err <= tol).all(), (err / tol).max()
+    short = None if slots is None else slots[:-1]
+    wrong = twins.attend(q, kc, vc, short, start, length - 1, scale)  # one position short
+    assert not ((got.float() - wrong.float()).abs() <= tol).all()
+
+
+def _mxfp4_weight(seed: int):
+    from mlxr.config import QuantSpec
+    from mlxr.quant import QuantWeight
+
+    g = torch.Generator().manual_seed(seed)
+    words, scales, _ = _weight("mxfp4", 4, 32, 96, 256, g)
+    return QuantWeight.from_tensors(words, scales, None, QuantSpec("mxfp4", 4, 32))
+
+
+def test_fallback_without_the_extension(monkeypatch):
+    """With the extension reported absent, an mxfp4 weight gets no kernel and decodes on
+    torch's int4 planes, and the lean step's attention runs the reference; with it, the
+    kernel serves a few rows (torch's path above its cutoff) and attention runs the kernel:
+    the same values within the bounds above."""
+    from test_cpu_decode import _decode, tiny_decoder
+
+    x = torch.randn(20, 256).to(torch.bfloat16)
+    with_k = _mxfp4_weight(1)
+    assert with_k.ckern is not None and with_k.i4 is not None
+    ids = torch.tensor([3, 17, 42, 5, 9, 61, 2, 77])
+    got, _ = _decode(tiny_decoder("qwen3"), ids, 3, True, monkeypatch)
+    got_x = with_k.linear(x)
+    monkeypatch.setattr(native, "_module", lambda: None)
+    assert not native.available() and not native.enabled()
+    without = _mxfp4_weight(1)
+    assert without.ckern is None and without.i4 is not None
+    want_x = without.linear(x)
+    w = without.dequantize(torch.float32)
+    tol = 2 * (256 + 16) * U * (x.float().abs() @ w.abs().t()) + 2 ** -7 * want_x.float().abs()
+    assert ((got_x.float() - want_x.float()).abs() <= tol).all()
+    want, _ = _decode(tiny_decoder("qwen3"), ids, 3, True, monkeypatch)
+    rng = want.max(-1).values - want.min(-1).values
+    assert ((got - want).abs().max(-1).values <= 0.05 * rng).all()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_lean_step_takes_the_kernels(monkeypatch):
+    """By default the lean step's projections and attention run the compiled kernels; the
+    generic loop (reference attention) gives the same logits within the bf16 bound."""
+    from test_cpu_decode import _decode, tiny_decoder
+
+    dec = tiny_decoder("llama", seed=3)
+    ids = torch.tensor([3, 17, 42, 5, 9, 61, 2, 77])
+    want, _ = _decode(dec, ids, 3, False, monkeypatch)
+    calls = {"attend": 0}
+    real = native.attend
+    monkeypatch.setattr(native, "attend",
+                        lambda *a: calls.__setitem__("attend", calls["attend"] + 1) or real(*a))
+    got, _ = _decode(dec, ids, 3, True, monkeypatch)
+    assert calls["attend"] == (len(ids) - 3) * len(dec.layers)
+    rng = want.max(-1).values - want.min(-1).values
+    assert ((got - want).abs().max(-1).values <= 0.05 * rng).all()
+
+
+mlx_ref = pytest.importorskip("mlx_ref")
+
+
+def _decode_logits(path, seq, dtype):
+    """mlxr's teacher-forced logits, one token per step (decode: the kernels' row counts)."""
+    import mlxr
+    from mlxr.engine.kv_cache import new_cache
+
+    model = mlxr.load(path, device="cpu", dtype=dtype)
+    dec = model.decoder
+    cache = new_cache(dec, len(seq) + 1)
+    with torch.inference_mode():
+        rows = [dec.forward(torch.tensor(seq[p:p + 1]), cache, last_only=True)
+                for p in range(len(seq))]
+    return torch.cat(rows).float().numpy(), dec
+
+
+_models: dict = {}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    def get(quant):
+        if quant not in _models:
+            path = mlx_ref.make_model(tmp_path_factory.mktemp(quant), "qwen3", quant)
+            prompt = mlx_ref.stable_prompt("qwen3", quant, mlx_ref.BASE["vocab_size"])
+            _models[quant] = path, mlx_ref.reference(path, prompt)
+        return _models[quant]
+
+    return get
+
+
+@pytest.mark.parametrize("quant", ["q4g64", "mxfp4"])
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_decode_against_mlx_lm(built, quant, kernels, monkeypatch):
+    """Decode with the kernels on (the default: attention, and mxfp4's matmuls) and off:
+    float32 logits within 1e-3 of each position's range of mlx-lm's (the kernels do not serve
+    float32: the same path either way), bf16 within test_parity's bar (1.5x mlx-lm's own bf16
+    error + 1% of the range), greedy tokens teacher-forced equal to mlx-lm's except at
+    near-ties of that bar."""
+    monkeypatch.setenv("MLXR_CPU_KERNELS", kernels)
+    path, ref = built(quant)
+    seq = ref.prompt + ref.greedy
+    scale = mlx_ref.logit_range(ref.logits32)
+    ours32, _ = _decode_logits(path, seq, "float32")
+    assert (np.abs(ours32 - ref.logits32).max(-1) / scale).max() <= 1e-3
+    ours, dec = _decode_logits(path, seq, "bfloat16")
+    if quant == "mxfp4":
+        assert (dec.layers[0].qkv.weight.ckern is not None) == (kernels == "1")
+    err = (np.abs(ours - ref.logits32).max(-1) / scale).max()
+    mlx_err = (np.abs(ref.logits_bf16 - ref.logits32).max(-1) / scale).max()
+    bar = 1.5 * mlx_err + 0.01
+    assert err <= bar, f"bf16 error {err:.3f} vs mlx-lm's {mlx_err:.3f}"
+    tie = mlx_ref.top2_margin(ref.logits32) < 2 * bar * scale
+    differ = ours.argmax(-1) != ref.logits32.argmax(-1)
+    assert not (differ & ~tie).any(), np.where(differ & ~tie)
