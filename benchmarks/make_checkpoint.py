@@ -260,7 +260,11 @@ def cut_layers(cfg: dict, n: int) -> dict:
 def write_moe(name: str, out_dir: Path, layers: int | None, seed: int = 0) -> Path:
     """A MoE shape with its shipped recipe (see the module docstring)."""
     cfg = dict(MOE_SHAPES[name])
-    cfg = cut_layers(cfg, layers or cfg["num_hidden_layers"])
+    return write_moe_config(cut_layers(cfg, layers or cfg["num_hidden_layers"]), out_dir, seed)
+
+
+def write_moe_config(cfg: dict, out_dir: Path, seed: int = 0) -> Path:
+    """A MoE config (a MOE_SHAPES entry, cut or not) with its family's shipped recipe."""
     g = torch.Generator().manual_seed(seed)
     default = {"qwen3_moe": (4, 64, "affine"), "laguna": (4, 16, "nvfp4"),
                "gpt_oss": (8, 64, "affine")}[cfg["model_type"]]
@@ -334,6 +338,12 @@ def write(name: str, out_dir: Path, bits: int, group: int, mode: str, seed: int 
         bits, group = FP_MODES[mode]
     if cfg["model_type"] in ("qwen3_5", "gemma4"):
         return write_hybrid(cfg, out_dir, (bits, group, mode), seed=seed)
+    return write_dense(cfg, out_dir, bits, group, mode, seed)
+
+
+def write_dense(cfg: dict, out_dir: Path, bits: int, group: int, mode: str,
+                seed: int = 0) -> Path:
+    """A dense config (a SHAPES entry, cut or not), every module at one recipe."""
     g = torch.Generator().manual_seed(seed)
     e, f, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     h, k = cfg["num_attention_heads"], cfg["num_key_value_heads"]

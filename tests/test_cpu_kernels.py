@@ -140,8 +140,9 @@ def test_fallback_without_the_extension(monkeypatch):
 
 
 def test_lean_step_takes_the_kernels(monkeypatch):
-    """By default the lean step's projections and attention run the compiled kernels; the
-    generic loop (reference attention) gives the same logits within the bf16 bound."""
+    """With MLXR_CPU_ATTEND=1 the lean step's attention runs the compiled kernel (by default
+    it does not: greedy output stays the reference's); the generic loop (reference
+    attention) gives the same logits within the bf16 bound."""
     from test_cpu_decode import _decode, tiny_decoder
 
     dec = tiny_decoder("llama", seed=3)
@@ -151,6 +152,10 @@ def test_lean_step_takes_the_kernels(monkeypatch):
     real = native.attend
     monkeypatch.setattr(native, "attend",
                         lambda *a: calls.__setitem__("attend", calls["attend"] + 1) or real(*a))
+    monkeypatch.delenv("MLXR_CPU_ATTEND", raising=False)
+    _decode(dec, ids, 3, True, monkeypatch)
+    assert calls["attend"] == 0
+    monkeypatch.setenv("MLXR_CPU_ATTEND", "1")
     got, _ = _decode(dec, ids, 3, True, monkeypatch)
     assert calls["attend"] == (len(ids) - 3) * len(dec.layers)
     rng = want.max(-1).values - want.min(-1).values
@@ -198,6 +203,7 @@ def test_decode_against_mlx_lm(built, quant, kernels, monkeypatch):
     error + 1% of the range), greedy tokens teacher-forced equal to mlx-lm's except at
     near-ties of that bar."""
     monkeypatch.setenv("MLXR_CPU_KERNELS", kernels)
+    monkeypatch.setenv("MLXR_CPU_ATTEND", kernels)
     path, ref = built(quant)
     seq = ref.prompt + ref.greedy
     scale = mlx_ref.logit_range(ref.logits32)

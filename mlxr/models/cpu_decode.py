@@ -220,7 +220,7 @@ def run(dec, ids: Tensor, step, pool) -> Tensor:
         kc.index_copy_(1, slots, qk[:, heads:].transpose(0, 1))
         vc.index_copy_(1, slots, qkv[:, heads + kvh:].transpose(0, 1))
         outs = []
-        kern = native.enabled() and kc.is_contiguous() and vc.is_contiguous()
+        kern = native.attend_enabled() and kc.is_contiguous() and vc.is_contiguous()
         for r, sp in enumerate(step.spans):
             ctx = sp.q_start + 1
             if kern:  # bf16 K/V read in place, float32 math (`native.attend`)

@@ -39,6 +39,14 @@ def enabled() -> bool:
     return available() and os.environ.get("MLXR_CPU_KERNELS", "") != "0"
 
 
+def attend_enabled() -> bool:
+    """The decode attention kernel is opt-in (`MLXR_CPU_ATTEND=1`): it sums q.K and P.V in
+    another order than the reference's float32 bmm, and that moved a near-tie greedy token of
+    the bundled stories260K in bf16 (its published greedy text, tests/test_cli_run.py).
+    Greedy output stays the reference's by default; 1.12x on the 4-bit 0.6B decode when on."""
+    return enabled() and os.environ.get("MLXR_CPU_ATTEND", "") == "1"
+
+
 def features() -> dict[str, int]:
     """How the extension was compiled: {"avx512": 0/1, "openmp": 0/1} ({} when absent)."""
     m = _module()
