@@ -668,9 +668,9 @@ def test_batching_engine_asks_for_batch_copies(monkeypatch):
             order.append("copy")
             return 0
 
-    real_kv = engine_mod._kv_blocks
+    real_kv = engine_mod.free_memory_blocks  # the pool sized from the free memory
     monkeypatch.setattr(model.decoder, "quant_weights", lambda: [Fake(), Fake()])
-    monkeypatch.setattr(engine_mod, "_kv_blocks",
+    monkeypatch.setattr(engine_mod, "free_memory_blocks",
                         lambda *a, **kw: order.append("kv") or real_kv(*a, **kw))
     list(model.generate([1, 2, 3], max_tokens=2))
     assert order == []
