@@ -215,18 +215,31 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _read(path: Path) -> bytes:
+    """A /proc file's bytes, or b"" when its thread or process has exited since it was listed
+    (a server's threads come and go while the test walks them)."""
+    try:
+        return path.read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return b""
+
+
 def _children(pid: int) -> list[int]:
     """Every descendant of `pid`."""
     out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except (FileNotFoundError, ProcessLookupError):
+        return out
+    for task in tasks:
+        for child in _read(task / "children").split():
             out += [int(child), *_children(int(child))]
     return out
 
 
 def _workers(pid: int) -> list[int]:
     return [c for c in _children(pid)
-            if b"mlxr.parallel.worker" in Path(f"/proc/{c}/cmdline").read_bytes()]
+            if b"mlxr.parallel.worker" in _read(Path(f"/proc/{c}/cmdline"))]
 
 
 @pytest.mark.parametrize("engine_process", ["off", "on"])
