@@ -351,18 +351,27 @@ def moe_gate_up(x: Tensor, ids: Tensor, gate: ExpertQuant, up: ExpertQuant, act:
     return h
 
 
-def moe_down(h: Tensor, ids: Tensor, weights: Tensor, down: ExpertQuant,
-             out_dtype: torch.dtype, routed_scale: float = 1.0,
-             block_n: int | None = None, num_warps: int = 4) -> Tensor:
-    """[T, E] = sum over slots j of weights[t, j] * down_e(h[t*k + j]), e = ids[t, j]
-    (`moe_reference.combine`'s order and roundings), times routed_scale after the cast."""
+def down_operands(h: Tensor, ids: Tensor, weights: Tensor, down: ExpertQuant,
+                  out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The down launches' checked, contiguous operands and their output y [T, E] (shared by
+    the fused kernel and `decode_split`)."""
     _, e, f = down.shape
     t, topk = ids.shape
     if h.dim() != 2 or h.shape != (t * topk, f) or weights.shape != ids.shape:
         raise ValueError(f"moe_down: h {tuple(h.shape)}, ids {tuple(ids.shape)}, weights "
                          f"{tuple(weights.shape)} do not fit F = {f}")
-    h, ids, weights = h.contiguous(), ids.contiguous(), weights.contiguous()
     y = torch.empty(t, e, device=h.device, dtype=out_dtype)
+    return h.contiguous(), ids.contiguous(), weights.contiguous(), y
+
+
+def moe_down(h: Tensor, ids: Tensor, weights: Tensor, down: ExpertQuant,
+             out_dtype: torch.dtype, routed_scale: float = 1.0,
+             block_n: int | None = None, num_warps: int = 4) -> Tensor:
+    """[T, E] = sum over slots j of weights[t, j] * down_e(h[t*k + j]), e = ids[t, j]
+    (`moe_reference.combine`'s order and roundings), times routed_scale after the cast."""
+    h, ids, weights, y = down_operands(h, ids, weights, down, out_dtype)
+    _, e, f = down.shape
+    t, topk = ids.shape
     if t == 0:
         return y
     bn = block_n or _block(e, t, h.device)

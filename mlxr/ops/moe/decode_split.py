@@ -221,13 +221,9 @@ def moe_down_split(h: Tensor, ids: Tensor, weights: Tensor, down: ExpertQuant,
     if cfg.split <= 0:
         return D.moe_down(h, ids, weights, down, out_dtype, routed_scale, cfg.block_n,
                           cfg.num_warps)
+    h, ids, weights, y = D.down_operands(h, ids, weights, down, out_dtype)
     _, e, f = down.shape
     t, topk = ids.shape
-    if h.dim() != 2 or h.shape != (t * topk, f) or weights.shape != ids.shape:
-        raise ValueError(f"moe_down: h {tuple(h.shape)}, ids {tuple(ids.shape)}, weights "
-                         f"{tuple(weights.shape)} do not fit F = {f}")
-    h, ids, weights = h.contiguous(), ids.contiguous(), weights.contiguous()
-    y = torch.empty(t, e, device=h.device, dtype=out_dtype)
     if t == 0:
         return y
     s, p = chunks(f, down.group, cfg.split), t * topk
