@@ -21,7 +21,8 @@ from decode_checks import run_ids
 from mlxr.harness import trace
 from mlxr.onnx.fallback import OrtDecoder
 from mlxr.onnx.regions import RegionDecoder
-from onnx_ref import copy_folder, fp32_reference, greedy, odd_copy, prompt_logits, session
+from onnx_ref import (assert_matches_ort, copy_folder, fp32_reference, greedy, odd_copy,
+                      prompt_logits, session)
 
 PROMPT = [1, 40, 7, 199, 23, 310, 5, 88]
 TOL = 1e-4  # fp32 export, float activations on both sides (see test_onnx_parity)
@@ -56,15 +57,7 @@ def test_unclaimed_op_runs_its_layer_on_onnxruntime(onnx_exports, tmp_path, capf
     assert isinstance(model.decoder, RegionDecoder)
     ext = [i for i, lay in enumerate(model.decoder.layers) if lay.external is not None]
     assert ext == [layer]
-    ref = fp32_reference(folder)
-    _close(model.logits(PROMPT).numpy(), prompt_logits(ref, PROMPT))
-    want, rows = greedy(ref, PROMPT, 10)
-    got = list(model.generate(PROMPT, max_tokens=10, ignore_eos=True))
-    for i, (a, b, row) in enumerate(zip(got, want, rows)):
-        top2 = np.sort(row)[-2:]
-        if top2[1] - top2[0] <= 2 * TOL * np.abs(row).max():
-            break  # a near tie: either token is right
-        assert a == b, f"token {i}: mlxr {a}, onnxruntime {b}"
+    assert_matches_ort(model, folder, PROMPT, TOL)
 
 
 def test_region_carries_the_layer(odd_graph, onnx_exports):
