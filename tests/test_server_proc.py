@@ -221,6 +221,44 @@ def test_proc_engine(engine):
     assert engine.stats()["kv_blocks_used"] == 0 and engine.ready
 
 
+def test_proc_engine_leaving_early_aborts(engine):
+    """Both of ProcEngine's request frames (ProcEngine._request): a consumer that leaves a
+    stream after its first output, and an embeddings call cancelled while it runs, get their
+    requests aborted in the child (blocks freed, nothing running) and their mailboxes dropped;
+    a request that ran to its end sends no abort."""
+    endless = SamplingParams(max_tokens=100000, temperature=0, ignore_eos=True)
+
+    async def settled():
+        t0 = time.monotonic()
+        while engine.stats()["running"] or engine.stats()["kv_blocks_used"]:
+            assert time.monotonic() - t0 < 20, engine.stats()
+            await asyncio.sleep(0.02)
+
+    async def main():
+        async for _ in engine.generate(EngineRequest([1, 400, 403], endless)):
+            break
+        await settled()
+        sent = []
+        send = engine._send
+        engine._send = lambda msg: sent.append(msg[0]) or send(msg)
+        try:
+            outs = [o async for o in engine.generate(EngineRequest([1, 400], SamplingParams(
+                max_tokens=3, temperature=0, ignore_eos=True)))]
+            assert outs[-1].finish_reason == "length" and sent == ["add"]
+            sent.clear()
+            task = asyncio.create_task(engine.embed([[1, 400, 403] * 80] * 64))
+            await asyncio.sleep(0)  # the task sent its texts and waits for the first
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert sent == ["embed", "abort"]
+        finally:
+            del engine._send
+        await settled()
+    asyncio.run(main())
+    assert engine._streams == {} and engine.stats()["kv_blocks_used"] == 0
+
+
 def test_messages_framing():
     """The reader splits what Connection.send wrote (a long message goes out in two writes),
     several messages per read or one in many pieces."""

@@ -214,6 +214,16 @@ def _portable(req: EngineRequest) -> EngineRequest:
     return req
 
 
+class _Open:
+    """A request open in the child: its mailbox, and whether its last output arrived (then
+    leaving it sends no abort)."""
+
+    __slots__ = ("done", "stream")
+
+    def __init__(self, stream: _Stream):
+        self.stream, self.done = stream, False
+
+
 class ProcEngine:
     """The engine in a child process, used as the server uses AsyncEngine: `generate`, `stats`,
     `ready`. The child loads `mlxr.load(path, **load_kw)` itself and builds
@@ -302,48 +312,42 @@ class ProcEngine:
         except (OSError, ValueError) as e:  # the child is gone, or we closed
             raise MlxrError(f"engine failure: the engine process is gone ({e})") from None
 
-    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """As AsyncEngine.generate: outputs (merged when the consumer lags); QueueFullError or
-        MlxrError before streaming; leaving the loop early aborts the request in the child."""
-        if not self.ready:
-            raise MlxrError(f"engine failure: {self.error or 'the engine is not ready'}")
-        msg = ("add", next(self._ids), _portable(req))
-        rid = msg[1]
-        stream = self._streams[rid] = _Stream(asyncio.get_running_loop())
-        done = False
-        try:
-            self._send(msg)
-            while True:
-                out = await next_output(stream)
-                done = out.finish_reason is not None
-                yield out
-                if done:
-                    return
-        finally:
-            stream.closed = True
-            del self._streams[rid]
-            if not done:
-                with contextlib.suppress(MlxrError):
-                    self._send(("abort", rid))
-
-    async def embed(self, seqs: list[list[int]], pooling: str = "last") -> tuple[Any, int]:
-        """As AsyncEngine.embed, in the engine process: (float32 [B, E], prompt tokens)."""
+    @contextlib.asynccontextmanager
+    async def _request(self, kind: str, *payload: Any) -> AsyncIterator[_Open]:
+        """Send (kind, rid, *payload) to the child and yield the request's mailbox; on leaving,
+        the mailbox is dropped, and the child told to abort the request unless the caller
+        marked it `done` (its last output arrived)."""
         if not self.ready:
             raise MlxrError(f"engine failure: {self.error or 'the engine is not ready'}")
         rid = next(self._ids)
-        stream = self._streams[rid] = _Stream(asyncio.get_running_loop())
-        done = False
+        opened = _Open(_Stream(asyncio.get_running_loop()))
+        self._streams[rid] = opened.stream
         try:
-            self._send(("embed", rid, [list(s) for s in seqs], pooling))
-            out = await embeddings_of(stream, len(seqs))
-            done = True
-            return out
+            self._send((kind, rid, *payload))
+            yield opened
         finally:
-            stream.closed = True
+            opened.stream.closed = True
             del self._streams[rid]
-            if not done:
+            if not opened.done:
                 with contextlib.suppress(MlxrError):
                     self._send(("abort", rid))
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """As AsyncEngine.generate: outputs (merged when the consumer lags); QueueFullError or
+        MlxrError before streaming; leaving the loop early aborts the request in the child."""
+        portable = _portable(req)
+        async with self._request("add", portable) as opened:
+            while not opened.done:
+                out = await next_output(opened.stream)
+                opened.done = out.finish_reason is not None
+                yield out
+
+    async def embed(self, seqs: list[list[int]], pooling: str = "last") -> tuple[Any, int]:
+        """As AsyncEngine.embed, in the engine process: (float32 [B, E], prompt tokens)."""
+        async with self._request("embed", [list(s) for s in seqs], pooling) as opened:
+            out = await embeddings_of(opened.stream, len(seqs))
+            opened.done = True
+            return out
 
     def close(self) -> None:
         """Stop the engine process: it exits when its request pipe closes."""
