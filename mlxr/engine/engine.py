@@ -24,7 +24,8 @@ from ..text.sampling import Sampler, SamplingParams
 from .decode_graphs import PagedDecodeRunner, supported
 from .embedding_seqs import EmbeddingSeq, check_inputs, new_group, pool_step
 from .kv_cache import BlockManager, KVPool
-from .memory import blocks_in_budget, free_memory_blocks, pool_plan, tensor_bytes
+from .memory import (blocks_in_budget, free_memory_blocks, pool_plan, sequence_caches_plan,
+                     snapshot_budget, tensor_bytes)
 from .scheduler import Scheduler, Sequence
 from .seq_caches import SequenceCaches
 
@@ -89,7 +90,9 @@ class LLMEngine:
     The KV pool: `num_blocks`, else what `memory_budget` (bytes for weights and pool together,
     the model server's share for this model) leaves after the measured weights (MemoryBudgetError
     below memory.MIN_POOL_TOKENS), else a share of the free memory (`memory_fraction`); never
-    more than max_num_seqs full contexts."""
+    more than max_num_seqs full contexts. The hybrid families have no pool: their blocks meter
+    the positions of per-sequence caches, sized the same way by what those caches, their
+    recurrent states and the prefix snapshots may hold (memory.sequence_caches_plan)."""
 
     def __init__(self, model, max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None,
@@ -106,18 +109,21 @@ class LLMEngine:
         c = self.decoder.config
         # hybrid families: per-sequence caches (seq_caches), no shared pool; prefix caching by
         # state snapshots within prefix_snapshot_bytes (default 512 MiB on CUDA, 64 MiB on CPU)
-        if prefix_snapshot_bytes is None:
-            prefix_snapshot_bytes = (512 if self.decoder.device.type == "cuda" else 64) << 20
-        self.seq_caches = SequenceCaches(self.decoder, block_size, prefix_snapshot_bytes) \
+        snapshots = snapshot_budget(self.decoder.device, prefix_snapshot_bytes)
+        self.seq_caches = SequenceCaches(self.decoder, block_size, snapshots) \
             if hasattr(self.decoder, "new_cache") else None
         hybrid = self.seq_caches is not None
         capture = supported(self.decoder) and not hybrid
         use_paged = capture if paged_decode is None or hybrid else paged_decode
+        # hybrids: the blocks meter the positions their per-sequence caches hold (and what
+        # those caches and the snapshots may hold in all is what the budget counts)
+        plan = sequence_caches_plan(c, self.decoder.dtype, block_size, max_num_seqs,
+                                    self.seq_caches.snapshots.budget) if hybrid else \
+            pool_plan(c, self.decoder.dtype, block_size, max_num_seqs)
         n = num_blocks
         if not n:
-            plan = pool_plan(c, self.decoder.dtype, block_size, max_num_seqs)
             n = free_memory_blocks(plan, self.decoder.device, memory_fraction) \
-                if memory_budget is None or hybrid else \
+                if memory_budget is None else \
                 blocks_in_budget(plan, memory_budget, self.weights_bytes, int(use_paged),
                                  model.path.name)
         # one extra block when decoding in buckets: the padding rows' trash block
@@ -141,7 +147,9 @@ class LLMEngine:
         self.embeds = not hybrid and type(self.decoder) is Decoder
         self.eos_ids = set(model.eos_token_ids)
         self.lock = threading.Lock()
-        self.kv_cache_bytes = self.pool.nbytes if self.pool is not None else 0
+        # the paged pool's bytes; a hybrid's caches are made per sequence: the most they
+        # and the snapshots may hold (what the model server's budget counts)
+        self.kv_cache_bytes = self.pool.nbytes if self.pool is not None else plan.bytes(n)
 
     def add(self, req: EngineRequest, emit: Callable[[RequestOutput], None]) -> _Request:
         """Validate and queue a request; `emit` receives its outputs (from the engine thread)."""

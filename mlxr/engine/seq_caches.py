@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from .memory import CACHE_SLACK
 from .scheduler import Sequence
 from .state_snapshots import StateSnapshots
 
@@ -53,7 +54,7 @@ class SequenceCaches:
         if snap is None:
             return 0
         self.hits += snap.length // self.block_size
-        self.caches[seq.id] = snap.copy(len(seq.token_ids) + 16)
+        self.caches[seq.id] = snap.copy(len(seq.token_ids) + CACHE_SLACK)
         return snap.length
 
     def _snapshot(self, seq: Sequence, cache) -> None:
@@ -83,7 +84,7 @@ class SequenceCaches:
         start = seq.num_computed
         cache = self.caches.get(seq.id)
         if cache is None or start == 0:
-            cache = self.caches[seq.id] = self.decoder.new_cache(len(seq.token_ids) + 16)
+            cache = self.caches[seq.id] = self.decoder.new_cache(len(seq.token_ids) + CACHE_SLACK)
         if cache.length != start:
             raise RuntimeError(f"sequence {seq.id}: cache holds {cache.length} positions, "
                                f"the step starts at {start}")

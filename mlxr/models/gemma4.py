@@ -23,7 +23,7 @@ from ..layers import Embedding, Linear, Rope
 from ..ops.recurrent.reference import _scalar
 from ..quant import QuantWeight
 from .decoder import Fused, _gated_act
-from .hybrid_cache import HybridCache, KVShape, LayerShape
+from .hybrid_cache import HybridCache, LayerShape, layer_shapes
 from .moe import MoeBlock
 from .padded_attention import padded_decode_attention
 from .qwen3_5 import linears
@@ -126,9 +126,7 @@ class Gemma4Decoder:
                      if isinstance(ln.weight, QuantWeight)}.values())
 
     def layer_shapes(self) -> list[LayerShape]:
-        s = self.spec
-        return [KVShape(s.kv_heads[i], s.head_dims[i], self.config.layer_window[i])
-                if s.kv_source[i] == i else None for i in range(self.config.num_layers)]
+        return layer_shapes(self.config)
 
     def new_cache(self, capacity: int = 256) -> HybridCache:
         return HybridCache(self.layer_shapes(), self.dtype, self.device, capacity)

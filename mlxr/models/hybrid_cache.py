@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config.hybrid import GatedDeltaSpec, Gemma4Spec
+from ..config.spec import ModelConfig
+
 
 @dataclass(frozen=True)
 class KVShape:
@@ -43,6 +46,24 @@ class StateShape:
 
 
 LayerShape = KVShape | StateShape | None
+
+
+def layer_shapes(config: ModelConfig) -> list[LayerShape]:
+    """What each layer of a config keeps per sequence (from the config alone: the memory budget
+    sizes caches before any weight loads). qwen3_5 / qwen3_next: a conv and a recurrent state
+    on linear-attention layers, K/V on full ones; gemma4: K/V of the layer's own heads and
+    width (a ring on sliding layers), nothing on KV-shared ones; dense families: the same K/V
+    on every layer."""
+    c, s = config, config.arch
+    if isinstance(s, GatedDeltaSpec):
+        return [StateShape((s.conv_kernel - 1, s.conv_dim),
+                           (s.num_v_heads, s.v_head_dim, s.k_head_dim))
+                if t == "linear_attention" else KVShape(c.num_kv_heads, c.head_dim)
+                for t in s.layer_types]
+    if isinstance(s, Gemma4Spec):
+        return [KVShape(s.kv_heads[i], s.head_dims[i], c.layer_window[i])
+                if s.kv_source[i] == i else None for i in range(c.num_layers)]
+    return [KVShape(c.num_kv_heads, c.head_dim)] * c.num_layers
 
 
 class HybridCache:

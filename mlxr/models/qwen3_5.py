@@ -22,7 +22,7 @@ from ..quant import QuantWeight
 from . import cpu_hybrid_decode
 from .decoder import Fused, _gated_act
 from .gated_delta import GatedDeltaMixer
-from .hybrid_cache import HybridCache, KVShape, LayerShape, StateShape
+from .hybrid_cache import HybridCache, LayerShape, layer_shapes
 from .moe import MoeBlock
 from .padded_attention import padded_decode_attention
 
@@ -90,11 +90,7 @@ class Qwen35Decoder:
                      if isinstance(ln.weight, QuantWeight)}.values())
 
     def layer_shapes(self) -> list[LayerShape]:
-        c, s = self.config, self.spec
-        return [StateShape((s.conv_kernel - 1, s.conv_dim),
-                           (s.num_v_heads, s.v_head_dim, s.k_head_dim))
-                if t == "linear_attention" else KVShape(c.num_kv_heads, c.head_dim)
-                for t in s.layer_types]
+        return layer_shapes(self.config)
 
     def new_cache(self, capacity: int = 256) -> HybridCache:
         return HybridCache(self.layer_shapes(), self.dtype, self.device, capacity)

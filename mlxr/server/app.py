@@ -80,14 +80,17 @@ class ServerState:
 
     def kv_pool_sizes(self, path: Path) -> tuple[int, int]:
         """The smallest and the full KV pool of a model's engine, in bytes, from its config
-        (the ModelManager's sizer)."""
+        (the ModelManager's sizer); for a hybrid family, what its per-sequence caches and
+        prefix snapshots may hold (as LLMEngine sizes them)."""
         import mlxr
 
-        from ..engine.memory import pool_plan
+        from ..engine.memory import pool_plan, sequence_caches_plan, snapshot_budget
 
         model = mlxr.load(path, **self.load_kw, weights=False)
-        plan = pool_plan(model.config, model.dtype, self.engine_kw.get("block_size", 16),
-                         self.engine_kw.get("max_num_seqs", 16))
+        c, kw = model.config, self.engine_kw
+        sizes = (c, model.dtype, kw.get("block_size", 16), kw.get("max_num_seqs", 16))
+        plan = pool_plan(*sizes) if c.arch is None else sequence_caches_plan(
+            *sizes, snapshot_budget(self._device(), kw.get("prefix_snapshot_bytes")))
         return plan.bytes(plan.min_blocks), plan.bytes(plan.full_blocks)
 
     def build_engine(self, path: Path, memory_budget: int | None = None):

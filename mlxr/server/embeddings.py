@@ -1,6 +1,7 @@
 """Embeddings: `POST /v1/embeddings` (OpenAI) and `POST /api/embed` (Ollama), for decoder
 embedding models (mlxr.embed: last-token pooling, L2 norm). A model that is not an embedding
-model is a 400. The texts go through the model's serving engine (`AsyncEngine.embed`, or
+model is a 400, and so is one of the hybrid families (qwen3_5, gemma4...: none ships as an
+embedding model). The texts go through the model's serving engine (`AsyncEngine.embed`, or
 `ProcEngine.embed` in the engine's process): each is a prefill-only sequence packed with the
 other requests' texts and the generations into the engine's steps under its token budget;
 a client that disconnects aborts its texts.
@@ -81,6 +82,11 @@ async def embed(entry, inp, instruction: str | None, dimensions: int | None):
         raise bad_request(f"model {entry.model_id!r} is not an embedding model (no "
                           "sentence-transformers files, no encoder architecture)", "model",
                           "not_an_embedding_model")
+    if entry.model.config.arch is not None:  # no embedding model of these families ships
+        raise bad_request(f"model {entry.model_id!r} is not an embedding model mlxr runs: "
+                          f"its family ({entry.model.config.model_type}) is a hybrid one; "
+                          "embeddings come from decoder embedding models of the dense families "
+                          "(e.g. Qwen3-Embedding)", "model", "not_an_embedding_model")
     seqs = _token_lists(entry.model, inp, instruction)
     try:
         e, n = await entry.engine.embed(seqs, pooling(entry.path))
