@@ -21,6 +21,10 @@ from .errors import MlxrError
 
 ST_FILES = ("modules.json", "config_sentence_transformers.json", "1_Pooling/config.json")
 MAX_BATCH_TOKENS = 8192  # tokens per forward pass (the batch is split beyond it)
+# and at most this much scratch K/V per pass (Qwen3-Embedding-0.6B keeps 112 KiB per token in
+# bfloat16: 8192 tokens would be 0.9 GiB; ~2300 fit). A longer text still runs, alone. The pass
+# size does not move CPU throughput (8 x 512 tokens in one pass or two: equal, docs/perf.md).
+MAX_SCRATCH_BYTES = 256 << 20
 
 
 def is_embedding_model(path: Path) -> bool:
@@ -74,6 +78,15 @@ def _forward(decoder, seqs: list[list[int]]) -> list[torch.Tensor]:
     return list(h.split([len(s) for s in seqs]))
 
 
+def tokens_per_pass(decoder) -> int:
+    """Tokens of one forward pass: MAX_BATCH_TOKENS, fewer where their scratch K/V (every
+    layer's K and V per token) would pass MAX_SCRATCH_BYTES."""
+    c = decoder.config
+    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * \
+        torch.empty((), dtype=decoder.dtype).element_size()
+    return max(1, min(MAX_BATCH_TOKENS, MAX_SCRATCH_BYTES // per_token))
+
+
 def embed_ids(model, seqs: Sequence[Sequence[int]], mode: str = "last",
               normalize: bool = True) -> torch.Tensor:
     """Token id lists -> embeddings float32 [B, E]."""
@@ -95,9 +108,10 @@ def embed_ids(model, seqs: Sequence[Sequence[int]], mode: str = "last",
             out.append(h[-1] if mode == "last" else h[0] if mode == "cls" else h.mean(0))
         batch.clear()
 
+    cap = tokens_per_pass(decoder)
     with torch.inference_mode():
         for s in seqs:
-            if batch and sum(map(len, batch)) + len(s) > MAX_BATCH_TOKENS:
+            if batch and sum(map(len, batch)) + len(s) > cap:
                 run()
             batch.append(list(s))
         if batch:

@@ -103,6 +103,26 @@ def test_matches_transformers_and_batch_equals_single(embed_dir):
     assert (q * ref_q).sum() >= 0.9999
 
 
+def test_passes_bounded_by_their_scratch(embed_dir, monkeypatch):
+    """The batch is split where a pass's scratch K/V would pass MAX_SCRATCH_BYTES (2 layers x
+    K and V x 2 heads x 16 x 4 bytes = 512 per token here), with the same embeddings; a text
+    longer than the bound runs alone."""
+    import mlxr.embed as emb
+
+    model = mlxr.load(embed_dir, device="cpu", dtype="float32")
+    seqs = [[5 + i] * n for i, n in enumerate((4, 5, 9, 3, 12))]
+    whole = emb.embed_ids(model, seqs)
+    passes = []
+    inner = emb._forward
+    monkeypatch.setattr(emb, "_forward", lambda d, b: passes.append(sum(map(len, b)))
+                        or inner(d, b))
+    monkeypatch.setattr(emb, "MAX_SCRATCH_BYTES", 10 * 512 + 511)  # 10 tokens a pass
+    assert emb.tokens_per_pass(model.decoder) == 10
+    split = emb.embed_ids(model, seqs)
+    assert passes == [4 + 5, 9, 3, 12]  # 9 + 3 would pass 10; 12 alone
+    assert (split - whole).abs().max() <= 1e-5
+
+
 def test_not_an_embedding_model():
     from test_server_helpers import BUNDLED
 
