@@ -9,18 +9,26 @@ tokenizer is needed and every text is exactly T tokens; new texts for every run,
 engine's prefix cache never answers from an earlier run) runs once to warm up, then `--repeats`
 times; the median wall time is reported, device-synchronised:
 - `embed`: `mlxr.embed.embed_ids` -- model.embed without the tokenizer: one forward pass per
-  8192 tokens over a scratch KV range, last-token pooling, L2 norm;
+  8192 tokens (fewer where their scratch K/V passes 256 MiB) over a scratch KV range,
+  last-token pooling, L2 norm;
 - `engine`: the B texts as one embeddings request of an LLMEngine (prefill-only sequences
   packed into steps of `--engine-tokens`, default the engine's: 2048 on CUDA, 256 on the CPU),
   stepped to completion on this thread.
-One line per configuration, then a JSON line with all of them. Make a real-shape random
-checkpoint with `python benchmarks/make_checkpoint.py qwen3-embedding-0.6b DIR`.
+One line per configuration with the 1-minute load average when it ended, then a JSON line with
+all of them. Make a real-shape random checkpoint with `python benchmarks/make_checkpoint.py
+qwen3-embedding-0.6b DIR`.
+
+On a CPU shared with other work, read the load average first: with more runnable threads than
+cores, OpenMP's default spin-waiting (libgomp: OMP_WAIT_POLICY unset) makes every parallel
+region wait for a descheduled peer, and 2 threads ran the 0.6B's 512 tokens 5-7x slower than
+with OMP_WAIT_POLICY=PASSIVE or 1 thread on the 2-core box at load ~7 (docs/perf.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -84,8 +92,10 @@ def main() -> None:
     # room for a step's texts and one text in chunks: the pool is not what is measured
     blocks = 2 * -(-(budget + max(lengths)) // 16)
     engine = LLMEngine(model, max_num_batched_tokens=budget, num_blocks=blocks)
+    wait = os.environ.get("OMP_WAIT_POLICY", "unset")
     print(f"{model.path.name}: loaded in {time.perf_counter() - t0:.1f} s on {dev} "
-          f"({model.dtype}, {torch.get_num_threads()} threads); engine {budget} tokens/step")
+          f"({model.dtype}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY {wait}); "
+          f"engine {budget} tokens/step; load average {os.getloadavg()[0]:.2f}")
     g = torch.Generator().manual_seed(0)
     rows = []
     for n in lengths:
@@ -98,13 +108,15 @@ def main() -> None:
                                             ("engine", lambda s: through_engine(engine, s)))):
                 s = timed(fn, runs[i * (a.repeats + 1):(i + 1) * (a.repeats + 1)], dev)
                 r = {"path": path, "batch": b, "tokens": n, "seconds": round(s, 4),
-                     "texts_s": round(b / s, 3), "tokens_s": round(b * n / s, 1)}
+                     "texts_s": round(b / s, 3), "tokens_s": round(b * n / s, 1),
+                     "load": round(os.getloadavg()[0], 2)}
                 rows.append(r)
                 print(f"{dev.type} {path:6s} batch {b:4d} x {n:4d} tokens: "
                       f"{r['texts_s']:10.3f} texts/s {r['tokens_s']:11.1f} tokens/s "
-                      f"(median of {a.repeats}: {s:.3f} s)", flush=True)
+                      f"(median of {a.repeats}: {s:.3f} s; load {r['load']:.2f})", flush=True)
     print(json.dumps({"model": model.path.name, "device": dev.type, "dtype": str(model.dtype),
-                      "threads": torch.get_num_threads(), "engine_tokens": budget,
+                      "threads": torch.get_num_threads(), "omp_wait_policy": wait,
+                      "engine_tokens": budget,
                       "rows": rows}))
 
 
