@@ -169,8 +169,9 @@ def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: 
     """The routed experts' weighted sum [T, E] by the MoE kernels: x [T, E_in], ids / weights
     [T, k] on the device; the decode kernels up to `decode_split.decode_max_pairs` (token,
     slot) pairs (launch configs from the env), beyond: dequant + torch._grouped_mm in bf16
-    (`moe.grouped_mm`, MLXR_MOE_GROUPED=mm), else the grouped Triton GEMM
-    (`moe.grouped_experts`: fp32, fp16, MLXR_MOE_GROUPED=triton)."""
+    (`moe.grouped_mm`, MLXR_MOE_GROUPED=mm), the in-kernel dequant grouped GEMM
+    (`moe.grouped_fused`, MLXR_MOE_GROUPED=fused, 2/4/8-bit codes or dense experts), else
+    the grouped Triton GEMM (`moe.grouped_experts`: fp32, fp16, MLXR_MOE_GROUPED=triton)."""
     from .moe import decode_split as dec
     from .moe import grouped_mm
 
@@ -180,6 +181,10 @@ def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: 
     args = (x, ids, weights, gate, up, down, act, alpha, limit, out_dtype, routed_scale)
     if grouped_mm.mm_takes(x, ids.numel(), gate, up, down):
         return grouped_mm.moe_grouped_mm(*args)
+    if grouped_mm.grouped_mode() == "fused":
+        from .moe import grouped_fused
+        if all(grouped_fused.fused_takes(q) for q in (gate, up, down)):
+            return grouped_fused.moe_grouped_fused(*args)
     from .moe.grouped_experts import moe_grouped
     return moe_grouped(*args)
 

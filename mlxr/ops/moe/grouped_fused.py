@@ -95,13 +95,29 @@ def fused_takes(q: ExpertQuant) -> bool:
 if HAVE_TRITON:
 
     @triton.jit
-    def _weight_tile(w_row, s_ptr, b_ptr, sp, g, gs, k0, nmask, N, K: tl.constexpr,
-                     BITS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
-                     DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_N: tl.constexpr, INTERPRET: tl.constexpr):
+    def _groups(s_ptr, b_ptr, sp, g, nmask, valid, NG: tl.constexpr, MODE: tl.constexpr):
+        """Scales (and affine biases) [BN, NGT] of groups g [NGT] at offsets sp; valid:
+        scalar, False -> nothing is read (the prefetch past the last tile). Dense experts:
+        none (zeros, unused)."""
+        if MODE == 4:
+            s = tl.zeros_like(sp).to(tl.float32)
+            b = s
+        else:
+            gmask = (nmask[:, None] & (g < NG)[None, :]) & valid
+            s = tl.load(s_ptr + sp, mask=gmask, other=0)
+            if MODE == 0:
+                b = tl.load(b_ptr + sp, mask=gmask, other=0)
+            else:
+                b = s
+        return s, b
+
+    @triton.jit
+    def _weight_tile(w_row, s, b, gs, k0, nmask, N, BITS: tl.constexpr, GROUP: tl.constexpr,
+                     MODE: tl.constexpr, DT: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, INTERPRET: tl.constexpr):
         """Weights [BLOCK_N, BLOCK_K] in DT at K offset k0 of rows w_row [BLOCK_N, 1] (word
-        pointers; dense: value pointers), groups g [NGT] at scale offsets sp [BN, NGT]."""
-        NG: tl.constexpr = K // GROUP
+        pointers; dense: value pointers): one [BLOCK_N, BLOCK_K / PER] load contiguous along
+        K, unpacked in registers with the tile's scales / biases s, b [BN, NGT]."""
         PER: tl.constexpr = 32 // BITS if MODE != 4 else 1
         BW: tl.constexpr = BLOCK_K // PER
         NGT: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP
@@ -112,14 +128,10 @@ if HAVE_TRITON:
             wd = tl.load(wp, mask=nmask[:, None], other=0)
         if MODE == 4:  # dense experts: the values as stored, rounded to DT
             wt = _round(wd.to(tl.float32), DT, INTERPRET)
+        elif MODE == 0:
+            wt = _affine_tile(wd, s, b, DT, BITS, BLOCK_N, BLOCK_K, NGT, INTERPRET, N)
         else:
-            gmask = nmask[:, None] & (g < NG)[None, :]
-            s = tl.load(s_ptr + sp, mask=gmask, other=0)
-            if MODE == 0:
-                b = tl.load(b_ptr + sp, mask=gmask, other=0)
-                wt = _affine_tile(wd, s, b, DT, BITS, BLOCK_N, BLOCK_K, NGT, INTERPRET, N)
-            else:
-                wt = _fp_tile(wd, s, gs, DT, MODE, BITS, BLOCK_N, BLOCK_K, NGT, INTERPRET)
+            wt = _fp_tile(wd, s, gs, DT, MODE, BITS, BLOCK_N, BLOCK_K, NGT, INTERPRET)
         return wt
 
     @triton.jit
@@ -195,18 +207,32 @@ if HAVE_TRITON:
         else:
             acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_b = tl.zeros_like(acc_a)
+        # scales / biases: 2-byte loads the pipeliner leaves synchronous, so the next tile's
+        # are loaded into registers while this one is computed (as prefill_gemm)
+        g = tl.arange(0, NGT)
+        sp = s_base + rn[:, None] * NG + g[None, :]
+        sa, ba = _groups(as_ptr, ab_ptr, sp, g, nmask, True, NG, MODE)
+        sb, bb = _groups(bs_ptr, bb_ptr, sp, g, nmask, GLU, NG, MODE)
         for t in range(NT):
             k0 = t * BLOCK_K
-            g = k0 // GROUP + tl.arange(0, NGT)
-            sp = s_base + rn[:, None] * NG + g[None, :]
+            if BLOCK_K >= GROUP:
+                step = NGT
+            else:
+                step = ((k0 + BLOCK_K) % GROUP == 0).to(tl.int32)
+            g += step
+            sp += step
+            sa_next, ba_next = _groups(as_ptr, ab_ptr, sp, g, nmask, t + 1 < NT, NG, MODE)
+            sb_next, bb_next = _groups(bs_ptr, bb_ptr, sp, g, nmask, GLU and t + 1 < NT, NG,
+                                       MODE)
             xt = tl.load(x_row + (k0 + rk)[None, :])
-            wt = _weight_tile(wa_row, as_ptr, ab_ptr, sp, g, gs_a, k0, nmask, N, K, BITS,
-                              GROUP, MODE, DT, BLOCK_N, BLOCK_K, EVEN_N, INTERPRET)
+            wt = _weight_tile(wa_row, sa, ba, gs_a, k0, nmask, N, BITS, GROUP, MODE, DT,
+                              BLOCK_N, BLOCK_K, EVEN_N, INTERPRET)
             acc_a = _dot(xt, wt, acc_a, W_AS_A, IEEE)
             if GLU:
-                wt = _weight_tile(wb_row, bs_ptr, bb_ptr, sp, g, gs_b, k0, nmask, N, K, BITS,
-                                  GROUP, MODE, DT, BLOCK_N, BLOCK_K, EVEN_N, INTERPRET)
+                wt = _weight_tile(wb_row, sb, bb, gs_b, k0, nmask, N, BITS, GROUP, MODE, DT,
+                                  BLOCK_N, BLOCK_K, EVEN_N, INTERPRET)
                 acc_b = _dot(xt, wt, acc_b, W_AS_A, IEEE)
+            sa, ba, sb, bb = sa_next, ba_next, sb_next, bb_next
         if W_AS_A:
             acc_a = tl.trans(acc_a)
             acc_b = tl.trans(acc_b)
