@@ -31,7 +31,7 @@ SWEEP = [F.FusedConfig(16, 128, 64, 4, 3, True), F.FusedConfig(32, 128, 64, 4, 3
          F.FusedConfig(32, 128, 64, 8, 3, True), F.FusedConfig(64, 128, 64, 8, 3, True),
          F.FusedConfig(64, 128, 64, 4, 3, False), F.FusedConfig(16, 128, 128, 4, 3, True),
          F.FusedConfig(32, 128, 128, 8, 3, True)]
-CHECK_CFG = F.FusedConfig(32, 128, 64, 4, 3, True)
+CHECK_CFG = F.FusedConfig(32, 128, 64, 8, 3, True)
 TS = [512, 64, 2048, 16]
 # (name, experts, F, E, top-k, mode, global scale, configs)
 CASES = [("qwen3-30b-a3b", 128, 768, 2048, 8, "affine", False, SWEEP),

@@ -78,11 +78,12 @@ class FusedConfig:
 
 def default_config(pairs: int, experts: int) -> FusedConfig:
     """BLOCK_M near the mean pairs per used expert (16..64): few padding rows at decode-sized
-    batches, fuller tensor-core tiles at long prompts. Untuned: scripts/moe_gpu_perf.py
-    --only grouped sweeps the H200's choices."""
+    batches, fuller tensor-core tiles at long prompts; 8 warps from 32 rows (sm_90 ptxas:
+    gate/up 32x128x64 needs 254 registers a thread at 4 warps, 126 at 8). Untuned:
+    scripts/moe_gpu_perf.py --only grouped sweeps the H200's choices."""
     mean = pairs / max(1, min(experts, pairs))
     bm = 16 if mean <= 16 else (32 if mean <= 48 else 64)
-    return FusedConfig(block_m=bm, num_warps=8 if bm == 64 else 4)
+    return FusedConfig(block_m=bm, num_warps=4 if bm == 16 else 8)
 
 
 def fused_takes(q: ExpertQuant) -> bool:
