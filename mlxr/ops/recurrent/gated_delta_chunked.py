@@ -63,9 +63,10 @@ if HAVE_TRITON:
         mt = rt < T
         rk, rv = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_DV)
         mk, mv = rk < DK, rv < DV
-        # gates: padded rows get log g = 0 and beta = 0 (no change to anything)
+        # gates: padded rows get log g = 0 and beta = 0 (no change to anything); g = 0 (an
+        # underflowed decay) is taken as e^LOG_G_MIN (no log of 0)
         gt = tl.load(g + b * s_gb + rt * s_gt + hv, mask=mt, other=1.0)
-        logg = tl.where(mt, tl.maximum(tl.log(gt), LOG_G_MIN), 0.0)
+        logg = tl.where(mt, tl.maximum(tl.log(tl.maximum(gt, 1e-35)), LOG_G_MIN), 0.0)
         bc = tl.cumsum(logg, 0)  # [C]
         bt = tl.load(beta + b * s_gb + rt * s_gt + hv, mask=mt, other=0.0).to(tl.float32)
         qk_rows = b * s_qb + rt[:, None] * s_qt + hk * s_qh + rk[None, :]
