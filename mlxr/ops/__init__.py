@@ -142,12 +142,29 @@ def conv1d_silu(x, state, weight):
     return recurrent_reference.conv1d_silu(x, state, weight)
 
 
+GDN_CHUNKED_MIN_TOKENS = 64  # one chunk: shorter calls stay sequential
+
+
+def gdn_chunked(tokens: int) -> bool:
+    """Whether a gated delta rule over `tokens` new tokens runs in the chunked form:
+    MLXR_GDN_CHUNKED=1 (read at each call; off by default: the sequential form is mlx-lm's
+    order) and at least GDN_CHUNKED_MIN_TOKENS tokens."""
+    return (os.environ.get("MLXR_GDN_CHUNKED", "0") == "1"
+            and tokens >= GDN_CHUNKED_MIN_TOKENS)
+
+
 def gated_delta(q, k, v, g, beta, state):
     """The gated delta rule over T tokens, float32 state updated in place (see
-    recurrent_reference.gated_delta)."""
+    recurrent_reference.gated_delta; the chunked form where `gdn_chunked(T)`)."""
+    chunked = gdn_chunked(q.shape[1])
     if _fast(q):
-        from .recurrent.gated_delta_scan import gated_delta as fast
+        if chunked:
+            from .recurrent.gated_delta_chunked import gated_delta_chunked as fast
+        else:
+            from .recurrent.gated_delta_scan import gated_delta as fast
         return fast(q, k, v, g, beta, state)
+    if chunked:
+        return recurrent_reference.gated_delta_chunked(q, k, v, g, beta, state)
     return recurrent_reference.gated_delta(q, k, v, g, beta, state)
 
 
@@ -197,6 +214,7 @@ def fast_kernels(device) -> bool:
 __all__ = ["MOE_KERNEL_ACTS", "ExpertQuant", "add_rms_norm", "attention", "attention_at",
            "attention_masked",
            "conv1d_silu", "fast_kernels", "gated_act", "gated_delta", "gated_delta_decode",
+           "gdn_chunked",
            "head_gate", "moe_combine", "moe_dense_experts", "moe_expert_act", "moe_experts",
            "moe_gate_up_pair", "moe_kernels_take",
            "moe_reference", "moe_route", "paged_attention", "paged_items",
