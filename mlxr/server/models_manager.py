@@ -10,8 +10,9 @@ are unloaded or evicted.
 Memory: the budget is per device (bytes, `--memory-budget`; None = no limit). Before a load the
 new model is estimated from its weight files plus its KV pool (`sizer`: the smallest pool worth
 serving with and the full one, max_num_seqs whole contexts; for the hybrid families, what their
-per-sequence caches and prefix snapshots may hold: engine.memory.sequence_caches_plan). Idle models are evicted, least
-recently used first, until the full size fits, or while the smallest does not; the engine is
+per-sequence caches and prefix snapshots may hold: engine.memory.sequence_caches_plan). Idle
+models are evicted, least recently used first, until the full size fits, or while the smallest
+does not; the engine is
 then built with what the budget leaves (`loader(path, share)`: it sizes its pool to the share
 less its measured weights). A model that does not fit even with the smallest pool is refused
 with a MemoryBudgetError (HTTP 507, naming the sizes and the budget). After the load the
