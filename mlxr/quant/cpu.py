@@ -47,10 +47,11 @@ TILE_BYTES = 4 << 20
 # torch's path reads (docs/perf.md "CPU decode", 6144 x 1024, 1 thread, kernel vs torch µs:
 # mxfp4 M=1 222 vs 646, M=4 619 vs 1040, M=16 2463 vs 4017 (torch: two int4 planes, 1 B per
 # weight); nvfp4 M=1 348 vs 1256, M=4 755 vs 857, M=16 2683 vs 1260 (torch: the bf16 dense
-# copy). Not served, measured: affine 4-bit (M=1 321 vs 255: torch's int4 kernel reads the
-# same 0.5 B per weight and is faster here), affine 8-bit (M=1 541 vs 658 but M=4 1419 vs 984:
-# not worth keeping the words beside the int4 planes, +1 B per weight), mxfp8 (E4M3 through a
-# gather: 2659 vs 1179).
+# copy). Not served by qmm, measured: affine 4-bit (M=1 321 vs 255: torch's int4 kernel reads
+# the same 0.5 B per weight and is faster here), affine 8-bit (M=1 541 vs 658 but M=4 1419 vs
+# 984: not worth keeping the words beside the int4 planes, +1 B per weight); the affine widths
+# get `i4mm` over the int4 copy instead (`i4_kernel_for`). mxfp8 (E4M3 through a gather: 2659
+# vs 1179).
 KERNEL_ROWS = {("mxfp4", 4): 16, ("nvfp4", 4): 4}
 
 
