@@ -122,6 +122,21 @@ def test_i4mm_matches_twin_and_torch(group, m):
 
 
 @pytest.mark.skipif(not native.i4mm_serves(64, 64, 64), reason="i4mm not built for this CPU")
+def test_i4mm_rows_do_not_depend_on_the_batch():
+    """Each row of a 1..16-row call equals that row alone, bit for bit (as torch's int4
+    kernel: the engine's batch-equals-single checks rely on it); x spans many binades so
+    that another summation order would show."""
+    g = torch.Generator().manual_seed(7)
+    packed, sz = _int4_copy(128, 1024, 64, g)
+    x = (torch.randn(16, 1024, generator=g)
+         * torch.exp(3 * torch.randn(16, 1024, generator=g))).to(torch.bfloat16)
+    alone = torch.cat([native.i4mm(x[i:i + 1], packed, sz, 64, torch.float32)
+                       for i in range(16)])
+    for m in (2, 3, 4, 5, 16):
+        assert torch.equal(native.i4mm(x[:m], packed, sz, 64, torch.float32), alone[:m]), m
+
+
+@pytest.mark.skipif(not native.i4mm_serves(64, 64, 64), reason="i4mm not built for this CPU")
 @pytest.mark.parametrize("bits", [4, 8, 3])
 def test_affine_weights_take_i4mm(bits, monkeypatch):
     """An affine weight's `linear` runs i4mm up to I4MM_MAX_M rows of x (over both nibble

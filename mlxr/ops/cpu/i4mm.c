@@ -14,8 +14,9 @@
  * two columns' bytes), so vdpbf16ps adds q_k x_k + q_k+1 x_k+1 per row exactly (bf16 x bf16
  * products are exact in float32) into float32 lanes = output rows: no horizontal sums. Then
  * y += s * dot + (z - 8 s) * sum(x_g) per row, 16 rows per vector; the output rounds once.
- * Two accumulator sets for one or two x rows (the dot-product latency would bound one set).
  * OpenMP over blocks of 64 rows; more than 4 x rows re-read the block from cache per 4 rows.
+ * A row's summation order does not depend on M (torch's kernel has that property too, and
+ * the batch-equals-single tests rely on it).
  */
 #include "kernels.h"
 
@@ -32,55 +33,67 @@ static const uint8_t PAIR_IDX[64] = {
  * dev box: 2048 closest to the read bandwidth, by a few percent, within its noise). */
 #define I4_PF 2048
 
-/* One block of 64 rows against MB (1..4) x rows: acc[m * 64 + row] (float32). UN
- * accumulator sets alternate over column pairs. */
+/* One block of 64 rows against MB (1..4) x rows, into acc[m * 64 + row] (float32, zeroed by
+ * the caller). NV = 4: all 64 rows in one pass (MB <= 2); NV = 2: the rows of one permute
+ * (`half` 0: rows 0..15 and 32..47; 1: 16..31 and 48..63), for MB = 3, 4, whose accumulators
+ * would not fit the registers otherwise. Two accumulator sets alternate over column pairs
+ * (one chain would wait on vdpbf16ps' latency), summed at the end of each group: every row
+ * sums in the same order whatever M is, so a row's output does not depend on the batch. */
 static inline __attribute__((always_inline)) void i4_block(
         const I4Args *a, const uint8_t *wb, int64_t n0, const uint16_t *x, const float *xs,
-        const int MB, const int UN, float *acc) {
+        const int MB, const int NV, const int half, float *acc) {
     const __m512i ia = _mm512_loadu_si512(PAIR_IDX);
     const __m512i ib = _mm512_add_epi8(ia, _mm512_set1_epi8(16));
     const __m512i tab = _mm512_loadu_si512(a->tab);
     const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
     const int64_t k_all = a->k, grp = a->group, ng = k_all / grp;
-    for (int i = 0; i < MB * 64; i++) acc[i] = 0.0f;
+    int vs[4] = {0, 1, 2, 3};  /* vector slot -> 16-row group of the block */
+    if (NV == 2) { vs[0] = half; vs[1] = half + 2; }
     for (int64_t g = 0; g < ng; g++) {
         __m512 ga[2][4][4];
-        for (int u = 0; u < UN; u++)
+        for (int u = 0; u < 2; u++)
             for (int m = 0; m < MB; m++)
-                for (int v = 0; v < 4; v++) ga[u][m][v] = _mm512_setzero_ps();
-        for (int64_t k = g * grp; k < (g + 1) * grp; k += 2 * UN) {
-            for (int u = 0; u < UN; u++) {
+                for (int v = 0; v < NV; v++) ga[u][m][v] = _mm512_setzero_ps();
+        for (int64_t k = g * grp; k < (g + 1) * grp; k += 4) {
+            for (int u = 0; u < 2; u++) {
                 const uint8_t *p = wb + (k + 2 * u) * 32;
                 _mm_prefetch((const char *)(p + I4_PF), _MM_HINT_T0);
                 __m512i w = _mm512_loadu_si512(p);
-                __m512i lo = _mm512_permutexvar_epi8(ia, w), hi = _mm512_permutexvar_epi8(ib, w);
                 /* vpermw reads index bits 0..4: the table repeats over bit 4 (the next
                  * nibble's low bit), so no mask is needed */
-                __m512i c[4] = {_mm512_permutexvar_epi16(lo, tab),
-                                _mm512_permutexvar_epi16(hi, tab),
-                                _mm512_permutexvar_epi16(_mm512_srli_epi16(lo, 4), tab),
-                                _mm512_permutexvar_epi16(_mm512_srli_epi16(hi, 4), tab)};
+                __m512i c[4];
+                if (NV == 4 || half == 0) {
+                    __m512i lo = _mm512_permutexvar_epi8(ia, w);
+                    c[0] = _mm512_permutexvar_epi16(lo, tab);
+                    c[NV == 4 ? 2 : 1] =
+                        _mm512_permutexvar_epi16(_mm512_srli_epi16(lo, 4), tab);
+                }
+                if (NV == 4 || half == 1) {
+                    __m512i hi = _mm512_permutexvar_epi8(ib, w);
+                    c[NV == 4 ? 1 : 0] = _mm512_permutexvar_epi16(hi, tab);
+                    c[NV == 4 ? 3 : 1] =
+                        _mm512_permutexvar_epi16(_mm512_srli_epi16(hi, 4), tab);
+                }
                 for (int m = 0; m < MB; m++) {
                     uint32_t xp;
                     memcpy(&xp, x + m * k_all + k + 2 * u, 4);
                     __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp);
-                    for (int v = 0; v < 4; v++)
+                    for (int v = 0; v < NV; v++)
                         ga[u][m][v] = _mm512_dpbf16_ps(ga[u][m][v], (__m512bh)c[v], xv);
                 }
             }
         }
         const uint16_t *sp = a->sz + (g * a->n + n0) * 2;
-        for (int v = 0; v < 4; v++) {  /* rows 16 v .. 16 v + 15: (scale, zero) per 32 bits */
-            __m512i l = _mm512_loadu_si512(sp + 32 * v);
+        for (int v = 0; v < NV; v++) {  /* 16 rows: (scale, zero) per 32 bits */
+            __m512i l = _mm512_loadu_si512(sp + 32 * vs[v]);
             __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(l, 16));
             __m512 z = _mm512_castsi512_ps(_mm512_and_si512(l, hi16));
             __m512 zz = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);  /* codes 0..15, not -8 */
             for (int m = 0; m < MB; m++) {
-                __m512 d = UN == 2 ? _mm512_add_ps(ga[0][m][v], ga[1][m][v]) : ga[0][m][v];
-                __m512 r = _mm512_loadu_ps(acc + m * 64 + 16 * v);
-                r = _mm512_fmadd_ps(s, d, r);
-                r = _mm512_fmadd_ps(zz, _mm512_set1_ps(xs[m * ng + g]), r);
-                _mm512_storeu_ps(acc + m * 64 + 16 * v, r);
+                float *ar = acc + m * 64 + 16 * vs[v];
+                __m512 r = _mm512_fmadd_ps(s, _mm512_add_ps(ga[0][m][v], ga[1][m][v]),
+                                           _mm512_loadu_ps(ar));
+                _mm512_storeu_ps(ar, _mm512_fmadd_ps(zz, _mm512_set1_ps(xs[m * ng + g]), r));
             }
         }
     }
@@ -121,11 +134,18 @@ int i4mm_run(I4Args *a, int nthreads) {
                 int mb = m_all - m0 < 4 ? (int)(m_all - m0) : 4;
                 const uint16_t *xm = x + m0 * k_all;
                 const float *xsm = xs + m0 * ng;
+                memset(acc, 0, sizeof(float) * 64 * (size_t)mb);
                 switch (mb) {  /* constant row counts: the accumulators stay in registers */
-                case 1: i4_block(a, wb, 64 * b, xm, xsm, 1, 2, acc); break;
-                case 2: i4_block(a, wb, 64 * b, xm, xsm, 2, 2, acc); break;
-                case 3: i4_block(a, wb, 64 * b, xm, xsm, 3, 1, acc); break;
-                default: i4_block(a, wb, 64 * b, xm, xsm, 4, 1, acc); break;
+                case 1: i4_block(a, wb, 64 * b, xm, xsm, 1, 4, 0, acc); break;
+                case 2: i4_block(a, wb, 64 * b, xm, xsm, 2, 4, 0, acc); break;
+                case 3:
+                    i4_block(a, wb, 64 * b, xm, xsm, 3, 2, 0, acc);
+                    i4_block(a, wb, 64 * b, xm, xsm, 3, 2, 1, acc);
+                    break;
+                default:
+                    i4_block(a, wb, 64 * b, xm, xsm, 4, 2, 0, acc);
+                    i4_block(a, wb, 64 * b, xm, xsm, 4, 2, 1, acc);
+                    break;
                 }
                 for (int i = 0; i < mb; i++) i4_store(a, m0 + i, 64 * b, acc + 64 * i);
             }
