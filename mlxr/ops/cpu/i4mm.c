@@ -29,9 +29,13 @@ static const uint8_t PAIR_IDX[64] = {
     6, 6, 38, 38, 7, 7, 39, 39, 8, 8, 40, 40, 9, 9, 41, 41, 10, 10, 42, 42, 11, 11, 43, 43,
     12, 12, 44, 44, 13, 13, 45, 45, 14, 14, 46, 46, 15, 15, 47, 47};
 
-/* Software prefetch distance in bytes of the block's stream (0, 1024, 2048 measured on the
- * dev box: 2048 closest to the read bandwidth, by a few percent, within its noise). */
-#define I4_PF 2048
+/* Software prefetch distance in bytes of the block's stream (-DI4_PF=... to sweep). Swept
+ * on the dev box, 1 thread, weights from DRAM, best of 3 alternated runs, against a plain
+ * 64-byte read loop over the same bytes: 0: 0.77-0.88 of it; 2048: 0.89-0.93; 4096:
+ * 0.95-1.06; 8192: 0.98-1.10; 16384: 0.93-0.98. */
+#ifndef I4_PF
+#define I4_PF 8192
+#endif
 
 /* One block of 64 rows against MB (1..4) x rows, into acc[m * 64 + row] (float32, zeroed by
  * the caller). NV = 4: all 64 rows in one pass (MB <= 2); NV = 2: the rows of one permute
