@@ -108,7 +108,10 @@ class Gemma4Decoder:
         self.config, self.embed, self.ple, self.layers = config, embed, ple, layers
         self.norm, self.lm_head, self.dtype, self.device = norm, lm_head, dtype, device
         self.spec: Gemma4Spec = config.arch
-        self.ropes = [Rope(r, device) for r in config.layer_rope]
+        # one Rope (one device table) per distinct spec; the config shares a spec per layer type
+        kinds = {id(r): Rope(r, device) for r in config.layer_rope}
+        self.ropes = [kinds[id(r)] for r in config.layer_rope]
+        self._rope_kinds = list(kinds.values())
         self._ones = {d: torch.ones(d, dtype=dtype, device=device)
                       for d in set(self.spec.head_dims)}
 
@@ -183,18 +186,22 @@ class Gemma4Decoder:
         eps = c.rms_norm_eps
         h = _scalar(self.embed(ids), c.embed_scale)
         ple = self._per_layer_inputs(ids, h) if self.ple is not None else None
-        for i, ly in enumerate(self.layers):
-            a = attend(i, ly, ops.rms_norm(h, ly.input_norm, eps))
-            h = h + ops.rms_norm(a, ly.post_attn_norm, eps)
-            m = ly.down_proj(_gated_act(ly.gate_up, ops.rms_norm(h, ly.pre_mlp_norm, eps),
-                                        c.hidden_act))
-            if ly.moe is not None:
-                m = ops.rms_norm(m, ly.moe.post_mlp_norm, eps) + ly.moe(h, eps)
-            h = h + ops.rms_norm(m, ly.post_mlp_norm, eps)
-            if ple is not None:
-                g = ops.gated_act(ly.ple_gate(h), ple[:, i], c.hidden_act)
-                h = h + ops.rms_norm(ly.ple_proj(g), ly.ple_norm, eps)
-            h = h * ly.scalar
+        # Each branch's output is normed, added, (the layer's last one) scaled, and normed for
+        # the next branch: one `residual_norm` each (one launch on CUDA), x the next input.
+        x = ops.rms_norm(h, self.layers[0].input_norm, eps)
+        nexts = [ly.input_norm for ly in self.layers[1:]] + [None]
+        for i, (ly, nxt) in enumerate(zip(self.layers, nexts)):
+            h, x = ops.residual_norm(h, attend(i, ly, x), ly.post_attn_norm, eps,
+                                     next_weight=ly.pre_mlp_norm)
+            m = ly.down_proj(_gated_act(ly.gate_up, x, c.hidden_act))
+            if ly.moe is not None:  # norm(m) + experts(h), added in the other order: the same
+                m, _ = ops.residual_norm(ly.moe(h, eps), m, ly.moe.post_mlp_norm, eps)
+            if ple is None:
+                h, x = ops.residual_norm(h, m, ly.post_mlp_norm, eps, ly.scalar, nxt)
+                continue
+            h, _ = ops.residual_norm(h, m, ly.post_mlp_norm, eps)
+            g = ops.gated_act(ly.ple_gate(h), ple[:, i], c.hidden_act)
+            h, x = ops.residual_norm(h, ly.ple_proj(g), ly.ple_norm, eps, ly.scalar, nxt)
         return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -207,7 +214,7 @@ class Gemma4Decoder:
         """Run ids [T] at positions [cache.length, +T); logits float32 [T|1, V]."""
         t, start = ids.shape[0], cache.length
         cache.reserve(start + t)
-        tables = {id(r.spec): r.cos_sin(start, t) for r in self.ropes}
+        tables = {id(r.spec): r.cos_sin(start, t) for r in self._rope_kinds}
 
         def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
             kv = ly.kv(x) if ly.kv is not None else None
@@ -251,11 +258,9 @@ class Gemma4Decoder:
         for c in caches:
             c.reserve(c.length + 1)
         tables = {}
-        for r in self.ropes:
-            if id(r.spec) not in tables:
-                cs = [r.cos_sin(s, 1) for s in starts]
-                tables[id(r.spec)] = (torch.cat([a for a, _ in cs]),
-                                      torch.cat([b for _, b in cs]))
+        for r in self._rope_kinds:
+            cs = [r.cos_sin(s, 1) for s in starts]
+            tables[id(r.spec)] = (torch.cat([a for a, _ in cs]), torch.cat([b for _, b in cs]))
 
         def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
             kv = ly.kv(x) if ly.kv is not None else None

@@ -144,8 +144,11 @@ class HybridCache:
         lo = max(0, start - w + 1)
         keep = min(t, n)  # a chunk longer than the ring leaves only its last n positions
         old, slots = self._ring_slots(lo, start, t, n)
-        keys = torch.cat((self.k[i].index_select(1, old), k), 1)
-        values = torch.cat((self.v[i].index_select(1, old), v), 1)
+        if lo == start:  # nothing earlier in view (a prompt's first chunk): the new K/V alone
+            keys, values = k, v
+        else:
+            keys = torch.cat((self.k[i].index_select(1, old), k), 1)
+            values = torch.cat((self.v[i].index_select(1, old), v), 1)
         self.k[i].index_copy_(1, slots, k[:, t - keep:])
         self.v[i].index_copy_(1, slots, v[:, t - keep:])
         return keys, values, lo
