@@ -109,3 +109,47 @@ def test_dispatch(monkeypatch):
     ref_h, ref_x = R.residual_norm(h, a, w32, 1e-6, s, w2)
     assert len(calls) == 1 and got_h.dtype == ref_h.dtype == torch.float32
     _within(got_h, ref_h, 2 * 2**-7 * _row_max(ref_h))
+
+
+@pytest.fixture(scope="module")
+def gemma4_models(tmp_path_factory, make_checkpoint):
+    import mlxr
+    from hybrid_configs import FAMILIES
+
+    out = {}
+    for fam in ("gemma4", "gemma4_moe"):
+        path = make_checkpoint.write_hybrid(FAMILIES[fam], tmp_path_factory.mktemp(fam), None)
+        out[fam] = mlxr.load(path, device="cpu", dtype="float32").decoder
+    return out
+
+
+@pytest.mark.parametrize("fam", ["gemma4", "gemma4_moe"])
+def test_gemma4_prefill_on_the_kernels(gemma4_models, fam, monkeypatch):
+    """A prompt through gemma4's layers with the small ops on their kernels, as on CUDA, equals
+    the torch path within 1e-4 of each row's logit range (tests/decode_checks.py's bound for the
+    same math in other summation orders); each layer's glue is three fused launches with the
+    per-layer embeddings (attention, MLP, PLE branch), two without, each layer's input norm
+    fused into the launch before it."""
+    from mlxr.engine.kv_cache import new_cache
+
+    dec = gemma4_models[fam]
+    ids = torch.tensor([3, 17, 250, 9, 41, 41, 7, 300, 12, 5, 88, 64])  # past the window of 8
+    with torch.inference_mode():
+        want = dec.forward(ids, new_cache(dec, 32))
+    monkeypatch.setattr(ops, "_fast", lambda x: True)
+    monkeypatch.setattr(ops, "_fused", norm_rope_act)
+    fused, norms = [], []
+    real_fused, real_norm = K.residual_norm, norm_rope_act.rms_norm
+    monkeypatch.setattr(K, "residual_norm", lambda *a: fused.append(a) or real_fused(*a))
+    monkeypatch.setattr(norm_rope_act, "rms_norm", lambda *a: norms.append(a) or real_norm(*a))
+    with torch.inference_mode():
+        got = dec.forward(ids, new_cache(dec, 32))
+    rng = (want.amax(-1) - want.amin(-1))[:, None]
+    assert ((got - want).abs() <= 1e-4 * rng).all(), float(((got - want).abs() / rng).max())
+    n, ple = dec.config.num_layers, dec.ple is not None
+    moe = sum(ly.moe is not None for ly in dec.layers)
+    assert len(fused) == (3 if ple else 2) * n + moe
+    own_kv = sum(ly.kv is not None for ly in dec.layers)
+    # the first input norm, q / k / v norms, the PLE projection's norm, the final norm, and
+    # the experts' router / input / output norms
+    assert len(norms) == 1 + n + 2 * own_kv + ple + 1 + 3 * moe

@@ -4,12 +4,17 @@ issues (Triton launches, torch ops, allocations), per forward and per layer.
     PYTHONPATH=. python benchmarks/cpu/gemma4_host_ops.py [--model DIR] [--tokens 64]
 
 The small ops take their CUDA path (`ops._fast` forced on, the kernels run by the Triton
-interpreter), so each Triton launch and each torch op is one a CUDA forward would issue; the
+interpreter), so each Triton launch and each torch op is one a CUDA forward would issue;
+"kernels" also counts the torch ops that launch one (not views, allocations, no-op casts). The
 quantized projections and embeddings (CPU kernels here, one CUDA kernel each: qgemm / q4tc /
-embed_rows) count as one launch and their own ops are not counted. Without --model it writes a
-random checkpoint with Gemma-4-E2B's structure (35 layers, the last 20 KV-shared, every fifth
-a full-attention layer, per-layer embeddings, the double-wide MLP of the shared layers, 4-bit
-g64) at small widths; the counts do not depend on the widths. The last line is JSON.
+embed_rows) and the prefill's attention (`ops.attention`: SDPA on CUDA, another branch on the
+CPU; on CUDA its sliding-window layers also build a mask, ~7 small ops) count as one launch
+each, their own ops uncounted. A warm-up forward runs first (RoPE tables, compiles). Without
+--model it writes a random checkpoint with Gemma-4-E2B's structure (35 layers, the last 20
+KV-shared, every fifth a full-attention layer, per-layer embeddings, the double-wide MLP of the
+shared layers, 4-bit g64) at small widths; the counts do not depend on the widths.
+"allocations": the explicit empties plus each out-of-place torch kernel's output. The last line
+is JSON.
 """
 
 from __future__ import annotations
@@ -93,6 +98,12 @@ def _patch(counter: Counter) -> contextlib.ExitStack:
          lambda f: "triton:" + getattr(f.fn, "__name__", "?"))
     wrap(QuantWeight, "linear", lambda w: "qmatmul")
     wrap(QuantWeight, "embed", lambda w: "qembed")
+    attention = ops.attention
+
+    def attend(*a, **k):  # its CPU branch is not the CUDA one (SDPA): counted as one kernel
+        with counter.kernel("attention"):
+            return attention(*a, **k)
+    mp.set(ops, "attention", attend)
     mp.set(ops, "_fast", lambda x: True)
     mp.set(ops, "_fused", norm_rope_act)
     return stack
@@ -121,13 +132,23 @@ def count(fn) -> Counter:
     return counter
 
 
+# aten ops that launch nothing on a GPU: views, metadata, allocations, no-op casts
+NO_KERNEL = {"reshape", "view", "slice", "select", "transpose", "alias", "unsqueeze", "squeeze",
+             "expand", "chunk", "split", "as_strided", "t", "detach", "empty", "empty_like",
+             "empty_strided", "promote_types", "to", "contiguous", "permute", "flatten",
+             "_unsafe_view", "split_with_sizes", "unbind", "lift_fresh", "result_type"}
+
+
 def summary(c: Counter, layers: int) -> dict:
-    launches = sum(c.kernels.values())
+    torch_kernels = sum(v for k, v in c.aten.items() if k not in NO_KERNEL)
+    launches = sum(c.kernels.values()) + torch_kernels
     aten = sum(c.aten.values())
-    empty = c.aten["empty"] + c.aten["empty_strided"]
+    empty = sum(c.aten[k] for k in ("empty", "empty_like", "empty_strided")) + sum(
+        v for k, v in c.aten.items() if k not in NO_KERNEL and not k.endswith("_"))
     return {"kernels": launches, "triton": sum(v for k, v in c.kernels.items()
                                                if k.startswith("triton:")),
             "quant_kernels": c.kernels["qmatmul"] + c.kernels["qembed"],
+            "attention": c.kernels["attention"], "torch_kernels": torch_kernels,
             "torch_ops": aten, "allocations": empty,
             "per_layer": {"kernels": round(launches / layers, 1),
                           "torch_ops": round(aten / layers, 1),
@@ -147,6 +168,8 @@ def main() -> None:
     n_layers = dec.config.num_layers
     ids = torch.randint(0, m.config.vocab_size, (a.tokens,), generator=torch.Generator()
                         .manual_seed(0))
+    with _patch(Counter()), torch.inference_mode():  # warm: RoPE tables, compiled kernels
+        dec.forward(ids, new_cache(dec, 2 * a.tokens + 8), last_only=True)
     cache = new_cache(dec, 2 * a.tokens + 8)
     prefill = count(lambda: dec.forward(ids, cache, last_only=True))
     tables = {id(r.spec): r.cos_sin(0, cache.capacity) for r in dec.ropes}
@@ -158,6 +181,7 @@ def main() -> None:
         print(f"{name}: {summary(c, n_layers)}")
         print("  kernels:", dict(c.kernels.most_common(a.top)))
         print("  torch ops:", dict(c.aten.most_common(a.top)))
+        print("  torch kernels:", {k: v for k, v in c.aten.most_common() if k not in NO_KERNEL})
     print(json.dumps(out))
 
 

@@ -71,10 +71,12 @@ def residual_norm(h: Tensor, a: Tensor, weight: Tensor, eps: float,
     """(h + rms_norm(a, weight)) [* scalar] -> h' [..., E], and rms_norm(h', next_weight) (None
     without next_weight); see the module doc. Takes what `supported` accepts."""
     e = h.shape[-1]
-    h2, a2 = h.reshape(-1, e).contiguous(), a.reshape(-1, e).contiguous()
+    # rows [N, E]: a layer's activations already are (no view ops on the host path then)
+    h2 = h if h.dim() == 2 and h.is_contiguous() else h.reshape(-1, e).contiguous()
+    a2 = a if a.dim() == 2 and a.is_contiguous() else a.reshape(-1, e).contiguous()
     n_rows = h2.shape[0]
-    ho = torch.empty_like(h2)
-    xo = torch.empty_like(h2) if next_weight is not None else None
+    ho = torch.empty(h2.shape, dtype=h.dtype, device=h.device)
+    xo = torch.empty(h2.shape, dtype=h.dtype, device=h.device) if next_weight is not None else None
     if n_rows:
         block_e = _p2(e)
         block_m = max(1, min(_p2(n_rows), 4096 // block_e))
@@ -84,4 +86,6 @@ def residual_norm(h: Tensor, a: Tensor, weight: Tensor, eps: float,
             xo if xo is not None else ho, n_rows, float(eps), E=e, BLOCK_M=block_m,
             BLOCK_E=block_e, HAS_SCALE=scalar is not None, HAS_NEXT=next_weight is not None,
             num_warps=_warps(block_m * block_e))
-    return ho.view(h.shape), None if xo is None else xo.view(h.shape)
+    if h2 is not h:
+        ho, xo = ho.view(h.shape), None if xo is None else xo.view(h.shape)
+    return ho, xo
