@@ -237,14 +237,15 @@ class Gemma4Decoder:
         c, s = self.config, self.spec
         rows = {key: (cos.index_select(0, pos), sin.index_select(0, pos))
                 for key, (cos, sin) in tables.items()}
+        slots = pool.step_slots(pos)  # buffer length -> (write slot, last visible slot)
 
         def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
             kv = ly.kv(x) if ly.kv is not None else None
             q, k, v = self._qkv(i, ly, ly.q_proj(x), kv, *rows[id(self.ropes[i].spec)])
             if k is not None:
-                pool.write_at(i, k, v, pos)
+                pool.write_at(i, k, v, slots[pool.k[i].shape[1]][0])
             src = s.kv_source[i]
-            out = ops.attention_at(q, pool.k[src], pool.v[src], pool.visible_upto(src, pos),
+            out = ops.attention_at(q, pool.k[src], pool.v[src], slots[pool.k[src].shape[1]][1],
                                    None, c.attn_scale)
             return ly.o_proj(out.reshape(1, c.num_heads * s.head_dims[i]))
 
