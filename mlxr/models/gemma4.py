@@ -212,6 +212,30 @@ class Gemma4Decoder:
     def forward(self, ids: torch.Tensor, cache: HybridCache,
                 last_only: bool = False) -> torch.Tensor:
         """Run ids [T] at positions [cache.length, +T); logits float32 [T|1, V]."""
+        h = self._rows(ids, cache)
+        return self._logits(h[-1:] if last_only else h)
+
+    def pads_fit(self, cache: HybridCache, bucket: int) -> bool:
+        """Whether a prompt padded to `bucket` tokens may prefill `cache` (`forward_padded`):
+        no MoE layer (the experts' torch path groups tokens on the host), and every ring holds
+        `bucket` slots (a wider prompt would wrap: its padding would overwrite real
+        positions)."""
+        return all(ly.moe is None for ly in self.layers) and all(
+            k.shape[1] >= bucket for k in cache.k if k is not None)
+
+    def forward_padded(self, ids: torch.Tensor, row: torch.Tensor,
+                       cache: HybridCache) -> torch.Tensor:
+        """A prompt padded at its end to ids [B] (device), at positions [0, B) of an emptied
+        cache, with no host value read (the prefill graph, `PaddedPrefillGraph`): logits
+        float32 [1, V] of row [1] (device long; the prompt's last). The padding is invisible
+        to the rows before it (causal), and its K/V lands in slots a decode step overwrites
+        before a query can see them (`pads_fit`: no ring wraps within B)."""
+        cache.length = 0
+        return self._logits(self._rows(ids, cache).index_select(0, row))
+
+    def _rows(self, ids: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+        """The layers over ids [T] at positions [cache.length, +T), the cache extended: the
+        hidden rows [T, E] before the final norm."""
         t, start = ids.shape[0], cache.length
         cache.reserve(start + t)
         tables = {id(r.spec): r.cos_sin(start, t) for r in self._rope_kinds}
@@ -225,7 +249,7 @@ class Gemma4Decoder:
 
         h = self._layers(ids.to(self.device), attend)
         cache.length = start + t
-        return self._logits(h[-1:] if last_only else h)
+        return h
 
     def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, pool: HybridCache,
                        tables: dict) -> torch.Tensor:
