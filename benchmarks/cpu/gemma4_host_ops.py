@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import copy
 import json
 import os
 import sys
@@ -35,6 +34,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make_checkpoint, hybrid_tables
+import hybrid_tables  # noqa: E402
 import make_checkpoint  # noqa: E402
 
 import mlxr  # noqa: E402
@@ -42,16 +42,6 @@ from mlxr import ops  # noqa: E402
 from mlxr.engine.kv_cache import new_cache  # noqa: E402
 from mlxr.ops.layer import norm_rope_act  # noqa: E402
 from mlxr.quant.weight import QuantWeight  # noqa: E402
-
-def small_e2b() -> dict:
-    """The gemma-4-e2b config with its widths cut (hidden 128, PLE 64, vocab 512)."""
-    cfg = copy.deepcopy(make_checkpoint.SHAPES["gemma-4-e2b"])
-    cfg["vocab_size"] = 512
-    cfg["text_config"].update(hidden_size=128, intermediate_size=128, num_attention_heads=2,
-                              head_dim=64, global_head_dim=128, hidden_size_per_layer_input=64,
-                              vocab_size=512, vocab_size_per_layer_input=512)
-    return cfg
-
 
 class Counter(TorchDispatchMode):
     """Counts aten ops by name, and Triton launches / quantized kernels by kind; ops issued
@@ -162,7 +152,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12, help="op names listed")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        path = a.model or make_checkpoint.write_hybrid(small_e2b(), Path(tmp), (4, 64, "affine"))
+        path = a.model or make_checkpoint.write_hybrid(
+            hybrid_tables.narrow_gemma4(make_checkpoint.SHAPES["gemma-4-e2b"]), Path(tmp),
+            (4, 64, "affine"))
         m = mlxr.load(path, device="cpu", dtype="bfloat16")
     dec = m.decoder
     n_layers = dec.config.num_layers
