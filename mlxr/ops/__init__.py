@@ -157,12 +157,29 @@ def conv1d_silu(x, state, weight):
     return recurrent_reference.conv1d_silu(x, state, weight)
 
 
+GDN_CHUNKED_MIN_TOKENS = 64  # one chunk: shorter calls stay sequential
+
+
+def gdn_chunked(tokens: int) -> bool:
+    """Whether a gated delta rule over `tokens` new tokens runs in the chunked form:
+    MLXR_GDN_CHUNKED=1 (read at each call; off by default: the sequential form is mlx-lm's
+    order) and at least GDN_CHUNKED_MIN_TOKENS tokens."""
+    return (os.environ.get("MLXR_GDN_CHUNKED", "0") == "1"
+            and tokens >= GDN_CHUNKED_MIN_TOKENS)
+
+
 def gated_delta(q, k, v, g, beta, state):
     """The gated delta rule over T tokens, float32 state updated in place (see
-    recurrent_reference.gated_delta)."""
+    recurrent_reference.gated_delta; the chunked form where `gdn_chunked(T)`)."""
+    chunked = gdn_chunked(q.shape[1])
     if _fast(q):
-        from .recurrent.gated_delta_scan import gated_delta as fast
+        if chunked:
+            from .recurrent.gated_delta_chunked import gated_delta_chunked as fast
+        else:
+            from .recurrent.gated_delta_scan import gated_delta as fast
         return fast(q, k, v, g, beta, state)
+    if chunked:
+        return recurrent_reference.gated_delta_chunked(q, k, v, g, beta, state)
     return recurrent_reference.gated_delta(q, k, v, g, beta, state)
 
 
@@ -184,8 +201,9 @@ def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: 
     """The routed experts' weighted sum [T, E] by the MoE kernels: x [T, E_in], ids / weights
     [T, k] on the device; the decode kernels up to `decode_split.decode_max_pairs` (token,
     slot) pairs (launch configs from the env), beyond: dequant + torch._grouped_mm in bf16
-    (`moe.grouped_mm`, MLXR_MOE_GROUPED=mm), else the grouped Triton GEMM
-    (`moe.grouped_experts`: fp32, fp16, MLXR_MOE_GROUPED=triton)."""
+    (`moe.grouped_mm`, MLXR_MOE_GROUPED=mm), the in-kernel dequant grouped GEMM
+    (`moe.grouped_fused`, MLXR_MOE_GROUPED=fused, 2/4/8-bit codes or dense experts), else
+    the grouped Triton GEMM (`moe.grouped_experts`: fp32, fp16, MLXR_MOE_GROUPED=triton)."""
     from .moe import decode_split as dec
     from .moe import grouped_mm
 
@@ -195,6 +213,10 @@ def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: 
     args = (x, ids, weights, gate, up, down, act, alpha, limit, out_dtype, routed_scale)
     if grouped_mm.mm_takes(x, ids.numel(), gate, up, down):
         return grouped_mm.moe_grouped_mm(*args)
+    if grouped_mm.grouped_mode() == "fused":
+        from .moe import grouped_fused
+        if all(grouped_fused.fused_takes(q) for q in (gate, up, down)):
+            return grouped_fused.moe_grouped_fused(*args)
     from .moe.grouped_experts import moe_grouped
     return moe_grouped(*args)
 
@@ -207,6 +229,7 @@ def fast_kernels(device) -> bool:
 __all__ = ["MOE_KERNEL_ACTS", "ExpertQuant", "add_rms_norm", "attention", "attention_at",
            "attention_masked",
            "conv1d_silu", "fast_kernels", "gated_act", "gated_delta", "gated_delta_decode",
+           "gdn_chunked",
            "head_gate", "moe_combine", "moe_dense_experts", "moe_expert_act", "moe_experts",
            "moe_gate_up_pair", "moe_kernels_take",
            "moe_reference", "moe_route", "paged_attention", "paged_items",

@@ -18,7 +18,8 @@ grouped kernel is the fp32 summation order only (and, on the GPU, a fused multip
 the affine dequant that may move a weight by one bf16 unit where the fp32 value lies on a
 rounding boundary). bf16 only: fp32 (the exact mode) and fp16 stay on the Triton kernel.
 
-Selection (`mm_takes`): env MLXR_MOE_GROUPED = "mm" (default) or "triton"; at least
+Selection (`mm_takes`): env MLXR_MOE_GROUPED = "mm" (default), "triton" or "fused"
+(`grouped_fused`, the in-kernel dequant grouped GEMM); at least
 MLXR_MOE_MM_MIN_PAIRS pairs (default 0: every batch past the decode kernels); while a CUDA
 graph is being captured (the serving engine's batch buckets) only if MLXR_MOE_MM_GRAPHS is
 not "0" (capture of the path is checked by scripts/moe_gpu_perf.py).
@@ -39,9 +40,10 @@ AFFINE_BITS = (2, 3, 4, 5, 6, 8)  # prefill_dequant.DEQUANT_BITS
 
 
 def grouped_mode() -> str:
-    """MLXR_MOE_GROUPED: "mm" (dequant + torch._grouped_mm, default) or "triton"."""
+    """MLXR_MOE_GROUPED: "mm" (dequant + torch._grouped_mm, default), "triton" (the grouped
+    kernel of `grouped_experts`) or "fused" (`grouped_fused`)."""
     mode = os.environ.get("MLXR_MOE_GROUPED", "mm").lower()
-    return mode if mode in ("mm", "triton") else "mm"
+    return mode if mode in ("mm", "triton", "fused") else "mm"
 
 
 def mm_min_pairs() -> int:
