@@ -5,7 +5,8 @@ CUDA tensors, with triton importable and MLXR_KERNELS != "torch" (read at each c
 ops run as one Triton launch each (`mlxr.ops.layer.norm_rope_act`), behind the same signatures;
 `paged_attention` (the batched decode step over the paged cache) runs `mlxr.ops.kv_attention.paged`;
 `add_rms_norm` and `qkv_rope_write` (a layer's glue between its matmuls, fused) run
-`mlxr.ops.layer.add_norm_qkv_rope`. `attention` (eager, host positions) always runs the reference.
+`mlxr.ops.layer.add_norm_qkv_rope`; `residual_norm` (a sandwich-normed residual) runs
+`mlxr.ops.layer.residual_norm`. `attention` (eager, host positions) always runs the reference.
 """
 
 from __future__ import annotations
@@ -104,6 +105,20 @@ def add_rms_norm(h, r, weight, eps: float, offset: float = 0.0):
         from .layer.add_norm_qkv_rope import add_rms_norm as fast
         return fast(h, r, weight, eps, offset)
     return reference.add_rms_norm(h, r, weight, eps, offset)
+
+
+def residual_norm(h, a, weight, eps: float, scalar=None, next_weight=None):
+    """(h + rms_norm(a)) [* scalar] and the next norm of it (see reference.residual_norm): one
+    launch where the dtypes agree (`layer.residual_norm`)."""
+    if not _fast(h):
+        return reference.residual_norm(h, a, weight, eps, scalar, next_weight)
+    from .layer import residual_norm as fused
+    if fused.supported(h, a, weight, scalar, next_weight):
+        return fused.residual_norm(h, a, weight, eps, scalar, next_weight)
+    h = h + rms_norm(a, weight, eps)  # mixed dtypes: the reference's ops, the norms on Triton
+    if scalar is not None:
+        h = h * scalar
+    return h, None if next_weight is None else rms_norm(h, next_weight, eps)
 
 
 def qkv_rope_write(qkv, n_heads: int, n_kv_heads: int, head_dim: int, q_norm, k_norm,
@@ -232,4 +247,5 @@ __all__ = ["MOE_KERNEL_ACTS", "ExpertQuant", "add_rms_norm", "attention", "atten
            "head_gate", "moe_combine", "moe_dense_experts", "moe_expert_act", "moe_experts",
            "moe_gate_up_pair", "moe_kernels_take",
            "moe_reference", "moe_route", "paged_attention", "paged_items",
-           "paged_prefill_attention", "prefill_tile", "qkv_rope_write", "rms_norm", "rope"]
+           "paged_prefill_attention", "prefill_tile", "qkv_rope_write", "residual_norm", "rms_norm",
+           "rope"]
