@@ -93,7 +93,8 @@ def main() -> None:
             runs = [torch.randint(0, model.config.vocab_size, (b, n), generator=g).tolist()
                     for _ in range(2 * (a.repeats + 1))]
             check = embed_ids(model, runs[0][:2])
-            assert (through_engine(engine, runs[0][:2]) - check).abs().max() < 1e-2
+            got = through_engine(engine, runs[0][:2]).to(check.device)
+            assert (got - check).abs().max() < 1e-2, "engine and embed paths disagree"
             for i, (path, fn) in enumerate((("embed", lambda s: embed_ids(model, s)),
                                             ("engine", lambda s: through_engine(engine, s)))):
                 s = timed(fn, runs[i * (a.repeats + 1):(i + 1) * (a.repeats + 1)], dev)

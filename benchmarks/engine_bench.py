@@ -98,9 +98,11 @@ def main() -> None:
     engine = LLMEngine(model, max_num_seqs=max(batches), paged_decode=False if a.eager else None)
     setup = time.perf_counter() - t
     weights = sum(qw.nbytes for qw in engine.decoder.quant_weights())
+    kv = engine.pool.num_blocks if engine.pool is not None else "per-sequence (hybrid)"
     print(f"engine ready in {setup:.1f} s (decode graphs: "
           f"{sorted(engine.paged.graphs) if engine.paged else 'off'}); quantized weights with "
-          f"their copies {weights / 1e9:.2f} GB, KV pool {engine.pool.num_blocks} blocks")
+          f"their copies {weights / 1e9:.2f} GB, KV pool "
+          f"{kv} blocks")
     out, tokens = [], {}
     for b in batches:
         round_(engine, b, a.prompt, min(16, a.tokens), model.config.vocab_size, 0)  # warm-up

@@ -6,6 +6,8 @@ script goes on. Sections past --budget seconds are skipped (printed as SKIP).
 
     PYTHONPATH=. python scripts/moe_gpu_perf.py [--ckpt DIR] [--skip check,sweep,bench]
     PYTHONPATH=. TRITON_INTERPRET=1 python scripts/moe_gpu_perf.py --dry-run   (CPU, tiny)
+    PYTHONPATH=. python scripts/moe_gpu_perf.py --only grouped [--budget 100]
+      (the in-kernel dequant grouped GEMM vs mm only: scripts/moe_grouped_perf.py)
 
 Paths: "triton" (the grouped Triton kernel, `moe.grouped_experts`), "mm" (dequant +
 torch._grouped_mm, `moe.grouped_mm`), "dec g<bn,split,warps> d<bn,split,warps>" (the decode
@@ -367,7 +369,7 @@ def bench(ckpt: Path, maker: subprocess.Popen | None, picks: dict, budget: float
         with torch.inference_mode():
             return dec.forward(prompt, cache, last_only=True)
 
-    for mode in ("triton", "mm"):
+    for mode in ("triton", "mm", "fused"):
         os.environ["MLXR_MOE_GROUPED"] = mode
         try:
             sec, _ = time_call_eager(prefill, dev)
@@ -426,9 +428,18 @@ def main() -> None:
                     help="seconds for the whole run: the sweep stops at 60%%, the bench "
                          "starts before 75%%")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, interpreter")
+    ap.add_argument("--only", choices=["grouped"], help="grouped: the fused grouped GEMM vs "
+                    "mm alone (scripts/moe_grouped_perf.py), within --budget")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     dev = torch.device("cpu" if a.dry_run else "cuda")
+    if a.only == "grouped":
+        import moe_grouped_perf
+
+        if not a.dry_run:
+            say(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
+        moe_grouped_perf.run(dev, a.dry_run, a.budget)
+        return
     if a.dry_run:  # every section's code, one candidate of each kind
         global GATE_UP_CFGS, DOWN_CFGS, CHECK_GATE_UP, CHECK_DOWN
         GATE_UP_CFGS, DOWN_CFGS = GATE_UP_CFGS[::5], DOWN_CFGS[::3]

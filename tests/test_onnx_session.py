@@ -99,3 +99,22 @@ def test_two_threads_on_one_session_get_an_error(onnx_exports):
     assert len(results) == 1 and results[0][0].shape == (1, 3, 384)
     ours._decoder.forward = forward
     assert ours.run(["logits"], feeds)[0].shape == (1, 3, 384)  # usable again
+
+
+def test_scales_follow_the_compute_dtype(onnx_exports):
+    """MatMulNBits scales reach the decoder in a 16-bit compute dtype as MLX files ship them
+    (the decode GEMVs read 16-bit scale/bias pairs), and stay float32 in float32 mode; both
+    models still agree on the prompt's logits within bf16 noise."""
+    import torch
+
+    import mlxr
+
+    ids = [5, 17, 42, 7, 99]
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        m = mlxr.load(onnx_exports / "qwen2_int4_cpu", device="cpu", dtype=dtype)
+        for qw in m.decoder.quant_weights():
+            assert qw.scales.dtype == qw.biases.dtype == dtype, (dtype, qw.name)
+        out[dtype] = m.logits(ids).float()
+    bf16, f32 = out[torch.bfloat16], out[torch.float32]
+    assert (bf16 - f32).abs().max() <= 0.05 * f32.abs().max()

@@ -191,6 +191,9 @@ def main() -> None:
     ap.add_argument("--ort-threads", type=int, default=16)
     ap.add_argument("--ort-tokens", type=int, default=16)
     ap.add_argument("--no-ort", action="store_true", help="skip onnxruntime's CPU provider")
+    ap.add_argument("--build-only", action="store_true",
+                    help="write the checkpoints and the export, measure nothing (CPU only: "
+                    "overlaps another call's GPU work)")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     mc = make_checkpoint_module()
@@ -202,6 +205,8 @@ def main() -> None:
                            cfg["tie_word_embeddings"])
     print(json.dumps(dict(built_s=round(time.perf_counter() - t0, 1), native=str(native),
                           onnx=str(onnx_dir))), flush=True)
+    if a.build_only:
+        return
     prompt = [int(x) for x in np.random.default_rng(0).integers(3, cfg["vocab_size"] - 1,
                                                                 a.prompt)]
     rows = {}

@@ -89,6 +89,8 @@ def build_translated(ins: Inspection, dtype: torch.dtype, device: torch.device):
     clock = StepClock()
     external = {i: OrtRegion(ins.graph, cut, ins.kv[i], clock)
                 for i, (cut, _) in t.external.items()}
+    t.checkpoint.set_scale_dtype(dtype if dtype in (torch.bfloat16, torch.float16)
+                                 else torch.float32)
     decoder = build_decoder(t.checkpoint, t.config, dtype, device, external=external)
     for r, _ in t.subregions:
         layer = decoder.layers[r.layer]

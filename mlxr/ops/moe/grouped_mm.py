@@ -18,7 +18,8 @@ grouped kernel is the fp32 summation order only (and, on the GPU, a fused multip
 the affine dequant that may move a weight by one bf16 unit where the fp32 value lies on a
 rounding boundary). bf16 only: fp32 (the exact mode) and fp16 stay on the Triton kernel.
 
-Selection (`mm_takes`): env MLXR_MOE_GROUPED = "mm" (default) or "triton"; at least
+Selection (`mm_takes`): env MLXR_MOE_GROUPED = "mm" (default), "triton" or "fused"
+(`grouped_fused`, the in-kernel dequant grouped GEMM); at least
 MLXR_MOE_MM_MIN_PAIRS pairs (default 0: every batch past the decode kernels); while a CUDA
 graph is being captured (the serving engine's batch buckets) only if MLXR_MOE_MM_GRAPHS is
 not "0" (capture of the path is checked by scripts/moe_gpu_perf.py).
@@ -39,9 +40,11 @@ AFFINE_BITS = (2, 3, 4, 5, 6, 8)  # prefill_dequant.DEQUANT_BITS
 
 
 def grouped_mode() -> str:
-    """MLXR_MOE_GROUPED: "mm" (dequant + torch._grouped_mm, default) or "triton"."""
-    mode = os.environ.get("MLXR_MOE_GROUPED", "mm").lower()
-    return mode if mode in ("mm", "triton") else "mm"
+    """MLXR_MOE_GROUPED: "auto" (default: `grouped_fused` where it reads the stacks, mm where
+    it measured faster, see `ops.moe_experts`), "mm" (dequant + torch._grouped_mm), "fused"
+    (`grouped_fused`) or "triton" (the grouped kernel of `grouped_experts`)."""
+    mode = os.environ.get("MLXR_MOE_GROUPED", "auto").lower()
+    return mode if mode in ("auto", "mm", "triton", "fused") else "auto"
 
 
 def mm_min_pairs() -> int:
@@ -74,7 +77,7 @@ def _graphs_ok(dev: torch.device) -> bool:
 def mm_takes(x: Tensor, pairs: int, gate: ExpertQuant, up: ExpertQuant,
              down: ExpertQuant) -> bool:
     """Whether `moe_grouped_mm` serves this call (see the module doc)."""
-    return (grouped_mode() == "mm" and hasattr(torch, "_grouped_mm")
+    return (grouped_mode() in ("mm", "auto") and hasattr(torch, "_grouped_mm")
             and x.dtype == torch.bfloat16 and pairs >= mm_min_pairs()
             and all(dequant_takes(q) and q.shape[1] % 8 == 0 and q.shape[2] % 8 == 0
                     for q in (gate, up, down))

@@ -63,7 +63,14 @@ def combine(y: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
     """The experts' outputs y [N, k, E] weighted by w [N, k] and summed over k, in torch's
     (= mlx's) type promotion (bf16 y by float32 w sums in float32), cast to out_dtype, then
     times the routed scaling factor (laguna multiplies after the cast)."""
-    out = (y * w.unsqueeze(-1)).sum(dim=-2).to(out_dtype)
+    return combine_products(y * w.unsqueeze(-1), out_dtype, routed_scale)
+
+
+def combine_products(prod: torch.Tensor, out_dtype: torch.dtype,
+                     routed_scale: float = 1.0) -> torch.Tensor:
+    """`combine` from the weighted outputs prod [N, k, E] (y * w in torch's promotion, as a
+    kernel's epilogue may compute them): summed over k, cast, times the routed scale."""
+    out = prod.sum(dim=-2).to(out_dtype)
     return out if routed_scale == 1.0 else out * routed_scale
 
 

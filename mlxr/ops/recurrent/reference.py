@@ -93,6 +93,62 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     return torch.stack(ys, 1)
 
 
+CHUNK = 64  # tokens per chunk of the chunked form (the Triton kernel's tile height)
+LOG_G_MIN = -80.0  # log of a decay that underflowed to 0: e^-80 of the state is kept, not 0
+
+
+def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """`gated_delta` (same arguments, result and in-place state) in the chunked form: the
+    same recurrence, its float32 sums in another order. Per chunk of C = CHUNK tokens, with
+    H = S^T [Dk, Dv] the state at the chunk's start, b the in-chunk cumsum of log g, and
+    A [C, C] = strictly-lower(beta_i e^(b_i - b_j) k_i.k_j):
+      T = (I + A)^-1 (a unit lower-triangular solve), W = T diag(beta e^b) K,
+      U = T diag(beta) V - W H (each token's delta, from the chunk-start state),
+      O = diag(e^b) Q H + (lower(Q K^T e^(b_i - b_j))) U,
+      H' = e^(b_last) H + K^T diag(e^(b_last - b)) U.
+    Every exponent is <= 0. T need not be a multiple of C: the last chunk's missing rows are
+    zeros with log g = 0, beta = 0 (they change nothing)."""
+    bsz, t, hv, dv = v.shape
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError("gated_delta: the state must be a contiguous float32 tensor")
+    rep = hv // k.shape[2]
+    nt = -(-t // CHUNK)
+    pad = nt * CHUNK - t
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, ...] -> [B, H, NT, C, ...]
+        x = F.pad(x.float(), (0, 0) * (x.dim() - 3) + (0, 0, 0, pad))
+        return x.reshape(bsz, nt, CHUNK, *x.shape[2:]).movedim(3, 1)
+
+    qc = chunks(q.repeat_interleave(rep, 2))  # [B, Hv, NT, C, Dk]
+    kc = chunks(k.repeat_interleave(rep, 2))
+    vc = chunks(v)  # [B, Hv, NT, C, Dv]
+    bc = chunks(beta[..., None])[..., 0]  # [B, Hv, NT, C]
+    logg = torch.log(g.float()).clamp_min(LOG_G_MIN)
+    b = chunks(logg[..., None])[..., 0].cumsum(-1)
+    incl = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=v.device).tril()
+    strict = incl.tril(-1)
+    decay = torch.exp(torch.where(incl, b[..., :, None] - b[..., None, :], 0.0))
+    a = torch.where(strict, bc[..., :, None] * decay * (kc @ kc.transpose(-1, -2)), 0.0)
+    eye = torch.eye(CHUNK, device=v.device).expand_as(a)
+    tri = torch.linalg.solve_triangular(eye + a, eye, upper=False, unitriangular=True)
+    w = tri @ (kc * (bc * torch.exp(b))[..., None])  # [B, Hv, NT, C, Dk]
+    u0 = tri @ (vc * bc[..., None])  # [B, Hv, NT, C, Dv]
+    p = torch.where(incl, (qc @ kc.transpose(-1, -2)) * decay, 0.0)  # [B, Hv, NT, C, C]
+    h = state.transpose(-1, -2)  # [B, Hv, Dk, Dv]
+    ys = []
+    for c in range(nt):
+        bb = b[:, :, c]
+        u = u0[:, :, c] - w[:, :, c] @ h
+        ys.append(torch.exp(bb)[..., None] * (qc[:, :, c] @ h) + p[:, :, c] @ u)
+        last = bb[..., -1:]
+        h = (torch.exp(last)[..., None] * h
+             + kc[:, :, c].transpose(-1, -2) @ (u * torch.exp(last - bb)[..., None]))
+    state.copy_(h.transpose(-1, -2))
+    y = torch.stack(ys, 2).reshape(bsz, hv, nt * CHUNK, dv)[:, :, :t]
+    return y.transpose(1, 2).to(q.dtype)
+
+
 def rms_norm_gated(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
                    eps: float) -> torch.Tensor:
     """mlx-lm's RMSNormGated: rms_norm(y) * weight (rounded to y's dtype), then times
