@@ -58,6 +58,17 @@ def cut(cfg: dict, n: int) -> dict:
     return cfg
 
 
+def narrow_gemma4(cfg: dict) -> dict:
+    """A gemma4 shape at small widths (hidden 128, PLE 64, vocab 512), its structure kept:
+    layer count, KV sharing, the sliding / full pattern and window, the double-wide MLP."""
+    cfg = dict(cfg, vocab_size=512)
+    cfg["text_config"] = dict(cfg["text_config"], hidden_size=128, intermediate_size=128,
+                              num_attention_heads=2, head_dim=64, global_head_dim=128,
+                              hidden_size_per_layer_input=64, vocab_size=512,
+                              vocab_size_per_layer_input=512)
+    return cfg
+
+
 def _prefix(cfg: dict) -> str:
     return "language_model.model." if "text_config" in cfg else "model."
 

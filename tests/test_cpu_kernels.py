@@ -75,6 +75,101 @@ def test_qmm_matches_twin(mode, bits, group, m):
         assert not ((got - bad).abs() <= tol).all()
 
 
+def _int4_copy(n, k, group, g):
+    """torch's int4 copy of a random affine 4-bit weight: (packed, sz [K / G, N, 2])."""
+    from mlxr.quant import int4pack
+    from mlxr.quant.affine import unpack_codes
+
+    words, s, b = _weight("affine", 4, group, n, k, g)
+    return int4pack.pack(unpack_codes(words, 4, k)), int4pack.scales_and_zeros(s, b)
+
+
+def _i4_bound(x, sz, group):
+    """gamma_n * T (module docstring) for i4mm and its twin, n = K + groups + 8: every term
+    either side forms is at most |x| (23 |s| + |z|) per code (the kernel's s * sum(q x), q <=
+    15, and (z - 8 s) * sum(x); the twin's ((q - 8) s + z) x)."""
+    m, k = x.shape
+    s, z = sz[..., 0].float().abs(), sz[..., 1].float().abs()  # [K / G, N]
+    xa = x.float().abs().view(m, k // group, group).sum(-1)  # [M, K / G]
+    return 2 * (k + k // group + 8) * U * (xa @ (23 * s + z))
+
+
+@pytest.mark.skipif(not native.i4mm_serves(64, 64, 64), reason="i4mm not built for this CPU")
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
+def test_i4mm_matches_twin_and_torch(group, m):
+    """i4mm over torch's int4 copy against its twin (float32, the bound above), in bf16 within
+    one rounding more, and against torch's own int4 kernel on the same copy (each side's
+    float32 error plus a half ulp of bf16 rounding each); a zero off by one scale fails."""
+    from mlxr.quant import int4pack
+
+    g = torch.Generator().manual_seed(group * 100 + m)
+    n, k = 192, 512  # three 64-row blocks
+    packed, sz = _int4_copy(n, k, group, g)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    want = twins.i4mm(x, packed, sz, group, torch.float32)
+    tol = _i4_bound(x, sz, group)
+    got = native.i4mm(x, packed, sz, group, torch.float32)
+    assert ((got - want).abs() <= tol).all(), ((got - want).abs() / tol).max()
+    got16 = native.i4mm(x, packed, sz, group, torch.bfloat16).float()
+    assert ((got16 - want).abs() <= tol + 2 ** -8 * want.abs()).all()
+    theirs = int4pack.mm(x, packed, group, sz).float()
+    assert ((got16 - theirs).abs() <= 2 * tol + 2 ** -7 * want.abs()).all()
+    bad_sz = sz.clone()
+    bad_sz[..., 1] = (sz[..., 1].float() + sz[..., 0].float()).to(torch.bfloat16)
+    bad = twins.i4mm(x, packed, bad_sz, group, torch.float32)
+    assert not ((got - bad).abs() <= tol).all()
+
+
+@pytest.mark.skipif(not native.i4mm_serves(64, 64, 64), reason="i4mm not built for this CPU")
+def test_i4mm_rows_do_not_depend_on_the_batch():
+    """Each row of a 1..16-row call equals that row alone, bit for bit (as torch's int4
+    kernel: the engine's batch-equals-single checks rely on it); x spans many binades so
+    that another summation order would show."""
+    g = torch.Generator().manual_seed(7)
+    packed, sz = _int4_copy(128, 1024, 64, g)
+    x = (torch.randn(16, 1024, generator=g)
+         * torch.exp(3 * torch.randn(16, 1024, generator=g))).to(torch.bfloat16)
+    alone = torch.cat([native.i4mm(x[i:i + 1], packed, sz, 64, torch.float32)
+                       for i in range(16)])
+    for m in (2, 3, 4, 5, 16):
+        assert torch.equal(native.i4mm(x[:m], packed, sz, 64, torch.float32), alone[:m]), m
+
+
+@pytest.mark.skipif(not native.i4mm_serves(64, 64, 64), reason="i4mm not built for this CPU")
+@pytest.mark.parametrize("bits", [4, 8, 3])
+def test_affine_weights_take_i4mm(bits, monkeypatch):
+    """An affine weight's `linear` runs i4mm up to I4MM_MAX_M rows of x (over both nibble
+    planes for 8-bit: x once per plane) and torch's int4 kernel on the same copy above (the
+    same call as before: equal); i4mm within twice the bound above plus a bf16 ulp of torch's
+    kernel. With the kernels off at load the weight gets none."""
+    from mlxr.config import QuantSpec
+    from mlxr.quant import QuantWeight, cpu, int4pack
+
+    g = torch.Generator().manual_seed(bits)
+    n, k = 128, 256
+    words, s, b = _weight("affine", bits, 64, n, k, g)
+    qw = QuantWeight.from_tensors(words, s, b, QuantSpec("affine", bits, 64))
+    assert isinstance(qw.ckern, native.I4Matmul) and qw.ckern.max_m == cpu.I4MM_MAX_M
+    calls = []
+    real = qw.ckern.fn
+    qw.ckern.fn = lambda *a: calls.append(a[1]) or real(*a)
+    for m in (1, cpu.I4MM_MAX_M, cpu.I4MM_MAX_M + 1):
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        xp = x.repeat(1, qw.planes)
+        theirs = int4pack.mm(xp, qw.i4, 64, qw.i4_sz)
+        got = qw.linear(x)
+        if m > cpu.I4MM_MAX_M:
+            assert torch.equal(got, theirs)
+        else:
+            tol = 2 * _i4_bound(xp, qw.i4_sz, 64) + 2 ** -7 * theirs.float().abs()
+            assert ((got.float() - theirs.float()).abs() <= tol).all()
+    assert calls == [1, cpu.I4MM_MAX_M]
+    monkeypatch.setenv("MLXR_CPU_KERNELS", "0")
+    off = QuantWeight.from_tensors(words, s, b, QuantSpec("affine", bits, 64))
+    assert off.ckern is None and off.i4 is not None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2)])
 @pytest.mark.parametrize("gathered", [False, True])
@@ -197,7 +292,8 @@ def built(tmp_path_factory):
 @pytest.mark.parametrize("quant", ["q4g64", "mxfp4"])
 @pytest.mark.parametrize("kernels", ["1", "0"])
 def test_decode_against_mlx_lm(built, quant, kernels, monkeypatch):
-    """Decode with the kernels on (the default: attention, and mxfp4's matmuls) and off:
+    """Decode with the kernels on (the default: attention, and the matmuls: i4mm for q4g64,
+    qmm for mxfp4) and off:
     float32 logits within 1e-3 of each position's range of mlx-lm's (the kernels do not serve
     float32: the same path either way), bf16 within test_parity's bar (1.5x mlx-lm's own bf16
     error + 1% of the range), greedy tokens teacher-forced equal to mlx-lm's except at
@@ -210,8 +306,7 @@ def test_decode_against_mlx_lm(built, quant, kernels, monkeypatch):
     ours32, _ = _decode_logits(path, seq, "float32")
     assert (np.abs(ours32 - ref.logits32).max(-1) / scale).max() <= 1e-3
     ours, dec = _decode_logits(path, seq, "bfloat16")
-    if quant == "mxfp4":
-        assert (dec.layers[0].qkv.weight.ckern is not None) == (kernels == "1")
+    assert (dec.layers[0].qkv.weight.ckern is not None) == (kernels == "1")
     err = (np.abs(ours - ref.logits32).max(-1) / scale).max()
     mlx_err = (np.abs(ref.logits_bf16 - ref.logits32).max(-1) / scale).max()
     bar = 1.5 * mlx_err + 0.01

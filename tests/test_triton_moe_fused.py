@@ -179,4 +179,24 @@ def test_dispatch(monkeypatch, bits, want):
                     7.0, BF)
     assert calls == [want]
     monkeypatch.delenv("MLXR_MOE_GROUPED")
-    assert M.grouped_mode() == "mm"
+    assert M.grouped_mode() == "auto"
+
+
+@pytest.mark.parametrize("dtype,mode,tokens,want", [
+    (BF, "affine", 9, "fused"), (torch.float32, "affine", 9, "triton"),
+    (BF, "mxfp4", 9, "fused"), (BF, "mxfp4", 4097, "mm")])
+def test_auto_dispatch(monkeypatch, dtype, mode, tokens, want):
+    """The default (auto): the fused kernel in bf16 compute, for fp4 stacks only up to
+    8192 pairs (mm measured faster beyond); float32 keeps the grouped kernel."""
+    monkeypatch.delenv("MLXR_MOE_GROUPED", raising=False)
+    monkeypatch.delenv("MLXR_MOE_DECODE_MAX_PAIRS", raising=False)
+    calls = []
+    monkeypatch.setattr(F, "moe_grouped_fused", lambda *a, **k: calls.append("fused"))
+    monkeypatch.setattr(G, "moe_grouped", lambda *a, **k: calls.append("triton"))
+    monkeypatch.setattr(M, "moe_grouped_mm", lambda *a, **k: calls.append("mm"))
+    monkeypatch.setattr(M, "mm_takes", lambda x, *a: x.dtype == BF)  # its bf16 condition
+    q = stacked(mode, 4, 32 if mode == "mxfp4" else 64, False, 4, 16, 64, 1)
+    ids = torch.zeros(tokens, 2, dtype=torch.long)
+    ops.moe_experts(torch.zeros(tokens, 64, dtype=dtype), ids, ids.float(), q, q, q, "silu",
+                    1.702, 7.0, dtype)
+    assert calls == [want]

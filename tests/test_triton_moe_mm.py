@@ -25,7 +25,7 @@ from test_triton_qmm import abs_bound
 
 from mlxr import ops
 from mlxr.ops.matmul.generic_qmm import dequant_f32
-from mlxr.ops.moe import decode_split, grouped_experts as G, grouped_mm as M
+from mlxr.ops.moe import decode_split, grouped_experts as G, grouped_fused as F, grouped_mm as M
 
 INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU
 
@@ -144,16 +144,21 @@ class _Calls:
         return fn
 
 
+MM = {"MLXR_MOE_GROUPED": "mm"}
+
+
 @pytest.mark.parametrize("dtype,pairs,env,want", [
-    (BF, 16, {}, "decode"), (BF, 18, {}, "mm"), (torch.float32, 18, {}, "triton"),
-    (torch.float16, 18, {}, "triton"), (BF, 18, {"MLXR_MOE_GROUPED": "triton"}, "triton"),
-    (BF, 18, {"MLXR_MOE_MM_MIN_PAIRS": "20"}, "triton"),
-    (BF, 20, {"MLXR_MOE_MM_MIN_PAIRS": "20"}, "mm"),
+    (BF, 16, {}, "decode"), (BF, 18, {}, "fused"), (BF, 18, MM, "mm"),
+    (torch.float32, 18, {}, "triton"), (torch.float16, 18, {}, "triton"),
+    (BF, 18, {"MLXR_MOE_GROUPED": "triton"}, "triton"),
+    (BF, 18, {**MM, "MLXR_MOE_MM_MIN_PAIRS": "20"}, "triton"),
+    (BF, 20, {**MM, "MLXR_MOE_MM_MIN_PAIRS": "20"}, "mm"),
     (BF, 32, {"MLXR_MOE_DECODE_MAX_PAIRS": "32"}, "decode"),
-    (BF, 34, {"MLXR_MOE_DECODE_MAX_PAIRS": "32"}, "mm")])
+    (BF, 34, {**MM, "MLXR_MOE_DECODE_MAX_PAIRS": "32"}, "mm")])
 def test_dispatch(monkeypatch, dtype, pairs, env, want):
-    """ops.moe_experts: decode kernels up to the crossover, mm for bf16 beyond (unless the
-    env says triton or the pairs are below MLXR_MOE_MM_MIN_PAIRS), the Triton kernel else."""
+    """ops.moe_experts: decode kernels up to the crossover; beyond, bf16 takes the fused
+    grouped GEMM by default and mm when the env says so (unless the pairs are below
+    MLXR_MOE_MM_MIN_PAIRS), the Triton kernel else."""
     for k in ("MLXR_MOE_GROUPED", "MLXR_MOE_MM_MIN_PAIRS", "MLXR_MOE_DECODE_MAX_PAIRS"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
@@ -163,6 +168,7 @@ def test_dispatch(monkeypatch, dtype, pairs, env, want):
     monkeypatch.setattr(decode_split, "moe_down_split", calls("decode"))
     monkeypatch.setattr(M, "moe_grouped_mm", calls("mm"))
     monkeypatch.setattr(G, "moe_grouped", calls("triton"))
+    monkeypatch.setattr(F, "moe_grouped_fused", calls("fused"))
     q = stacked("affine", 4, 64, False, 4, 16, 64, 1)
     ids = torch.zeros(pairs // 2, 2, dtype=torch.long)
     ops.moe_experts(torch.zeros(pairs // 2, 64, dtype=dtype), ids, ids.float(), q, q, q,

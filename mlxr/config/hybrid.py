@@ -294,7 +294,11 @@ def parse_gemma4(raw: dict, source: str) -> ModelConfig:
                                      "rope_type": "proportional"},
                   "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}
     dims = tuple(global_dim if f else head_dim for f in full)
-    ropes = tuple(_gemma4_rope(r, params, t, d, max_pos) for t, d in zip(types, dims))
+    # one spec object per layer type: the decoder keys its RoPE tables (and their per-step
+    # gathers) by spec identity, two per forward instead of two per layer
+    kinds = {key: _gemma4_rope(r, params, *key, max_pos)
+             for key in dict.fromkeys(zip(types, dims))}
+    ropes = tuple(kinds[key] for key in zip(types, dims))
     spec = Gemma4Spec(
         layer_types=types, head_dims=dims,
         kv_heads=tuple(global_kv if e else kv for e in k_eq_v), kv_source=tuple(kv_source),

@@ -165,6 +165,24 @@ class PrefillGraph:
         return self.logits
 
 
+class PaddedPrefillGraph(PrefillGraph):
+    """A PrefillGraph of a decoder whose prompt runs `forward` rather than `forward_step` (the
+    hybrid gemma4, over its HybridCache): the captured body is `forward_padded`, the padded
+    prompt at positions [0, bucket) and the logits of the device row."""
+
+    def _body(self) -> None:
+        self.logits = self.decoder.forward_padded(self.ids, self.row, self.cache)
+
+
+def padded_prefill(decoder, cache, bucket: int) -> bool:
+    """Whether a decoder without `forward_step` prefills `bucket` tokens in a graph: it pads
+    safely there (`pads_fit`: attention layers only, no ring wraps) and
+    `MLXR_HYBRID_PREFILL_GRAPHS=1` (opt-in until measured on a GPU against the eager
+    prefill: scripts/gemma4_prefill_gpu.py)."""
+    return (os.environ.get("MLXR_HYBRID_PREFILL_GRAPHS") == "1"
+            and hasattr(decoder, "forward_padded") and decoder.pads_fit(cache, bucket))
+
+
 def prefill_bucket(n: int, capacity: int) -> int | None:
     """The prefill graph bucket for an n-token prompt in a cache of `capacity` slots."""
     if os.environ.get("MLXR_PREFILL_GRAPHS", "1") == "0":
@@ -204,16 +222,20 @@ class GraphCache:
         not captured (`prefill_graphs` False: a tensor-parallel rank 0), or the capture
         failed: that bucket then stays eager, with a warning)."""
         bucket = prefill_bucket(n, cache.capacity)
-        # hybrids prefill eagerly: no `forward_step` (their prompt runs `forward`, which also
-        # starts the recurrent state)
-        if (bucket is None or not graphable(decoder) or not hasattr(decoder, "forward_step")
-                or not getattr(decoder, "prefill_graphs", True)):
+        # hybrids without `forward_step` prefill eagerly (a recurrent state would take in the
+        # padding), but for those that pad safely (`padded_prefill`: gemma4)
+        if bucket is None or not graphable(decoder) or not getattr(decoder, "prefill_graphs",
+                                                                   True):
+            return None
+        kind = PrefillGraph if hasattr(decoder, "forward_step") else \
+            PaddedPrefillGraph if padded_prefill(decoder, cache, bucket) else None
+        if kind is None:
             return None
         key = (cache.capacity, bucket)
         if key not in self.prefill:
             pool = self.pools.setdefault(cache.capacity, torch.cuda.graph_pool_handle())
             try:
-                self.prefill[key] = PrefillGraph(decoder, cache, bucket, pool)
+                self.prefill[key] = kind(decoder, cache, bucket, pool)
             except Exception as e:  # noqa: BLE001 -- e.g. an op that cannot be captured: eager
                 log.warning("prefill graph for %d tokens not captured (%s); running eager",
                             bucket, e)

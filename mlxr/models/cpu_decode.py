@@ -18,8 +18,9 @@ calls:
 
 Every intermediate is rounded where `ops.reference` rounds it. With env `MLXR_CPU_KERNELS=0`
 the logits equal the generic loop's bit for bit (tests/test_cpu_decode.py); by default the
-compiled kernels (`mlxr.ops.cpu`) serve the matmuls of the formats where they measured faster
-(`quant.cpu.KERNEL_ROWS`, in both paths) and, here only, attention: q . K in float32
+compiled kernels (`mlxr.ops.cpu`) serve the matmuls where they measured faster (`qmm` for
+`quant.cpu.KERNEL_ROWS`, `i4mm` over the int4 copy of affine weights up to
+`quant.cpu.I4MM_MAX_M` rows; in both paths) and, opt-in and here only, attention: q . K in float32
 reading the bf16 cache in place (torch would need float32 copies of the K/V slices, or a bf16
 GEMM that rounds the scores), float32 softmax and P . V, rounded where the reference rounds.
 Only the float32 summation order differs, but an output can then round to the neighbouring

@@ -108,7 +108,10 @@ class Gemma4Decoder:
         self.config, self.embed, self.ple, self.layers = config, embed, ple, layers
         self.norm, self.lm_head, self.dtype, self.device = norm, lm_head, dtype, device
         self.spec: Gemma4Spec = config.arch
-        self.ropes = [Rope(r, device) for r in config.layer_rope]
+        # one Rope (one device table) per distinct spec; the config shares a spec per layer type
+        kinds = {id(r): Rope(r, device) for r in config.layer_rope}
+        self.ropes = [kinds[id(r)] for r in config.layer_rope]
+        self._rope_kinds = list(kinds.values())
         self._ones = {d: torch.ones(d, dtype=dtype, device=device)
                       for d in set(self.spec.head_dims)}
 
@@ -181,18 +184,22 @@ class Gemma4Decoder:
         eps = c.rms_norm_eps
         h = _scalar(self.embed(ids), c.embed_scale)
         ple = self._per_layer_inputs(ids, h) if self.ple is not None else None
-        for i, ly in enumerate(self.layers):
-            a = attend(i, ly, ops.rms_norm(h, ly.input_norm, eps))
-            h = h + ops.rms_norm(a, ly.post_attn_norm, eps)
-            m = ly.down_proj(_gated_act(ly.gate_up, ops.rms_norm(h, ly.pre_mlp_norm, eps),
-                                        c.hidden_act))
-            if ly.moe is not None:
-                m = ops.rms_norm(m, ly.moe.post_mlp_norm, eps) + ly.moe(h, eps)
-            h = h + ops.rms_norm(m, ly.post_mlp_norm, eps)
-            if ple is not None:
-                g = ops.gated_act(ly.ple_gate(h), ple[:, i], c.hidden_act)
-                h = h + ops.rms_norm(ly.ple_proj(g), ly.ple_norm, eps)
-            h = h * ly.scalar
+        # Each branch's output is normed, added, (the layer's last one) scaled, and normed for
+        # the next branch: one `residual_norm` each (one launch on CUDA), x the next input.
+        x = ops.rms_norm(h, self.layers[0].input_norm, eps)
+        nexts = [ly.input_norm for ly in self.layers[1:]] + [None]
+        for i, (ly, nxt) in enumerate(zip(self.layers, nexts)):
+            h, x = ops.residual_norm(h, attend(i, ly, x), ly.post_attn_norm, eps,
+                                     next_weight=ly.pre_mlp_norm)
+            m = ly.down_proj(_gated_act(ly.gate_up, x, c.hidden_act))
+            if ly.moe is not None:  # norm(m) + experts(h), added in the other order: the same
+                m, _ = ops.residual_norm(ly.moe(h, eps), m, ly.moe.post_mlp_norm, eps)
+            if ple is None:
+                h, x = ops.residual_norm(h, m, ly.post_mlp_norm, eps, ly.scalar, nxt)
+                continue
+            h, _ = ops.residual_norm(h, m, ly.post_mlp_norm, eps)
+            g = ops.gated_act(ly.ple_gate(h), ple[:, i], c.hidden_act)
+            h, x = ops.residual_norm(h, ly.ple_proj(g), ly.ple_norm, eps, ly.scalar, nxt)
         return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -203,9 +210,33 @@ class Gemma4Decoder:
     def forward(self, ids: torch.Tensor, cache: HybridCache,
                 last_only: bool = False) -> torch.Tensor:
         """Run ids [T] at positions [cache.length, +T); logits float32 [T|1, V]."""
+        h = self._rows(ids, cache)
+        return self._logits(h[-1:] if last_only else h)
+
+    def pads_fit(self, cache: HybridCache, bucket: int) -> bool:
+        """Whether a prompt padded to `bucket` tokens may prefill `cache` (`forward_padded`):
+        no MoE layer (the experts' torch path groups tokens on the host), and every ring holds
+        `bucket` slots (a wider prompt would wrap: its padding would overwrite real
+        positions)."""
+        return all(ly.moe is None for ly in self.layers) and all(
+            k.shape[1] >= bucket for k in cache.k if k is not None)
+
+    def forward_padded(self, ids: torch.Tensor, row: torch.Tensor,
+                       cache: HybridCache) -> torch.Tensor:
+        """A prompt padded at its end to ids [B] (device), at positions [0, B) of an emptied
+        cache, with no host value read (the prefill graph, `PaddedPrefillGraph`): logits
+        float32 [1, V] of row [1] (device long; the prompt's last). The padding is invisible
+        to the rows before it (causal), and its K/V lands in slots a decode step overwrites
+        before a query can see them (`pads_fit`: no ring wraps within B)."""
+        cache.length = 0
+        return self._logits(self._rows(ids, cache).index_select(0, row))
+
+    def _rows(self, ids: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+        """The layers over ids [T] at positions [cache.length, +T), the cache extended: the
+        hidden rows [T, E] before the final norm."""
         t, start = ids.shape[0], cache.length
         cache.reserve(start + t)
-        tables = {id(r.spec): r.cos_sin(start, t) for r in self.ropes}
+        tables = {id(r.spec): r.cos_sin(start, t) for r in self._rope_kinds}
 
         def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
             kv = ly.kv(x) if ly.kv is not None else None
@@ -216,7 +247,7 @@ class Gemma4Decoder:
 
         h = self._layers(ids.to(self.device), attend)
         cache.length = start + t
-        return self._logits(h[-1:] if last_only else h)
+        return h
 
     def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, pool: HybridCache,
                        tables: dict) -> torch.Tensor:
@@ -228,14 +259,15 @@ class Gemma4Decoder:
         c, s = self.config, self.spec
         rows = {key: (cos.index_select(0, pos), sin.index_select(0, pos))
                 for key, (cos, sin) in tables.items()}
+        slots = pool.step_slots(pos)  # buffer length -> (write slot, last visible slot)
 
         def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
             kv = ly.kv(x) if ly.kv is not None else None
             q, k, v = self._qkv(i, ly, ly.q_proj(x), kv, *rows[id(self.ropes[i].spec)])
             if k is not None:
-                pool.write_at(i, k, v, pos)
+                pool.write_at(i, k, v, slots[pool.k[i].shape[1]][0])
             src = s.kv_source[i]
-            out = ops.attention_at(q, pool.k[src], pool.v[src], pool.visible_upto(src, pos),
+            out = ops.attention_at(q, pool.k[src], pool.v[src], slots[pool.k[src].shape[1]][1],
                                    None, c.attn_scale)
             return ly.o_proj(out.reshape(1, c.num_heads * s.head_dims[i]))
 
@@ -249,11 +281,9 @@ class Gemma4Decoder:
         for c in caches:
             c.reserve(c.length + 1)
         tables = {}
-        for r in self.ropes:
-            if id(r.spec) not in tables:
-                cs = [r.cos_sin(s, 1) for s in starts]
-                tables[id(r.spec)] = (torch.cat([a for a, _ in cs]),
-                                      torch.cat([b for _, b in cs]))
+        for r in self._rope_kinds:
+            cs = [r.cos_sin(s, 1) for s in starts]
+            tables[id(r.spec)] = (torch.cat([a for a, _ in cs]), torch.cat([b for _, b in cs]))
 
         def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
             kv = ly.kv(x) if ly.kv is not None else None

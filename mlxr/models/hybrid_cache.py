@@ -13,7 +13,7 @@ slot has wrapped yet (slot = position) and growing the ring copies slots as they
 layers keep every position (slot = position), grown geometrically.
 
 Every buffer is updated in place, so a decode step reading them at fixed addresses (and its
-position as a device tensor: `write_at`, `visible_upto`) can be captured in a CUDA graph.
+position as a device tensor: `step_slots`, `write_at`) can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -165,8 +165,11 @@ class HybridCache:
         lo = max(0, start - w + 1)
         keep = min(t, n)  # a chunk longer than the ring leaves only its last n positions
         old, slots = self._ring_slots(lo, start, t, n)
-        keys = torch.cat((self.k[i].index_select(1, old), k), 1)
-        values = torch.cat((self.v[i].index_select(1, old), v), 1)
+        if lo == start:  # nothing earlier in view (a prompt's first chunk): the new K/V alone
+            keys, values = k, v
+        else:
+            keys = torch.cat((self.k[i].index_select(1, old), k), 1)
+            values = torch.cat((self.v[i].index_select(1, old), v), 1)
         self.k[i].index_copy_(1, slots, k[:, t - keep:])
         self.v[i].index_copy_(1, slots, v[:, t - keep:])
         return keys, values, lo
@@ -182,15 +185,16 @@ class HybridCache:
                                 torch.arange(start + t - keep, start + t, device=self.device) % n)
         return self._ring_index[1], self._ring_index[2]
 
-    def write_at(self, i: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """Store one token's K/V [K, 1, D] at position pos [1] (device long): slot pos % slots,
-        no host value read."""
-        slot = torch.remainder(pos, self.k[i].shape[1])
+    def step_slots(self, pos: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """For a token at position pos [1] (device long, no host value read), per K/V buffer
+        length n: (its write slot pos % n, the last slot it sees: clamp(pos, max=n - 1), as
+        `attention_at` takes it: every slot of a wrapped ring holds one of the last `window`
+        positions, all visible). Two device ops per distinct length, made once per step and
+        shared by the layers (a ring's layers all have one length, the full layers another)."""
+        lengths = dict.fromkeys(k.shape[1] for k in self.k if k is not None)
+        return {n: (torch.remainder(pos, n), torch.clamp(pos, max=n - 1)) for n in lengths}
+
+    def write_at(self, i: int, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor) -> None:
+        """Store one token's K/V [K, 1, D] in layer i's slot [1] (device long, `step_slots`)."""
         self.k[i].index_copy_(1, slot, k)
         self.v[i].index_copy_(1, slot, v)
-
-    def visible_upto(self, i: int, pos: torch.Tensor) -> torch.Tensor:
-        """The last slot a query at position pos [1] sees in layer i's buffer, as `attention_at`
-        takes it (slots 0..it visible, no window): every slot of a wrapped ring holds one of
-        the last `window` positions, which are all visible."""
-        return torch.clamp(pos, max=self.k[i].shape[1] - 1)

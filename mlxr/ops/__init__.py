@@ -5,7 +5,8 @@ CUDA tensors, with triton importable and MLXR_KERNELS != "torch" (read at each c
 ops run as one Triton launch each (`mlxr.ops.layer.norm_rope_act`), behind the same signatures;
 `paged_attention` (the batched decode step over the paged cache) runs `mlxr.ops.kv_attention.paged`;
 `add_rms_norm` and `qkv_rope_write` (a layer's glue between its matmuls, fused) run
-`mlxr.ops.layer.add_norm_qkv_rope`. `attention` (eager, host positions) always runs the reference.
+`mlxr.ops.layer.add_norm_qkv_rope`; `residual_norm` (a sandwich-normed residual) runs
+`mlxr.ops.layer.residual_norm`. `attention` (eager, host positions) always runs the reference.
 """
 
 from __future__ import annotations
@@ -106,6 +107,20 @@ def add_rms_norm(h, r, weight, eps: float, offset: float = 0.0):
     return reference.add_rms_norm(h, r, weight, eps, offset)
 
 
+def residual_norm(h, a, weight, eps: float, scalar=None, next_weight=None):
+    """(h + rms_norm(a)) [* scalar] and the next norm of it (see reference.residual_norm): one
+    launch where the dtypes agree (`layer.residual_norm`)."""
+    if not _fast(h):
+        return reference.residual_norm(h, a, weight, eps, scalar, next_weight)
+    from .layer import residual_norm as fused
+    if fused.supported(h, a, weight, scalar, next_weight):
+        return fused.residual_norm(h, a, weight, eps, scalar, next_weight)
+    h = h + rms_norm(a, weight, eps)  # mixed dtypes: the reference's ops, the norms on Triton
+    if scalar is not None:
+        h = h * scalar
+    return h, None if next_weight is None else rms_norm(h, next_weight, eps)
+
+
 def qkv_rope_write(qkv, n_heads: int, n_kv_heads: int, head_dim: int, q_norm, k_norm,
                    eps: float, offset: float, rope_scale: float, cos, sin, traditional: bool,
                    k_cache, v_cache, slots, positions=None):
@@ -185,10 +200,11 @@ def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: 
                 out_dtype, routed_scale: float = 1.0):
     """The routed experts' weighted sum [T, E] by the MoE kernels: x [T, E_in], ids / weights
     [T, k] on the device; the decode kernels up to `decode_split.decode_max_pairs` (token,
-    slot) pairs (launch configs from the env), beyond: dequant + torch._grouped_mm in bf16
-    (`moe.grouped_mm`, MLXR_MOE_GROUPED=mm), the in-kernel dequant grouped GEMM
-    (`moe.grouped_fused`, MLXR_MOE_GROUPED=fused, 2/4/8-bit codes or dense experts), else
-    the grouped Triton GEMM (`moe.grouped_experts`: fp32, fp16, MLXR_MOE_GROUPED=triton)."""
+    slot) pairs (launch configs from the env), beyond (MLXR_MOE_GROUPED, default auto): the
+    in-kernel dequant grouped GEMM (`moe.grouped_fused`: 2/4/8-bit codes or dense experts,
+    bf16 compute, `_fused_preferred`; =fused always), dequant + torch._grouped_mm in bf16
+    (`moe.grouped_mm`; =mm always), else the grouped Triton GEMM (`moe.grouped_experts`:
+    fp32, 3/5/6-bit; =triton always)."""
     from .moe import decode_split as dec
     from .moe import grouped_mm
 
@@ -196,14 +212,27 @@ def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: 
         h = dec.moe_gate_up_split(x, ids, gate, up, act, alpha, limit)
         return dec.moe_down_split(h, ids, weights, down, out_dtype, routed_scale)
     args = (x, ids, weights, gate, up, down, act, alpha, limit, out_dtype, routed_scale)
+    mode = grouped_mm.grouped_mode()
+    if mode in ("auto", "fused"):
+        from .moe import grouped_fused
+        if (all(grouped_fused.fused_takes(q) for q in (gate, up, down))
+                and (mode == "fused" or _fused_preferred(x, ids.numel(), gate))):
+            return grouped_fused.moe_grouped_fused(*args)
     if grouped_mm.mm_takes(x, ids.numel(), gate, up, down):
         return grouped_mm.moe_grouped_mm(*args)
-    if grouped_mm.grouped_mode() == "fused":
-        from .moe import grouped_fused
-        if all(grouped_fused.fused_takes(q) for q in (gate, up, down)):
-            return grouped_fused.moe_grouped_fused(*args)
     from .moe.grouped_experts import moe_grouped
     return moe_grouped(*args)
+
+
+def _fused_preferred(x, pairs: int, gate) -> bool:
+    """MLXR_MOE_GROUPED=auto: the fused grouped GEMM in bf16 compute (the dtype the H200
+    checked and timed; float32 and float16 keep the grouped kernel); for fp4 / fp8 stacks
+    up to 8192 pairs, where the H200 measured it ahead of mm (Qwen3-30B-A3B layer, T = 512:
+    0.59 vs 0.99 ms; T = 2048, 16384 pairs: 1.58 vs 1.40); affine at every size (T = 2048:
+    1.01 vs 1.43)."""
+    if x.dtype != torch.bfloat16:
+        return False
+    return gate.mode in ("affine", "dense") or pairs <= 8192
 
 
 def fast_kernels(device) -> bool:
@@ -218,4 +247,5 @@ __all__ = ["MOE_KERNEL_ACTS", "ExpertQuant", "add_rms_norm", "attention", "atten
            "head_gate", "moe_combine", "moe_dense_experts", "moe_expert_act", "moe_experts",
            "moe_gate_up_pair", "moe_kernels_take",
            "moe_reference", "moe_route", "paged_attention", "paged_items",
-           "paged_prefill_attention", "prefill_tile", "qkv_rope_write", "rms_norm", "rope"]
+           "paged_prefill_attention", "prefill_tile", "qkv_rope_write", "residual_norm", "rms_norm",
+           "rope"]

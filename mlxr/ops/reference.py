@@ -190,6 +190,17 @@ def add_rms_norm(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: fl
     return s, rms_norm(s, weight, eps, offset)
 
 
+def residual_norm(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float,
+                  scalar: torch.Tensor | None = None, next_weight: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A sandwich-normed residual: h' = (h + rms_norm(a, weight)) [* scalar], and
+    rms_norm(h', next_weight) (the next branch's input; None without next_weight)."""
+    h = h + rms_norm(a, weight, eps)
+    if scalar is not None:
+        h = h * scalar
+    return h, None if next_weight is None else rms_norm(h, next_weight, eps)
+
+
 def qkv_rope_write(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                    offset: float, rope_scale: float, cos: torch.Tensor, sin: torch.Tensor,

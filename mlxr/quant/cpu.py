@@ -7,7 +7,9 @@
 * affine 4-bit, bf16, M < `i4_max_m`: torch's packed-int4 kernel (reads 0.5 B/weight); the
   other affine widths through it too, over their nibble planes (`affine.planes`: 2/3-bit
   codes as nibbles, 5/6/8-bit as two planes against x repeated twice; `MLXR_PLANES=0` at load
-  keeps them on the tiles below).
+  keeps them on the tiles below). Up to `I4MM_MAX_M` rows mlxr's compiled GEMV reads that
+  same copy instead (`native.i4mm`, `i4_kernel_for`): the same weights, float32 sums in
+  another order, faster.
 * nvfp4 and mxfp8 (no int4 form), bf16/fp16: a dense copy dequantized once at load
   (`QuantWeight.dense`, 2 B/weight, within the loader's RAM budget).
 * everything else: dequantize tiles of output rows to the compute dtype and matmul them
@@ -45,10 +47,11 @@ TILE_BYTES = 4 << 20
 # torch's path reads (docs/perf.md "CPU decode", 6144 x 1024, 1 thread, kernel vs torch µs:
 # mxfp4 M=1 222 vs 646, M=4 619 vs 1040, M=16 2463 vs 4017 (torch: two int4 planes, 1 B per
 # weight); nvfp4 M=1 348 vs 1256, M=4 755 vs 857, M=16 2683 vs 1260 (torch: the bf16 dense
-# copy). Not served, measured: affine 4-bit (M=1 321 vs 255: torch's int4 kernel reads the
-# same 0.5 B per weight and is faster here), affine 8-bit (M=1 541 vs 658 but M=4 1419 vs 984:
-# not worth keeping the words beside the int4 planes, +1 B per weight), mxfp8 (E4M3 through a
-# gather: 2659 vs 1179).
+# copy). Not served by qmm, measured: affine 4-bit (M=1 321 vs 255: torch's int4 kernel reads
+# the same 0.5 B per weight and is faster here), affine 8-bit (M=1 541 vs 658 but M=4 1419 vs
+# 984: not worth keeping the words beside the int4 planes, +1 B per weight); the affine widths
+# get `i4mm` over the int4 copy instead (`i4_kernel_for`). mxfp8 (E4M3 through a gather: 2659
+# vs 1179).
 KERNEL_ROWS = {("mxfp4", 4): 16, ("nvfp4", 4): 4}
 
 
@@ -68,6 +71,20 @@ def kernel_for(qw, words: Tensor) -> native.QMatmul:
     return native.QMatmul(words.contiguous(), qw.scales, qw.biases, qw.spec.mode, qw.spec.bits,
                           qw.spec.group_size, qw.in_features, gm, qw.compute_dtype,
                           KERNEL_ROWS[(qw.spec.mode, qw.spec.bits)])
+
+
+# Rows of x up to which `native.i4mm` (over torch's int4 copy) serves affine weights: it beat
+# torch's int4 kernel on the same copy at every M measured up to 16 (docs/perf.md, "Session
+# 20": qwen3-0.6b's 6144 x 1024 M=1 ... us).
+I4MM_MAX_M = 16
+
+
+def i4_kernel_for(qw) -> native.I4Matmul | None:
+    """The compiled GEMV bound to an affine weight's torch int4 copy (`qw.i4`), or None where
+    it cannot read it (`native.i4mm_serves`: not built, another packing, N % 64 != 0)."""
+    if not native.i4mm_serves(qw.out_features, qw.in_features * qw.planes, qw.spec.group_size):
+        return None
+    return native.I4Matmul(qw.i4, qw.i4_sz, qw.spec.group_size, qw.planes, I4MM_MAX_M)
 
 
 def linear(qw, x: Tensor) -> Tensor:

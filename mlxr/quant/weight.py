@@ -96,7 +96,7 @@ class QuantWeight:
         self.tc_glu = False  # tc (and q4_sb) in decode_gemv_tc.glu_rows' order (`gated`)
         self.tc_gs: float | None = None  # an nvfp4 fp4 copy's global scale / 2688
         self.dense: Tensor | None = None  # CPU nvfp4 / mxfp8: dequant_rows' result, cached
-        self.ckern = None  # CPU: mlxr.ops.cpu's kernel bound to MLX's words (quant.cpu.kernel_for)
+        self.ckern = None  # CPU: mlxr.ops.cpu's kernel (quant.cpu.kernel_for / i4_kernel_for)
         self.planes = 1  # tc / i4 hold this many nibble planes of the codes (`affine.planes`)
         self.q4_sb: Tensor | None = None
         self.matmul = True
@@ -178,6 +178,8 @@ class QuantWeight:
         if dev.type == "cpu" and self.matmul and cpu.kernel_serves(spec, in_features,
                                                                    compute_dtype):
             self.ckern = cpu.kernel_for(self, packed)  # holds the words where nothing else does
+        elif self.i4 is not None and self.matmul and self.spec.mode == "affine":
+            self.ckern = cpu.i4_kernel_for(self)  # reads the int4 copy (None where it cannot)
         return self
 
     def _int4_copy(self, packed: Tensor, chunk_rows: int = 4096) -> bool:
@@ -258,10 +260,9 @@ class QuantWeight:
         ts = (self.packed, self.codes, self.i4, self.i4_sz, self.q4, self.tc, self.q4_sb,
               self.dense,
               self.scales, self.biases, self.global_scale)
-        if self.ckern is not None:  # the compiled kernel's words, where `packed` is not them
-            w = self.ckern.keep[0]
-            if self.packed is None or w.data_ptr() != self.packed.data_ptr():
-                ts = (*ts, w)
+        w = None if self.ckern is None else self.ckern.words
+        if w is not None and (self.packed is None or w.data_ptr() != self.packed.data_ptr()):
+            ts = (*ts, w)  # the compiled kernel's words, where `packed` is not them
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     @property

@@ -1,13 +1,13 @@
 /* mlxr's own CPU kernels, the Python module (qmm.c: quantized matmul straight from MLX's
- * packed layout; attend.c: one-token attention over a bf16 / f32 KV cache).
+ * packed layout; i4mm.c: the affine decode GEMV over torch's int4 copy; attend.c: one-token attention over a bf16 / f32 KV cache).
  *
  * Why hand-written (docs/perf.md, "CPU decode"): torch reads mxfp4 through two int4 nibble
  * planes (twice the bytes, x twice) and nvfp4 / mxfp8 through a bf16 copy (2 B per weight);
  * decode attention in torch needs float32 copies of the bf16 K/V (a bf16 bmm rounds the
  * scores, an out_dtype=float32 bmm is not on the CPU); and every torch op costs a dispatch of
  * a few microseconds. Here a matmul is one call that reads the MLX words once, and attention
- * reads the bf16 K/V in place with float32 math. (For affine 4-bit torch's int4 kernel reads
- * the same bytes and measured faster: mlxr keeps it there, quant/cpu.py says where.)
+ * reads the bf16 K/V in place with float32 math. (For affine weights qmm lost to torch's int4
+ * kernel; i4mm reads that kernel's own copy ~1.5-2x faster: quant/cpu.py says where.)
  *
  * A plain CPython extension: tensors arrive as data_ptr() integers and sizes (no torch headers,
  * so the build is fast and independent of torch's C++ ABI); the caller (mlxr/ops/cpu/native.py)
@@ -59,6 +59,31 @@ static PyObject *py_qmm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_i4mm(PyObject *self, PyObject *args) {
+    (void)self;
+    I4Args a;
+    unsigned long long x, w, sz, y;
+    long long m, k, n;
+    int nthreads;
+    memset(&a, 0, sizeof a);
+    if (!PyArg_ParseTuple(args, "KLLKKLiKii", &x, &m, &k, &w, &sz, &n, &a.group, &y, &a.y_dt,
+                          &nthreads))
+        return NULL;
+    a.x = (const void *)(uintptr_t)x; a.w = (const uint8_t *)(uintptr_t)w;
+    a.sz = (const uint16_t *)(uintptr_t)sz; a.y = (void *)(uintptr_t)y;
+    a.m = m; a.k = k; a.n = n;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = i4mm_run(&a, nthreads < 1 ? 1 : nthreads);
+    Py_END_ALLOW_THREADS
+    if (rc == -2) {
+        PyErr_SetString(PyExc_RuntimeError, "mlxr.ops.cpu: i4mm not compiled for this CPU");
+        return NULL;
+    }
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_attend(PyObject *self, PyObject *args) {
     (void)self;
     AArgs a;
@@ -88,11 +113,13 @@ static PyObject *py_features(PyObject *self, PyObject *noargs) {
 #else
     int omp = 0;
 #endif
-    return Py_BuildValue("{s:i,s:i}", "avx512", MLXR_AVX512, "openmp", omp);
+    return Py_BuildValue("{s:i,s:i,s:i}", "avx512", MLXR_AVX512, "openmp", omp, "i4mm",
+                         MLXR_I4MM);
 }
 
 static PyMethodDef methods[] = {
     {"qmm", py_qmm, METH_VARARGS, "quantized x @ W^T from MLX's packed layout"},
+    {"i4mm", py_i4mm, METH_VARARGS, "x @ W^T from torch's packed int4 CPU copy"},
     {"attend", py_attend, METH_VARARGS, "one-token attention over a KV cache"},
     {"features", py_features, METH_NOARGS, "how this build was compiled"},
     {NULL, NULL, 0, NULL}};

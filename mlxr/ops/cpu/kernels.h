@@ -14,6 +14,12 @@
 #else
 #define MLXR_AVX512 0
 #endif
+/* i4mm.c also permutes bytes (vpermb, AVX512-VBMI) */
+#if MLXR_AVX512 && defined(__AVX512VBMI__)
+#define MLXR_I4MM 1
+#else
+#define MLXR_I4MM 0
+#endif
 
 /* rows ahead the GEMV prefetches (8, 16, 32 tried in the decode step: 16 best) */
 #define PF_ROWS 16
@@ -93,6 +99,20 @@ typedef struct {
 } QArgs;
 
 int qmm_run(QArgs *a, int nthreads);
+
+/* ------------------------------------------------------------------ torch's int4 copy */
+
+/* y [m, n] = x [m, k] (bf16) @ W^T for W in torch's packed int4 CPU layout with 64-row
+ * blocks (`w`: [n / 64, k, 32] bytes) and its scales and zeros (`sz`: [k / group, n, 2]
+ * bf16, w = (q - 8) * scale + zero); y float32 or bf16. i4mm.c says why and how. */
+typedef struct {
+    const void *x; int64_t m, k;
+    const uint8_t *w; const uint16_t *sz; int64_t n; int group;
+    void *y; int y_dt;
+    uint16_t tab[32];  /* code -> bf16 value, twice (vpermw indexes 32 entries) */
+} I4Args;
+
+int i4mm_run(I4Args *a, int nthreads);
 
 /* ------------------------------------------------------------------ decode attention */
 

@@ -48,7 +48,8 @@ def attend_enabled() -> bool:
 
 
 def features() -> dict[str, int]:
-    """How the extension was compiled: {"avx512": 0/1, "openmp": 0/1} ({} when absent)."""
+    """How the extension was compiled: {"avx512": 0/1, "openmp": 0/1, "i4mm": 0/1} ({} when
+    absent)."""
     m = _module()
     return dict(m.features()) if m is not None else {}
 
@@ -100,6 +101,35 @@ def qmm(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor | None, mode: s
     return y
 
 
+def i4mm_serves(out_features: int, in_features: int, group: int) -> bool:
+    """Whether `i4mm` can read a weight's torch int4 copy: built with its vector path, this
+    torch packing 64-row blocks (`int4pack.block`), N a multiple of 64, the group even."""
+    from mlxr.quant import int4pack
+
+    return (enabled() and bool(features().get("i4mm")) and int4pack.block() == 64
+            and out_features % 64 == 0 and group % 4 == 0 and in_features % group == 0)
+
+
+def i4mm(x: Tensor, packed: Tensor, sz: Tensor, group: int, out_dtype: torch.dtype) -> Tensor:
+    """y [M, N] = x [M, K] (bf16) @ W^T for W in torch's packed int4 CPU copy (`packed`:
+    uint8 [N / 64, K, 32] bytes as `int4pack.pack` makes them, 64-row blocks; `sz` [K / G, N,
+    2] bf16 scale and zero, w = (q - 8) * scale + zero): the values of
+    `torch._weight_int4pack_mm_for_cpu(x, packed, group, sz)`, float32 sums in another order,
+    rounded to `out_dtype` (bf16 / float32) once. Callers check `i4mm_serves` first."""
+    m, k = x.shape
+    kg, n, two = sz.shape
+    _check(x.dtype == torch.bfloat16 and x.is_contiguous(), "x")
+    _check(two == 2 and sz.dtype == torch.bfloat16 and sz.is_contiguous() and kg * group == k
+           and n % 64 == 0 and group % 4 == 0, f"scales/zeros {tuple(sz.shape)} for K={k}")
+    _check(packed.dtype == torch.uint8 and packed.is_contiguous()
+           and packed.numel() * 2 == n * k, f"int4 copy {tuple(packed.shape)} for [{n}, {k}]")
+    _check(out_dtype in (torch.bfloat16, torch.float32), "out dtype")
+    y = torch.empty(m, n, dtype=out_dtype)
+    _module().i4mm(x.data_ptr(), m, k, packed.data_ptr(), sz.data_ptr(), n, group, y.data_ptr(),
+                   DTYPES[out_dtype], torch.get_num_threads())
+    return y
+
+
 def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor | None, start: int,
            length: int, scale: float) -> Tensor:
     """One token's attention: q [H, D] over cache positions of k_cache / v_cache [KH, P, D]
@@ -135,6 +165,7 @@ class QMatmul:
         x = torch.zeros(1, in_features, dtype=out_dtype)
         qmm(x, words, scales, biases, mode, bits, group, global_mul, out_dtype)  # the checks
         self.keep = (words, scales, biases)  # the pointers below stay valid while we live
+        self.words = words  # what it reads beside the weight's storage (QuantWeight.nbytes)
         self.n, self.k, self.out_dtype = words.shape[0], in_features, out_dtype
         self.max_m = max_m  # the caller's cutoff: rows of x up to which this serves
         b = biases if biases is not None else scales
@@ -150,4 +181,31 @@ class QMatmul:
         y = torch.empty(x.shape[0], self.n, dtype=self.out_dtype)
         self.fn(x.data_ptr(), DTYPES[x.dtype], x.shape[0], self.k, *self.args, y.data_ptr(),
                 DTYPES[self.out_dtype], torch.get_num_threads())
+        return y
+
+
+class I4Matmul:
+    """`i4mm` bound to a weight's torch int4 copy (`QuantWeight.i4` / `i4_sz`, `planes` nibble
+    planes of its codes side by side: x repeated once per plane, as torch's kernel is called
+    over them), its checks done once; serves up to `max_m` rows of x."""
+
+    words = None  # reads the weight's own int4 copy: nothing kept beside it
+
+    def __init__(self, packed: Tensor, sz: Tensor, group: int, planes: int, max_m: int):
+        kp = sz.shape[0] * group
+        i4mm(torch.zeros(1, kp, dtype=torch.bfloat16), packed, sz, group, torch.bfloat16)
+        self.keep = (packed, sz)
+        self.n, self.k, self.planes, self.max_m = sz.shape[1], kp // planes, planes, max_m
+        self.args = (packed.data_ptr(), sz.data_ptr(), self.n, group)
+        self.fn = _module().i4mm
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x [M, in] bf16 -> [M, out] bf16."""
+        if x.dim() != 2 or x.shape[1] != self.k or x.dtype != torch.bfloat16:
+            raise ValueError(f"mlxr.ops.cpu: x {tuple(x.shape)} {x.dtype} for in={self.k}")
+        x = x.contiguous() if self.planes == 1 else x.repeat(1, self.planes)
+        y = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16)
+        p, sz, n, g = self.args
+        self.fn(x.data_ptr(), x.shape[0], x.shape[1], p, sz, n, g, y.data_ptr(), 1,
+                torch.get_num_threads())
         return y

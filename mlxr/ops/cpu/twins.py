@@ -34,6 +34,19 @@ def qmm(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor | None, mode: s
     return y.to(out_dtype)
 
 
+def i4mm(x: Tensor, packed: Tensor, sz: Tensor, group: int, out_dtype: torch.dtype) -> Tensor:
+    """`native.i4mm` in torch: the codes decoded from the int4 copy, w = (q - 8) * s + z in
+    float32 (what torch's int4 kernel forms), one float32 matmul."""
+    from mlxr.quant import int4pack
+
+    m, k = x.shape
+    n = sz.shape[1]
+    q = int4pack.decode_rows(packed, k, 0, n).to(torch.float32)  # [N, K]
+    s, z = sz[..., 0].t().float(), sz[..., 1].t().float()  # [N, K / G]
+    w = ((q - 8).view(n, k // group, group) * s.unsqueeze(-1) + z.unsqueeze(-1)).view(n, k)
+    return (x.to(torch.float32) @ w.t()).to(out_dtype)
+
+
 def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor | None, start: int,
            length: int, scale: float) -> Tensor:
     """`native.attend` in torch: the reference decode attention (float32 copies of the K/V)."""

@@ -76,14 +76,20 @@ class FusedConfig:
                 f"_s{self.num_stages}{'_wa' if self.w_as_a else ''}")
 
 
-def default_config(pairs: int, experts: int) -> FusedConfig:
-    """BLOCK_M near the mean pairs per used expert (16..64): few padding rows at decode-sized
-    batches, fuller tensor-core tiles at long prompts; 8 warps from 32 rows (sm_90 ptxas:
-    gate/up 32x128x64 needs 254 registers a thread at 4 warps, 126 at 8). Untuned:
-    scripts/moe_gpu_perf.py --only grouped sweeps the H200's choices."""
+def default_config(pairs: int, experts: int, mode: str = "affine") -> FusedConfig:
+    """The H200 sweep's winners (`scripts/moe_gpu_perf.py --only grouped`, session 20; one
+    Qwen3-30B-A3B MoE layer, ms): affine, few pairs per used expert (T = 16 / 64 at top-8 of
+    128: 1-4): 16 x 128 x 128 at 4 warps (0.231 / 0.340 against 0.240 / 0.355 at BLOCK_K 64);
+    more (T = 512 / 2048: 32-128): 64 x 128 x 64 at 8 warps (0.462 / 1.031; 32 rows: 0.501 /
+    1.329). mxfp4 / nvfp4 / mxfp8: 32 x 128 x 64 at 8 warps, the one shape measured for them
+    (0.28-0.59 ms against mm's 0.79-1.0 up to T = 512). 8 warps from 32 rows: sm_90 ptxas
+    gives gate/up 32 x 128 x 64 254 registers a thread at 4 warps, 126 at 8."""
+    if mode != "affine" and mode != "dense":
+        return FusedConfig(block_m=32, num_warps=8)
     mean = pairs / max(1, min(experts, pairs))
-    bm = 16 if mean <= 16 else (32 if mean <= 48 else 64)
-    return FusedConfig(block_m=bm, num_warps=4 if bm == 16 else 8)
+    if mean <= 16:
+        return FusedConfig(block_m=16, block_k=128, num_warps=4)
+    return FusedConfig(block_m=64, num_warps=8)
 
 
 def fused_takes(q: ExpertQuant) -> bool:
@@ -308,7 +314,7 @@ def _checked(ids: Tensor, gate: ExpertQuant, up: ExpertQuant | None, act: str,
         check_pair(gate, up)
     if act not in ACTS:
         raise ValueError(f"unknown expert activation {act!r}")
-    return config or default_config(ids.numel(), gate.shape[0])
+    return config or default_config(ids.numel(), gate.shape[0], gate.mode)
 
 
 def moe_fused_gate_up(x: Tensor, ids: Tensor, gate: ExpertQuant, up: ExpertQuant, act: str,

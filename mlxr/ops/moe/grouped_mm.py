@@ -40,10 +40,11 @@ AFFINE_BITS = (2, 3, 4, 5, 6, 8)  # prefill_dequant.DEQUANT_BITS
 
 
 def grouped_mode() -> str:
-    """MLXR_MOE_GROUPED: "mm" (dequant + torch._grouped_mm, default), "triton" (the grouped
-    kernel of `grouped_experts`) or "fused" (`grouped_fused`)."""
-    mode = os.environ.get("MLXR_MOE_GROUPED", "mm").lower()
-    return mode if mode in ("mm", "triton", "fused") else "mm"
+    """MLXR_MOE_GROUPED: "auto" (default: `grouped_fused` where it reads the stacks, mm where
+    it measured faster, see `ops.moe_experts`), "mm" (dequant + torch._grouped_mm), "fused"
+    (`grouped_fused`) or "triton" (the grouped kernel of `grouped_experts`)."""
+    mode = os.environ.get("MLXR_MOE_GROUPED", "auto").lower()
+    return mode if mode in ("auto", "mm", "triton", "fused") else "auto"
 
 
 def mm_min_pairs() -> int:
@@ -76,7 +77,7 @@ def _graphs_ok(dev: torch.device) -> bool:
 def mm_takes(x: Tensor, pairs: int, gate: ExpertQuant, up: ExpertQuant,
              down: ExpertQuant) -> bool:
     """Whether `moe_grouped_mm` serves this call (see the module doc)."""
-    return (grouped_mode() == "mm" and hasattr(torch, "_grouped_mm")
+    return (grouped_mode() in ("mm", "auto") and hasattr(torch, "_grouped_mm")
             and x.dtype == torch.bfloat16 and pairs >= mm_min_pairs()
             and all(dequant_takes(q) and q.shape[1] % 8 == 0 and q.shape[2] % 8 == 0
                     for q in (gate, up, down))

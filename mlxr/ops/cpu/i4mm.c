@@ -1,0 +1,173 @@
+/* Decode GEMV / small GEMM over torch's packed int4 CPU copy (`QuantWeight.i4`, `i4_sz`).
+ *
+ * Why this layout and not MLX's words: mlxr already keeps torch's int4 copy of every affine
+ * weight on the CPU (prefill and the tiles read it), so reading it here costs no extra memory,
+ * and its block layout suits a GEMV: a block of 64 output rows is one contiguous stream of
+ * K * 32 bytes, byte j of column k holding row j (low nibble) and row j + 32 (high nibble)
+ * (mlxr/quant/int4pack.py probes that this torch build packs that way; otherwise this kernel
+ * is not routed). Scales and zeros [K / G, N, 2] bf16 (zero = bias + 8 * scale, rounded to
+ * bf16 once at load: the weight torch's own kernel computes with, so the effective weights
+ * are the current default's and only the float32 summation order differs).
+ *
+ * Per block and group g, per x row: the codes q (0..15, exact in bf16 through a 16-entry
+ * table, vpermw) of columns k, k + 1 sit in one 32-bit lane per output row (vpermb gathers the
+ * two columns' bytes), so vdpbf16ps adds q_k x_k + q_k+1 x_k+1 per row exactly (bf16 x bf16
+ * products are exact in float32) into float32 lanes = output rows: no horizontal sums. Then
+ * y += s * dot + (z - 8 s) * sum(x_g) per row, 16 rows per vector; the output rounds once.
+ * OpenMP over blocks of 64 rows; more than 4 x rows re-read the block from cache per 4 rows.
+ * A row's summation order does not depend on M (torch's kernel has that property too, and
+ * the batch-equals-single tests rely on it).
+ */
+#include "kernels.h"
+
+#if MLXR_I4MM
+/* vpermb indices: 32-bit lane r of P = bytes (r, r, 32 + r, 32 + r) of a 64-byte load of
+ * columns k (bytes 0..31) and k + 1 (32..63); the low nibble of each 16-bit half is then
+ * row r's code at k and at k + 1 (rows 16..31: r + 16; the high nibbles: rows + 32). */
+static const uint8_t PAIR_IDX[64] = {
+    0, 0, 32, 32, 1, 1, 33, 33, 2, 2, 34, 34, 3, 3, 35, 35, 4, 4, 36, 36, 5, 5, 37, 37,
+    6, 6, 38, 38, 7, 7, 39, 39, 8, 8, 40, 40, 9, 9, 41, 41, 10, 10, 42, 42, 11, 11, 43, 43,
+    12, 12, 44, 44, 13, 13, 45, 45, 14, 14, 46, 46, 15, 15, 47, 47};
+
+/* Software prefetch distance in bytes of the block's stream (-DI4_PF=... to sweep). Swept
+ * on the dev box, 1 thread, weights from DRAM, best of 3 alternated runs, against a plain
+ * 64-byte read loop over the same bytes: 0: 0.77-0.88 of it; 2048: 0.89-0.93; 4096:
+ * 0.95-1.06; 8192: 0.98-1.10; 16384: 0.93-0.98. */
+#ifndef I4_PF
+#define I4_PF 8192
+#endif
+
+/* One block of 64 rows against MB (1..4) x rows, into acc[m * 64 + row] (float32, zeroed by
+ * the caller). NV = 4: all 64 rows in one pass (MB <= 2); NV = 2: the rows of one permute
+ * (`half` 0: rows 0..15 and 32..47; 1: 16..31 and 48..63), for MB = 3, 4, whose accumulators
+ * would not fit the registers otherwise. Two accumulator sets alternate over column pairs
+ * (one chain would wait on vdpbf16ps' latency), summed at the end of each group: every row
+ * sums in the same order whatever M is, so a row's output does not depend on the batch. */
+static inline __attribute__((always_inline)) void i4_block(
+        const I4Args *a, const uint8_t *wb, int64_t n0, const uint16_t *x, const float *xs,
+        const int MB, const int NV, const int half, float *acc) {
+    const __m512i ia = _mm512_loadu_si512(PAIR_IDX);
+    const __m512i ib = _mm512_add_epi8(ia, _mm512_set1_epi8(16));
+    const __m512i tab = _mm512_loadu_si512(a->tab);
+    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
+    const int64_t k_all = a->k, grp = a->group, ng = k_all / grp;
+    int vs[4] = {0, 1, 2, 3};  /* vector slot -> 16-row group of the block */
+    if (NV == 2) { vs[0] = half; vs[1] = half + 2; }
+    for (int64_t g = 0; g < ng; g++) {
+        __m512 ga[2][4][4];
+        for (int u = 0; u < 2; u++)
+            for (int m = 0; m < MB; m++)
+                for (int v = 0; v < NV; v++) ga[u][m][v] = _mm512_setzero_ps();
+        for (int64_t k = g * grp; k < (g + 1) * grp; k += 4) {
+            for (int u = 0; u < 2; u++) {
+                const uint8_t *p = wb + (k + 2 * u) * 32;
+                _mm_prefetch((const char *)(p + I4_PF), _MM_HINT_T0);
+                __m512i w = _mm512_loadu_si512(p);
+                /* vpermw reads index bits 0..4: the table repeats over bit 4 (the next
+                 * nibble's low bit), so no mask is needed */
+                __m512i c[4];
+                if (NV == 4 || half == 0) {
+                    __m512i lo = _mm512_permutexvar_epi8(ia, w);
+                    c[0] = _mm512_permutexvar_epi16(lo, tab);
+                    c[NV == 4 ? 2 : 1] =
+                        _mm512_permutexvar_epi16(_mm512_srli_epi16(lo, 4), tab);
+                }
+                if (NV == 4 || half == 1) {
+                    __m512i hi = _mm512_permutexvar_epi8(ib, w);
+                    c[NV == 4 ? 1 : 0] = _mm512_permutexvar_epi16(hi, tab);
+                    c[NV == 4 ? 3 : 1] =
+                        _mm512_permutexvar_epi16(_mm512_srli_epi16(hi, 4), tab);
+                }
+                for (int m = 0; m < MB; m++) {
+                    uint32_t xp;
+                    memcpy(&xp, x + m * k_all + k + 2 * u, 4);
+                    __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp);
+                    for (int v = 0; v < NV; v++)
+                        ga[u][m][v] = _mm512_dpbf16_ps(ga[u][m][v], (__m512bh)c[v], xv);
+                }
+            }
+        }
+        const uint16_t *sp = a->sz + (g * a->n + n0) * 2;
+        for (int v = 0; v < NV; v++) {  /* 16 rows: (scale, zero) per 32 bits */
+            __m512i l = _mm512_loadu_si512(sp + 32 * vs[v]);
+            __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(l, 16));
+            __m512 z = _mm512_castsi512_ps(_mm512_and_si512(l, hi16));
+            __m512 zz = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);  /* codes 0..15, not -8 */
+            for (int m = 0; m < MB; m++) {
+                float *ar = acc + m * 64 + 16 * vs[v];
+                __m512 r = _mm512_fmadd_ps(s, _mm512_add_ps(ga[0][m][v], ga[1][m][v]),
+                                           _mm512_loadu_ps(ar));
+                _mm512_storeu_ps(ar, _mm512_fmadd_ps(zz, _mm512_set1_ps(xs[m * ng + g]), r));
+            }
+        }
+    }
+}
+
+static void i4_store(const I4Args *a, int64_t row, int64_t n0, const float *acc) {
+    for (int v = 0; v < 4; v++) {
+        __m512 r = _mm512_loadu_ps(acc + 16 * v);
+        if (a->y_dt == DT_F32) {
+            _mm512_storeu_ps((float *)a->y + row * a->n + n0 + 16 * v, r);
+        } else {  /* round to nearest even, as f32_to_bf16 */
+            __m256i h = (__m256i)_mm512_cvtneps_pbh(r);
+            _mm256_storeu_si256((__m256i *)((uint16_t *)a->y + row * a->n + n0 + 16 * v), h);
+        }
+    }
+}
+#endif
+
+int i4mm_run(I4Args *a, int nthreads) {
+#if MLXR_I4MM
+    int64_t m_all = a->m, k_all = a->k, ng = k_all / a->group;
+    float *xs = malloc(sizeof(float) * (size_t)(m_all * ng));
+    if (!xs) return -1;
+    const uint16_t *x = (const uint16_t *)a->x;
+    for (int64_t i = 0; i < m_all * ng; i++) {  /* sum(x_g) per row and group, float32 */
+        const uint16_t *xg = x + i * a->group;
+        if (a->group % 16 == 0) {  /* 16 lanes: a scalar chain cost ~1 µs per 1,000 of K */
+            __m512 v = _mm512_setzero_ps();
+            for (int64_t j = 0; j < a->group; j += 16)
+                v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xg + j))), 16)));
+            xs[i] = _mm512_reduce_add_ps(v);
+        } else {
+            float s = 0.0f;
+            for (int64_t j = 0; j < a->group; j++) s += bf16_to_f32(xg[j]);
+            xs[i] = s;
+        }
+    }
+    for (int i = 0; i < 32; i++) a->tab[i] = f32_to_bf16((float)(i & 15));
+#pragma omp parallel num_threads(nthreads)
+    {
+        float acc[4 * 64] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < a->n / 64; b++) {
+            const uint8_t *wb = a->w + b * k_all * 32;
+            for (int64_t m0 = 0; m0 < m_all; m0 += 4) {
+                int mb = m_all - m0 < 4 ? (int)(m_all - m0) : 4;
+                const uint16_t *xm = x + m0 * k_all;
+                const float *xsm = xs + m0 * ng;
+                memset(acc, 0, sizeof(float) * 64 * (size_t)mb);
+                switch (mb) {  /* constant row counts: the accumulators stay in registers */
+                case 1: i4_block(a, wb, 64 * b, xm, xsm, 1, 4, 0, acc); break;
+                case 2: i4_block(a, wb, 64 * b, xm, xsm, 2, 4, 0, acc); break;
+                case 3:
+                    i4_block(a, wb, 64 * b, xm, xsm, 3, 2, 0, acc);
+                    i4_block(a, wb, 64 * b, xm, xsm, 3, 2, 1, acc);
+                    break;
+                default:
+                    i4_block(a, wb, 64 * b, xm, xsm, 4, 2, 0, acc);
+                    i4_block(a, wb, 64 * b, xm, xsm, 4, 2, 1, acc);
+                    break;
+                }
+                for (int i = 0; i < mb; i++) i4_store(a, m0 + i, 64 * b, acc + 64 * i);
+            }
+        }
+    }
+    free(xs);
+    return 0;
+#else
+    (void)a; (void)nthreads;
+    return -2;  /* not compiled for this CPU: native.i4mm_available() is False */
+#endif
+}
