@@ -53,7 +53,7 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int) -> dict:
                               os.devnull], capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", rep)
     spill = re.search(r"(\d+) bytes spill stores", rep)
-    return {"ttgir": k.asm["ttgir"], "shared": k.metadata.shared,
+    return {"ttgir": k.asm["ttgir"], "smem": k.metadata.shared,
             "regs": int(regs.group(1)) if regs else -1,
             "spill": int(spill.group(1)) if spill else -1}
 
@@ -81,7 +81,7 @@ def report(name: str, fn, constexprs: dict, num_warps: int, num_stages: int) -> 
     mma = ("wgmma" if "warp_group_dot" in tt else
            "mma.sync" if "nvidia_mma<{versionMajor = 2" in tt else "fma")
     print(f"{name:44s} regs {r['regs']:3d} spill {r['spill']:4d} B smem "
-          f"{r['shared'] // 1024:3d} KiB {mma:8s} cp.async {tt.count('async_copy_global'):2d} "
+          f"{r['smem'] // 1024:3d} KiB {mma:8s} cp.async {tt.count('async_copy_global'):2d} "
           f"cvt {tt.count('convert_layout'):2d} | {word_layout(tt)}", flush=True)
 
 
