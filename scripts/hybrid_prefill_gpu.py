@@ -251,9 +251,9 @@ def time_part(path: Path) -> None:
                                    generator=torch.Generator().manual_seed(n))
             plain = new_cache(dec, CAP)
 
-            def eager():
-                plain.length = 0
-                dec.forward(prompt, plain, last_only=True)
+            def eager(d=dec, ids=prompt, c=plain):
+                c.length = 0
+                d.forward(ids, c, last_only=True)
 
             pg = graphs.prefill_graph(dec, cache, n)
             toks = prompt.tolist()
