@@ -116,3 +116,23 @@ def test_padded_prefill_gate(monkeypatch, tmp_path_factory, make_checkpoint):
     assert not cuda_graph.padded_prefill(dec, cache, 128)
     moe = _load("gemma4_moe", tmp_path_factory, make_checkpoint)
     assert not cuda_graph.padded_prefill(moe, new_cache(moe, 64), 8)
+
+
+def test_padded_prefill_on_kernels(dec, monkeypatch):
+    """The same with every op forced onto its Triton kernel (the interpreter), a bucket
+    past the window (the rings wrap)."""
+    from mlxr import ops
+    from mlxr.ops.layer import norm_rope_act
+
+    n, bucket = 21, 32
+    seq = torch.randint(0, dec.config.vocab_size, (n,), generator=torch.Generator().manual_seed(7))
+    ids = torch.zeros(bucket, dtype=torch.long)
+    ids[:n] = seq
+    monkeypatch.setattr(ops, "_fast", lambda x: True)
+    monkeypatch.setattr(ops, "_fused", norm_rope_act)
+    plain, padded = new_cache(dec, 64), new_cache(dec, 64)
+    with torch.inference_mode():
+        _close(dec.forward_padded(ids, torch.tensor([n - 1]), padded),
+               dec.forward(seq, plain, last_only=True))
+    padded.length = n
+    _same_cache(dec, padded, plain, n)
