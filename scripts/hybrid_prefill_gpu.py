@@ -27,10 +27,14 @@ qwen3.5-2b, 4-bit g64, random weights; --tiny: narrow ones). Per model, bf16:
 3. float32 (run first, its eager logits the bf16 lines' reference): the check at n = 37, 100
    and 300 with a float32 load (bound 1e-4 of the range: the math is equal, whatever bf16
    rounding does).
-4. time: prefill of 37 and 512 tokens, eager `forward` vs graph replay (CUDA events, median of
-   7 after 2 warm-ups); tok/s.
+4. gdn kernel (qwen only): the sequential gated-delta kernel at T = 512 with
+   MLXR_GDN_PREFETCH 0 / 1 and MLXR_GDN_BLOCK_V default / 16 / 8: us per call, bitwise ==
+   the default (prefetch changes no arithmetic: must be True; narrower blocks may not be).
+5. time: prefill of 37 and 512 tokens, eager `forward` vs graph replay (CUDA events, median of
+   7 after 2 warm-ups); tok/s; qwen with MLXR_GDN_PREFETCH 0 and 1 (logits bitwise equal).
 
-What to look for: every check line `ok`; `cap==nocap 0`; the time table's graph column.
+What to look for: every check line `ok` (or `tie` / `noise`, see 2); `cap==nocap 0`; the
+time lines' graph column; the gdn lines' us and bitwise flags.
 """
 
 from __future__ import annotations
@@ -238,30 +242,73 @@ def events_ms(fn, warm: int = 2, reps: int = 7) -> float:
     return statistics.median(times)
 
 
-def time_part(path: Path) -> None:
+def gdn_part() -> None:
+    """The sequential gated-delta kernel at the qwen3.5 layer shape (Hk = Hv = 16, Dk = Dv =
+    128), T = 512, bf16: each load order (MLXR_GDN_PREFETCH) and value block
+    (MLXR_GDN_BLOCK_V) against the default, bit for bit, and its time."""
+    from mlxr.ops.recurrent import gated_delta_scan as scan
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t, h, d = 512, 16, 128
+    proj = torch.randn(1, t, 3 * h * d, generator=g, device="cuda").bfloat16()
+    q, k, v = proj.split([h * d] * 3, -1)
+    q, k = (x.reshape(1, t, h, d) / x.reshape(1, t, h, d).float().norm(dim=-1, keepdim=True)
+            .bfloat16() for x in (q, k))
+    v = v.reshape(1, t, h, d)
+    gate = torch.rand(1, t, h, generator=g, device="cuda") * 0.9 + 0.05
+    beta = torch.rand(1, t, h, generator=g, device="cuda").bfloat16()
+    state = torch.randn(1, h, d, d, generator=g, device="cuda") * 0.5
+    base = None
+    for flag, block in (("0", ""), ("1", ""), ("0", "16"), ("1", "16"), ("1", "8")):
+        os.environ["MLXR_GDN_PREFETCH"], os.environ["MLXR_GDN_BLOCK_V"] = flag, block
+        s = state.clone()
+        y = scan.gated_delta(q, k, v, gate, beta, s)
+        if base is None:
+            base = y, s
+        same = torch.equal(y, base[0]) and torch.equal(s, base[1])
+        us = events_ms(lambda: scan.gated_delta(q, k, v, gate, beta, state.clone())) * 1e3
+        print(f"gdn T=512 prefetch={flag} block_v={block or 'default'}: {us:.0f} us "
+              f"(incl. a 1 MB state copy), bitwise == default: {same}", flush=True)
+    os.environ.pop("MLXR_GDN_PREFETCH")
+    os.environ.pop("MLXR_GDN_BLOCK_V")
+
+
+def time_part(path: Path, flags=("0",)) -> None:
+    """Prefill of 37 and 512 tokens, eager vs graph, per MLXR_GDN_PREFETCH flag (each
+    with its own graphs); the 512 logits of the flags compared bit for bit."""
     m = mlxr.load(path, device="cuda", dtype="bfloat16")
     dec = m.decoder
     if not hasattr(dec, "forward_padded"):
         print(f"time {path.name}: no forward_padded (SKIP)")
         return
-    graphs = cuda_graph.GraphCache()
-    cache, _ = graphs.get(dec, CAP, new_cache)
+    logits = []
     with torch.inference_mode():
-        for n in (37, 512):
-            prompt = torch.randint(0, m.config.vocab_size, (n,),
-                                   generator=torch.Generator().manual_seed(n))
-            plain = new_cache(dec, CAP)
+        for flag in flags:
+            os.environ["MLXR_GDN_PREFETCH"] = flag
+            graphs = cuda_graph.GraphCache()
+            cache, _ = graphs.get(dec, CAP, new_cache)
+            for n in (37, 512):
+                prompt = torch.randint(0, m.config.vocab_size, (n,),
+                                       generator=torch.Generator().manual_seed(n))
+                plain = new_cache(dec, CAP)
 
-            def eager(d=dec, ids=prompt, c=plain):
-                c.length = 0
-                d.forward(ids, c, last_only=True)
+                def eager(d=dec, ids=prompt, c=plain):
+                    c.length = 0
+                    return d.forward(ids, c, last_only=True)
 
-            pg = graphs.prefill_graph(dec, cache, n)
-            toks = prompt.tolist()
-            e, g = events_ms(eager), events_ms(lambda: pg.run(toks))
-            print(f"time {path.name} prefill {n}: eager {e:.2f} ms ({n / e * 1e3:,.0f} tok/s) "
-                  f"graph {g:.2f} ms ({n / g * 1e3:,.0f} tok/s) x{e / g:.2f}", flush=True)
-    del m, dec, graphs, cache
+                pg = graphs.prefill_graph(dec, cache, n)
+                toks = prompt.tolist()
+                e, g = events_ms(eager), events_ms(lambda: pg.run(toks))
+                print(f"time {path.name} gdn_prefetch={flag} prefill {n}: eager {e:.2f} ms "
+                      f"({n / e * 1e3:,.0f} tok/s) graph {g:.2f} ms ({n / g * 1e3:,.0f} "
+                      f"tok/s) x{e / g:.2f}", flush=True)
+            logits.append(eager().clone())
+            del graphs, cache
+    if len(logits) > 1:
+        print(f"time {path.name}: eager 512 logits prefetch 0 == 1 bitwise: "
+              f"{torch.equal(logits[0], logits[1])}", flush=True)
+    os.environ.pop("MLXR_GDN_PREFETCH", None)
+    del m, dec
     torch.cuda.empty_cache()
 
 
@@ -283,7 +330,11 @@ def main() -> None:
         part(f"float32 {shape}", 150, check_part, path, dev, "float32", (37, 100, 300), refs)
         part(f"check {shape}", 90, check_part, path, dev, "bfloat16", LENGTHS, refs)
         if dev == "cuda":
-            part(f"time {shape}", 40, time_part, path)
+            qwen = shape.startswith("qwen")
+            if qwen:
+                part("gdn kernel", 15, gdn_part)
+            part(f"time {shape}", 60 if qwen else 40, time_part, path,
+                 ("0", "1") if qwen else ("0",))
     print(f"total {time.perf_counter() - START:.0f} s")
 
 
