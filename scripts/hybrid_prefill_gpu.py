@@ -28,8 +28,9 @@ qwen3.5-2b, 4-bit g64, random weights; --tiny: narrow ones). Per model, bf16:
    and 300 with a float32 load (bound 1e-4 of the range: the math is equal, whatever bf16
    rounding does).
 4. gdn kernel (qwen only): the sequential gated-delta kernel at T = 512 with
-   MLXR_GDN_PREFETCH 0 / 1 and MLXR_GDN_BLOCK_V default / 16 / 8: us per call, bitwise ==
-   the default (prefetch changes no arithmetic: must be True; narrower blocks may not be).
+   MLXR_GDN_PREFETCH 0 / 1, then prefetching with MLXR_GDN_BLOCK_V 16 / 8 / 4 x
+   MLXR_GDN_WARPS 4 / 2 / 1: us per call, bitwise == the default (prefetch changes no
+   arithmetic: must be True; other blocks / warps may sum in another order).
 5. time: prefill of 37 and 512 tokens, eager `forward` vs graph replay (CUDA events, median of
    7 after 2 warm-ups); tok/s; qwen with MLXR_GDN_PREFETCH 0 and 1 (logits bitwise equal).
 
@@ -259,18 +260,23 @@ def gdn_part() -> None:
     beta = torch.rand(1, t, h, generator=g, device="cuda").bfloat16()
     state = torch.randn(1, h, d, d, generator=g, device="cuda") * 0.5
     base = None
-    for flag, block in (("0", ""), ("1", ""), ("0", "16"), ("1", "16"), ("1", "8")):
+    configs = [("0", "", ""), ("1", "", "")] + [
+        ("1", b, w) for b in ("16", "8", "4") for w in ("4", "2", "1")]
+    for flag, block, warps in configs:
         os.environ["MLXR_GDN_PREFETCH"], os.environ["MLXR_GDN_BLOCK_V"] = flag, block
+        os.environ["MLXR_GDN_WARPS"] = warps
         s = state.clone()
         y = scan.gated_delta(q, k, v, gate, beta, s)
         if base is None:
             base = y, s
         same = torch.equal(y, base[0]) and torch.equal(s, base[1])
+        worst = float((y.float() - base[0].float()).abs().max())
         us = events_ms(lambda: scan.gated_delta(q, k, v, gate, beta, state.clone())) * 1e3
-        print(f"gdn T=512 prefetch={flag} block_v={block or 'default'}: {us:.0f} us "
-              f"(incl. a 1 MB state copy), bitwise == default: {same}", flush=True)
-    os.environ.pop("MLXR_GDN_PREFETCH")
-    os.environ.pop("MLXR_GDN_BLOCK_V")
+        print(f"gdn T=512 prefetch={flag} block_v={block or 'default'} warps={warps or 4}: "
+              f"{us:.0f} us (incl. a 1 MB state copy), bitwise == default: {same} "
+              f"(max |dy| {worst:.1e})", flush=True)
+    for name in ("MLXR_GDN_PREFETCH", "MLXR_GDN_BLOCK_V", "MLXR_GDN_WARPS"):
+        os.environ.pop(name)
 
 
 def time_part(path: Path, flags=("0",)) -> None:

@@ -143,7 +143,7 @@ def gated_delta(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         q, k, v, g, beta, state, y, t, hv, q.stride(0), q.stride(1), q.stride(2),
         v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), REP=hv // hk,
         DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, OUT=_DTYPES[q.dtype],
-        PREFETCH=prefetch())
+        PREFETCH=prefetch(), num_warps=int(os.environ.get("MLXR_GDN_WARPS") or 4))
     return y
 
 
@@ -152,8 +152,10 @@ def prefetch() -> bool:
     t+1's inputs before token t's math, so their latency overlaps it (the sequential prefill
     kernel is latency-bound: ~1.7 us a token on the H200, 857 us a layer at T = 512). Same
     values, same arithmetic; off until the H200 run (scripts/hybrid_prefill_gpu.py) shows it
-    bit-identical and faster. Env `MLXR_GDN_BLOCK_V` (a power of two, read at each call) sets
-    the value rows per program for that run's sweep (default 4096 / Dk, at least 16)."""
+    bit-identical and faster. Envs `MLXR_GDN_BLOCK_V` (a power of two) and `MLXR_GDN_WARPS`
+    (read at each call) set the value rows per program (default 4096 / Dk, at least 16) and
+    its warps (default 4, Triton's) for that run's sweep: fewer rows and warps shorten the
+    per-token reductions' chain, but may sum in another order (not bitwise)."""
     return os.environ.get("MLXR_GDN_PREFETCH", "") == "1"
 
 
