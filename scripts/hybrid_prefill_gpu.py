@@ -28,9 +28,12 @@ qwen3.5-2b, 4-bit g64, random weights; --tiny: narrow ones). Per model, bf16:
    and 300 with a float32 load (bound 1e-4 of the range: the math is equal, whatever bf16
    rounding does).
 4. gdn kernel (qwen only): the sequential gated-delta kernel at T = 512 with
-   MLXR_GDN_PREFETCH 0 / 1, then prefetching with MLXR_GDN_BLOCK_V 16 / 8 / 4 x
+   MLXR_GDN_PREFETCH 0 / 1, then prefetching with MLXR_GDN_BLOCK_V 16 / 8 / 4 / 2 x
    MLXR_GDN_WARPS 4 / 2 / 1: us per call, bitwise == the default (prefetch changes no
-   arithmetic: must be True; other blocks / warps may sum in another order).
+   arithmetic: must be True; at 4 warps every block size keeps the default's layout, Dk over
+   4 warps x 32 lanes (sm_90 TTGIR), so the same sums: expected True; 2 and 1 warps sum in
+   another order). The default launch is 64 programs (16 heads x 128 / 32 rows) on 132 SMs,
+   each step 2 x 32 rows x 5 shuffles: fewer rows, more programs, fewer shuffles a step.
 5. time: prefill of 37 and 512 tokens, eager `forward` vs graph replay (CUDA events, median of
    7 after 2 warm-ups); tok/s; qwen with MLXR_GDN_PREFETCH 0 and 1 (logits bitwise equal).
 
@@ -261,7 +264,7 @@ def gdn_part() -> None:
     state = torch.randn(1, h, d, d, generator=g, device="cuda") * 0.5
     base = None
     configs = [("0", "", ""), ("1", "", "")] + [
-        ("1", b, w) for b in ("16", "8", "4") for w in ("4", "2", "1")]
+        ("1", b, w) for b in ("16", "8", "4", "2") for w in ("4", "2", "1")]
     for flag, block, warps in configs:
         os.environ["MLXR_GDN_PREFETCH"], os.environ["MLXR_GDN_BLOCK_V"] = flag, block
         os.environ["MLXR_GDN_WARPS"] = warps
