@@ -7,37 +7,39 @@ skipped (printed SKIP).
     PYTHONPATH=. python scripts/hybrid_prefill_gpu.py DIR --tiny         # CPU smoke run
 
 DIR holds the checkpoints (written there first if missing: make_checkpoint.py gemma-4-e2b and
-qwen3.5-2b, 4-bit g64, random weights; --tiny: narrow ones). Per model, bf16:
+qwen3.5-2b, 4-bit g64, random weights; --tiny: narrow ones; --shapes picks them).
 
-1. attn: `ops.attention` at the model's prefill shapes, T = 37 (unaligned) and 64 rows, vs
-   float32 math of the same bf16 inputs: rel = max |diff| / max |ref| (bf16 rounding ~4e-3).
-   A bad rel at 37 but not 64 would make the eager prefill the wrong side.
-2. check, n in 1, 7, 37, 100, 300, 512 (one GraphCache for all, as the engine keeps it):
-   eager `forward` of n tokens vs the captured graph (`graph`) and vs `forward_padded` run
-   uncaptured on the same bucket (`nocap`); |diff| / logit range of the prefill's last logits;
-   `cap==nocap` must be 0 (capture is exact); then 8 greedy decode steps (`forward_static`,
-   the decode graph's body) after each prefill, each path feeding its own tokens: the tokens
-   must agree (`greedy 9/9`), or differ first where the eager logits' top-2 margin is under
-   `TIE` of the range (a near-tie: printed `tie`), or the graph's logits are no further from
-   the float32 eager ones than the bf16 eager logits are (`noise`: M-dependent bf16 rounding,
-   37 rows vs a 64-row bucket, which a random 35-layer model amplifies: on the CPU the tiny
-   E2B gives 5.5e-2 of the range at n = 100 in bf16 and 2e-5 in float32). Last, n = 37
-   replayed again after the other buckets and an eager prompt on the same cache:
-   `replay==first` must be 0.
-3. float32 (run first, its eager logits the bf16 lines' reference): the check at n = 37, 100
-   and 300 with a float32 load (bound 1e-4 of the range: the math is equal, whatever bf16
-   rounding does).
-4. gdn kernel (qwen only): the sequential gated-delta kernel at T = 512 with
+1. gdn kernel (first: it needs no checkpoint): the sequential gated-delta kernel at the
+   qwen3.5 layer shape (Hk = Hv = 16, Dk = Dv = 128), T = 512, bf16, with
    MLXR_GDN_PREFETCH 0 / 1, then prefetching with MLXR_GDN_BLOCK_V 16 / 8 / 4 / 2 x
    MLXR_GDN_WARPS 4 / 2 / 1: us per call, bitwise == the default (prefetch changes no
    arithmetic: must be True; at 4 warps every block size keeps the default's layout, Dk over
    4 warps x 32 lanes (sm_90 TTGIR), so the same sums: expected True; 2 and 1 warps sum in
    another order). The default launch is 64 programs (16 heads x 128 / 32 rows) on 132 SMs,
    each step 2 x 32 rows x 5 shuffles: fewer rows, more programs, fewer shuffles a step.
+Then per model:
+2. float32 (its eager logits the bf16 lines' reference): the check of 4 at n = 37 and 300
+   with a float32 load (bound 1e-4 of the range: the math is equal, whatever bf16 rounding
+   does).
+3. attn: `ops.attention` at the model's prefill shapes, T = 37 (unaligned) and 64 rows, vs
+   float32 math of the same bf16 inputs: rel = max |diff| / max |ref| (bf16 rounding ~4e-3).
+   A bad rel at 37 but not 64 would make the eager prefill the wrong side.
+4. check, bf16, n in 1, 7, 37, 100, 300, 512 (one GraphCache for all, as the engine keeps
+   it): eager `forward` of n tokens vs the captured graph (`graph`) and vs `forward_padded`
+   run uncaptured on the same bucket (`nocap`); |diff| / logit range of the prefill's last
+   logits; `cap==nocap` must be 0 (capture is exact); then 8 greedy decode steps
+   (`forward_static`, the decode graph's body) after each prefill, each path feeding its own
+   tokens: the tokens must agree (`greedy 9/9`), or differ first where the eager logits'
+   top-2 margin is under `TIE` of the range (a near-tie: printed `tie`), or the graph's
+   logits are no further from the float32 eager ones than the bf16 eager logits are
+   (`noise`: M-dependent bf16 rounding, 37 rows vs a 64-row bucket, which a random 35-layer
+   model amplifies: on the CPU the tiny E2B gives 5.5e-2 of the range at n = 100 in bf16 and
+   2e-5 in float32). Last, n = 37 replayed again after the other buckets and an eager prompt
+   on the same cache: `replay==first` must be 0.
 5. time: prefill of 37 and 512 tokens, eager `forward` vs graph replay (CUDA events, median of
    7 after 2 warm-ups); tok/s; qwen with MLXR_GDN_PREFETCH 0 and 1 (logits bitwise equal).
 
-What to look for: every check line `ok` (or `tie` / `noise`, see 2); `cap==nocap 0`; the
+What to look for: every check line `ok` (or `tie` / `noise`, see 4); `cap==nocap 0`; the
 time lines' graph column; the gdn lines' us and bitwise flags.
 """
 
@@ -175,6 +177,8 @@ def check_part(path: Path, dev: str, dtype: str, lengths, refs: dict) -> None:
     if not hasattr(dec, "forward_padded"):
         print(f"check {path.name}: no forward_padded (not padded: SKIP)")
         return
+    if dev == "cuda" and dtype != "float32":
+        attn_part(dec)
     graphs = cuda_graph.GraphCache()
     cache, _ = graphs.get(dec, CAP, new_cache)
     vocab, f32 = m.config.vocab_size, dtype == "float32"
@@ -326,22 +330,21 @@ def main() -> None:
     ap.add_argument("dir", type=Path)
     ap.add_argument("--budget", type=float, default=600.0, help="seconds; stop before it")
     ap.add_argument("--tiny", action="store_true", help="CPU, narrow checkpoints (smoke run)")
+    ap.add_argument("--shapes", default="gemma-4-e2b,qwen3.5-2b",
+                    help="make_checkpoint shapes, comma-separated, in order")
     a = ap.parse_args()
     BUDGET[0] = a.budget
     dev = "cpu" if a.tiny else "cuda"
     a.dir.mkdir(parents=True, exist_ok=True)
-    for shape in ("gemma-4-e2b", "qwen3.5-2b"):
+    if dev == "cuda":  # needs no checkpoint: first, so that a short budget still gets it
+        part("gdn kernel", 20, gdn_part)
+    for shape in a.shapes.split(","):
         path = checkpoint(a.dir, shape, a.tiny)
-        if dev == "cuda":
-            part(f"attn {shape}", 20, lambda: attn_part(
-                mlxr.load(path, device=dev, dtype="bfloat16").decoder))
         refs: dict = {}
-        part(f"float32 {shape}", 150, check_part, path, dev, "float32", (37, 100, 300), refs)
+        part(f"float32 {shape}", 120, check_part, path, dev, "float32", (37, 300), refs)
         part(f"check {shape}", 90, check_part, path, dev, "bfloat16", LENGTHS, refs)
         if dev == "cuda":
             qwen = shape.startswith("qwen")
-            if qwen:
-                part("gdn kernel", 15, gdn_part)
             part(f"time {shape}", 60 if qwen else 40, time_part, path,
                  ("0", "1") if qwen else ("0",))
     print(f"total {time.perf_counter() - START:.0f} s")
