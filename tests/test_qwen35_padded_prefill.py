@@ -82,12 +82,9 @@ def test_padded_prefill_then_decode(dec, n):
 
 
 def test_padded_gate(monkeypatch, tmp_path_factory, make_checkpoint, dec):
-    """On by default (env =0: off), any bucket within the cache; never for the MoE
-    variant."""
+    """Opt-in by env, any bucket within the cache; never for the MoE variant."""
     cache = new_cache(dec, 64)
-    monkeypatch.setenv("MLXR_HYBRID_PREFILL_GRAPHS", "0")
-    assert not cuda_graph.padded_prefill(dec, cache, 64)
-    monkeypatch.delenv("MLXR_HYBRID_PREFILL_GRAPHS")
+    monkeypatch.setenv("MLXR_HYBRID_PREFILL_GRAPHS", "1")
     assert cuda_graph.padded_prefill(dec, cache, 64)
     assert not cuda_graph.padded_prefill(dec, cache, 128)
     moe = _load("qwen3_5_moe", tmp_path_factory, make_checkpoint)

@@ -13,10 +13,7 @@ models: ~550 launches, each paying Python and Triton's launcher (Qwen3-0.6B, 512
 of GPU work in ~19 ms of wall time on the H200). The padding is harmless: attention is causal,
 so rows < n never see it; its K/V lands in cache slots >= n, which decode overwrites before any
 query can see them (decode attends to positions <= its own); only row n-1's logits are taken.
-Env `MLXR_PREFILL_GRAPHS=0` turns them off (eager prefill, as before). The hybrids (gemma4,
-qwen3.5) pad the same way through their `forward_padded` (`PaddedPrefillGraph`), which keeps
-the padding out of their sliding-window rings and recurrent states;
-`MLXR_HYBRID_PREFILL_GRAPHS=0` turns those alone off.
+Env `MLXR_PREFILL_GRAPHS=0` turns them off (eager prefill, as before).
 """
 
 from __future__ import annotations
@@ -181,12 +178,10 @@ class PaddedPrefillGraph(PrefillGraph):
 def padded_prefill(decoder, cache, bucket: int) -> bool:
     """Whether a decoder without `forward_step` prefills `bucket` tokens in a graph: it pads
     safely there (`pads_fit`: no MoE layer, room for the bucket; the padded rows leave every
-    ring slot and recurrent state as the unpadded prompt leaves them: float32 logits, states,
-    cache slots and decode steps within 1e-5 of the unpadded prefill's on the CPU, tests
-    test_gemma4_padded_prefill / test_qwen35_padded_prefill). On by default, as the dense
-    families' prefill graphs are; `MLXR_HYBRID_PREFILL_GRAPHS=0` keeps the eager prefill
-    (scripts/hybrid_prefill_gpu.py checks the graphs against it on a GPU)."""
-    return (os.environ.get("MLXR_HYBRID_PREFILL_GRAPHS", "1") != "0"
+    ring slot and recurrent state as the unpadded prompt leaves them) and
+    `MLXR_HYBRID_PREFILL_GRAPHS=1` (opt-in until checked on a GPU against the eager prefill:
+    scripts/hybrid_prefill_gpu.py)."""
+    return (os.environ.get("MLXR_HYBRID_PREFILL_GRAPHS") == "1"
             and hasattr(decoder, "forward_padded") and decoder.pads_fit(cache, bucket))
 
 
