@@ -11,9 +11,15 @@ import random
 import pytest
 import torch
 
+try:
+    import triton
+except ImportError:  # pragma: no cover - torch-only installs
+    triton = None
+
 hyb = pytest.importorskip("mlx_ref_hybrid")
 
 import mlxr  # noqa: E402
+from mlxr import ops  # noqa: E402
 from decode_checks import ids_of, run_all  # noqa: E402
 from mlxr.engine import EngineRequest, LLMEngine  # noqa: E402
 from mlxr.engine.scheduler import Sequence  # noqa: E402
@@ -108,11 +114,43 @@ def test_slot_engine_prefix_resume_and_cancel(model):
     assert sorted(engine.seq_caches.pool.free) == [0, 1]
 
 
-def test_static_step_equals_per_sequence_step(model):
+@pytest.mark.parametrize("cpu_decode", ["1", "0"])
+def test_static_step_equals_per_sequence_step(model, cpu_decode, monkeypatch):
     """forward_batch_static over slots (padding rows included) gives each sequence the
     logits of its own per-sequence forward on the same states, within 1e-5 of the largest
-    logit (float32: the batched matmuls sum in another order)."""
-    dec = model.decoder
+    logit (float32: the batched matmuls sum in another order); also without the C
+    extension's CPU step (MLXR_CPU_DECODE=0: the mixer's `decode_rows`, states indexed in
+    the pools by the decode op)."""
+    monkeypatch.setenv("MLXR_CPU_DECODE", cpu_decode)
+    _static_equals_alone(model.decoder)
+
+
+@pytest.mark.skipif(triton is None, reason="needs triton (its interpreter)")
+def test_static_step_on_the_kernels(model, monkeypatch):
+    """The same on the CUDA path's kernels (Triton interpreter): the paged decode kernel
+    over the full layers' blocks and over the sliding layers' rings (block = state slot),
+    the fused DeltaNet step reading its states at their pool rows."""
+    from mlxr.ops.kv_attention import paged
+    from mlxr.ops.recurrent import gated_delta_decode as gdn
+
+    calls = []
+
+    def attention(*a, **k):
+        calls.append(a[5])  # block size: the pool's, or a ring's
+        return paged.paged_attention(*a, **k)
+
+    monkeypatch.setattr(ops, "paged_attention", attention)
+    monkeypatch.setattr(ops, "gated_delta_decode", gdn.gated_delta_decode)
+    monkeypatch.setenv("MLXR_CPU_DECODE", "0")
+    _static_equals_alone(model.decoder)
+    assert calls
+    if "gemma" in str(model.path):
+        assert len(set(calls)) == 2  # full layers' blocks and sliding rings
+
+
+def _static_equals_alone(dec) -> None:
+    """Three prompts prefilled into slots (their blocks 4 positions each) and into their own
+    HybridCaches; one static step (bucket 4: one padding row) against each one's forward."""
     caches = SlotCaches(dec, 4, 0, num_blocks=40, max_seqs=4, max_positions=64, graphs=False)
     prompts = _prompts(3)
     seqs, views, refs = [], [], []

@@ -59,10 +59,12 @@ def linears(parts: list) -> list[Linear]:
 def _delta_rows(m: GatedDeltaMixer, x: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
                 states: torch.Tensor) -> torch.Tensor:
     """A gated DeltaNet decode step of rows x [B, E] whose states are rows `states` [B] of
-    the pools conv [S, W-1, C] / ssm [S, Hv, Dv, Dk]: gathered, stepped, scattered back."""
+    the pools conv [S, W-1, C] / ssm [S, Hv, Dv, Dk] (`GatedDeltaMixer.decode_rows`; the C
+    extension's CPU step on gathered states, scattered back)."""
+    if not cpu_hybrid_decode.enabled(x):
+        return m.decode_rows(x, conv, ssm, states)
     cs, ss = conv.index_select(0, states), ssm.index_select(0, states)
-    out = (cpu_hybrid_decode.delta_step(m, x, cs, ss) if cpu_hybrid_decode.enabled(x)
-           else m(x[:, None], cs, ss)[:, 0])
+    out = cpu_hybrid_decode.delta_step(m, x, cs, ss)
     conv.index_copy_(0, states, cs)
     ssm.index_copy_(0, states, ss)
     return out
