@@ -218,7 +218,8 @@ def gated_delta_decode(proj: Tensor, conv_state: Tensor, ssm_state: Tensor, conv
         proj, proj.stride(0), conv_state, conv_state.stride(0), conv_state.stride(1),
         conv_w.contiguous(), ssm_state, a_log, dt_bias, norm_w, out, out.stride(0), qk_eps,
         q_scale, k_scale, eps, proj if rows is None else rows, HAS_ROWS=rows is not None,
-        HK=hk, HV=hv, REP=hv // hk, DK=dk, DV=dv, W=width, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_RV=triton.next_power_of_2(hv // hk * dv),
+        HK=hk, HV=hv, REP=hv // hk, DK=dk, DV=dv, W=width, BLOCK_K=block_k, BLOCK_V=block_v,
+        BLOCK_RV=triton.next_power_of_2(hv // hk * dv),
         BLOCK_W=triton.next_power_of_2(width - 1), OUT=_DTYPES[proj.dtype],
         num_warps=8 if block_k * block_v >= 8192 else 4)
     return out
