@@ -110,8 +110,9 @@ class LLMEngine:
         # measured once (the model server's memory budget counts them): bytes per device
         self.weights_bytes = sum(tensor_bytes(self.decoder).values())
         c = self.decoder.config
-        # hybrid families: per-sequence caches (seq_caches), no shared pool; prefix caching by
-        # state snapshots within prefix_snapshot_bytes (default 512 MiB on CUDA, 64 MiB on CPU)
+        # hybrid families: caches per sequence (seq_caches: made as they run; slot_caches: the
+        # slots of one preallocated pool), no shared paged KV pool; prefix caching by state
+        # snapshots within prefix_snapshot_bytes (default 512 MiB on CUDA, 64 MiB on CPU)
         hybrid = hasattr(self.decoder, "new_cache")
         snapshots = snapshot_budget(self.decoder.device, prefix_snapshot_bytes) \
             if getattr(self.decoder, "cache_snapshots", False) else 0
@@ -122,7 +123,8 @@ class LLMEngine:
         slotted = hybrid and hasattr(self.decoder, "forward_batch_static") and (
             supported(self.decoder) if paged_decode is None else paged_decode)
         # hybrids: the blocks meter the positions their per-sequence caches hold (and what
-        # those caches and the snapshots may hold in all is what the budget counts)
+        # those caches and the snapshots may hold in all is what the budget counts; a slot
+        # pool holds at most that: its full layers' K/V are the blocks themselves, once)
         plan = sequence_caches_plan(c, self.decoder.dtype, block_size, max_num_seqs,
                                     snapshots) if hybrid else \
             pool_plan(c, self.decoder.dtype, block_size, max_num_seqs)

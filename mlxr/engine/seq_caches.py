@@ -20,6 +20,11 @@ are kept, so outputs with and without prefix caching are the same.
 Sequences that decode one token run as one batch (`forward_batch`: projections, MLPs, the
 recurrence and the attention, padded across the sequences' own K/V, batched); prefill chunks run
 as one forward per sequence (the computation of `Model.generate`, split at most once).
+
+`slot_caches.SlotCaches` is this class over one preallocated pool (a slot per running
+sequence) whose decode step is captured per batch bucket on CUDA; this one is the engine's
+path elsewhere (CPU, `paged_decode=False`, `MLXR_HYBRID_GRAPHS=0`, decoders without
+`forward_batch_static`).
 """
 
 from __future__ import annotations
