@@ -80,7 +80,9 @@ def _engine(model, mode: str, **kw) -> LLMEngine:
     slots = isinstance(engine.seq_caches, SlotCaches)
     assert slots == (mode != "old"), (mode, type(engine.seq_caches))
     if mode == "graphs" and DEV == "cuda":
-        assert engine.seq_caches.runner.graphs, "graphs mode without captured graphs"
+        runner = engine.seq_caches.runner
+        assert sorted(runner.graphs) == runner.buckets, \
+            f"buckets {runner.buckets}, captured {sorted(runner.graphs)}"
     return engine
 
 
@@ -120,36 +122,43 @@ def static_err(model) -> float:
     return worst
 
 
-def check_tiny(out: Path, budget: float) -> bool:
+def check_tiny(out: Path, budget: float, families: list[str]) -> bool:
     mc = _module("make_checkpoint", ROOT / "benchmarks" / "make_checkpoint.py")
     ok = True
     rng = random.Random(3)
     prompts = [[rng.randrange(VOCAB) for _ in range(k)] for k in (5, 23, 11, 17, 9, 30)]
     lengths = [12, 5, 9, 14, 3, 10]
-    for family in sorted(FAMILIES):
+    for family in families:
         if left(budget) < 60:
             print(f"{family:15s} SKIP (budget)", flush=True)
             continue
         path = out / f"{family}-q4g64"
-        if not (path / "config.json").is_file():
-            mc.write_hybrid(copy.deepcopy(FAMILIES[family]), path, (4, 64, "affine"))
-        model = mlxr.load(path, device=DEV, dtype="float32")
-        err = static_err(model)
-        mode = "graphs" if supported(model.decoder) or DEV == "cpu" else "slots-eager"
-        engine = _engine(model, mode, max_num_seqs=4, block_size=16)
-        got = _run(engine, prompts, lengths)
-        want = [list(model.generate(p, max_tokens=n, ignore_eos=True))
-                for p, n in zip(prompts, lengths)]
-        again = _run(engine, prompts[5:], [10])[0]
-        resumed = engine.stats()["prefix_cache_hits"] > 0
-        good = err <= 1e-4 and got == want and again == want[5] and resumed
-        ok &= good
-        print(f"{family:15s} f32 static-vs-own {err:.1e}  engine({mode})==alone "
-              f"{got == want}  snapshot resume same {again == want[5]} (hit {resumed})  "
-              f"{'ok' if good else 'FAIL'}", flush=True)
-        del engine, model
+        try:
+            if not (path / "config.json").is_file():
+                mc.write_hybrid(copy.deepcopy(FAMILIES[family]), path, (4, 64, "affine"))
+            ok &= _check_family(family, path, prompts, lengths)
+        except Exception as e:  # noqa: BLE001 -- reported, the next family runs
+            ok = False
+            print(f"{family:15s} FAIL {type(e).__name__}: {e}", flush=True)
         _free()
     return ok
+
+
+def _check_family(family: str, path: Path, prompts: list, lengths: list) -> bool:
+    model = mlxr.load(path, device=DEV, dtype="float32")
+    err = static_err(model)
+    mode = "graphs" if supported(model.decoder) or DEV == "cpu" else "slots-eager"
+    engine = _engine(model, mode, max_num_seqs=4, block_size=16)
+    got = _run(engine, prompts, lengths)
+    want = [list(model.generate(p, max_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, lengths)]
+    again = _run(engine, prompts[5:], [10])[0]
+    resumed = engine.stats()["prefix_cache_hits"] > 0
+    good = err <= 1e-4 and got == want and again == want[5] and resumed
+    print(f"{family:15s} f32 static-vs-own {err:.1e}  engine({mode})==alone "
+          f"{got == want}  snapshot resume same {again == want[5]} (hit {resumed})  "
+          f"{'ok' if good else 'FAIL'}", flush=True)
+    return good
 
 
 def check_model(path: Path, budget: float) -> bool:
@@ -240,19 +249,29 @@ def bench(path: Path, budget: float) -> None:
         if left(budget) < 45:
             print(f"{mode:12s} SKIP (budget)", flush=True)
             continue
-        engine = _engine(model, mode, max_num_seqs=max(batches),
-                         num_blocks=max(batches) * -(-(32 + tokens + 16) // 16) + 8)
-        for b in batches:
-            deadline = START + budget - 20
-            warm = _round(engine, b, 8, 0, deadline)
-            r = _round(engine, b, tokens, 1, deadline) if warm is not None else None
-            if r is None:
-                print(f"{mode:12s} {b:5d} {tokens:6d} SKIP (budget: aborted)", flush=True)
-                break
-            print(f"{mode:12s} {b:5d} {tokens:6d} {r['tok_s']:10.1f} {r['step_ms']:8.2f} "
-                  f"{r['runner_ms']:9.2f}", flush=True)
-        del engine
+        try:
+            _bench_mode(model, mode, batches, tokens, budget)
+        except Exception as e:  # noqa: BLE001 -- reported, the next mode runs
+            print(f"{mode:12s} FAIL {type(e).__name__}: {e}", flush=True)
         _free()
+
+
+def _bench_mode(model, mode: str, batches: tuple, tokens: int, budget: float) -> None:
+    t = time.monotonic()
+    engine = _engine(model, mode, max_num_seqs=max(batches),
+                     num_blocks=max(batches) * -(-(32 + tokens + 16) // 16) + 8)
+    runner = getattr(engine.seq_caches, "runner", None)
+    print(f"{mode:12s} engine ready in {time.monotonic() - t:.1f} s, graphs "
+          f"{sorted(runner.graphs) if runner else '-'}", flush=True)
+    for b in batches:
+        deadline = START + budget - 20
+        warm = _round(engine, b, 8, 0, deadline)
+        r = _round(engine, b, tokens, 1, deadline) if warm is not None else None
+        if r is None:
+            print(f"{mode:12s} {b:5d} {tokens:6d} SKIP (budget: aborted)", flush=True)
+            return
+        print(f"{mode:12s} {b:5d} {tokens:6d} {r['tok_s']:10.1f} {r['step_ms']:8.2f} "
+              f"{r['runner_ms']:9.2f}", flush=True)
 
 
 def main() -> None:
@@ -263,6 +282,8 @@ def main() -> None:
                     help="where the tiny checkpoints go (default: a temp dir)")
     ap.add_argument("--only", choices=["check", "bench"])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--families", default=",".join(sorted(FAMILIES)),
+                    help="the tiny families to check (comma-separated)")
     a = ap.parse_args()
     global DEV
     DEV = a.device
@@ -273,8 +294,13 @@ def main() -> None:
     ok = True
     if a.only in (None, "check"):
         tiny = a.tiny_dir or Path(tempfile.mkdtemp(prefix="hybeng-"))
-        ok &= check_tiny(tiny, a.budget * 0.45 if a.only is None else a.budget)
-        ok &= check_model(a.model, a.budget)
+        ok &= check_tiny(tiny, a.budget * 0.45 if a.only is None else a.budget,
+                         a.families.split(","))
+        try:
+            ok &= check_model(a.model, a.budget)
+        except Exception as e:  # noqa: BLE001 -- reported, the bench runs
+            ok = False
+            print(f"bf16 model check FAIL {type(e).__name__}: {e}", flush=True)
     if a.only in (None, "bench"):
         bench(a.model, a.budget)
     print(f"done: {'all ok' if ok else 'FAIL'} ({time.monotonic() - START:.0f} s)", flush=True)

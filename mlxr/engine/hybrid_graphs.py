@@ -15,11 +15,15 @@ its sequence changed or its table grew (as in PagedDecodeRunner).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..models.slot_pool import SlotCache, SlotPool
 from .cuda_graph import capture
 from .decode_graphs import buckets_for
+
+log = logging.getLogger(__name__)
 
 # rows of the per-step index block: token, position, K/V slot, context length, state slot
 IDS, POS, SLOT, LEN, STATE = range(5)
@@ -27,7 +31,8 @@ IDS, POS, SLOT, LEN, STATE = range(5)
 
 class HybridDecodeRunner:
     """Runs decode steps of up to `max_batch` sequences whose caches live in `pool`; captured
-    per bucket where `graphs` (CUDA), else eager."""
+    per bucket where `graphs` (CUDA; a bucket whose capture fails runs eager, with a warning),
+    else eager."""
 
     def __init__(self, decoder, pool: SlotPool, max_batch: int, graphs: bool):
         self.decoder, self.pool = decoder, pool
@@ -55,7 +60,11 @@ class HybridDecodeRunner:
             self.rows.copy_(self.h_rows)
             mem = torch.cuda.graph_pool_handle()
             for b in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
-                self.graphs[b] = capture(lambda b=b: self._body(b), mem)
+                try:
+                    self.graphs[b] = capture(lambda b=b: self._body(b), mem)
+                except Exception as e:  # noqa: BLE001 -- an op that cannot be captured: eager
+                    log.warning("hybrid decode graph for %d rows not captured (%s); running "
+                                "eager", b, e)
 
     def _body(self, b: int) -> None:
         r = self.rows[:, :b]
