@@ -20,8 +20,10 @@ per-sequence caches it replaces. Needs torch and triton, not mlx.
 2. bench (MODEL_DIR, bf16): engine_bench-style rounds (prompt 32, greedy, ignore_eos) at
    batches 1, 8, 64 with 128 output tokens: modes `graphs` (default engine), `slots-eager`
    (paged_decode=True, MLXR_HYBRID_GRAPHS=0) and `old` (paged_decode=False: per-sequence
-   caches; 32 tokens, batches 1 and 8 only, it was 82 ms a step at batch 1). Per row: output
-   tok/s over the round (prefill included), median decode step ms, the runner's share of it.
+   caches; 32 tokens, batches 1 and 8 only, it was 82 ms a step at batch 1), then
+   `graphs-nosnap` (no prefix snapshots: what the decode-time state copies cost) at 64.
+   Per row: output tok/s over the round (prefill included), median decode step ms, the
+   runner's share of it.
 Each unit checks the time left (--budget seconds from the start) and prints SKIP (budget)
 rather than start what may not finish. Last line: "done: all ok" or "done: FAIL".
 """
@@ -70,9 +72,11 @@ def _module(name: str, path: Path):
 
 
 def _engine(model, mode: str, **kw) -> LLMEngine:
-    """graphs: the default engine; slots-eager: the slot path without capture; old: the
-    per-sequence caches."""
+    """graphs: the default engine; graphs-nosnap: without prefix snapshots; slots-eager: the
+    slot path without capture; old: the per-sequence caches."""
     os.environ["MLXR_HYBRID_GRAPHS"] = "0" if mode == "slots-eager" else "1"
+    if mode == "graphs-nosnap":
+        mode, kw = "graphs", dict(kw, prefix_snapshot_bytes=0)
     paged = {"graphs": None if DEV == "cuda" else True, "slots-eager": True,
              "old": False}[mode]
     engine = LLMEngine(model, paged_decode=paged, **kw)
@@ -244,7 +248,7 @@ def bench(path: Path, budget: float) -> None:
     print(f"{'mode':12s} {'batch':>5s} {'tokens':>6s} {'out tok/s':>10s} {'step ms':>8s} "
           f"{'runner ms':>9s}", flush=True)
     plan = [("graphs", (1, 8, 64), 128), ("slots-eager", (1, 8, 64), 128),
-            ("old", (1, 8), 32)]
+            ("old", (1, 8), 32), ("graphs-nosnap", (64,), 128)]
     for mode, batches, tokens in plan:
         if left(budget) < 45:
             print(f"{mode:12s} SKIP (budget)", flush=True)
