@@ -148,6 +148,27 @@ def test_static_step_on_the_kernels(model, monkeypatch):
         assert len(set(calls)) == 2  # full layers' blocks and sliding rings
 
 
+@pytest.mark.skipif(triton is None, reason="needs triton (its interpreter)")
+def test_engine_on_the_kernels(model, monkeypatch, request):
+    """The whole engine with every op on its Triton kernel, as on CUDA (the interpreter
+    here): prefill chunks over slot views, the static step, four requests through three
+    slots == each alone on the torch ops (qwen3_5 and gemma4_text: the others' static step
+    is checked on the kernels above)."""
+    if request.node.callspec.params["model"] not in ("qwen3_5", "gemma4_text"):
+        pytest.skip("one DeltaNet and one sliding-window family")
+    from mlxr.ops.layer import norm_rope_act
+
+    prompts, lengths = _prompts(4), [8, 3, 6, 7]
+    want = [_single(model, p, n) for p, n in zip(prompts, lengths)]
+    monkeypatch.setattr(ops, "_fused", norm_rope_act)
+    monkeypatch.setattr(ops, "_fast", lambda x: True)
+    monkeypatch.setenv("MLXR_CPU_DECODE", "0")
+    engine = _engine(model, max_num_seqs=3, max_num_batched_tokens=7, block_size=4)
+    reqs = [EngineRequest(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            for p, n in zip(prompts, lengths)]
+    assert [ids_of(o) for o in run_all(engine, reqs)] == want
+
+
 def _static_equals_alone(dec) -> None:
     """Three prompts prefilled into slots (their blocks 4 positions each) and into their own
     HybridCaches; one static step (bucket 4: one padding row) against each one's forward."""
