@@ -2,12 +2,13 @@
 one token each, in one launch (the hybrids' PagedDecodeRunner).
 
 `forward_batch_static` takes every per-step index as a device tensor (token, position, full
-layers' K/V slot, context length, state slot, block table), so on CUDA the whole step, greedy
-selection included, is captured once per batch-size bucket (`decode_graphs.buckets_for`) and
-replayed: a step costs one graph launch plus two small host-to-device copies. A batch of B runs
-in the smallest bucket >= B; the padding rows decode token 0 at position 0 into the pool's
-trash block and trash state slot, which no sequence owns. On CPU (tests) the same step runs
-eagerly. `MLXR_HYBRID_GRAPHS=0` turns capture off (`cuda_graph.graphable`).
+layers' K/V slot, context length, state slot, block table), so on CUDA the whole step is
+captured once per batch-size bucket (`decode_graphs.buckets_for`) and replayed: a step costs
+one graph launch plus two small host-to-device copies. A batch of B runs in the smallest
+bucket >= B; the padding rows decode token 0 at position 0 into the pool's trash block and
+trash state slot, which no sequence owns (their states are never read by a real row). On CPU
+(tests) the same step runs eagerly. `MLXR_HYBRID_GRAPHS=0` turns capture off
+(`cuda_graph.graphable`).
 
 Block tables live in a pinned host mirror [buckets[-1], width]; a row is rewritten only when
 its sequence changed or its table grew (as in PagedDecodeRunner).
@@ -53,7 +54,6 @@ class HybridDecodeRunner:
                 self.rope[id(rope.spec)] = rope.cos_sin(0, pool.max_positions)
         self.logits = torch.empty((cap, decoder.config.vocab_size), dtype=torch.float32,
                                   device=dev)
-        self.next_ids = torch.zeros(cap, dtype=torch.long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._reset_padding(0, cap)
         if graphs:
@@ -72,7 +72,6 @@ class HybridDecodeRunner:
                                                    self.tables[:b], r[LEN], self.pool,
                                                    self.rope)
         self.logits[:b].copy_(logits)
-        self.next_ids[:b].copy_(logits.argmax(dim=-1))
 
     def _reset_padding(self, start: int, end: int) -> None:
         """Rows [start, end) decode token 0 at position 0 into the trash block and slot."""
@@ -89,7 +88,7 @@ class HybridDecodeRunner:
         """Decode the pending token of each sequence (token_ids[num_computed], at position
         caches[r].length, its block allocated) into its cache (whose length the caller
         advances). Returns the logits float32 [n, V] on the device (valid until the next
-        run); `next_ids[:n]` holds their argmax."""
+        run)."""
         n, bs = len(seqs), self.pool.block_size
         b = next(x for x in self.buckets if x >= n)
         ids, pos, slots, states = [], [], [], []
