@@ -265,8 +265,9 @@ def _bench_mode(model, mode: str, batches: tuple, tokens: int, budget: float) ->
     engine = _engine(model, mode, max_num_seqs=max(batches),
                      num_blocks=max(batches) * -(-(32 + tokens + 16) // 16) + 8)
     runner = getattr(engine.seq_caches, "runner", None)
+    pool = f", slot pool {runner.pool.nbytes / 1e9:.2f} GB" if runner else ""
     print(f"{mode:12s} engine ready in {time.monotonic() - t:.1f} s, graphs "
-          f"{sorted(runner.graphs) if runner else '-'}", flush=True)
+          f"{sorted(runner.graphs) if runner else '-'}{pool}", flush=True)
     for b in batches:
         deadline = START + budget - 20
         warm = _round(engine, b, 8, 0, deadline)
