@@ -93,9 +93,11 @@ class LLMEngine:
     The KV pool: `num_blocks`, else what `memory_budget` (bytes for weights and pool together,
     the model server's share for this model) leaves after the measured weights (MemoryBudgetError
     below memory.MIN_POOL_TOKENS), else a share of the free memory (`memory_fraction`); never
-    more than max_num_seqs full contexts. The hybrid families have no pool: their blocks meter
-    the positions of per-sequence caches, sized the same way by what those caches, their
-    recurrent states and the prefix snapshots may hold (memory.sequence_caches_plan)."""
+    more than max_num_seqs full contexts. The hybrid families have no paged pool: their blocks
+    meter the positions of per-sequence caches, sized the same way by what those caches, their
+    recurrent states and the prefix snapshots may hold (memory.sequence_caches_plan); a slot
+    pool is allocated up front and holds at most that (its full layers' K/V in those blocks,
+    each position once)."""
 
     def __init__(self, model, max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None,
