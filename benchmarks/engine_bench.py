@@ -8,7 +8,8 @@ Per batch size: a warm-up round, then a measured one. Reports output tok/s over 
 (prefill steps included), the median decode-step time, and how much of it the host spends
 outside the decode runner (scheduling, sampling bookkeeping, detokenization), and the bytes of
 the quantized weights with their decode copies and the KV pool's size. `--eager` turns
-the captured decode graphs off (the eager forward_step path) for an A/B. `--tokens-out` writes
+the captured decode graphs off (the eager forward_step path; for the hybrid families the
+per-sequence caches, `MLXR_HYBRID_GRAPHS=0` likewise) for an A/B. `--tokens-out` writes
 the measured rounds' greedy tokens (per batch size, per request) as JSON, to compare two runs
 (e.g. two `MLXR_PREFILL_GEMM` routings). The last line is JSON.
 """
@@ -32,6 +33,12 @@ def sync(dev) -> None:
         torch.cuda.synchronize()
 
 
+def decode_runner(engine: LLMEngine):
+    """The engine's batched decode runner: the paged one (dense families) or the hybrids'
+    slot-pool one (None: the hybrids' per-sequence caches, or no runner)."""
+    return engine.paged or getattr(engine.seq_caches, "runner", None)
+
+
 def round_(engine: LLMEngine, batch: int, prompt: int, tokens: int, vocab: int,
            seed: int, got: list | None = None) -> dict:
     """One round of `batch` requests; `got` (if given) receives each request's tokens."""
@@ -48,14 +55,14 @@ def round_(engine: LLMEngine, batch: int, prompt: int, tokens: int, vocab: int,
             if got is not None:
                 got[i] += o.token_ids
         engine.add(EngineRequest(ids, params), emit)
-    runner = engine.paged
+    runner = decode_runner(engine)
     inside = [0.0]
     if runner is not None:
         run = runner.run
 
-        def timed(seqs, want):
+        def timed(*args):
             t = time.perf_counter()
-            out = run(seqs, want)
+            out = run(*args)
             inside[0] += time.perf_counter() - t
             return out
         runner.run = timed
@@ -98,11 +105,13 @@ def main() -> None:
     engine = LLMEngine(model, max_num_seqs=max(batches), paged_decode=False if a.eager else None)
     setup = time.perf_counter() - t
     weights = sum(qw.nbytes for qw in engine.decoder.quant_weights())
-    kv = engine.pool.num_blocks if engine.pool is not None else "per-sequence (hybrid)"
+    runner = decode_runner(engine)
+    kind = "" if engine.seq_caches is None else \
+        " (hybrid: per-sequence caches)" if runner is None else " (hybrid: slot pool)"
     print(f"engine ready in {setup:.1f} s (decode graphs: "
-          f"{sorted(engine.paged.graphs) if engine.paged else 'off'}); quantized weights with "
+          f"{sorted(runner.graphs) if runner else 'off'}); quantized weights with "
           f"their copies {weights / 1e9:.2f} GB, KV pool "
-          f"{kv} blocks")
+          f"{len(engine.blocks.blocks)} blocks{kind}")
     out, tokens = [], {}
     for b in batches:
         round_(engine, b, a.prompt, min(16, a.tokens), model.config.vocab_size, 0)  # warm-up
@@ -116,7 +125,7 @@ def main() -> None:
             json.dump(tokens, f)
     print(json.dumps({"setup_s": round(setup, 1), "eager": a.eager,
                       "quant_weights_gb": round(weights / 1e9, 3),
-                      "kv_blocks": engine.pool.num_blocks, "rounds": out}))
+                      "kv_blocks": len(engine.blocks.blocks), "rounds": out}))
 
 
 if __name__ == "__main__":

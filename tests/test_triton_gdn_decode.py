@@ -187,3 +187,30 @@ def test_model_decode_on_kernels_matches_reference_path(tiny_qwen35, monkeypatch
     tol = 1e-4 * (want.amax(-1) - want.amin(-1))[:, None]
     assert ((got - want).abs() <= tol).all(), float((got - want).abs().max())
     assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_on_pool_rows_matches_twin(dtype):
+    """With `rows`, row b's states are rows[b] of state pools, read and written in place
+    (the serving engine's slot pool): the same as the twin on the gathered states, and the
+    pool's other rows untouched."""
+    heads, g = HEADS[0], _gen("rows", dtype)
+    hk, hv, dk, dv = heads
+    conv, a_log, dt_bias, norm = _layer(hk, hv, dk, dv, dtype, g)
+    c, width = conv.shape
+    conv_pool = torch.randn(5, width - 1, c, generator=g).to(dtype)
+    ssm_pool = torch.randn(5, hv, dv, dk, generator=g) * 0.3
+    rows = torch.tensor([3, 0, 4])
+    conv_want, ssm_want = conv_pool[rows].clone(), ssm_pool[rows].clone()
+    for _ in range(2):
+        proj = torch.randn(3, c + hv * dv + 2 * hv, generator=g).to(dtype)
+        want = R.gated_delta_decode(proj, conv_want, ssm_want, conv, a_log, dt_bias, norm,
+                                    heads, 1e-6)
+        before = (conv_pool.clone(), ssm_pool.clone())
+        got = K.gated_delta_decode(proj, conv_pool, ssm_pool, conv, a_log, dt_bias, norm,
+                                   heads, 1e-6, rows)
+        _check((got, conv_pool[rows], ssm_pool[rows], None),
+               (want, conv_want, ssm_want, None), dtype)
+        for r in (1, 2):
+            assert torch.equal(conv_pool[r], before[0][r])
+            assert torch.equal(ssm_pool[r], before[1][r])

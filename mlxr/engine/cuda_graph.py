@@ -51,7 +51,8 @@ def graphable(decoder) -> bool:
 
 def _new_capture_allowed(decoder) -> bool:
     """MoE and hybrid decode steps are captured by default; `MLXR_MOE_GRAPHS=0` /
-    `MLXR_HYBRID_GRAPHS=0` turn their capture off (eager steps, for A/B runs). Both graphs ran
+    `MLXR_HYBRID_GRAPHS=0` turn their capture off (eager steps, for A/B runs; for the
+    serving engine's hybrids also its slot pool: the per-sequence caches as before). Both graphs ran
     on the H200 (scripts/moe_gpu_check.py, scripts/hybrid_gpu_check.py): captured logits within
     1.5e-6 (MoE, float32) and equal (hybrids, bf16) to the eager step's, greedy tokens the same,
     the serving engine's captured paged MoE decode batched == alone. A hybrid decoder is one

@@ -28,6 +28,7 @@ from .memory import (blocks_in_budget, free_memory_blocks, pool_plan, sequence_c
                      snapshot_budget, tensor_bytes)
 from .scheduler import Scheduler, Sequence
 from .seq_caches import SequenceCaches
+from .slot_caches import SlotCaches
 
 
 class QueueFullError(MlxrError):
@@ -86,13 +87,17 @@ class LLMEngine:
     Steps in which every scheduled sequence decodes one token run through a PagedDecodeRunner
     (`paged_decode`: None = on CUDA where the step can be captured in graphs, True = also
     eagerly elsewhere, for tests); other steps (prefill chunks) run `Decoder.forward_step`.
+    The hybrid families decode through a HybridDecodeRunner over one slot pool (slot_caches)
+    under the same switch (False: per-sequence caches, the batched step run eagerly).
 
     The KV pool: `num_blocks`, else what `memory_budget` (bytes for weights and pool together,
     the model server's share for this model) leaves after the measured weights (MemoryBudgetError
     below memory.MIN_POOL_TOKENS), else a share of the free memory (`memory_fraction`); never
-    more than max_num_seqs full contexts. The hybrid families have no pool: their blocks meter
-    the positions of per-sequence caches, sized the same way by what those caches, their
-    recurrent states and the prefix snapshots may hold (memory.sequence_caches_plan)."""
+    more than max_num_seqs full contexts. The hybrid families have no paged pool: their blocks
+    meter the positions of per-sequence caches, sized the same way by what those caches, their
+    recurrent states and the prefix snapshots may hold (memory.sequence_caches_plan); a slot
+    pool is allocated up front and holds at most that (its full layers' K/V in those blocks,
+    each position once)."""
 
     def __init__(self, model, max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None,
@@ -107,25 +112,34 @@ class LLMEngine:
         # measured once (the model server's memory budget counts them): bytes per device
         self.weights_bytes = sum(tensor_bytes(self.decoder).values())
         c = self.decoder.config
-        # hybrid families: per-sequence caches (seq_caches), no shared pool; prefix caching by
-        # state snapshots within prefix_snapshot_bytes (default 512 MiB on CUDA, 64 MiB on CPU)
-        snapshots = snapshot_budget(self.decoder.device, prefix_snapshot_bytes)
-        self.seq_caches = SequenceCaches(self.decoder, block_size, snapshots) \
-            if hasattr(self.decoder, "new_cache") else None
-        hybrid = self.seq_caches is not None
+        # hybrid families: caches per sequence (seq_caches: made as they run; slot_caches: the
+        # slots of one preallocated pool), no shared paged KV pool; prefix caching by state
+        # snapshots within prefix_snapshot_bytes (default 512 MiB on CUDA, 64 MiB on CPU)
+        hybrid = hasattr(self.decoder, "new_cache")
+        snapshots = snapshot_budget(self.decoder.device, prefix_snapshot_bytes) \
+            if getattr(self.decoder, "cache_snapshots", False) else 0
         capture = supported(self.decoder) and not hybrid
         use_paged = capture if paged_decode is None or hybrid else paged_decode
+        # hybrids with a static batched step keep their caches in one slot pool, decoded by
+        # captured graphs (slot_caches; paged_decode as for the dense models)
+        slotted = hybrid and hasattr(self.decoder, "forward_batch_static") and (
+            supported(self.decoder) if paged_decode is None else paged_decode)
         # hybrids: the blocks meter the positions their per-sequence caches hold (and what
-        # those caches and the snapshots may hold in all is what the budget counts)
+        # those caches and the snapshots may hold in all is what the budget counts; a slot
+        # pool holds at most that: its full layers' K/V are the blocks themselves, once)
         plan = sequence_caches_plan(c, self.decoder.dtype, block_size, max_num_seqs,
-                                    self.seq_caches.snapshots.budget) if hybrid else \
+                                    snapshots) if hybrid else \
             pool_plan(c, self.decoder.dtype, block_size, max_num_seqs)
         n = num_blocks
         if not n:
             n = free_memory_blocks(plan, self.decoder.device, memory_fraction) \
                 if memory_budget is None else \
-                blocks_in_budget(plan, memory_budget, self.weights_bytes, int(use_paged),
-                                 model.path.name)
+                blocks_in_budget(plan, memory_budget, self.weights_bytes,
+                                 int(use_paged or slotted), model.path.name)
+        self.seq_caches = None if not hybrid else \
+            SequenceCaches(self.decoder, block_size, snapshots) if not slotted else \
+            SlotCaches(self.decoder, block_size, snapshots, n, max_num_seqs,
+                       min(c.context_length, n * block_size), supported(self.decoder))
         # one extra block when decoding in buckets: the padding rows' trash block
         self.pool = None if hybrid else KVPool(c.num_layers, c.num_kv_heads, c.head_dim,
                                                n + use_paged, block_size, self.decoder.dtype,

@@ -20,6 +20,11 @@ are kept, so outputs with and without prefix caching are the same.
 Sequences that decode one token run as one batch (`forward_batch`: projections, MLPs, the
 recurrence and the attention, padded across the sequences' own K/V, batched); prefill chunks run
 as one forward per sequence (the computation of `Model.generate`, split at most once).
+
+`slot_caches.SlotCaches` is this class over one preallocated pool (a slot per running
+sequence) whose decode step is captured per batch bucket on CUDA; this one is the engine's
+path elsewhere (CPU, `paged_decode=False`, `MLXR_HYBRID_GRAPHS=0`, decoders without
+`forward_batch_static`).
 """
 
 from __future__ import annotations
@@ -48,14 +53,21 @@ class SequenceCaches:
         """Tokens of an admitted sequence restored from the snapshot of its longest cached
         prefix (its cache made from the snapshot), 0 if none; its last token is always
         computed (its logits are needed)."""
-        self.caches.pop(seq.id, None)
+        self._drop(seq.id)
         snap = self.snapshots.longest(seq.token_ids, len(seq.token_ids) - 1)
         self.queries += (len(seq.token_ids) - 1) // self.block_size
         if snap is None:
             return 0
         self.hits += snap.length // self.block_size
-        self.caches[seq.id] = snap.copy(len(seq.token_ids) + CACHE_SLACK)
+        self._restore(seq, snap)
         return snap.length
+
+    def _restore(self, seq: Sequence, snap) -> None:
+        """The sequence's cache made from a snapshot."""
+        self.caches[seq.id] = snap.copy(len(seq.token_ids) + CACHE_SLACK)
+
+    def _drop(self, sid: int) -> None:
+        self.caches.pop(sid, None)
 
     def _snapshot(self, seq: Sequence, cache) -> None:
         if self.snapshots.budget and cache.length % self.block_size == 0:
@@ -77,7 +89,7 @@ class SequenceCaches:
         """Drop the caches of sequences no longer running (their memory is freed)."""
         live = {s.id for s in running}
         for sid in [sid for sid in self.caches if sid not in live]:
-            del self.caches[sid]
+            self._drop(sid)
 
     def _cache_at(self, seq: Sequence) -> object:
         """The sequence's cache, holding exactly its computed positions (fresh at 0)."""
@@ -95,15 +107,7 @@ class SequenceCaches:
         decoding one token run together (`forward_batch`), the others one forward each.
         Returns the sequences whose chunk reached their last token (in batch order) and
         their logits float32 [S, V]."""
-        rows: dict[int, torch.Tensor] = {}
-        decodes = [seq for seq, n in batch if n == 1 and seq.num_computed > 0]
-        if len(decodes) > 1:
-            caches = [self._cache_at(seq) for seq in decodes]
-            ids = torch.tensor([seq.token_ids[seq.num_computed] for seq in decodes])
-            logits = self.decoder.forward_batch(ids, caches)
-            rows.update({seq.id: logits[j] for j, seq in enumerate(decodes)})
-            for seq, cache in zip(decodes, caches):
-                self._snapshot(seq, cache)
+        rows = self._decode([seq for seq, n in batch if n == 1 and seq.num_computed > 0])
         for seq, n in batch:
             if seq.id in rows:
                 continue
@@ -114,3 +118,15 @@ class SequenceCaches:
         if not done:
             return done, torch.empty((0, self.decoder.config.vocab_size))
         return done, torch.stack([rows[seq.id] for seq in done])
+
+    def _decode(self, decodes: list[Sequence]) -> dict[int, torch.Tensor]:
+        """Decode one token of each sequence (more than one: together, `forward_batch`);
+        their logits rows [V] by sequence id (a lone one is left to `_forward`)."""
+        if len(decodes) < 2:
+            return {}
+        caches = [self._cache_at(seq) for seq in decodes]
+        ids = torch.tensor([seq.token_ids[seq.num_computed] for seq in decodes])
+        logits = self.decoder.forward_batch(ids, caches)
+        for seq, cache in zip(decodes, caches):
+            self._snapshot(seq, cache)
+        return {seq.id: logits[j] for j, seq in enumerate(decodes)}

@@ -71,3 +71,21 @@ class GatedDeltaMixer:
         out = recurrent.rms_norm_gated(y, z.reshape(bsz, t, s.num_v_heads, s.v_head_dim),
                                        self.norm, self.eps)
         return self.out_proj(out.reshape(bsz * t, s.value_dim)).reshape(bsz, t, -1)
+
+    def decode_rows(self, x: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
+                    rows: torch.Tensor) -> torch.Tensor:
+        """One decode token of each row of x [B, E], whose states are rows `rows` [B]
+        (device long) of the pools conv_pool [S, W-1, C] / ssm_pool [S, Hv, Dv, Dk], updated
+        there -> [B, E]. The fused step reads and writes the pools in place; with
+        MLXR_GDN_FUSED=0 the op-by-op path runs on gathered states, scattered back."""
+        if os.environ.get("MLXR_GDN_FUSED", "1") == "0":
+            cs, ss = conv_pool.index_select(0, rows), ssm_pool.index_select(0, rows)
+            out = self(x[:, None], cs, ss)[:, 0]
+            conv_pool.index_copy_(0, rows, cs)
+            ssm_pool.index_copy_(0, rows, ss)
+            return out
+        s = self.spec
+        heads = (s.num_k_heads, s.num_v_heads, s.k_head_dim, s.v_head_dim)
+        out = ops.gated_delta_decode(self.in_proj(x), conv_pool, ssm_pool, self.conv,
+                                     self.a_log, self.dt_bias, self.norm, heads, self.eps, rows)
+        return self.out_proj(out)

@@ -27,6 +27,7 @@ from .hybrid_cache import HybridCache, LayerShape, layer_shapes
 from .moe import MoeBlock
 from .padded_attention import padded_decode_attention
 from .qwen3_5 import linears
+from .slot_pool import SlotPool
 
 
 @dataclass
@@ -292,6 +293,36 @@ class Gemma4Decoder:
             out = ops.attention_at(q, pool.k[src], pool.v[src], slots[pool.k[src].shape[1]][1],
                                    None, c.attn_scale)
             return ly.o_proj(out.reshape(1, c.num_heads * s.head_dims[i]))
+
+        return self._logits(self._layers(ids, attend))
+
+    def forward_batch_static(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                             states: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                             pool: SlotPool, rope: dict) -> torch.Tensor:
+        """One decode token for each of B sequences of a SlotPool, every shape fixed and no
+        host value read (Qwen35Decoder.forward_batch_static's arguments). Full layers write
+        and attend through the block tables; a sliding layer's ring of R slots is read as a
+        paged cache of block size R whose block is the sequence's state slot (its lens
+        min(pos + 1, R): a wrapped ring holds only visible positions). Logits float32 [B, V]."""
+        c, s = self.config, self.spec
+        rows = {key: (cos.index_select(0, pos), sin.index_select(0, pos))
+                for key, (cos, sin) in rope.items()}
+        # where each layer kind writes and what it reads: (write slots, tables, lens, bs)
+        at = {None: (slots, tables, lens, pool.block_size)}
+        for r in {r for r in pool.ring if r}:
+            at[r] = (states * r + torch.remainder(pos, r), states[:, None].to(torch.int32),
+                     torch.clamp(lens, max=r), r)
+
+        def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
+            kv = ly.kv(x) if ly.kv is not None else None
+            q, k, v = self._qkv(i, ly, ly.q_proj(x), kv, *rows[id(self.ropes[i].spec)])
+            src = s.kv_source[i]
+            put, tab, ctx, bs = at[pool.ring[src]]
+            if k is not None:
+                pool.k[i].index_copy_(1, put, k)
+                pool.v[i].index_copy_(1, put, v)
+            out = ops.paged_attention(q, pool.k[src], pool.v[src], tab, ctx, bs, c.attn_scale)
+            return ly.o_proj(out.reshape(q.shape[0], c.num_heads * s.head_dims[i]))
 
         return self._logits(self._layers(ids, attend))
 

@@ -185,6 +185,16 @@ class HybridCache:
                                 torch.arange(start + t - keep, start + t, device=self.device) % n)
         return self._ring_index[1], self._ring_index[2]
 
+    def write_target(self, i: int, start: int,
+                     t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where a full layer i writes the K/V of positions [start, +T): its buffers
+        [K, slots, D] and their slots [T] (device long; here slot = position)."""
+        return self.k[i], self.v[i], torch.arange(start, start + t, device=self.device)
+
+    def visible(self, i: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full layer i's K/V [K, ctx, D] of positions [0, ctx), in order."""
+        return self.k[i][:, :ctx], self.v[i][:, :ctx]
+
     def step_slots(self, pos: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """For a token at position pos [1] (device long, no host value read), per K/V buffer
         length n: (its write slot pos % n, the last slot it sees: clamp(pos, max=n - 1), as

@@ -25,6 +25,7 @@ from .gated_delta import GatedDeltaMixer
 from .hybrid_cache import HybridCache, LayerShape, layer_shapes
 from .moe import MoeBlock
 from .padded_attention import padded_decode_attention
+from .slot_pool import SlotPool
 
 
 @dataclass
@@ -52,6 +53,20 @@ def linears(parts: list) -> list[Linear]:
     out = []
     for p in parts:
         out.extend(p.parts if isinstance(p, Fused) else [p])
+    return out
+
+
+def _delta_rows(m: GatedDeltaMixer, x: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
+                states: torch.Tensor) -> torch.Tensor:
+    """A gated DeltaNet decode step of rows x [B, E] whose states are rows `states` [B] of
+    the pools conv [S, W-1, C] / ssm [S, Hv, Dv, Dk] (`GatedDeltaMixer.decode_rows`; the C
+    extension's CPU step on gathered states, scattered back)."""
+    if not cpu_hybrid_decode.enabled(x):
+        return m.decode_rows(x, conv, ssm, states)
+    cs, ss = conv.index_select(0, states), ssm.index_select(0, states)
+    out = cpu_hybrid_decode.delta_step(m, x, cs, ss)
+    conv.index_copy_(0, states, cs)
+    ssm.index_copy_(0, states, ss)
     return out
 
 
@@ -114,15 +129,16 @@ class Qwen35Decoder:
         return ops.gated_act(gate.reshape(t * h, d), out.reshape(t * h, d),
                              "sigmoid").reshape(t, h * d)
 
-    def _q_write(self, m: GatedAttention, qkv: torch.Tensor, cache: HybridCache, i: int,
+    def _q_write(self, m: GatedAttention, qkv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  positions: torch.Tensor | None = None) -> torch.Tensor:
-        """q/k norm and RoPE of qkv [T, HD + 2KD]; K/V written to cache slots `slots` [T];
-        returns q [T, H, D] (`ops.qkv_rope_write`; positions: cos / sin are whole tables)."""
+        """q/k norm and RoPE of qkv [T, HD + 2KD]; K/V written to slots `slots` [T] of the
+        buffers k / v [K, slots, D]; returns q [T, H, D] (`ops.qkv_rope_write`; positions:
+        cos / sin are whole tables)."""
         c = self.config
         return ops.qkv_rope_write(qkv, c.num_heads, c.num_kv_heads, c.head_dim, m.q_norm,
                                   m.k_norm, c.rms_norm_eps, 0.0, self.ropes[0].scale, cos, sin,
-                                  False, cache.k[i], cache.v[i], slots, positions)
+                                  False, k, v, slots, positions)
 
     def _gated_attention(self, m: GatedAttention, proj: torch.Tensor, cache: HybridCache,
                          i: int, start: int, cos: torch.Tensor,
@@ -133,11 +149,9 @@ class Qwen35Decoder:
         c = self.config
         t = proj.shape[0]
         qkv, gate = self._split_gate(proj)
-        slots = torch.arange(start, start + t, device=self.device)
-        q = self._q_write(m, qkv, cache, i, cos, sin, slots)
-        ctx = start + t
-        out = ops.attention(q, cache.k[i][:, :ctx], cache.v[i][:, :ctx], start, 0,
-                            c.attn_scale)
+        k, v, slots = cache.write_target(i, start, t)
+        q = self._q_write(m, qkv, k, v, cos, sin, slots)
+        out = ops.attention(q, *cache.visible(i, start + t), start, 0, c.attn_scale)
         return self._gated_out(out, gate)
 
     def _layers(self, h: torch.Tensor, mixer, last_only: bool) -> torch.Tensor:
@@ -224,8 +238,31 @@ class Qwen35Decoder:
             if isinstance(m, GatedDeltaMixer):
                 return m(x[None], pool.conv[i], pool.ssm[i])[0]
             qkv, gate = self._split_gate(m.qkv(x))
-            q = self._q_write(m, qkv, pool, i, cos, sin, pos, pos)
+            q = self._q_write(m, qkv, pool.k[i], pool.v[i], cos, sin, pos, pos)
             out = ops.attention_at(q, pool.k[i], pool.v[i], pos, None, c.attn_scale)
+            return m.o_proj(self._gated_out(out, gate))
+
+        return self.head(self._layers(self.embed(ids), mixer, False)).float()
+
+    def forward_batch_static(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                             states: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                             pool: SlotPool, rope: dict) -> torch.Tensor:
+        """One decode token for each of B sequences of a SlotPool, every shape fixed and no
+        host value read (the serving engine captures it per batch bucket: engine.hybrid_graphs).
+        ids, pos [B] long; slots [B]: the token's K/V slot in the full layers' paged pool;
+        states [B]: the sequence's state slot; tables [B, W] int32 block tables; lens [B] =
+        pos + 1; rope: spec id -> (cos, sin) whole tables. Logits float32 [B, V]."""
+        c = self.config
+        cos, sin = rope[id(self.ropes[0].spec)]
+
+        def mixer(i: int, layer: HybridLayer, x: torch.Tensor) -> torch.Tensor:
+            m = layer.mixer
+            if isinstance(m, GatedDeltaMixer):
+                return _delta_rows(m, x, pool.conv[i], pool.ssm[i], states)
+            qkv, gate = self._split_gate(m.qkv(x))
+            q = self._q_write(m, qkv, pool.k[i], pool.v[i], cos, sin, slots, pos)
+            out = ops.paged_attention(q, pool.k[i], pool.v[i], tables, lens, pool.block_size,
+                                      c.attn_scale)
             return m.o_proj(self._gated_out(out, gate))
 
         return self.head(self._layers(self.embed(ids), mixer, False)).float()
@@ -255,7 +292,8 @@ class Qwen35Decoder:
                     c.ssm[i].copy_(ssm[b:b + 1])
                 return out
             qkv, gate = self._split_gate(m.qkv(x))
-            q = torch.cat([self._q_write(m, qkv[b:b + 1], c, i, cos[b:b + 1], sin[b:b + 1],
+            q = torch.cat([self._q_write(m, qkv[b:b + 1], c.k[i], c.v[i], cos[b:b + 1],
+                                         sin[b:b + 1],
                                          torch.tensor([starts[b]], device=self.device))
                            for b, c in enumerate(caches)])  # each K/V into its own cache
             ctx = [s + 1 for s in starts]

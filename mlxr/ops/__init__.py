@@ -184,11 +184,12 @@ def gated_delta(q, k, v, g, beta, state):
 
 
 def gated_delta_decode(proj, conv_state, ssm_state, conv_w, a_log, dt_bias, norm_w,
-                       heads: tuple[int, int, int, int], eps: float):
+                       heads: tuple[int, int, int, int], eps: float, rows=None):
     """The gated DeltaNet mixer's decode step, projection rows [B, P] -> out_proj's input
-    [B, Hv*Dv], states updated in place: one Triton launch where the head dims fit
-    (`recurrent.gated_delta_decode`), else the reference ops composed."""
-    args = (proj, conv_state, ssm_state, conv_w, a_log, dt_bias, norm_w, heads, eps)
+    [B, Hv*Dv], states updated in place (`rows` [B]: at those rows of state pools): one
+    Triton launch where the head dims fit (`recurrent.gated_delta_decode`), else the
+    reference ops composed."""
+    args = (proj, conv_state, ssm_state, conv_w, a_log, dt_bias, norm_w, heads, eps, rows)
     if _fast(proj):
         from .recurrent import gated_delta_decode as fused
         if fused.supported(proj, conv_state, ssm_state, conv_w, heads):

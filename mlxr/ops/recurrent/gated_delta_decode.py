@@ -129,7 +129,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gdn_decode_kernel(proj, s_pb, conv_state, s_cb, s_cw, conv_w, ssm, a_log, dt_bias,
-                           norm_w, out, s_ob, qk_eps, q_scale, k_scale, eps,
+                           norm_w, out, s_ob, qk_eps, q_scale, k_scale, eps, rows,
+                           HAS_ROWS: tl.constexpr,
                            HK: tl.constexpr, HV: tl.constexpr, REP: tl.constexpr,
                            DK: tl.constexpr,
                            DV: tl.constexpr, W: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -139,12 +140,13 @@ if HAVE_TRITON:
         RV = REP * DV  # the program's value channels
         CONV = 2 * HK * DK + HV * DV  # conv channels; then z, b, a
         x_row = proj + b * s_pb
-        st = conv_state + b * s_cb
+        sb = tl.load(rows + b) if HAS_ROWS else b  # the sequence's rows of the state pools
+        st = conv_state + sb * s_cb
         rk, rrv, rv = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_RV), tl.arange(0, BLOCK_V)
         mv, mk = rv < DV, rk < DK
         m2 = mv[:, None] & mk[None, :]
         if REP == 1:  # the state tile's load issued first: its latency hides under the conv
-            s_first = tl.load(ssm + ((b * HV + hk) * DV + rv[:, None]) * DK + rk[None, :],
+            s_first = tl.load(ssm + ((sb * HV + hk) * DV + rv[:, None]) * DK + rk[None, :],
                               mask=m2, other=0.0)
         q_ch = hk * DK + rk
         k_ch = HK * DK + hk * DK + rk
@@ -174,7 +176,7 @@ if HAVE_TRITON:
                 vj = tl.load(o_row + j * DV + rv, mask=mv, other=0.0).to(tl.float32)
             else:
                 vj = v
-            s_ptr = ssm + ((b * HV + hv) * DV + rv[:, None]) * DK + rk[None, :]
+            s_ptr = ssm + ((sb * HV + hv) * DV + rv[:, None]) * DK + rk[None, :]
             if REP == 1:
                 s = s_first * g  # [BLOCK_V, BLOCK_K] float32
             else:
@@ -193,9 +195,11 @@ if HAVE_TRITON:
 
 def gated_delta_decode(proj: Tensor, conv_state: Tensor, ssm_state: Tensor, conv_w: Tensor,
                        a_log: Tensor, dt_bias: Tensor, norm_w: Tensor,
-                       heads: tuple[int, int, int, int], eps: float) -> Tensor:
+                       heads: tuple[int, int, int, int], eps: float,
+                       rows: Tensor | None = None) -> Tensor:
     """See `reference.gated_delta_decode` (proj [B, P] with a contiguous last dim; the states
-    are updated in place)."""
+    are updated in place; with `rows` [B] long, row b's states are rows[b] of the state pools,
+    read and written there: no gather / scatter copies)."""
     hk, hv, dk, dv = heads
     bsz = proj.shape[0]
     width = conv_w.shape[1]
@@ -213,8 +217,9 @@ def gated_delta_decode(proj: Tensor, conv_state: Tensor, ssm_state: Tensor, conv
     _gdn_decode_kernel[(bsz, hk)](
         proj, proj.stride(0), conv_state, conv_state.stride(0), conv_state.stride(1),
         conv_w.contiguous(), ssm_state, a_log, dt_bias, norm_w, out, out.stride(0), qk_eps,
-        q_scale, k_scale, eps, HK=hk, HV=hv, REP=hv // hk, DK=dk, DV=dv, W=width, BLOCK_K=block_k,
-        BLOCK_V=block_v, BLOCK_RV=triton.next_power_of_2(hv // hk * dv),
+        q_scale, k_scale, eps, proj if rows is None else rows, HAS_ROWS=rows is not None,
+        HK=hk, HV=hv, REP=hv // hk, DK=dk, DV=dv, W=width, BLOCK_K=block_k, BLOCK_V=block_v,
+        BLOCK_RV=triton.next_power_of_2(hv // hk * dv),
         BLOCK_W=triton.next_power_of_2(width - 1), OUT=_DTYPES[proj.dtype],
         num_warps=8 if block_k * block_v >= 8192 else 4)
     return out

@@ -161,13 +161,21 @@ def rms_norm_gated(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
 def gated_delta_decode(proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                        conv_w: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
                        norm_w: torch.Tensor, heads: tuple[int, int, int, int],
-                       eps: float) -> torch.Tensor:
+                       eps: float, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The gated DeltaNet mixer's decode step (one token for each of B sequences) from the
     input projection's rows proj [B, P] (P = C + Hv*Dv + 2*Hv: [qkv | z | b | a]) to the
     input of out_proj [B, Hv*Dv] in proj's dtype: the ops above composed. heads = (Hk, Hv,
     Dk, Dv); conv_state [B, W-1, C] and ssm_state [B, Hv, Dv, Dk] (float32) updated in place;
     conv_w [C, W], a_log [Hv], dt_bias [Hv], norm_w [Dv]. The twin of the one-launch kernel
-    (`gated_delta_decode.gated_delta_decode`)."""
+    (`gated_delta_decode.gated_delta_decode`). With `rows` [B] long, row b's states are
+    rows[b] of the state pools conv_state [S, W-1, C] / ssm_state [S, Hv, Dv, Dk]: gathered,
+    stepped, written back."""
+    if rows is not None:
+        conv, ssm = conv_state.index_select(0, rows), ssm_state.index_select(0, rows)
+        out = gated_delta_decode(proj, conv, ssm, conv_w, a_log, dt_bias, norm_w, heads, eps)
+        conv_state.index_copy_(0, rows, conv)
+        ssm_state.index_copy_(0, rows, ssm)
+        return out
     hk, hv, dk, dv = heads
     bsz = proj.shape[0]
     key, val = hk * dk, hv * dv
