@@ -9,6 +9,7 @@ from a background thread.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -121,9 +122,12 @@ class LLMEngine:
         capture = supported(self.decoder) and not hybrid
         use_paged = capture if paged_decode is None or hybrid else paged_decode
         # hybrids with a static batched step keep their caches in one slot pool, decoded by
-        # captured graphs (slot_caches; paged_decode as for the dense models)
+        # captured graphs (slot_caches; paged_decode as for the dense models). By default
+        # only with MLXR_HYBRID_SLOTS=1 until its graphs are checked on a GPU against the
+        # per-sequence path (scripts/hybrid_engine_gpu.py); the CPU tests pass paged_decode.
         slotted = hybrid and hasattr(self.decoder, "forward_batch_static") and (
-            supported(self.decoder) if paged_decode is None else paged_decode)
+            supported(self.decoder) and os.environ.get("MLXR_HYBRID_SLOTS") == "1"
+            if paged_decode is None else paged_decode)
         # hybrids: the blocks meter the positions their per-sequence caches hold (and what
         # those caches and the snapshots may hold in all is what the budget counts; a slot
         # pool holds at most that: its full layers' K/V are the blocks themselves, once)
