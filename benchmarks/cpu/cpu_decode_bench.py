@@ -2,7 +2,8 @@
 ratios measured this way mean much): the generic layer loop and the lean step
 (`mlxr.models.cpu_decode`) on torch's kernels (a model loaded with MLXR_CPU_KERNELS=0), and the
 lean step on mlxr's compiled kernels (`mlxr.ops.cpu`, a second load of the model; skipped where
-they were not built).
+they were not built), and that again without the fused layer calls (`mlxr.ops.cpu.fused`, env
+MLXR_CPU_FUSED=0: "unfused"), whose logits must equal the kernels arm's bit for bit.
 
     PYTHONPATH=. python benchmarks/cpu/cpu_decode_bench.py MODEL_DIR [--prompt 512]
         [--steps 8] [--rounds 8] [--batch 1] [--threads N] [--cpu-time]
@@ -81,6 +82,7 @@ def main() -> None:
     if native.available():
         os.environ["MLXR_CPU_KERNELS"] = "1"
         arms["kernels"] = (mlxr.load(a.model, device="cpu").decoder, "1", "1")
+        arms["unfused"] = (arms["kernels"][0], "1", "1")  # the same, MLXR_CPU_FUSED=0
     g = torch.Generator().manual_seed(0)
     vocab = dec0.config.vocab_size
     prompt = torch.randint(0, vocab, (a.prompt,), generator=g)
@@ -92,12 +94,13 @@ def main() -> None:
             os.environ["MLXR_CPU_KERNELS"] = kern
             seqs[name] = _Seqs(dec, a.batch, prompt, cap)
         times: dict[str, list[float]] = {name: [] for name in arms}
-        equal, diff = True, 0.0
+        equal, fused_equal, diff = True, True, 0.0
         for r in range(a.rounds):
             tokens = torch.randint(0, vocab, (a.steps, a.batch), generator=g)
             got = {}
             for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
                 _, os.environ["MLXR_CPU_DECODE"], os.environ["MLXR_CPU_KERNELS"] = arms[name]
+                os.environ["MLXR_CPU_FUSED"] = "0" if name == "unfused" else "1"
                 ts = []
                 for t in tokens:
                     t0 = clock()
@@ -106,6 +109,7 @@ def main() -> None:
                 times[name].append(statistics.median(ts))
             equal &= torch.equal(got["generic"], got["lean"])
             if "kernels" in got:
+                fused_equal &= torch.equal(got["kernels"], got["unfused"])
                 rng = got["generic"].max(-1).values - got["generic"].min(-1).values
                 d = (got["kernels"] - got["generic"]).abs().max(-1).values / rng
                 diff = max(diff, float(d.max()))
@@ -119,8 +123,11 @@ def main() -> None:
     if "kernels" in ms:
         out["ratio_kernels"] = ms["lean"] / ms["kernels"]
         out["kernels_max_diff_of_range"] = diff
+        out["ratio_fused"] = ms["unfused"] / ms["kernels"]
+        out["fused_logits_equal"] = fused_equal
         line += (f"; kernels / lean: {out['ratio_kernels']:.2f}x, logits within "
-                 f"{diff:.2e} of the range")
+                 f"{diff:.2e} of the range; fused / unfused: {out['ratio_fused']:.2f}x, "
+                 f"logits equal: {fused_equal}")
     print(line)
     out.update(batch=a.batch, prompt=a.prompt, threads=torch.get_num_threads(),
                cpu_time=a.cpu_time, logits_equal=equal)

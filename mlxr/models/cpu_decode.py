@@ -44,7 +44,7 @@ from torch import Tensor
 
 from .. import ops
 from ..layers import Linear
-from ..ops.cpu import native
+from ..ops.cpu import fused, native
 from ..quant import QuantWeight
 
 
@@ -90,6 +90,9 @@ class _LayerPlan:
 class _Plan:
     layers: list[_LayerPlan]
     head: Callable[[Tensor], Tensor]
+    norms: list[Tensor]  # [E] each: input_norm, mlp_norm per layer, then the final norm (+off)
+    fused: bool  # `mlxr.ops.cpu.fused` gives this decoder's values (checked at build)
+    act: Tensor | None  # fused.act_table of the activation
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,16 @@ def _plan(dec) -> _Plan:
             layers.append(_LayerPlan(_matmul(layer.qkv), _matmul(layer.o_proj),
                                    _matmul(layer.gate_up) if dense else None,
                                    _matmul(layer.down_proj) if dense else None, qk))
-        dec._cpu_decode_plan = plan = _Plan(layers, _matmul(dec.head))
+        norms = [w + off if off else w for layer in dec.layers
+                 for w in (layer.input_norm, layer.mlp_norm)]
+        norms.append(dec.norm + off if off else dec.norm)
+        fz = dec.dtype == torch.bfloat16 and all(w.dtype == torch.bfloat16 for w in norms) \
+            and all(fused.ready(c.hidden_size, c.heads(i), c.num_kv_heads, c.head_dim,
+                                _rope_tables(dec.ropes[i], 1).c.shape[-1],
+                                dec.ropes[i].spec.traditional, layer.q_norm is not None,
+                                c.hidden_act) for i, layer in enumerate(dec.layers))
+        dec._cpu_decode_plan = plan = _Plan(layers, _matmul(dec.head), norms, fz,
+                                            fused.act_table(c.hidden_act) if fz else None)
     return plan
 
 
@@ -209,45 +221,70 @@ def run(dec, ids: Tensor, step, pool) -> Tensor:
             rt = _rope_tables(rope, max(pos) + 1)
             tabs[id(rope.spec)] = (rt, rt.c.index_select(0, pos_t).unsqueeze(1),
                                    rt.s.index_select(0, pos_t).unsqueeze(1))
-    h = dec.embed_tokens(ids)
-    x = ops.rms_norm(h, dec.layers[0].input_norm, eps, off)
     slots = step.write_slots
+    fz = (plan.fused and fused.enabled() and slots.dtype == torch.int64 and slots.is_contiguous()
+          and 0 <= int(slots.min()) and int(slots.max()) < pool.k[0].shape[1])
+    h = dec.embed_tokens(ids)
+    if fz:  # layer.c's calls (`mlxr.ops.cpu.fused`): the same values in fewer calls
+        h, x = fused.add_rms_norm(h.contiguous(), None, plan.norms[0], eps)
+    else:
+        x = ops.rms_norm(h, dec.layers[0].input_norm, eps, off)
     for i, (layer, lp) in enumerate(zip(dec.layers, plan.layers, strict=True)):
         heads, kvh = c.heads(i), c.num_kv_heads
         rt, cs, sn = tabs[id(dec.ropes[i].spec)]
-        qkv = lp.qkv(x).view(n, heads + 2 * kvh, d)
-        qk = _norm_rope(qkv[:, :heads + kvh], lp.qk_norm, eps, rt, cs, sn)
         kc, vc = pool.k[i], pool.v[i]
-        kc.index_copy_(1, slots, qk[:, heads:].transpose(0, 1))
-        vc.index_copy_(1, slots, qkv[:, heads + kvh:].transpose(0, 1))
-        outs = []
-        kern = native.attend_enabled() and kc.is_contiguous() and vc.is_contiguous()
-        for r, sp in enumerate(step.spans):
-            ctx = sp.q_start + 1
-            if kern:  # bf16 K/V read in place, float32 math (`native.attend`)
-                a0 = sp.slot_range[0] if sp.slot_range is not None else 0
-                sl = None if sp.slot_range is not None else sp.slots[:ctx].to(torch.int64)
-                outs.append(native.attend(qk[r, :heads].contiguous(), kc, vc, sl, a0, ctx,
-                                          c.attn_scale))
-                continue
-            if sp.slot_range is not None:
-                a = sp.slot_range[0]
-                keys, values = kc[:, a:a + ctx], vc[:, a:a + ctx]
-            else:
-                sl = sp.slots[:ctx]
-                keys, values = kc.index_select(1, sl), vc.index_select(1, sl)
-            outs.append(_attend(qk[r, :heads], keys, values, c.attn_scale))
-        a = (outs[0] if n == 1 else torch.stack(outs)).reshape(n, heads * d)
-        h, x = ops.add_rms_norm(h, lp.o(a), layer.mlp_norm, eps, off)
+        qkv = lp.qkv(x)
+        if fz and kc.is_contiguous() and vc.is_contiguous():
+            q = fused.qk_rope(qkv.contiguous(), heads, kvh, lp.qk_norm, eps, rt.c, rt.s, rt.traditional,
+                              pos_t, kc, vc, slots)
+        else:
+            qkv = qkv.view(n, heads + 2 * kvh, d)
+            qk = _norm_rope(qkv[:, :heads + kvh], lp.qk_norm, eps, rt, cs, sn)
+            kc.index_copy_(1, slots, qk[:, heads:].transpose(0, 1))
+            vc.index_copy_(1, slots, qkv[:, heads + kvh:].transpose(0, 1))
+            q = qk[:, :heads]
+        a = _attention(c, q, kc, vc, step.spans).reshape(n, heads * d)
+        if fz:
+            h, x = fused.add_rms_norm(h, lp.o(a), plan.norms[2 * i + 1], eps)
+        else:
+            h, x = ops.add_rms_norm(h, lp.o(a), layer.mlp_norm, eps, off)
         if lp.gate_up is not None:
-            gate, up = lp.gate_up(x).chunk(2, dim=-1)
-            m = lp.down(ops.gated_act(gate, up, c.hidden_act).contiguous())
+            gu = lp.gate_up(x)
+            if fz:
+                m = lp.down(fused.act_mul(gu, plan.act))
+            else:
+                gate, up = gu.chunk(2, dim=-1)
+                m = lp.down(ops.gated_act(gate, up, c.hidden_act).contiguous())
         else:
             m = layer.moe(x)
-        if i + 1 < len(dec.layers):
-            h, x = ops.add_rms_norm(h, m, dec.layers[i + 1].input_norm, eps, off)
+        last = i + 1 == len(dec.layers)
+        if last and step.logits_rows is not None:
+            h, m = h.index_select(0, step.logits_rows), m.index_select(0, step.logits_rows)
+        if fz:
+            h, x = fused.add_rms_norm(h, m.contiguous(), plan.norms[2 * i + 2], eps)
         else:
-            if step.logits_rows is not None:
-                h, m = h.index_select(0, step.logits_rows), m.index_select(0, step.logits_rows)
-            _, x = ops.add_rms_norm(h, m, dec.norm, eps, off)
+            w = dec.norm if last else dec.layers[i + 1].input_norm
+            h, x = ops.add_rms_norm(h, m, w, eps, off)
     return dec.cap_logits(plan.head(x).float())
+
+
+def _attention(c, q: Tensor, kc: Tensor, vc: Tensor, spans) -> Tensor:
+    """Each span's new token attending over its context: q [N, H, D] -> [N, H, D]."""
+    heads = q.shape[1]
+    outs = []
+    kern = native.attend_enabled() and kc.is_contiguous() and vc.is_contiguous()
+    for r, sp in enumerate(spans):
+        ctx = sp.q_start + 1
+        if kern:  # bf16 K/V read in place, float32 math (`native.attend`)
+            a0 = sp.slot_range[0] if sp.slot_range is not None else 0
+            sl = None if sp.slot_range is not None else sp.slots[:ctx].to(torch.int64)
+            outs.append(native.attend(q[r].contiguous(), kc, vc, sl, a0, ctx, c.attn_scale))
+            continue
+        if sp.slot_range is not None:
+            a = sp.slot_range[0]
+            keys, values = kc[:, a:a + ctx], vc[:, a:a + ctx]
+        else:
+            sl = sp.slots[:ctx]
+            keys, values = kc.index_select(1, sl), vc.index_select(1, sl)
+        outs.append(_attend(q[r, :heads], keys, values, c.attn_scale))
+    return outs[0].unsqueeze(0) if len(outs) == 1 else torch.stack(outs)

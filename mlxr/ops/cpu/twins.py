@@ -60,3 +60,36 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor | None, st
     scores = torch.bmm(qg * scale, keys.float().transpose(1, 2))
     out = torch.bmm(torch.softmax(scores, dim=-1), values.float())
     return out.reshape(h, d).to(q.dtype)
+
+
+def add_rms_norm(h: Tensor, r: Tensor | None, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """`fused.add_rms_norm` in torch: `ops.reference`'s residual add and RMSNorm."""
+    from mlxr.ops import reference
+
+    s = h if r is None else (h + r).to(h.dtype)
+    return s, reference.rms_norm(s, w, eps)
+
+
+def qk_rope(qkv: Tensor, heads: int, kv_heads: int, w: Tensor | None, eps: float, cos: Tensor,
+            sin: Tensor, traditional: bool, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
+            slots: Tensor) -> Tensor:
+    """`fused.qk_rope` in torch: the lean step's per-head norm and RoPE
+    (`cpu_decode._norm_rope`), then the cache writes."""
+    from mlxr.models.cpu_decode import _Rope, _norm_rope
+
+    n, d = qkv.shape[0], k_cache.shape[-1]
+    x = qkv.view(n, heads + 2 * kv_heads, d)
+    rt = _Rope(cos, sin, traditional)
+    qk = _norm_rope(x[:, :heads + kv_heads], w, eps, rt, cos[pos].unsqueeze(1),
+                    sin[pos].unsqueeze(1))
+    k_cache.index_copy_(1, slots, qk[:, heads:].transpose(0, 1))
+    v_cache.index_copy_(1, slots, x[:, heads + kv_heads:].transpose(0, 1))
+    return qk[:, :heads].contiguous()
+
+
+def act_mul(gu: Tensor, act: str) -> Tensor:
+    """`fused.act_mul` in torch: `ops.reference.gated_act` of the two halves."""
+    from mlxr.ops import reference
+
+    gate, up = gu.chunk(2, dim=-1)
+    return reference.gated_act(gate, up, act).contiguous()
