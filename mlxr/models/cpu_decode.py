@@ -235,8 +235,8 @@ def run(dec, ids: Tensor, step, pool) -> Tensor:
         kc, vc = pool.k[i], pool.v[i]
         qkv = lp.qkv(x)
         if fz and kc.is_contiguous() and vc.is_contiguous():
-            q = fused.qk_rope(qkv.contiguous(), heads, kvh, lp.qk_norm, eps, rt.c, rt.s, rt.traditional,
-                              pos_t, kc, vc, slots)
+            q = fused.qk_rope(qkv.contiguous(), heads, kvh, lp.qk_norm, eps, rt.c, rt.s,
+                              rt.traditional, pos_t, kc, vc, slots)
         else:
             qkv = qkv.view(n, heads + 2 * kvh, d)
             qk = _norm_rope(qkv[:, :heads + kvh], lp.qk_norm, eps, rt, cs, sn)
