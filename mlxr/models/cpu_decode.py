@@ -17,15 +17,22 @@ calls:
   exact), so the rotated values are the reference's bit for bit.
 
 Every intermediate is rounded where `ops.reference` rounds it. With env `MLXR_CPU_KERNELS=0`
-the logits equal the generic loop's bit for bit (tests/test_cpu_decode.py); by default the
-compiled kernels (`mlxr.ops.cpu`) serve the matmuls where they measured faster (`qmm` for
-`quant.cpu.KERNEL_ROWS`, `i4mm` over the int4 copy of affine weights up to
-`quant.cpu.I4MM_MAX_M` rows; in both paths) and, opt-in and here only, attention: q . K in float32
-reading the bf16 cache in place (torch would need float32 copies of the K/V slices, or a bf16
-GEMM that rounds the scores), float32 softmax and P . V, rounded where the reference rounds.
-Only the float32 summation order differs, but an output can then round to the neighbouring
-bf16 value: the logits stay within the bf16 tolerance of the generic loop's (measured < 0.5%
-of the logit range; tests/test_cpu_kernels.py).
+the logits equal the generic loop's bit for bit (tests/test_cpu_decode.py). By default the
+compiled kernels (`mlxr.ops.cpu`) also run, for bf16:
+
+* around the GEMVs (`fused`: the residual adds with the RMSNorms, the q/k norms with RoPE and
+  the cache write, act(gate) * up): the torch path's values bit for bit, in one C call each
+  instead of ~50 torch calls per layer (tests/test_cpu_fused.py; `MLXR_CPU_FUSED=0` off);
+* the matmuls where they measured faster (`qmm` for `quant.cpu.KERNEL_ROWS`, `i4mm` over the
+  int4 copy of affine weights up to `quant.cpu.I4MM_MAX_M` rows; in both paths);
+* attention (`native.attend_enabled`: by default in layers whose matmuls run those kernels):
+  q . K in float32 reading the bf16 cache in place (torch needs float32 copies of the K/V
+  slices, or a bf16 GEMM that rounds the scores), float32 softmax and P . V, rounded where
+  the reference rounds.
+
+The kernel matmuls and attention sum float32 terms in another order, so an output can round
+to the neighbouring bf16 value: the logits stay within the bf16 tolerance of the generic
+loop's (measured < 0.5% of the logit range; tests/test_cpu_kernels.py).
 
 Not taken (the generic loop runs): the float32 exact mode (its parity path stays as it is),
 sliding windows, logit soft-caps, attention sinks, head gates, sandwich norms and gemma3's
@@ -84,6 +91,7 @@ class _LayerPlan:
     gate_up: Callable[[Tensor], Tensor] | None
     down: Callable[[Tensor], Tensor] | None
     qk_norm: Tensor | None  # [H + K, D]: q_norm's row for each q head, then k_norm's (+offset)
+    served: bool  # qkv runs mlxr's own matmul kernel (`native.attend_enabled` reads it)
 
 
 @dataclass(frozen=True)
@@ -133,6 +141,11 @@ def _elsewhere(layer) -> bool:
             or layer.mlp_act is not None)
 
 
+def _served(lin) -> bool:
+    qw = lin.weight if isinstance(lin, Linear) else None
+    return isinstance(qw, QuantWeight) and qw.ckern is not None
+
+
 def _plan(dec) -> _Plan:
     plan = getattr(dec, "_cpu_decode_plan", None)
     if plan is None:
@@ -147,7 +160,8 @@ def _plan(dec) -> _Plan:
             dense = layer.moe is None
             layers.append(_LayerPlan(_matmul(layer.qkv), _matmul(layer.o_proj),
                                    _matmul(layer.gate_up) if dense else None,
-                                   _matmul(layer.down_proj) if dense else None, qk))
+                                   _matmul(layer.down_proj) if dense else None, qk,
+                                   _served(layer.qkv)))
         norms = [w + off if off else w for layer in dec.layers
                  for w in (layer.input_norm, layer.mlp_norm)]
         norms.append(dec.norm + off if off else dec.norm)
@@ -243,7 +257,7 @@ def run(dec, ids: Tensor, step, pool) -> Tensor:
             kc.index_copy_(1, slots, qk[:, heads:].transpose(0, 1))
             vc.index_copy_(1, slots, qkv[:, heads + kvh:].transpose(0, 1))
             q = qk[:, :heads]
-        a = _attention(c, q, kc, vc, step.spans).reshape(n, heads * d)
+        a = _attention(c, q, kc, vc, step.spans, lp.served).reshape(n, heads * d)
         if fz:
             h, x = fused.add_rms_norm(h, lp.o(a), plan.norms[2 * i + 1], eps)
         else:
@@ -268,11 +282,12 @@ def run(dec, ids: Tensor, step, pool) -> Tensor:
     return dec.cap_logits(plan.head(x).float())
 
 
-def _attention(c, q: Tensor, kc: Tensor, vc: Tensor, spans) -> Tensor:
-    """Each span's new token attending over its context: q [N, H, D] -> [N, H, D]."""
+def _attention(c, q: Tensor, kc: Tensor, vc: Tensor, spans, served: bool) -> Tensor:
+    """Each span's new token attending over its context: q [N, H, D] -> [N, H, D]; the
+    compiled kernel where `native.attend_enabled(served)`."""
     heads = q.shape[1]
     outs = []
-    kern = native.attend_enabled() and kc.is_contiguous() and vc.is_contiguous()
+    kern = native.attend_enabled(served) and kc.is_contiguous() and vc.is_contiguous()
     for r, sp in enumerate(spans):
         ctx = sp.q_start + 1
         if kern:  # bf16 K/V read in place, float32 math (`native.attend`)
