@@ -239,6 +239,7 @@ def run(dec, ids: Tensor, step, pool) -> Tensor:
     fz = (plan.fused and fused.enabled() and slots.dtype == torch.int64 and slots.is_contiguous()
           and 0 <= int(slots.min()) and int(slots.max()) < pool.k[0].shape[1])
     h = dec.embed_tokens(ids)
+    fz = fz and h.dtype == torch.bfloat16
     if fz:  # layer.c's calls (`mlxr.ops.cpu.fused`): the same values in fewer calls
         h, x = fused.add_rms_norm(h.contiguous(), None, plan.norms[0], eps)
     else:
@@ -248,7 +249,8 @@ def run(dec, ids: Tensor, step, pool) -> Tensor:
         rt, cs, sn = tabs[id(dec.ropes[i].spec)]
         kc, vc = pool.k[i], pool.v[i]
         qkv = lp.qkv(x)
-        if fz and kc.is_contiguous() and vc.is_contiguous():
+        if fz and qkv.dtype == kc.dtype == vc.dtype == torch.bfloat16 and kc.is_contiguous() \
+                and vc.is_contiguous():
             q = fused.qk_rope(qkv.contiguous(), heads, kvh, lp.qk_norm, eps, rt.c, rt.s,
                               rt.traditional, pos_t, kc, vc, slots)
         else:
@@ -258,13 +260,10 @@ def run(dec, ids: Tensor, step, pool) -> Tensor:
             vc.index_copy_(1, slots, qkv[:, heads + kvh:].transpose(0, 1))
             q = qk[:, :heads]
         a = _attention(c, q, kc, vc, step.spans, lp.served).reshape(n, heads * d)
-        if fz:
-            h, x = fused.add_rms_norm(h, lp.o(a), plan.norms[2 * i + 1], eps)
-        else:
-            h, x = ops.add_rms_norm(h, lp.o(a), layer.mlp_norm, eps, off)
+        h, x = _add_norm(fz, h, lp.o(a), plan.norms[2 * i + 1], layer.mlp_norm, eps, off)
         if lp.gate_up is not None:
             gu = lp.gate_up(x)
-            if fz:
+            if fz and gu.dtype == torch.bfloat16:
                 m = lp.down(fused.act_mul(gu, plan.act))
             else:
                 gate, up = gu.chunk(2, dim=-1)
@@ -274,12 +273,18 @@ def run(dec, ids: Tensor, step, pool) -> Tensor:
         last = i + 1 == len(dec.layers)
         if last and step.logits_rows is not None:
             h, m = h.index_select(0, step.logits_rows), m.index_select(0, step.logits_rows)
-        if fz:
-            h, x = fused.add_rms_norm(h, m.contiguous(), plan.norms[2 * i + 2], eps)
-        else:
-            w = dec.norm if last else dec.layers[i + 1].input_norm
-            h, x = ops.add_rms_norm(h, m, w, eps, off)
+        w = dec.norm if last else dec.layers[i + 1].input_norm
+        h, x = _add_norm(fz, h, m, plan.norms[2 * i + 2], w, eps, off)
     return dec.cap_logits(plan.head(x).float())
+
+
+def _add_norm(fz: bool, h: Tensor, r: Tensor, w_fused: Tensor, w: Tensor, eps: float,
+              off: float) -> tuple[Tensor, Tensor]:
+    """`ops.add_rms_norm(h, r, w, eps, off)`: one fused call where `fz` and r is in h's
+    dtype (w_fused: w with the offset added, as the reference forms it)."""
+    if fz and r.dtype == h.dtype:
+        return fused.add_rms_norm(h, r.contiguous(), w_fused, eps)
+    return ops.add_rms_norm(h, r, w, eps, off)
 
 
 def _attention(c, q: Tensor, kc: Tensor, vc: Tensor, spans, served: bool) -> Tensor:
