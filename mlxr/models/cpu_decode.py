@@ -237,7 +237,8 @@ def run(dec, ids: Tensor, step, pool) -> Tensor:
                                    rt.s.index_select(0, pos_t).unsqueeze(1))
     slots = step.write_slots
     fz = (plan.fused and fused.enabled() and slots.dtype == torch.int64 and slots.is_contiguous()
-          and 0 <= int(slots.min()) and int(slots.max()) < pool.k[0].shape[1])
+          and int(slots.min()) >= 0)
+    top = int(slots.max()) if fz else 0  # the C side writes the caches at these slots
     h = dec.embed_tokens(ids)
     fz = fz and h.dtype == torch.bfloat16
     if fz:  # layer.c's calls (`mlxr.ops.cpu.fused`): the same values in fewer calls
@@ -250,7 +251,7 @@ def run(dec, ids: Tensor, step, pool) -> Tensor:
         kc, vc = pool.k[i], pool.v[i]
         qkv = lp.qkv(x)
         if fz and qkv.dtype == kc.dtype == vc.dtype == torch.bfloat16 and kc.is_contiguous() \
-                and vc.is_contiguous():
+                and vc.is_contiguous() and top < min(kc.shape[1], vc.shape[1]):
             q = fused.qk_rope(qkv.contiguous(), heads, kvh, lp.qk_norm, eps, rt.c, rt.s,
                               rt.traditional, pos_t, kc, vc, slots)
         else:
