@@ -51,7 +51,7 @@ from torch import Tensor
 
 from .. import ops
 from ..layers import Linear
-from ..ops.cpu import fused, native
+from ..ops.cpu import fused, native, twins
 from ..quant import QuantWeight
 
 
@@ -190,27 +190,6 @@ def _rope_tables(rope, need: int) -> _Rope:
     return cached
 
 
-def _swap(x: Tensor, traditional: bool) -> Tensor:
-    """x [..., 2R] float32 with its rotation pairs swapped: halves, or neighbours."""
-    r = x.shape[-1] // 2
-    if traditional:
-        return x.unflatten(-1, (r, 2)).flip(-1).flatten(-2)
-    return torch.cat((x[..., r:], x[..., :r]), dim=-1)
-
-
-def _norm_rope(qk: Tensor, w: Tensor | None, eps: float, rt: _Rope, c: Tensor,
-               s: Tensor) -> Tensor:
-    """q and k heads qk [N, H + K, D] (compute dtype): per-head RMSNorm by the stacked weights
-    w [H + K, D] (if any), then RoPE of the first 2R features by C, S [N, 1, 2R]."""
-    if w is not None:
-        x32 = qk.float()
-        qk = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(qk.dtype) * w
-    r2 = c.shape[-1]
-    xr = qk[..., :r2].float()
-    out = (xr * c + _swap(xr, rt.traditional) * s).to(qk.dtype)
-    return out if r2 == qk.shape[-1] else torch.cat((out, qk[..., r2:]), dim=-1)
-
-
 def _attend(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
     """One token's attention over its whole context: q [H, D], keys/values [K, S, D] (cache
     dtype) -> [H, D]; `reference.attention`'s decode branch (every key visible)."""
@@ -256,7 +235,7 @@ def run(dec, ids: Tensor, step, pool) -> Tensor:
                               rt.traditional, pos_t, kc, vc, slots)
         else:
             qkv = qkv.view(n, heads + 2 * kvh, d)
-            qk = _norm_rope(qkv[:, :heads + kvh], lp.qk_norm, eps, rt, cs, sn)
+            qk = twins.norm_rope(qkv[:, :heads + kvh], lp.qk_norm, eps, rt.traditional, cs, sn)
             kc.index_copy_(1, slots, qk[:, heads:].transpose(0, 1))
             vc.index_copy_(1, slots, qkv[:, heads + kvh:].transpose(0, 1))
             q = qk[:, :heads]
