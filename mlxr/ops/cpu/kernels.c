@@ -1,6 +1,7 @@
 /* mlxr's own CPU kernels, the Python module (qmm.c: quantized matmul straight from MLX's
- * packed layout; i4mm.c: the affine decode GEMV over torch's int4 copy; attend.c: one-token attention over a
- * bf16 / f32 KV cache; layer.c: a decode layer's norms, RoPE, cache write and activation).
+ * packed layout; i4mm.c: the affine decode GEMV over torch's int4 copy; attend.c: one-token
+ * attention over a bf16 / f32 KV cache; layer.c: a decode layer's norms, RoPE, cache write
+ * and activation, the torch path's values bit for bit).
  *
  * Why hand-written (docs/perf.md, "CPU decode"): torch reads mxfp4 through two int4 nibble
  * planes (twice the bytes, x twice) and nvfp4 / mxfp8 through a bf16 copy (2 B per weight);
