@@ -52,10 +52,13 @@ def _inputs(bsz, t, hk, hv, dk, dv, dtype, g):
     return q, k, v, gate, beta, state
 
 
+@pytest.mark.parametrize("prefetch", ["0", "1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t", [1, 7])
 @pytest.mark.parametrize("hk,hv,dv", [(2, 4, 48), (2, 2, 32)])
-def test_gated_delta_matches_reference(dtype, t, hk, hv, dv):
+def test_gated_delta_matches_reference(dtype, t, hk, hv, dv, prefetch, monkeypatch):
+    """Both load orders of the kernel (MLXR_GDN_PREFETCH) against the twin."""
+    monkeypatch.setenv("MLXR_GDN_PREFETCH", prefetch)
     g = _gen(dtype, t, hk, hv, dv)
     q, k, v, gate, beta, state = _inputs(2, t, hk, hv, 32, dv, dtype, g)
     s, s_ref = state.clone(), state.clone()  # each updated in place
@@ -68,6 +71,20 @@ def test_gated_delta_matches_reference(dtype, t, hk, hv, dv):
     if dtype == torch.bfloat16:
         y_tol = y_tol + 2 * ULP * y_ref.float().abs()
     assert ((y.float() - y_ref.float()).abs() <= y_tol).all()
+
+
+def test_gated_delta_prefetch_is_the_same_arithmetic(monkeypatch):
+    """The prefetching kernel's y and state equal the other order's bit for bit (also with
+    MLXR_GDN_BLOCK_V's narrower programs, here in the interpreter's numpy sums)."""
+    q, k, v, gate, beta, state = _inputs(2, 9, 2, 4, 32, 48, torch.bfloat16, _gen("pf"))
+    out = []
+    for flag, block in (("0", ""), ("1", ""), ("1", "16")):
+        monkeypatch.setenv("MLXR_GDN_PREFETCH", flag)
+        monkeypatch.setenv("MLXR_GDN_BLOCK_V", block)
+        s = state.clone()
+        out.append((K.gated_delta(q, k, v, gate, beta, s), s))
+    assert all(torch.equal(a, b) for a, b in zip(out[0], out[1]))
+    assert all(torch.equal(a, b) for a, b in zip(out[0], out[2]))
 
 
 def test_gated_delta_chunks_compose():

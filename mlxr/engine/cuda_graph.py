@@ -167,8 +167,9 @@ class PrefillGraph:
 
 class PaddedPrefillGraph(PrefillGraph):
     """A PrefillGraph of a decoder whose prompt runs `forward` rather than `forward_step` (the
-    hybrid gemma4, over its HybridCache): the captured body is `forward_padded`, the padded
-    prompt at positions [0, bucket) and the logits of the device row."""
+    hybrids, over their HybridCache): the captured body is `forward_padded`, the padded
+    prompt at positions [0, bucket) and the logits of the device row. Every index tensor the
+    body uses is made inside it, so the graph owns it (none is cached on the cache)."""
 
     def _body(self) -> None:
         self.logits = self.decoder.forward_padded(self.ids, self.row, self.cache)
@@ -176,9 +177,10 @@ class PaddedPrefillGraph(PrefillGraph):
 
 def padded_prefill(decoder, cache, bucket: int) -> bool:
     """Whether a decoder without `forward_step` prefills `bucket` tokens in a graph: it pads
-    safely there (`pads_fit`: attention layers only, no ring wraps) and
-    `MLXR_HYBRID_PREFILL_GRAPHS=1` (opt-in until measured on a GPU against the eager
-    prefill: scripts/gemma4_prefill_gpu.py)."""
+    safely there (`pads_fit`: no MoE layer, room for the bucket; the padded rows leave every
+    ring slot and recurrent state as the unpadded prompt leaves them) and
+    `MLXR_HYBRID_PREFILL_GRAPHS=1` (opt-in until checked on a GPU against the eager prefill:
+    scripts/hybrid_prefill_gpu.py)."""
     return (os.environ.get("MLXR_HYBRID_PREFILL_GRAPHS") == "1"
             and hasattr(decoder, "forward_padded") and decoder.pads_fit(cache, bucket))
 
@@ -222,8 +224,8 @@ class GraphCache:
         not captured (`prefill_graphs` False: a tensor-parallel rank 0), or the capture
         failed: that bucket then stays eager, with a warning)."""
         bucket = prefill_bucket(n, cache.capacity)
-        # hybrids without `forward_step` prefill eagerly (a recurrent state would take in the
-        # padding), but for those that pad safely (`padded_prefill`: gemma4)
+        # hybrids without `forward_step` prefill eagerly, but for those that pad safely
+        # (`padded_prefill`: `forward_padded` keeps the padding out of rings and states)
         if bucket is None or not graphable(decoder) or not getattr(decoder, "prefill_graphs",
                                                                    True):
             return None

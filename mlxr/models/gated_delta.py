@@ -36,27 +36,36 @@ class GatedDeltaMixer:
     out_proj: Linear
     eps: float
 
-    def __call__(self, x: torch.Tensor, conv_state: torch.Tensor,
-                 ssm_state: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                 last: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, E] (B sequences of T new tokens each) -> [B, T, E]. conv_state
         [B, W-1, C] (x's dtype) and ssm_state [B, Hv, Dv, Dk] (float32, contiguous) are the
         sequences' states before these tokens; both are overwritten with the states after
-        them."""
+        them. last [1] (device long, a padded prompt: `Qwen35Decoder.forward_padded`): rows
+        after it are padding, and the states are left as row `last` leaves them."""
         s = self.spec
         bsz, t, _ = x.shape
         proj = self.in_proj(x.reshape(bsz * t, -1)).reshape(bsz, t, -1)
-        if t == 1 and os.environ.get("MLXR_GDN_FUSED", "1") != "0":
+        if t == 1 and last is None and os.environ.get("MLXR_GDN_FUSED", "1") != "0":
             heads = (s.num_k_heads, s.num_v_heads, s.k_head_dim, s.v_head_dim)
             out = ops.gated_delta_decode(proj[:, 0], conv_state, ssm_state, self.conv,
                                          self.a_log, self.dt_bias, self.norm, heads, self.eps)
             return self.out_proj(out).reshape(bsz, 1, -1)
         qkv, z, b, a = proj.split([s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads], -1)
+        if last is not None:  # the inputs of positions last-W+2..last (state before them)
+            seq = torch.cat((conv_state, qkv.to(conv_state.dtype)), 1)  # [B, W-1+T, C]
+            tail = seq.index_select(1, last + 1 + torch.arange(conv_state.shape[1],
+                                                               device=x.device))
         mixed, new_conv = ops.conv1d_silu(qkv, conv_state, self.conv)
-        conv_state.copy_(new_conv)
+        conv_state.copy_(new_conv if last is None else tail)
         q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], -1)
         q, k = recurrent.l2norm_qk(q.reshape(bsz, t, s.num_k_heads, s.k_head_dim),
                                    k.reshape(bsz, t, s.num_k_heads, s.k_head_dim))
         g, beta = recurrent.delta_gates(a, b, self.a_log, self.dt_bias)
+        if last is not None:  # padding rows: decay 1, no update (S * 1 + 0 k^T: S exactly)
+            pad = (torch.arange(t, device=x.device) > last)[None, :, None]
+            g = g.masked_fill(pad, 1.0)
+            beta = beta.masked_fill(pad, 0.0)
         y = ops.gated_delta(q, k, v.reshape(bsz, t, s.num_v_heads, s.v_head_dim), g, beta,
                             ssm_state)
         out = recurrent.rms_norm_gated(y, z.reshape(bsz, t, s.num_v_heads, s.v_head_dim),

@@ -215,21 +215,43 @@ class Gemma4Decoder:
 
     def pads_fit(self, cache: HybridCache, bucket: int) -> bool:
         """Whether a prompt padded to `bucket` tokens may prefill `cache` (`forward_padded`):
-        no MoE layer (the experts' torch path groups tokens on the host), and every ring holds
-        `bucket` slots (a wider prompt would wrap: its padding would overwrite real
-        positions)."""
-        return all(ly.moe is None for ly in self.layers) and all(
-            k.shape[1] >= bucket for k in cache.k if k is not None)
+        no MoE layer (the experts' torch path groups tokens on the host), and room for
+        `bucket` positions (the full layers' buffers; a ring takes any bucket:
+        `HybridCache.write_padded` keeps each slot's last real position)."""
+        return all(ly.moe is None for ly in self.layers) and bucket <= cache.capacity
 
     def forward_padded(self, ids: torch.Tensor, row: torch.Tensor,
                        cache: HybridCache) -> torch.Tensor:
         """A prompt padded at its end to ids [B] (device), at positions [0, B) of an emptied
         cache, with no host value read (the prefill graph, `PaddedPrefillGraph`): logits
         float32 [1, V] of row [1] (device long; the prompt's last). The padding is invisible
-        to the rows before it (causal), and its K/V lands in slots a decode step overwrites
-        before a query can see them (`pads_fit`: no ring wraps within B)."""
+        to the rows before it (causal), every row attends the forward's own K/V (not the
+        rings, which a long prompt wraps), and the cache keeps what an unpadded prefill
+        leaves there (`HybridCache.padded_sources`); the pad K/V that full layers store at
+        positions >= n are overwritten by decode steps before any query sees them. Every
+        tensor made here is made anew in each call (a capture owns it): nothing is cached on
+        the HybridCache by host values (`_ring_slots`)."""
+        c, s = self.config, self.spec
+        t = ids.shape[0]
         cache.length = 0
-        return self._logits(self._rows(ids, cache).index_select(0, row))
+        cache.reserve(t)
+        tables = {id(r.spec): r.cos_sin(0, t) for r in self._rope_kinds}
+        sources = cache.padded_sources(row, t)
+        seen: dict = {}
+
+        def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
+            kv = ly.kv(x) if ly.kv is not None else None
+            q, k, v = self._qkv(i, ly, ly.q_proj(x), kv, *tables[id(self.ropes[i].spec)])
+            if k is not None:
+                cache.write_padded(i, k, v, sources)
+                seen[i] = k, v
+            keys, values = seen[s.kv_source[i]]
+            out = ops.attention(q, keys, values, 0, 0, c.attn_scale, c.layer_window[i])
+            return ly.o_proj(out.reshape(t, c.num_heads * s.head_dims[i]))
+
+        h = self._layers(ids, attend)
+        cache.length = t
+        return self._logits(h.index_select(0, row))
 
     def _rows(self, ids: torch.Tensor, cache: HybridCache) -> torch.Tensor:
         """The layers over ids [T] at positions [cache.length, +T), the cache extended: the

@@ -194,6 +194,38 @@ class HybridCache:
         lengths = dict.fromkeys(k.shape[1] for k in self.k if k is not None)
         return {n: (torch.remainder(pos, n), torch.clamp(pos, max=n - 1)) for n in lengths}
 
+    def padded_sources(self, last: torch.Tensor, t: int) -> dict[int, torch.Tensor]:
+        """For a prompt padded to t rows at positions [0, t) whose last real row is `last` [1]
+        (device long, no host value read: the prefill graph), per ring length n: the row each
+        of the ring's n slots takes where t > n (`write_padded`). Slot s holds the last real
+        position p = last - (last - s) mod n that maps to it, as an unpadded prefill leaves the
+        ring; where none does (p < 0: s is past the prompt, which is shorter than the ring),
+        pad row s, which no query sees before a decode step overwrites it. That is row s
+        itself wherever t <= n (no wrap: no entry, a plain copy); full layers take rows [0, t) as
+        they are too (slot = position). Made once per forward, shared by the ring layers."""
+        out = {}
+        for i, k in enumerate(self.k):
+            n = None if k is None else k.shape[1]
+            if n is None or self.shapes[i].window is None or n in out or n >= t:
+                continue
+            s = torch.arange(n, device=self.device)
+            p = last - torch.remainder(last - s, n)
+            out[n] = torch.where(p >= 0, p, s)
+        return out
+
+    def write_padded(self, i: int, k: torch.Tensor, v: torch.Tensor,
+                     sources: dict[int, torch.Tensor]) -> None:
+        """Store layer i's K/V [K, t, D] of a padded prompt at positions [0, t)
+        (`padded_sources`: a ring keeps each slot's last real position, so padding never
+        overwrites one, however far the prompt wraps the ring)."""
+        rows = sources.get(self.k[i].shape[1]) if self.shapes[i].window is not None else None
+        if rows is None:
+            self.k[i][:, :k.shape[1]] = k
+            self.v[i][:, :v.shape[1]] = v
+            return
+        self.k[i][:, :rows.shape[0]] = k.index_select(1, rows)
+        self.v[i][:, :rows.shape[0]] = v.index_select(1, rows)
+
     def write_at(self, i: int, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor) -> None:
         """Store one token's K/V [K, 1, D] in layer i's slot [1] (device long, `step_slots`)."""
         self.k[i].index_copy_(1, slot, k)

@@ -178,6 +178,36 @@ class Qwen35Decoder:
         cache.length = start + t
         return self.head(x).float()
 
+    def pads_fit(self, cache: HybridCache, bucket: int) -> bool:
+        """Whether a prompt padded to `bucket` tokens may prefill `cache` (`forward_padded`):
+        no MoE layer (the experts' torch path groups tokens on the host) and room for
+        `bucket` positions in the attention layers' K/V."""
+        return all(ly.moe is None for ly in self.layers) and bucket <= cache.capacity
+
+    def forward_padded(self, ids: torch.Tensor, row: torch.Tensor,
+                       cache: HybridCache) -> torch.Tensor:
+        """A prompt padded at its end to ids [B] (device), at positions [0, B) of a cache
+        started over, with no host value read (the prefill graph, `PaddedPrefillGraph`):
+        logits float32 [1, V] of row [1] (device long; the prompt's last). Attention is
+        causal, so the padding is invisible to the rows before it; its K/V lands in slots
+        >= n, which decode steps overwrite before any query sees them; the gated DeltaNet
+        layers leave their states as row `row` leaves them (`GatedDeltaMixer`'s `last`)."""
+        t = ids.shape[0]
+        cache.length = 0
+        cache.reserve(t)
+        cache.clear_states()
+        cos, sin = self.ropes[0].cos_sin(0, t)
+
+        def mixer(i: int, layer: HybridLayer, x: torch.Tensor) -> torch.Tensor:
+            m = layer.mixer
+            if isinstance(m, GatedDeltaMixer):
+                return m(x[None], cache.conv[i], cache.ssm[i], row)[0]
+            return m.o_proj(self._gated_attention(m, m.qkv(x), cache, i, 0, cos, sin))
+
+        x = self._layers(self.embed(ids), mixer, False)
+        cache.length = t
+        return self.head(x.index_select(0, row)).float()
+
     def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, pool: HybridCache,
                        tables: dict) -> torch.Tensor:
         """One decode token ids [1] at position pos [1] (device long) with every shape fixed

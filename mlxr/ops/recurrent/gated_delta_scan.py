@@ -14,6 +14,8 @@ for prefill).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -41,11 +43,26 @@ if HAVE_TRITON:
         return y
 
     @triton.jit
+    def _step_inputs(q, k, v, g, beta, t, T, b, hv, hk, rk, rv, mk, mv, s_qb, s_qt, s_qh,
+                     s_vb, s_vt, s_vh, s_gb, s_gt):
+        """Token t's k, q [BLOCK_K], v [BLOCK_V] (float32), decay and beta (t >= T: zeros,
+        never used)."""
+        ok = t < T
+        qk_off = b * s_qb + t * s_qt + hk * s_qh
+        kt = tl.load(k + qk_off + rk, mask=mk & ok, other=0.0).to(tl.float32)
+        qt = tl.load(q + qk_off + rk, mask=mk & ok, other=0.0).to(tl.float32)
+        v_off = b * s_vb + t * s_vt + hv * s_vh
+        vt = tl.load(v + v_off + rv, mask=mv & ok, other=0.0).to(tl.float32)
+        gt = tl.load(g + b * s_gb + t * s_gt + hv, mask=ok, other=0.0)
+        bt = tl.load(beta + b * s_gb + t * s_gt + hv, mask=ok, other=0.0).to(tl.float32)
+        return kt, qt, vt, gt, bt
+
+    @triton.jit
     def _gated_delta_kernel(q, k, v, g, beta, state, y, T, HV,
                             s_qb, s_qt, s_qh, s_vb, s_vt, s_vh, s_gb, s_gt,
                             REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                            OUT: tl.constexpr):
+                            OUT: tl.constexpr, PREFETCH: tl.constexpr):
         b, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         hk = hv // REP
         rv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -54,21 +71,26 @@ if HAVE_TRITON:
         m2 = mv[:, None] & mk[None, :]
         sp = state + ((b * HV + hv) * DV + rv[:, None]) * DK + rk[None, :]
         s = tl.load(sp, mask=m2, other=0.0)  # [BLOCK_V, BLOCK_K] float32
+        kt, qt, vt, gt, bt = _step_inputs(q, k, v, g, beta, 0, T, b, hv, hk, rk, rv, mk, mv,
+                                          s_qb, s_qt, s_qh, s_vb, s_vt, s_vh, s_gb, s_gt)
         t = 0
         while t < T:  # a while loop: runtime bounds (the interpreter's `range` wants constants)
-            qk_off = b * s_qb + t * s_qt + hk * s_qh
-            kt = tl.load(k + qk_off + rk, mask=mk, other=0.0).to(tl.float32)
-            qt = tl.load(q + qk_off + rk, mask=mk, other=0.0).to(tl.float32)
-            v_off = b * s_vb + t * s_vt + hv * s_vh
-            vt = tl.load(v + v_off + rv, mask=mv, other=0.0).to(tl.float32)
-            gt = tl.load(g + b * s_gb + t * s_gt + hv)
-            bt = tl.load(beta + b * s_gb + t * s_gt + hv).to(tl.float32)
+            if PREFETCH:  # token t+1's loads issued before token t's math (their latency
+                # hides behind it; the same values and arithmetic either way)
+                kn, qn, vn, gn, bn = _step_inputs(q, k, v, g, beta, t + 1, T, b, hv, hk, rk,
+                                                  rv, mk, mv, s_qb, s_qt, s_qh, s_vb, s_vt,
+                                                  s_vh, s_gb, s_gt)
             s = s * gt
             kv = tl.sum(s * kt[None, :], axis=1)  # [BLOCK_V]
             delta = (vt - kv) * bt
             s = s + kt[None, :] * delta[:, None]
             yt = tl.sum(s * qt[None, :], axis=1)
             tl.store(y + ((b * T + t) * HV + hv) * DV + rv, _cast(yt, OUT), mask=mv)
+            if not PREFETCH:
+                kn, qn, vn, gn, bn = _step_inputs(q, k, v, g, beta, t + 1, T, b, hv, hk, rk,
+                                                  rv, mk, mv, s_qb, s_qt, s_qh, s_vb, s_vt,
+                                                  s_vh, s_gb, s_gt)
+            kt, qt, vt, gt, bt = kn, qn, vn, gn, bn
             t += 1
         tl.store(sp, s, mask=m2)
 
@@ -114,13 +136,27 @@ def gated_delta(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         raise ValueError("gated_delta: the state must be a contiguous float32 tensor")
     y = torch.empty((bsz, t, hv, dv), dtype=q.dtype, device=q.device)
     block_k = triton.next_power_of_2(dk)
-    block_v = min(triton.next_power_of_2(dv), max(16, 4096 // block_k))
+    block_v = min(triton.next_power_of_2(dv),
+                  int(os.environ.get("MLXR_GDN_BLOCK_V") or 0) or max(16, 4096 // block_k))
     grid = (bsz, hv, triton.cdiv(dv, block_v))
     _gated_delta_kernel[grid](
         q, k, v, g, beta, state, y, t, hv, q.stride(0), q.stride(1), q.stride(2),
         v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), REP=hv // hk,
-        DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, OUT=_DTYPES[q.dtype])
+        DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, OUT=_DTYPES[q.dtype],
+        PREFETCH=prefetch(), num_warps=int(os.environ.get("MLXR_GDN_WARPS") or 4))
     return y
+
+
+def prefetch() -> bool:
+    """Env `MLXR_GDN_PREFETCH=1` (read at each call): `gated_delta`'s kernel loads token
+    t+1's inputs before token t's math, so their latency overlaps it (the sequential prefill
+    kernel is latency-bound: ~1.7 us a token on the H200, 857 us a layer at T = 512). Same
+    values, same arithmetic; off until the H200 run (scripts/hybrid_prefill_gpu.py) shows it
+    bit-identical and faster. Envs `MLXR_GDN_BLOCK_V` (a power of two) and `MLXR_GDN_WARPS`
+    (read at each call) set the value rows per program (default 4096 / Dk, at least 16) and
+    its warps (default 4, Triton's) for that run's sweep: fewer rows and warps shorten the
+    per-token reductions' chain, but may sum in another order (not bitwise)."""
+    return os.environ.get("MLXR_GDN_PREFETCH", "") == "1"
 
 
 def conv1d_silu(x: Tensor, state: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
