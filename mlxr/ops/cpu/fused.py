@@ -52,8 +52,9 @@ def lanes() -> int:
 
 @functools.cache
 def act_table(act: str) -> Tensor | None:
-    """bf16 act(v) for each bf16 bit pattern v ([65536] bf16), or None where torch's vector and
-    scalar loops disagree on some value (then a row's tail could round otherwise)."""
+    """bf16 act(v) for each bf16 bit pattern v ([65536 + 1] bf16, the last entry padding), or
+    None where torch's vector and scalar loops disagree on some value (then a row's tail could
+    round otherwise)."""
     f = ACTS.get(act)
     if f is None:
         return None
@@ -61,7 +62,8 @@ def act_table(act: str) -> Tensor | None:
     vec = f(allb)
     scalar = f(allb.repeat_interleave(2)[::2])  # strided input: torch's scalar loop
     a, b = vec.view(torch.int16), scalar.view(torch.int16)
-    return vec if bool(((a == b) | (vec.isnan() & scalar.isnan())).all()) else None
+    same = bool(((a == b) | (vec.isnan() & scalar.isnan())).all())
+    return torch.cat((vec, vec.new_zeros(1))) if same else None  # + 1: layer.c's gather
 
 
 def add_rms_norm(h: Tensor, r: Tensor | None, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:

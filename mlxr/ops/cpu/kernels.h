@@ -158,7 +158,8 @@ typedef struct {
 int qk_rope_run(const RopeArgs *a);
 
 /* out [n, inter] = bf16(tab[gate] * up) for gu [n, 2 * inter] = [gate | up] (bf16), tab the
- * activation of every bf16 bit pattern (built by torch: its own values) */
+ * activation of every bf16 bit pattern (built by torch: its own values), plus one padding
+ * entry */
 void act_mul_run(const uint16_t *gu, int64_t n, int64_t inter, const uint16_t *tab,
                  uint16_t *out);
 #endif

@@ -151,12 +151,39 @@ int qk_rope_run(const RopeArgs *a) {
     return 0;
 }
 
+#if MLXR_AVX512
+/* f32_to_bf16 in 16 lanes (software round to nearest even, as torch converts: no flush of
+ * denormals, which vcvtneps2bf16 would do) */
+static inline __m256i bf16_round16(__m512 f) {
+    __m512i u = _mm512_castps_si512(f);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, lsb),
+                                                   _mm512_set1_epi32(0x7FFF)), 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                            _mm512_set1_epi32(0x7F800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
+/* tab has 65536 entries and one more (a 32-bit gather at the last index reads it) */
 void act_mul_run(const uint16_t *gu, int64_t n, int64_t inter, const uint16_t *tab,
                  uint16_t *out) {
     for (int64_t i = 0; i < n; i++) {
         const uint16_t *g = gu + i * 2 * inter, *u = g + inter;
         uint16_t *o = out + i * inter;
-        for (int64_t j = 0; j < inter; j++)
+        int64_t j = 0;
+#if MLXR_AVX512
+        for (; j + 16 <= inter; j += 16) {
+            __m512i gi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + j)));
+            __m512i t = _mm512_i32gather_epi32(gi, (const void *)tab, 2);
+            __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16));
+            __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(u + j))), 16));
+            _mm256_storeu_si256((__m256i *)(o + j), bf16_round16(_mm512_mul_ps(a, b)));
+        }
+#endif
+        for (; j < inter; j++)
             o[j] = f32_to_bf16(bf16_to_f32(tab[g[j]]) * bf16_to_f32(u[j]));
     }
 }
