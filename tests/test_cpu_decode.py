@@ -13,6 +13,7 @@ from mlxr.layers import Embedding, Linear, Rope
 from mlxr.models import cpu_decode
 from mlxr.models.decoder import Decoder, Layer, SeqSpan, Step
 from mlxr.ops import reference
+from mlxr.ops.cpu import twins
 from mlxr.quant import QuantWeight
 
 
@@ -99,8 +100,9 @@ def test_lean_step_equals_generic(kind, bits, traditional, rotary, offset, monke
 @pytest.mark.parametrize("traditional,rotary", [(False, 32), (True, 32), (False, 16),
                                                 (True, 8)])
 def test_norm_rope_equals_reference(traditional, rotary):
-    """_norm_rope (stacked q/k norm weights, x * C + swap(x) * S) vs reference.rms_norm and
-    reference.rope on fresh random heads and positions: bit for bit."""
+    """twins.norm_rope, the lean step's torch path (stacked q/k norm weights, x * C + swap(x)
+    * S) vs reference.rms_norm and reference.rope on fresh random heads and positions: bit for
+    bit."""
     g = torch.Generator().manual_seed(rotary + traditional)
     n, h, kh, d = 3, 4, 2, 32
     spec = RopeSpec(rotary, 10000.0, traditional=traditional, scaling=None,
@@ -117,7 +119,8 @@ def test_norm_rope_equals_reference(traditional, rotary):
                                      traditional)], dim=1)
     rt = cpu_decode._rope_tables(rope, 4096)
     w = torch.cat([qn.expand(h, -1), kn.expand(kh, -1)])
-    got = cpu_decode._norm_rope(qk, w, 1e-6, rt, rt.c[pos].unsqueeze(1), rt.s[pos].unsqueeze(1))
+    got = twins.norm_rope(qk, w, 1e-6, traditional, rt.c[pos].unsqueeze(1),
+                          rt.s[pos].unsqueeze(1))
     assert torch.equal(got, want)
 
 

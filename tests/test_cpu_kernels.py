@@ -173,12 +173,15 @@ def test_affine_weights_take_i4mm(bits, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2)])
 @pytest.mark.parametrize("gathered", [False, True])
-def test_attend_matches_twin(dtype, heads, kv_heads, gathered):
+@pytest.mark.parametrize("d", [32, 128, 256])
+def test_attend_matches_twin(dtype, heads, kv_heads, gathered, d):
     """float32 scores / softmax / sum on both sides: the scores within 2 (D + 8) u of
     sum|q k| * scale, the output (a convex combination of V rows) within 2 (S + D + 8) u
-    max|V| plus the scores' error times max|V|; bf16 adds one ulp (2^-7 |v|)."""
-    g = torch.Generator().manual_seed(heads * 10 + kv_heads + gathered)
-    d, p, length, start = 32, 64, 37, 5
+    max|V| plus the scores' error times max|V|; bf16 adds one ulp (2^-7 |v|). The
+    exponentials (1 ulp on the kernel's vector path) are inside the S term. D 128 / 256 take
+    the bf16 vector path (one and two V passes per kv head)."""
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads + gathered + d)
+    p, length, start = 64, 37, 5
     q = torch.randn(heads, d, generator=g).to(dtype)
     kc = torch.randn(kv_heads, p, d, generator=g).to(dtype)
     vc = torch.randn(kv_heads, p, d, generator=g).to(dtype)
@@ -235,26 +238,37 @@ def test_fallback_without_the_extension(monkeypatch):
 
 
 def test_lean_step_takes_the_kernels(monkeypatch):
-    """With MLXR_CPU_ATTEND=1 the lean step's attention runs the compiled kernel (by default
-    it does not: greedy output stays the reference's); the generic loop (reference
-    attention) gives the same logits within the bf16 bound."""
+    """The lean step's attention runs the compiled kernel by default where the layer's
+    matmuls run mlxr's kernels (i4mm here), not where they run torch's (weights loaded with
+    MLXR_CPU_KERNELS=0: the step stays the reference's bit for bit, greedy output with it);
+    MLXR_CPU_ATTEND=0 / 1 force it off / on. The generic loop (reference attention) gives the
+    same logits within the bf16 bound."""
     from test_cpu_decode import _decode, tiny_decoder
 
+    monkeypatch.delenv("MLXR_CPU_ATTEND", raising=False)
     dec = tiny_decoder("llama", seed=3)
+    monkeypatch.setenv("MLXR_CPU_KERNELS", "0")
+    torch_dec = tiny_decoder("llama", seed=3)
+    monkeypatch.setenv("MLXR_CPU_KERNELS", "1")
     ids = torch.tensor([3, 17, 42, 5, 9, 61, 2, 77])
     want, _ = _decode(dec, ids, 3, False, monkeypatch)
     calls = {"attend": 0}
     real = native.attend
     monkeypatch.setattr(native, "attend",
                         lambda *a: calls.__setitem__("attend", calls["attend"] + 1) or real(*a))
-    monkeypatch.delenv("MLXR_CPU_ATTEND", raising=False)
-    _decode(dec, ids, 3, True, monkeypatch)
+    per_run = (len(ids) - 3) * len(dec.layers)
+    _decode(torch_dec, ids, 3, True, monkeypatch)
     assert calls["attend"] == 0
-    monkeypatch.setenv("MLXR_CPU_ATTEND", "1")
     got, _ = _decode(dec, ids, 3, True, monkeypatch)
-    assert calls["attend"] == (len(ids) - 3) * len(dec.layers)
+    assert calls["attend"] == per_run
     rng = want.max(-1).values - want.min(-1).values
     assert ((got - want).abs().max(-1).values <= 0.05 * rng).all()
+    monkeypatch.setenv("MLXR_CPU_ATTEND", "0")
+    _decode(dec, ids, 3, True, monkeypatch)
+    assert calls["attend"] == per_run
+    monkeypatch.setenv("MLXR_CPU_ATTEND", "1")
+    _decode(torch_dec, ids, 3, True, monkeypatch)
+    assert calls["attend"] == 2 * per_run
 
 
 mlx_ref = pytest.importorskip("mlx_ref")

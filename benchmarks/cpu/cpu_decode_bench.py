@@ -2,7 +2,9 @@
 ratios measured this way mean much): the generic layer loop and the lean step
 (`mlxr.models.cpu_decode`) on torch's kernels (a model loaded with MLXR_CPU_KERNELS=0), and the
 lean step on mlxr's compiled kernels (`mlxr.ops.cpu`, a second load of the model; skipped where
-they were not built).
+they were not built) with their defaults ("kernels"), that again without the fused layer calls
+(`mlxr.ops.cpu.fused`, env MLXR_CPU_FUSED=0: "unfused", whose logits must equal the kernels
+arm's bit for bit) and with torch's attention (MLXR_CPU_ATTEND=0: "torch_attn").
 
     PYTHONPATH=. python benchmarks/cpu/cpu_decode_bench.py MODEL_DIR [--prompt 512]
         [--steps 8] [--rounds 8] [--batch 1] [--threads N] [--cpu-time]
@@ -63,6 +65,9 @@ class _Seqs:
         return logits
 
 
+ENVS = ("MLXR_CPU_DECODE", "MLXR_CPU_KERNELS", "MLXR_CPU_FUSED", "MLXR_CPU_ATTEND")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
@@ -77,27 +82,36 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     os.environ["MLXR_CPU_KERNELS"] = "0"
     dec0 = mlxr.load(a.model, device="cpu").decoder
-    arms = {"generic": (dec0, "0", "0"), "lean": (dec0, "1", "0")}
+    # arm: (decoder, MLXR_CPU_DECODE, _KERNELS, _FUSED, _ATTEND); "" = the default
+    arms = {"generic": (dec0, "0", "0", "", ""), "lean": (dec0, "1", "0", "", "")}
     if native.available():
         os.environ["MLXR_CPU_KERNELS"] = "1"
-        arms["kernels"] = (mlxr.load(a.model, device="cpu").decoder, "1", "1")
+        dec1 = mlxr.load(a.model, device="cpu").decoder
+        arms["kernels"] = (dec1, "1", "1", "", "")  # all of mlxr's kernels, their defaults
+        arms["unfused"] = (dec1, "1", "1", "0", "")  # the same values without layer.c
+        arms["torch_attn"] = (dec1, "1", "1", "", "0")  # the same with torch's attention
     g = torch.Generator().manual_seed(0)
     vocab = dec0.config.vocab_size
     prompt = torch.randint(0, vocab, (a.prompt,), generator=g)
     cap = a.prompt + a.rounds * a.steps + 8
     clock = time.process_time if a.cpu_time else time.perf_counter
+
+    def use(name):
+        for k, v in zip(ENVS, arms[name][1:], strict=True):
+            os.environ[k] = v
+
     with torch.inference_mode():
         seqs = {}
-        for name, (dec, lean, kern) in arms.items():
-            os.environ["MLXR_CPU_KERNELS"] = kern
-            seqs[name] = _Seqs(dec, a.batch, prompt, cap)
+        for name in arms:
+            use(name)
+            seqs[name] = _Seqs(arms[name][0], a.batch, prompt, cap)
         times: dict[str, list[float]] = {name: [] for name in arms}
-        equal, diff = True, 0.0
+        equal, fused_equal, diff, attn_diff = True, True, 0.0, 0.0
         for r in range(a.rounds):
             tokens = torch.randint(0, vocab, (a.steps, a.batch), generator=g)
             got = {}
             for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
-                _, os.environ["MLXR_CPU_DECODE"], os.environ["MLXR_CPU_KERNELS"] = arms[name]
+                use(name)
                 ts = []
                 for t in tokens:
                     t0 = clock()
@@ -106,12 +120,15 @@ def main() -> None:
                 times[name].append(statistics.median(ts))
             equal &= torch.equal(got["generic"], got["lean"])
             if "kernels" in got:
+                fused_equal &= torch.equal(got["kernels"], got["unfused"])
                 rng = got["generic"].max(-1).values - got["generic"].min(-1).values
                 d = (got["kernels"] - got["generic"]).abs().max(-1).values / rng
                 diff = max(diff, float(d.max()))
+                d = (got["kernels"] - got["torch_attn"]).abs().max(-1).values / rng
+                attn_diff = max(attn_diff, float(d.max()))
     ms = {name: 1e3 * statistics.median(v) for name, v in times.items()}
     for name, v in ms.items():
-        print(f"{name:8s} {v:7.2f} ms/step  {1e3 * a.batch / v:7.1f} tok/s  "
+        print(f"{name:10s} {v:7.2f} ms/step  {1e3 * a.batch / v:7.1f} tok/s  "
               f"(round medians {[round(1e3 * x, 1) for x in times[name]]})")
     out = {f"ms_{k}": v for k, v in ms.items()}
     out["ratio"] = ms["generic"] / ms["lean"]
@@ -119,8 +136,14 @@ def main() -> None:
     if "kernels" in ms:
         out["ratio_kernels"] = ms["lean"] / ms["kernels"]
         out["kernels_max_diff_of_range"] = diff
+        out["ratio_fused"] = ms["unfused"] / ms["kernels"]
+        out["fused_logits_equal"] = fused_equal
+        out["ratio_attend"] = ms["torch_attn"] / ms["kernels"]
+        out["attend_max_diff_of_range"] = attn_diff
         line += (f"; kernels / lean: {out['ratio_kernels']:.2f}x, logits within "
-                 f"{diff:.2e} of the range")
+                 f"{diff:.2e} of the range; kernels / unfused: {out['ratio_fused']:.2f}x, "
+                 f"logits equal: {fused_equal}; kernels / torch_attn: "
+                 f"{out['ratio_attend']:.2f}x, logits within {attn_diff:.2e} of the range")
     print(line)
     out.update(batch=a.batch, prompt=a.prompt, threads=torch.get_num_threads(),
                cpu_time=a.cpu_time, logits_equal=equal)

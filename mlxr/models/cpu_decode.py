@@ -17,15 +17,22 @@ calls:
   exact), so the rotated values are the reference's bit for bit.
 
 Every intermediate is rounded where `ops.reference` rounds it. With env `MLXR_CPU_KERNELS=0`
-the logits equal the generic loop's bit for bit (tests/test_cpu_decode.py); by default the
-compiled kernels (`mlxr.ops.cpu`) serve the matmuls where they measured faster (`qmm` for
-`quant.cpu.KERNEL_ROWS`, `i4mm` over the int4 copy of affine weights up to
-`quant.cpu.I4MM_MAX_M` rows; in both paths) and, opt-in and here only, attention: q . K in float32
-reading the bf16 cache in place (torch would need float32 copies of the K/V slices, or a bf16
-GEMM that rounds the scores), float32 softmax and P . V, rounded where the reference rounds.
-Only the float32 summation order differs, but an output can then round to the neighbouring
-bf16 value: the logits stay within the bf16 tolerance of the generic loop's (measured < 0.5%
-of the logit range; tests/test_cpu_kernels.py).
+the logits equal the generic loop's bit for bit (tests/test_cpu_decode.py). By default the
+compiled kernels (`mlxr.ops.cpu`) also run, for bf16:
+
+* around the GEMVs (`fused`: the residual adds with the RMSNorms, the q/k norms with RoPE and
+  the cache write, act(gate) * up): the torch path's values bit for bit, in one C call each
+  instead of ~50 torch calls per layer (tests/test_cpu_fused.py; `MLXR_CPU_FUSED=0` off);
+* the matmuls where they measured faster (`qmm` for `quant.cpu.KERNEL_ROWS`, `i4mm` over the
+  int4 copy of affine weights up to `quant.cpu.I4MM_MAX_M` rows; in both paths);
+* attention (`native.attend_enabled`: by default in layers whose matmuls run those kernels):
+  q . K in float32 reading the bf16 cache in place (torch needs float32 copies of the K/V
+  slices, or a bf16 GEMM that rounds the scores), float32 softmax and P . V, rounded where
+  the reference rounds.
+
+The kernel matmuls and attention sum float32 terms in another order, so an output can round
+to the neighbouring bf16 value: the logits stay within the bf16 tolerance of the generic
+loop's (measured < 0.5% of the logit range; tests/test_cpu_kernels.py).
 
 Not taken (the generic loop runs): the float32 exact mode (its parity path stays as it is),
 sliding windows, logit soft-caps, attention sinks, head gates, sandwich norms and gemma3's
@@ -44,7 +51,7 @@ from torch import Tensor
 
 from .. import ops
 from ..layers import Linear
-from ..ops.cpu import native
+from ..ops.cpu import fused, native, twins
 from ..quant import QuantWeight
 
 
@@ -84,12 +91,16 @@ class _LayerPlan:
     gate_up: Callable[[Tensor], Tensor] | None
     down: Callable[[Tensor], Tensor] | None
     qk_norm: Tensor | None  # [H + K, D]: q_norm's row for each q head, then k_norm's (+offset)
+    served: bool  # qkv runs mlxr's own matmul kernel (`native.attend_enabled` reads it)
 
 
 @dataclass(frozen=True)
 class _Plan:
     layers: list[_LayerPlan]
     head: Callable[[Tensor], Tensor]
+    norms: list[Tensor]  # [E] each: input_norm, mlp_norm per layer, then the final norm (+off)
+    fused: bool  # `mlxr.ops.cpu.fused` gives this decoder's values (checked at build)
+    act: Tensor | None  # fused.act_table of the activation
 
 
 @dataclass(frozen=True)
@@ -130,6 +141,11 @@ def _elsewhere(layer) -> bool:
             or layer.mlp_act is not None)
 
 
+def _served(lin) -> bool:
+    qw = lin.weight if isinstance(lin, Linear) else None
+    return isinstance(qw, QuantWeight) and qw.ckern is not None
+
+
 def _plan(dec) -> _Plan:
     plan = getattr(dec, "_cpu_decode_plan", None)
     if plan is None:
@@ -144,8 +160,18 @@ def _plan(dec) -> _Plan:
             dense = layer.moe is None
             layers.append(_LayerPlan(_matmul(layer.qkv), _matmul(layer.o_proj),
                                    _matmul(layer.gate_up) if dense else None,
-                                   _matmul(layer.down_proj) if dense else None, qk))
-        dec._cpu_decode_plan = plan = _Plan(layers, _matmul(dec.head))
+                                   _matmul(layer.down_proj) if dense else None, qk,
+                                   _served(layer.qkv)))
+        norms = [w + off if off else w for layer in dec.layers
+                 for w in (layer.input_norm, layer.mlp_norm)]
+        norms.append(dec.norm + off if off else dec.norm)
+        fz = dec.dtype == torch.bfloat16 and all(w.dtype == torch.bfloat16 for w in norms) \
+            and all(fused.ready(c.hidden_size, c.heads(i), c.num_kv_heads, c.head_dim,
+                                _rope_tables(dec.ropes[i], 1).c.shape[-1],
+                                dec.ropes[i].spec.traditional, layer.q_norm is not None,
+                                c.hidden_act) for i, layer in enumerate(dec.layers))
+        dec._cpu_decode_plan = plan = _Plan(layers, _matmul(dec.head), norms, fz,
+                                            fused.act_table(c.hidden_act) if fz else None)
     return plan
 
 
@@ -162,27 +188,6 @@ def _rope_tables(rope, need: int) -> _Rope:
         c, s = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
     rope._cpu_cs = cached = _Rope(c.contiguous(), s.contiguous(), rope.spec.traditional)
     return cached
-
-
-def _swap(x: Tensor, traditional: bool) -> Tensor:
-    """x [..., 2R] float32 with its rotation pairs swapped: halves, or neighbours."""
-    r = x.shape[-1] // 2
-    if traditional:
-        return x.unflatten(-1, (r, 2)).flip(-1).flatten(-2)
-    return torch.cat((x[..., r:], x[..., :r]), dim=-1)
-
-
-def _norm_rope(qk: Tensor, w: Tensor | None, eps: float, rt: _Rope, c: Tensor,
-               s: Tensor) -> Tensor:
-    """q and k heads qk [N, H + K, D] (compute dtype): per-head RMSNorm by the stacked weights
-    w [H + K, D] (if any), then RoPE of the first 2R features by C, S [N, 1, 2R]."""
-    if w is not None:
-        x32 = qk.float()
-        qk = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(qk.dtype) * w
-    r2 = c.shape[-1]
-    xr = qk[..., :r2].float()
-    out = (xr * c + _swap(xr, rt.traditional) * s).to(qk.dtype)
-    return out if r2 == qk.shape[-1] else torch.cat((out, qk[..., r2:]), dim=-1)
 
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
@@ -209,45 +214,77 @@ def run(dec, ids: Tensor, step, pool) -> Tensor:
             rt = _rope_tables(rope, max(pos) + 1)
             tabs[id(rope.spec)] = (rt, rt.c.index_select(0, pos_t).unsqueeze(1),
                                    rt.s.index_select(0, pos_t).unsqueeze(1))
-    h = dec.embed_tokens(ids)
-    x = ops.rms_norm(h, dec.layers[0].input_norm, eps, off)
     slots = step.write_slots
+    fz = (plan.fused and fused.enabled() and slots.dtype == torch.int64 and slots.is_contiguous()
+          and int(slots.min()) >= 0)
+    top = int(slots.max()) if fz else 0  # the C side writes the caches at these slots
+    h = dec.embed_tokens(ids)
+    fz = fz and h.dtype == torch.bfloat16
+    if fz:  # layer.c's calls (`mlxr.ops.cpu.fused`): the same values in fewer calls
+        h, x = fused.add_rms_norm(h.contiguous(), None, plan.norms[0], eps)
+    else:
+        x = ops.rms_norm(h, dec.layers[0].input_norm, eps, off)
     for i, (layer, lp) in enumerate(zip(dec.layers, plan.layers, strict=True)):
         heads, kvh = c.heads(i), c.num_kv_heads
         rt, cs, sn = tabs[id(dec.ropes[i].spec)]
-        qkv = lp.qkv(x).view(n, heads + 2 * kvh, d)
-        qk = _norm_rope(qkv[:, :heads + kvh], lp.qk_norm, eps, rt, cs, sn)
         kc, vc = pool.k[i], pool.v[i]
-        kc.index_copy_(1, slots, qk[:, heads:].transpose(0, 1))
-        vc.index_copy_(1, slots, qkv[:, heads + kvh:].transpose(0, 1))
-        outs = []
-        kern = native.attend_enabled() and kc.is_contiguous() and vc.is_contiguous()
-        for r, sp in enumerate(step.spans):
-            ctx = sp.q_start + 1
-            if kern:  # bf16 K/V read in place, float32 math (`native.attend`)
-                a0 = sp.slot_range[0] if sp.slot_range is not None else 0
-                sl = None if sp.slot_range is not None else sp.slots[:ctx].to(torch.int64)
-                outs.append(native.attend(qk[r, :heads].contiguous(), kc, vc, sl, a0, ctx,
-                                          c.attn_scale))
-                continue
-            if sp.slot_range is not None:
-                a = sp.slot_range[0]
-                keys, values = kc[:, a:a + ctx], vc[:, a:a + ctx]
-            else:
-                sl = sp.slots[:ctx]
-                keys, values = kc.index_select(1, sl), vc.index_select(1, sl)
-            outs.append(_attend(qk[r, :heads], keys, values, c.attn_scale))
-        a = (outs[0] if n == 1 else torch.stack(outs)).reshape(n, heads * d)
-        h, x = ops.add_rms_norm(h, lp.o(a), layer.mlp_norm, eps, off)
+        qkv = lp.qkv(x)
+        if fz and qkv.dtype == kc.dtype == vc.dtype == torch.bfloat16 and kc.is_contiguous() \
+                and vc.is_contiguous() and top < min(kc.shape[1], vc.shape[1]):
+            q = fused.qk_rope(qkv.contiguous(), heads, kvh, lp.qk_norm, eps, rt.c, rt.s,
+                              rt.traditional, pos_t, kc, vc, slots)
+        else:
+            qkv = qkv.view(n, heads + 2 * kvh, d)
+            qk = twins.norm_rope(qkv[:, :heads + kvh], lp.qk_norm, eps, rt.traditional, cs, sn)
+            kc.index_copy_(1, slots, qk[:, heads:].transpose(0, 1))
+            vc.index_copy_(1, slots, qkv[:, heads + kvh:].transpose(0, 1))
+            q = qk[:, :heads]
+        a = _attention(c, q, kc, vc, step.spans, lp.served).reshape(n, heads * d)
+        h, x = _add_norm(fz, h, lp.o(a), plan.norms[2 * i + 1], layer.mlp_norm, eps, off)
         if lp.gate_up is not None:
-            gate, up = lp.gate_up(x).chunk(2, dim=-1)
-            m = lp.down(ops.gated_act(gate, up, c.hidden_act).contiguous())
+            gu = lp.gate_up(x)
+            if fz and gu.dtype == torch.bfloat16:
+                m = lp.down(fused.act_mul(gu, plan.act))
+            else:
+                gate, up = gu.chunk(2, dim=-1)
+                m = lp.down(ops.gated_act(gate, up, c.hidden_act).contiguous())
         else:
             m = layer.moe(x)
-        if i + 1 < len(dec.layers):
-            h, x = ops.add_rms_norm(h, m, dec.layers[i + 1].input_norm, eps, off)
-        else:
-            if step.logits_rows is not None:
-                h, m = h.index_select(0, step.logits_rows), m.index_select(0, step.logits_rows)
-            _, x = ops.add_rms_norm(h, m, dec.norm, eps, off)
+        last = i + 1 == len(dec.layers)
+        if last and step.logits_rows is not None:
+            h, m = h.index_select(0, step.logits_rows), m.index_select(0, step.logits_rows)
+        w = dec.norm if last else dec.layers[i + 1].input_norm
+        h, x = _add_norm(fz, h, m, plan.norms[2 * i + 2], w, eps, off)
     return dec.cap_logits(plan.head(x).float())
+
+
+def _add_norm(fz: bool, h: Tensor, r: Tensor, w_fused: Tensor, w: Tensor, eps: float,
+              off: float) -> tuple[Tensor, Tensor]:
+    """`ops.add_rms_norm(h, r, w, eps, off)`: one fused call where `fz` and r is in h's
+    dtype (w_fused: w with the offset added, as the reference forms it)."""
+    if fz and r.dtype == h.dtype:
+        return fused.add_rms_norm(h, r.contiguous(), w_fused, eps)
+    return ops.add_rms_norm(h, r, w, eps, off)
+
+
+def _attention(c, q: Tensor, kc: Tensor, vc: Tensor, spans, served: bool) -> Tensor:
+    """Each span's new token attending over its context: q [N, H, D] -> [N, H, D]; the
+    compiled kernel where `native.attend_enabled(served)`."""
+    heads = q.shape[1]
+    outs = []
+    kern = native.attend_enabled(served) and kc.is_contiguous() and vc.is_contiguous()
+    for r, sp in enumerate(spans):
+        ctx = sp.q_start + 1
+        if kern:  # bf16 K/V read in place, float32 math (`native.attend`)
+            a0 = sp.slot_range[0] if sp.slot_range is not None else 0
+            sl = None if sp.slot_range is not None else sp.slots[:ctx].to(torch.int64)
+            outs.append(native.attend(q[r].contiguous(), kc, vc, sl, a0, ctx, c.attn_scale))
+            continue
+        if sp.slot_range is not None:
+            a = sp.slot_range[0]
+            keys, values = kc[:, a:a + ctx], vc[:, a:a + ctx]
+        else:
+            sl = sp.slots[:ctx]
+            keys, values = kc.index_select(1, sl), vc.index_select(1, sl)
+        outs.append(_attend(q[r, :heads], keys, values, c.attn_scale))
+    return outs[0].unsqueeze(0) if len(outs) == 1 else torch.stack(outs)

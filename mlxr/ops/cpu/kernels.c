@@ -1,5 +1,7 @@
 /* mlxr's own CPU kernels, the Python module (qmm.c: quantized matmul straight from MLX's
- * packed layout; i4mm.c: the affine decode GEMV over torch's int4 copy; attend.c: one-token attention over a bf16 / f32 KV cache).
+ * packed layout; i4mm.c: the affine decode GEMV over torch's int4 copy; attend.c: one-token
+ * attention over a bf16 / f32 KV cache; layer.c: a decode layer's norms, RoPE, cache write
+ * and activation, the torch path's values bit for bit).
  *
  * Why hand-written (docs/perf.md, "CPU decode"): torch reads mxfp4 through two int4 nibble
  * planes (twice the bytes, x twice) and nvfp4 / mxfp8 through a bf16 copy (2 B per weight);
@@ -106,6 +108,58 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_add_rms_norm(PyObject *self, PyObject *args) {
+    (void)self;
+    NormArgs a;
+    unsigned long long h, r, ho, w, out;
+    memset(&a, 0, sizeof a);
+    if (!PyArg_ParseTuple(args, "KKKKfKLLi", &h, &r, &ho, &w, &a.eps, &out, &a.n, &a.e,
+                          &a.lanes))
+        return NULL;
+    a.h = (const uint16_t *)(uintptr_t)h; a.r = (const uint16_t *)(uintptr_t)r;
+    a.h_out = (uint16_t *)(uintptr_t)ho; a.w = (const uint16_t *)(uintptr_t)w;
+    a.out = (uint16_t *)(uintptr_t)out;
+    if (add_rms_norm_run(&a)) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_qk_rope(PyObject *self, PyObject *args) {
+    (void)self;
+    RopeArgs a;
+    unsigned long long qkv, w, c, s, pos, slots, q, kc, vc;
+    memset(&a, 0, sizeof a);
+    if (!PyArg_ParseTuple(args, "KLLLLLiKfiKKKKKKKL", &qkv, &a.n, &a.h, &a.kh, &a.d, &a.r2,
+                          &a.traditional, &w, &a.eps, &a.lanes, &c, &s, &pos, &slots, &q,
+                          &kc, &vc, &a.head_stride))
+        return NULL;
+    a.qkv = (const uint16_t *)(uintptr_t)qkv; a.w = (const uint16_t *)(uintptr_t)w;
+    a.cos = (const float *)(uintptr_t)c; a.sin = (const float *)(uintptr_t)s;
+    a.pos = (const int64_t *)(uintptr_t)pos; a.slots = (const int64_t *)(uintptr_t)slots;
+    a.q_out = (uint16_t *)(uintptr_t)q; a.kc = (uint16_t *)(uintptr_t)kc;
+    a.vc = (uint16_t *)(uintptr_t)vc;
+    if (qk_rope_run(&a)) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_act_mul(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long gu, tab, out;
+    long long n, inter;
+    if (!PyArg_ParseTuple(args, "KLLKK", &gu, &n, &inter, &tab, &out)) return NULL;
+    act_mul_run((const uint16_t *)(uintptr_t)gu, n, inter, (const uint16_t *)(uintptr_t)tab,
+                (uint16_t *)(uintptr_t)out);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_row_sum(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x;
+    long long n;
+    int lanes;
+    if (!PyArg_ParseTuple(args, "KLi", &x, &n, &lanes)) return NULL;
+    return PyFloat_FromDouble(torch_row_sum((const float *)(uintptr_t)x, n, lanes));
+}
+
 static PyObject *py_features(PyObject *self, PyObject *noargs) {
     (void)self; (void)noargs;
 #ifdef _OPENMP
@@ -121,6 +175,10 @@ static PyMethodDef methods[] = {
     {"qmm", py_qmm, METH_VARARGS, "quantized x @ W^T from MLX's packed layout"},
     {"i4mm", py_i4mm, METH_VARARGS, "x @ W^T from torch's packed int4 CPU copy"},
     {"attend", py_attend, METH_VARARGS, "one-token attention over a KV cache"},
+    {"add_rms_norm", py_add_rms_norm, METH_VARARGS, "residual add + RMSNorm, torch's values"},
+    {"qk_rope", py_qk_rope, METH_VARARGS, "q/k norm + RoPE + the K/V cache write"},
+    {"act_mul", py_act_mul, METH_VARARGS, "act(gate) * up through a bf16 table"},
+    {"row_sum", py_row_sum, METH_VARARGS, "torch's float32 sum order of one row"},
     {"features", py_features, METH_NOARGS, "how this build was compiled"},
     {NULL, NULL, 0, NULL}};
 

@@ -129,4 +129,37 @@ typedef struct {
 } AArgs;
 
 int attend_run(const AArgs *a, int nthreads);
+
+/* ------------------------------------------------------------------ layer.c: around the GEMVs */
+
+/* torch's float32 sum of a contiguous row (its cascade order, `lanes` = Vectorized<float>) */
+float torch_row_sum(const float *x, int64_t n, int lanes);
+
+/* Per row i of n (bf16, e wide): s = bf16(h + r) (r NULL: s = h), written to h_out when not
+ * NULL; out = rms_norm(s) * w as ops.reference.rms_norm rounds it. */
+typedef struct {
+    const uint16_t *h, *r; uint16_t *h_out; const uint16_t *w; float eps;
+    uint16_t *out; int64_t n, e; int lanes;
+} NormArgs;
+
+int add_rms_norm_run(const NormArgs *a);
+
+/* From the fused projection qkv [n, (h + 2 kh) * d] (bf16): the q and k heads RMS-normed by
+ * w [h + kh, d] (NULL: no norm), their first r2 features rotated by the tables cos / sin
+ * [P, r2] float32 ([c, c] and [-s, s]) at row pos[i]; q to q_out [n, h, d], k and v to the
+ * caches kc / vc [kh, P, d] at slot slots[i] (a kv head's rows head_stride apart). */
+typedef struct {
+    const uint16_t *qkv; int64_t n, h, kh, d, r2; int traditional;
+    const uint16_t *w; float eps; int lanes;
+    const float *cos, *sin; const int64_t *pos, *slots;
+    uint16_t *q_out, *kc, *vc; int64_t head_stride;
+} RopeArgs;
+
+int qk_rope_run(const RopeArgs *a);
+
+/* out [n, inter] = bf16(tab[gate] * up) for gu [n, 2 * inter] = [gate | up] (bf16), tab the
+ * activation of every bf16 bit pattern (built by torch: its own values), plus one padding
+ * entry */
+void act_mul_run(const uint16_t *gu, int64_t n, int64_t inter, const uint16_t *tab,
+                 uint16_t *out);
 #endif

@@ -39,12 +39,18 @@ def enabled() -> bool:
     return available() and os.environ.get("MLXR_CPU_KERNELS", "") != "0"
 
 
-def attend_enabled() -> bool:
-    """The decode attention kernel is opt-in (`MLXR_CPU_ATTEND=1`): it sums q.K and P.V in
-    another order than the reference's float32 bmm, and that moved a near-tie greedy token of
-    the bundled stories260K in bf16 (its published greedy text, tests/test_cli_run.py).
-    Greedy output stays the reference's by default; 1.12x on the 4-bit 0.6B decode when on."""
-    return enabled() and os.environ.get("MLXR_CPU_ATTEND", "") == "1"
+def attend_enabled(served: bool) -> bool:
+    """Whether the decode attention kernel runs for a layer (`served`: its projections run
+    mlxr's own matmul kernels). Env `MLXR_CPU_ATTEND`: "1" on, "0" off; unset, on for served
+    layers only. The kernel sums q.K and P.V in another order than the reference's float32
+    bmm (MKL's, not reproducible), which moved a near-tie greedy token of the bundled
+    stories260K in bf16 (its published text, tests/test_cli_run.py): where the step is the
+    reference's bit for bit (weights on torch's kernels) it stays so by default. Where i4mm /
+    qmm serve, the logits already follow mlxr's summation order (within 5e-3 of the range of
+    the torch path's); the kernel adds a divergence of the same kind and size (docs/perf.md,
+    session 21) and saves ~4-5 ms of a ~50 ms 0.6B step on the dev box."""
+    env = os.environ.get("MLXR_CPU_ATTEND", "")
+    return enabled() and (env == "1" or (served and env != "0"))
 
 
 def features() -> dict[str, int]:

@@ -1,6 +1,7 @@
-"""Plain-torch twins of `native`'s kernels: the same signatures and the same arithmetic (float32
-throughout, one rounding at the end), in torch ops. They are the tests' oracle and what runs
-where the extension was not built."""
+"""Plain-torch twins of `native`'s and `fused`'s kernels: the same signatures and the same
+arithmetic in torch ops (`native`'s: float32 throughout, one rounding at the end; `fused`'s: the
+lean decode step's torch path itself, which they reproduce bit for bit). They are the tests'
+oracle and what runs where the extension was not built."""
 
 from __future__ import annotations
 
@@ -60,3 +61,57 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor | None, st
     scores = torch.bmm(qg * scale, keys.float().transpose(1, 2))
     out = torch.bmm(torch.softmax(scores, dim=-1), values.float())
     return out.reshape(h, d).to(q.dtype)
+
+
+def add_rms_norm(h: Tensor, r: Tensor | None, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """`fused.add_rms_norm` in torch: `ops.reference`'s residual add and RMSNorm."""
+    from mlxr.ops import reference
+
+    s = h if r is None else (h + r).to(h.dtype)
+    return s, reference.rms_norm(s, w, eps)
+
+
+def _swap(x: Tensor, traditional: bool) -> Tensor:
+    """x [..., 2R] float32 with its rotation pairs swapped: halves, or neighbours."""
+    r = x.shape[-1] // 2
+    if traditional:
+        return x.unflatten(-1, (r, 2)).flip(-1).flatten(-2)
+    return torch.cat((x[..., r:], x[..., :r]), dim=-1)
+
+
+def norm_rope(qk: Tensor, w: Tensor | None, eps: float, traditional: bool, c: Tensor,
+              s: Tensor) -> Tensor:
+    """The lean step's torch path (mlxr/models/cpu_decode.py) for the q and k heads qk [N, H +
+    K, D] (compute dtype): per-head RMSNorm by the stacked weights w [H + K, D] (if any), then
+    RoPE of the first 2R features as x * C + swap(x) * S, C = [cos, cos] and S = [-sin, sin]
+    [N, 1, 2R] float32 (each term rounds as the reference's x1 * c - x2 * s: the same values
+    as `reference.rms_norm` and `reference.rope`, bit for bit)."""
+    if w is not None:
+        x32 = qk.float()
+        qk = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(qk.dtype) * w
+    r2 = c.shape[-1]
+    xr = qk[..., :r2].float()
+    out = (xr * c + _swap(xr, traditional) * s).to(qk.dtype)
+    return out if r2 == qk.shape[-1] else torch.cat((out, qk[..., r2:]), dim=-1)
+
+
+def qk_rope(qkv: Tensor, heads: int, kv_heads: int, w: Tensor | None, eps: float, cos: Tensor,
+            sin: Tensor, traditional: bool, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
+            slots: Tensor) -> Tensor:
+    """`fused.qk_rope` in torch: `norm_rope` at the rows `pos` of the tables, then the cache
+    writes."""
+    n, d = qkv.shape[0], k_cache.shape[-1]
+    x = qkv.view(n, heads + 2 * kv_heads, d)
+    qk = norm_rope(x[:, :heads + kv_heads], w, eps, traditional, cos[pos].unsqueeze(1),
+                   sin[pos].unsqueeze(1))
+    k_cache.index_copy_(1, slots, qk[:, heads:].transpose(0, 1))
+    v_cache.index_copy_(1, slots, x[:, heads + kv_heads:].transpose(0, 1))
+    return qk[:, :heads].contiguous()
+
+
+def act_mul(gu: Tensor, act: str) -> Tensor:
+    """`fused.act_mul` in torch: `ops.reference.gated_act` of the two halves."""
+    from mlxr.ops import reference
+
+    gate, up = gu.chunk(2, dim=-1)
+    return reference.gated_act(gate, up, act).contiguous()
