@@ -10,9 +10,9 @@ outside the decode runner (scheduling, sampling bookkeeping, detokenization), an
 the quantized weights with their decode copies and the KV pool's size. `--eager` turns
 the captured decode graphs off (the eager forward_step path; for the hybrid families the
 per-sequence caches, `MLXR_HYBRID_GRAPHS=0` likewise) for an A/B; `MLXR_HYBRID_SLOTS=1` puts
-the hybrid families on the slot pool and its captured decode (opt-in until checked on a GPU). `--tokens-out` writes
-the measured rounds' greedy tokens (per batch size, per request) as JSON, to compare two runs
-(e.g. two `MLXR_PREFILL_GEMM` routings). The last line is JSON.
+the hybrid families on the slot pool and its captured decode (opt-in until checked on a GPU).
+`--tokens-out` writes the measured rounds' greedy tokens (per batch size, per request) as
+JSON, to compare two runs (e.g. two `MLXR_PREFILL_GEMM` routings). The last line is JSON.
 """
 
 from __future__ import annotations
