@@ -114,6 +114,12 @@ class MoeBlock:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, E] -> expert ids [N, k] (long) and weights [N, k]."""
         s = self.spec
+        if self.use_kernels(x.device):  # the router in one launch (opt-in, ops.moe_router)
+            fused = ops.moe_router(x, self.router.weight, self.router.bias, s.router, s.top_k,
+                                   s.norm_topk, s.router_softcap, s.score_func,
+                                   self.correction_bias)
+            if fused is not None:
+                return fused
         return ops.moe_route(self.router(x), s.router, s.top_k, s.norm_topk,
                              s.router_softcap, s.score_func, self.correction_bias)
 

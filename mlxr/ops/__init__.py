@@ -200,7 +200,8 @@ def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: 
                 out_dtype, routed_scale: float = 1.0):
     """The routed experts' weighted sum [T, E] by the MoE kernels: x [T, E_in], ids / weights
     [T, k] on the device; the decode kernels up to `decode_split.decode_max_pairs` (token,
-    slot) pairs (launch configs from the env), beyond (MLXR_MOE_GROUPED, default auto): the
+    slot) pairs (launch configs from the env; MLXR_MOE_DECODE=onepass: `moe.decode_onepass`,
+    gate/up and down + combine one launch each), beyond (MLXR_MOE_GROUPED, default auto): the
     in-kernel dequant grouped GEMM (`moe.grouped_fused`: 2/4/8-bit codes or dense experts,
     bf16 compute, `_fused_preferred`; =fused always), dequant + torch._grouped_mm in bf16
     (`moe.grouped_mm`; =mm always), else the grouped Triton GEMM (`moe.grouped_experts`:
@@ -209,6 +210,10 @@ def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: 
     from .moe import grouped_mm
 
     if ids.numel() <= dec.decode_max_pairs():
+        if dec.decode_kernels() == "onepass":
+            from .moe import decode_onepass as one
+            h = one.moe_gate_up_onepass(x, ids, gate, up, act, alpha, limit)
+            return one.moe_down_onepass(h, ids, weights, down, out_dtype, routed_scale)
         h = dec.moe_gate_up_split(x, ids, gate, up, act, alpha, limit)
         return dec.moe_down_split(h, ids, weights, down, out_dtype, routed_scale)
     args = (x, ids, weights, gate, up, down, act, alpha, limit, out_dtype, routed_scale)
@@ -222,6 +227,22 @@ def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: 
         return grouped_mm.moe_grouped_mm(*args)
     from .moe.grouped_experts import moe_grouped
     return moe_grouped(*args)
+
+
+def moe_router(x, weight, bias, router: str, top_k: int, norm_topk: bool, softcap: float,
+               score_func: str, correction_bias):
+    """The router Linear (weight, bias) and `moe_route` in one launch (`moe.router`), or None
+    where it does not apply: opt-in MLXR_MOE_ROUTER=fused (read at each call), CUDA with
+    Triton kernels, at most `router.MAX_TOKENS` rows, a weight format the kernel reads."""
+    if (os.environ.get("MLXR_MOE_ROUTER", "torch").lower() != "fused" or not _fast(x)
+            or x.shape[0] > 16):
+        return None
+    from .moe import router as fused_router
+    q = fused_router.router_quant(weight, bias)
+    if q is None or q.shape[2] != x.shape[1]:
+        return None
+    return fused_router.moe_router(x, q, router, top_k, norm_topk, softcap, score_func,
+                                   correction_bias)
 
 
 def _fused_preferred(x, pairs: int, gate) -> bool:
@@ -246,6 +267,6 @@ __all__ = ["MOE_KERNEL_ACTS", "ExpertQuant", "add_rms_norm", "attention", "atten
            "gdn_chunked",
            "head_gate", "moe_combine", "moe_dense_experts", "moe_expert_act", "moe_experts",
            "moe_gate_up_pair", "moe_kernels_take",
-           "moe_reference", "moe_route", "paged_attention", "paged_items",
+           "moe_reference", "moe_route", "moe_router", "paged_attention", "paged_items",
            "paged_prefill_attention", "prefill_tile", "qkv_rope_write", "residual_norm", "rms_norm",
            "rope"]

@@ -1,0 +1,103 @@
+"""The one-launch split-K decode MoE kernels (mlxr.ops.moe.decode_onepass) under the CPU
+interpreter, against the decode kernels' torch twins on fresh random stacked experts, every
+expert format at T in {1, 2, 5, 16}.
+
+They sum the same K chunks as `decode_split` (each chunk by `_expert_rows`, the chunks in order),
+so tests/test_triton_moe_decode.py's bounds hold unchanged. The ticket counters are checked to
+be back at zero after every launch (the next launch, or the next CUDA graph replay, relies on
+it), and a token's output must not depend on the other tokens of its batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from test_triton_moe_decode import check_down, check_gate_up, random_ids, stacked
+
+from mlxr.ops.moe import decode_onepass as O
+from mlxr.ops.moe.decode_split import DecodeConfig
+
+INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU
+
+FORMATS = [("affine", 4, 64, False), ("affine", 4, 32, False), ("affine", 8, 64, False),
+           ("mxfp4", 4, 32, False), ("nvfp4", 4, 16, True), ("mxfp8", 8, 32, False),
+           ("dense", 16, 0, False)]
+TS = [(1, 8), (2, 8), (5, 3), (16, 1)]
+
+
+def _counters_zero():
+    cpu = torch.device("cpu")
+    return all(int(O.counters(cpu, r).abs().sum()) == 0 for r in range(3))
+
+
+@pytest.mark.parametrize("q_args", FORMATS)
+@pytest.mark.parametrize("t,topk", TS)
+def test_gate_up_onepass(q_args, t, topk):
+    cfg = DecodeConfig(16, 2, 4)
+    check_gate_up(q_args, "silu", t, topk, 3 + q_args[1] + q_args[2] + t, k=128, experts=9,
+                  fn=lambda *a: O.moe_gate_up_onepass(*a, config=cfg))
+    assert _counters_zero()
+
+
+@pytest.mark.parametrize("q_args", FORMATS)
+@pytest.mark.parametrize("t,topk", TS)
+def test_down_onepass(q_args, t, topk):
+    cfg = DecodeConfig(16, 2, 4)
+    check_down(q_args, t, topk, 5 + q_args[1] * q_args[2] + t, experts=9,
+               fn=lambda *a: O.moe_down_onepass(*a, config=cfg))
+    assert _counters_zero()
+
+
+@pytest.mark.parametrize("cfg", [DecodeConfig(16, 1, 4), DecodeConfig(None, 4, 4),
+                                 DecodeConfig(8, 3, 2)])
+def test_configs_swiglu_bias_scale(cfg):
+    """No split (the fused epilogue without counters), a 4-way split, an uneven request (3
+    of the 4 groups: `chunks` takes 2); gpt-oss's clamped SwiGLU with expert biases; the
+    routed scale and bf16 routing weights in down."""
+    check_gate_up(("mxfp4", 4, 32, False), "swiglu_oai", 2, 3, 7, bias=True,
+                  fn=lambda *a: O.moe_gate_up_onepass(*a, config=cfg))
+    check_down(("affine", 4, 32, False), 3, 2, 7, torch.bfloat16, 2.5, bias=True,
+               fn=lambda *a: O.moe_down_onepass(*a, config=cfg))
+    assert _counters_zero()
+
+
+def test_gelu_tanh():
+    check_gate_up(("affine", 8, 32, False), "gelu_tanh", 2, 2, 17,
+                  fn=lambda *a: O.moe_gate_up_onepass(*a, config=DecodeConfig(16, 4, 4)))
+
+
+def test_batch_invariance_and_device_ids():
+    """Token 0's output alone equals its row in a batch of 5, bit for bit; new ids written
+    into the same tensor give the other experts' outputs (nothing read on the host)."""
+    gate = stacked("affine", 4, 64, False, 8, 24, 128, 1)
+    up = stacked("affine", 4, 64, False, 8, 24, 128, 2)
+    down = stacked("affine", 4, 64, False, 8, 128, 24, 3)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 128, generator=g)
+    ids = random_ids(5, 3, 8, g)
+    w = torch.softmax(torch.randn(5, 3, generator=g), -1)
+    cfg = DecodeConfig(8, 2, 4)
+
+    def block(xx, ii, ww):
+        h = O.moe_gate_up_onepass(xx, ii, gate, up, "silu", config=cfg)
+        return O.moe_down_onepass(h, ii, ww, down, torch.float32, config=cfg)
+
+    many = block(x, ids, w)
+    one = block(x[:1], ids[:1].clone(), w[:1])
+    assert torch.equal(one[0], many[0])
+    ids1 = ids[:1].clone()
+    a = block(x[:1], ids1, w[:1])
+    ids1.copy_(ids[1:2])
+    b = block(x[:1], ids1, w[:1])
+    assert not torch.equal(a, b)
+    assert torch.equal(b, block(x[:1], ids[1:2].clone(), w[:1]))
+
+
+def test_counters_bound():
+    """The workspace holds a counter per (pair, row tile): the decode shapes fit (16 pairs of
+    Qwen3-30B-A3B's 768 rows in tiles of 8), a launch past it is refused."""
+    assert O._tiles_fit(16, 2048, 8)
+    assert not O._tiles_fit(16, 1 << 20, 1)
