@@ -36,6 +36,8 @@ import traceback
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -274,6 +276,28 @@ def check_graph_determinism(dev) -> float:
 
 
 # ====================================================================== timing
+@triton.jit
+def _touch_kernel(w_ptr, ids_ptr, out_ptr, NW: tl.constexpr, BLOCK: tl.constexpr):
+    """The read roofline of the experts' words: program (pair, block) xors BLOCK words of
+    expert ids[pair] (NW words each) into one int."""
+    p = tl.program_id(0)
+    b = tl.program_id(1)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    o = b * BLOCK + tl.arange(0, BLOCK)
+    w = tl.load(w_ptr + e * NW + o, mask=o < NW, other=0, cache_modifier=".cg")
+    tl.store(out_ptr + p * tl.num_programs(1) + b, tl.xor_sum(w, axis=0))
+
+
+def touch(q, ids, block=2048):
+    """Read every word of the experts of ids (one launch): the bandwidth roofline."""
+    nw = q.w[0].numel()
+    out = torch.empty(ids.numel(), triton.cdiv(nw, block), dtype=torch.int32,
+                      device=q.w.device)
+    _touch_kernel[(ids.numel(), triton.cdiv(nw, block))](q.w.view(torch.int32), ids, out,
+                                                         NW=nw, BLOCK=block, num_warps=4)
+    return out
+
+
 def expert_bytes(q, ids) -> int:
     """Bytes of the distinct experts of ids in stack q (words, scales, biases)."""
     n = int(torch.unique(ids).numel())
@@ -320,6 +344,11 @@ def time_shapes(dev) -> None:
                  lambda: O.moe_down_onepass(hh, ids, w, down, x.dtype, rs)),
                 ("block", rbytes + gu + dn, lambda: block_old(x, lin, gate, up, down, shape, cb),
                  lambda: block_new(x, lin, gate, up, down, shape, cb))]
+            for q, what in ((gate, "touch gu"), (down, "touch dn")):
+                us = time_call(lambda: touch(q, ids))
+                nb = expert_bytes(q._replace(scales=None, biases=None), ids)
+                say(f"{name:14s} {t:2d} {what:10s} {'':8s} {us:8.1f} {'':9s} {nb / us / 1e3:9.0f}"
+                    f"   (words only, one projection: the read roofline)")
             for what, nbytes, old, new in rows:
                 try:
                     a, b = time_call(old), time_call(new)
