@@ -20,7 +20,9 @@ Sections (each line printed as it comes; past --budget seconds the rest prints S
   4-bit g64, 8-bit router) and Laguna-XS-2.1 (256 x [512, 2048] nvfp4, bf16 router, sigmoid +
   bias, routed scale 2.5) shapes, T = 1, 2, 4, 8, 16: router old (Linear + torch route) / new;
   gate_up old (decode_split default) / new; down old / new; block old / new (router +
-  experts, the shared expert not included).
+  experts, the shared expert not included); experts* = the engine's dispatch today
+  (`ops.moe_experts`: the decode kernels up to 16 pairs, the grouped GEMM beyond) vs onepass
+  at any T: where onepass wins past 16 pairs, raise MLXR_MOE_DECODE_MAX_PAIRS with it.
 * sweep: onepass gate_up and down configs (block_n, split, warps) and router rows per
   program x warps, best per shape and T (set `decode_onepass.ONEPASS_*` /
   `router.default_block` from it).
@@ -343,7 +345,11 @@ def time_shapes(dev) -> None:
                 ("down", dn, lambda: S.moe_down_split(hh, ids, w, down, x.dtype, rs),
                  lambda: O.moe_down_onepass(hh, ids, w, down, x.dtype, rs)),
                 ("block", rbytes + gu + dn, lambda: block_old(x, lin, gate, up, down, shape, cb),
-                 lambda: block_new(x, lin, gate, up, down, shape, cb))]
+                 lambda: block_new(x, lin, gate, up, down, shape, cb)),
+                ("experts*", gu + dn, lambda: ops.moe_experts(x, ids, w, gate, up, down, "silu",
+                                                              1.702, 7.0, x.dtype, rs),
+                 lambda: O.moe_down_onepass(O.moe_gate_up_onepass(x, ids, gate, up, "silu"),
+                                            ids, w, down, x.dtype, rs))]
             for q, what in ((gate, "touch gu"), (down, "touch dn")):
                 us = time_call(lambda: touch(q, ids))
                 nb = expert_bytes(q._replace(scales=None, biases=None), ids)

@@ -72,9 +72,9 @@ def test_gelu_tanh():
 def test_batch_invariance_and_device_ids():
     """Token 0's output alone equals its row in a batch of 5, bit for bit; new ids written
     into the same tensor give the other experts' outputs (nothing read on the host)."""
-    gate = stacked("affine", 4, 64, False, 8, 24, 128, 1)
-    up = stacked("affine", 4, 64, False, 8, 24, 128, 2)
-    down = stacked("affine", 4, 64, False, 8, 128, 24, 3)
+    gate = stacked("affine", 4, 64, False, 8, 32, 128, 1)
+    up = stacked("affine", 4, 64, False, 8, 32, 128, 2)
+    down = stacked("affine", 4, 32, False, 8, 128, 32, 3)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(5, 128, generator=g)
     ids = random_ids(5, 3, 8, g)
@@ -101,3 +101,33 @@ def test_counters_bound():
     Qwen3-30B-A3B's 768 rows in tiles of 8), a launch past it is refused."""
     assert O._tiles_fit(16, 2048, 8)
     assert not O._tiles_fit(16, 1 << 20, 1)
+
+
+@pytest.mark.parametrize("q_args", [("affine", 4, 64, False), ("nvfp4", 4, 16, False),
+                                    ("dense", 16, 0, False)])
+def test_shared_expert_in_the_launches(q_args):
+    """The shared expert folded into both launches equals, bit for bit, the same kernels run
+    on the routed pairs and on the shared expert as a one-expert top-1 stack, then added as
+    `MoeBlock` adds them (each in the activation dtype): the fold changes no sum."""
+    t, topk, f, k, e = 3, 2, 64, 128, 40
+    gate, up = (stacked(*q_args, 6, f, k, s) for s in (1, 2))
+    down = stacked(*q_args, 6, k, f, 3)
+    sg, su = (stacked(*q_args, 1, f, k, s) for s in (4, 5))
+    sd = stacked(*q_args, 1, k, f, 6)
+    g = torch.Generator().manual_seed(e)
+    x = torch.randn(t, k, generator=g)
+    ids = random_ids(t, topk, 6, g)
+    w = torch.softmax(torch.randn(t, topk, generator=g), -1)
+    cfg = DecodeConfig(8, 2, 4)
+    h = O.moe_gate_up_onepass(x, ids, gate, up, "silu", config=cfg, shared=(sg, su))
+    zero, one = torch.zeros(t, 1, dtype=torch.long), torch.ones(t, 1)
+    assert torch.equal(h[:t * topk], O.moe_gate_up_onepass(x, ids, gate, up, "silu", config=cfg))
+    assert torch.equal(h[t * topk:], O.moe_gate_up_onepass(x, zero, sg, su, "silu", config=cfg))
+    y = O.moe_down_onepass(h, ids, w, down, torch.float32, 2.5, config=cfg, shared=sd)
+    routed = O.moe_down_onepass(h[:t * topk], ids, w, down, torch.float32, 2.5, config=cfg)
+    alone = O.moe_down_onepass(h[t * topk:], zero, one, sd, torch.float32, config=cfg)
+    assert torch.equal(y, routed + alone)
+    assert _counters_zero()
+    with pytest.raises(ValueError, match="fit"):
+        O.moe_down_onepass(h[:-1], ids, w, down, torch.float32, config=cfg, shared=sd)
+    assert not O.shared_fits(gate, stacked(*q_args, 1, f + 8, k, 7))

@@ -160,9 +160,33 @@ class MoeBlock:
         st = self.down[0]
         return st.rows(e, h) if isinstance(st, StackedExperts) else self.down[e](h)
 
+    def shared_quant(self) -> tuple | None:
+        """The shared expert's (gate, up, down) as one-expert stacks for the MoE kernels
+        (`ops.moe_experts_shared`), or None: no shared expert, a gated one, or weights the
+        kernels do not read. Built once (views of the Linears' words)."""
+        if not hasattr(self, "_shared_q"):
+            self._shared_q = None
+            gu, dn = self.shared_gate_up, self.shared_down
+            if dn is not None and self.shared_gate is None and isinstance(gu, Linear):
+                from ..ops.moe.router import router_quant
+                g2, d = router_quant(gu.weight, gu.bias), router_quant(dn.weight, dn.bias)
+                if g2 is not None and d is not None and g2.shape[1] % 2 == 0:
+                    f = g2.shape[1] // 2
+                    halves = [g2._replace(**{k: None if v is None else v[:, a:a + f]
+                                             for k, v in (("w", g2.w), ("scales", g2.scales),
+                                                          ("biases", g2.biases))})
+                              for a in (0, f)]
+                    self._shared_q = (*halves, d)
+        return self._shared_q
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
         ids, w = self.route(x)
+        if self.use_kernels(x.device) and self.shared_down is not None:
+            y = ops.moe_experts_shared(x, ids, w, *self.quant, self.shared_quant(),
+                                       s.expert_act, x.dtype, s.routed_scale)
+            if y is not None:  # routed + shared in the kernels' two launches
+                return y
         if self.use_kernels(x.device):
             out = ops.moe_experts(x, ids, w, *self.quant, s.expert_act, s.act_alpha,
                                   s.act_limit, x.dtype, s.routed_scale)

@@ -229,6 +229,25 @@ def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: 
     return moe_grouped(*args)
 
 
+def moe_experts_shared(x, ids, weights, gate, up, down, shared, act: str, out_dtype,
+                       routed_scale: float = 1.0):
+    """The routed experts' weighted sum plus the shared expert (its gate, up, down
+    `ExpertQuant`s of one expert, a SiLU-GLU without a gate of its own) in the onepass
+    kernels' two launches (`moe.decode_onepass`), or None where that does not apply: only
+    with MLXR_MOE_DECODE=onepass, SiLU experts, at most `decode_max_pairs` pairs, the shared
+    stacks in the routed ones' format and shape."""
+    from .moe import decode_onepass as one
+    from .moe import decode_split as dec
+
+    if (dec.decode_kernels() != "onepass" or act != "silu" or shared is None
+            or ids.numel() > dec.decode_max_pairs()
+            or not all(one.shared_fits(r, q) for r, q in zip((gate, up, down), shared))):
+        return None
+    h = one.moe_gate_up_onepass(x, ids, gate, up, act, shared=shared[:2])
+    return one.moe_down_onepass(h, ids, weights, down, out_dtype, routed_scale,
+                                shared=shared[2])
+
+
 def moe_router(x, weight, bias, router: str, top_k: int, norm_topk: bool, softcap: float,
                score_func: str, correction_bias):
     """The router Linear (weight, bias) and `moe_route` in one launch (`moe.router`), or None
@@ -266,6 +285,7 @@ __all__ = ["MOE_KERNEL_ACTS", "ExpertQuant", "add_rms_norm", "attention", "atten
            "conv1d_silu", "fast_kernels", "gated_act", "gated_delta", "gated_delta_decode",
            "gdn_chunked",
            "head_gate", "moe_combine", "moe_dense_experts", "moe_expert_act", "moe_experts",
+           "moe_experts_shared",
            "moe_gate_up_pair", "moe_kernels_take",
            "moe_reference", "moe_route", "moe_router", "paged_attention", "paged_items",
            "paged_prefill_attention", "prefill_tile", "qkv_rope_write", "residual_norm", "rms_norm",

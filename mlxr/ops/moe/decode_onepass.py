@@ -68,27 +68,13 @@ if HAVE_TRITON:
         return done == TICKETS - 1
 
     @triton.jit
-    def _gate_up_onepass_kernel(
-        x_ptr, ids_ptr, part_ptr, ctr_ptr, h_ptr,
-        gw_ptr, gsc_ptr, gb_ptr, ggs_ptr, gbias_ptr,
-        uw_ptr, usc_ptr, ub_ptr, ugs_ptr, ubias_ptr,
-        F, P, stride_x, alpha, limit,
-        K: tl.constexpr, KC: tl.constexpr, S: tl.constexpr, TOPK: tl.constexpr,
-        BITS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, HAS_GS: tl.constexpr,
-        HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, GT: tl.constexpr,
-    ):
-        """h[p, rn] = act(gate, up) of pair p's rows rn; part [2, S, P, F] fp32."""
-        p = tl.program_id(0)
-        tile = tl.program_id(1)
-        sk = tl.program_id(2)
-        rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = rn < F
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        DT: tl.constexpr = h_ptr.dtype.element_ty
+    def _pair_rows(xrow, e, rn, k0, gw_ptr, gsc_ptr, gb_ptr, ggs_ptr, uw_ptr, usc_ptr, ub_ptr,
+                   ugs_ptr, F, K: tl.constexpr, KC: tl.constexpr, BITS: tl.constexpr,
+                   GROUP: tl.constexpr, MODE: tl.constexpr, HAS_GS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, GT: tl.constexpr):
+        """fp32 gate and up sums [BLOCK_N] of rows rn of expert e over K chunk k0.."""
         WX: tl.constexpr = K * BITS // 32
         NG: tl.constexpr = K // GROUP
-        k0 = sk * KC
-        xrow = x_ptr + (p // TOPK).to(tl.int64) * stride_x + k0
         wo = e * F * WX + k0 * BITS // 32
         so = e * F * NG + k0 // GROUP
         g = _expert_rows(xrow, gw_ptr + wo, gsc_ptr + so, gb_ptr + so,
@@ -97,23 +83,59 @@ if HAVE_TRITON:
         u = _expert_rows(xrow, uw_ptr + wo, usc_ptr + so, ub_ptr + so,
                          _expert_gs(ugs_ptr, e, HAS_GS), rn, F, K, BITS, GROUP, MODE,
                          BLOCK_N, GT, KC)
+        return g, u
+
+    @triton.jit
+    def _gate_up_onepass_kernel(
+        x_ptr, ids_ptr, part_ptr, ctr_ptr, h_ptr,
+        gw_ptr, gsc_ptr, gb_ptr, ggs_ptr, gbias_ptr,
+        uw_ptr, usc_ptr, ub_ptr, ugs_ptr, ubias_ptr,
+        sgw_ptr, sgsc_ptr, sgb_ptr, sggs_ptr, suw_ptr, susc_ptr, sub_ptr, sugs_ptr,
+        F, P, stride_x, alpha, limit,
+        K: tl.constexpr, KC: tl.constexpr, S: tl.constexpr, TOPK: tl.constexpr,
+        BITS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, HAS_GS: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, GT: tl.constexpr,
+        SHARED: tl.constexpr,
+    ):
+        """h[p, rn] = act(gate, up) of pair p's rows rn (SHARED: rows P + t are token t's
+        shared expert, the s* stacks of one expert); part [2, S, rows of h, F] fp32."""
+        p = tl.program_id(0)
+        tile = tl.program_id(1)
+        sk = tl.program_id(2)
+        NP = tl.num_programs(0)  # rows of h
+        rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rn < F
+        DT: tl.constexpr = h_ptr.dtype.element_ty
+        k0 = sk * KC
+        if SHARED and p >= P:
+            e = tl.zeros([], dtype=tl.int64)
+            xrow = x_ptr + (p - P).to(tl.int64) * stride_x + k0
+            g, u = _pair_rows(xrow, e, rn, k0, sgw_ptr, sgsc_ptr, sgb_ptr, sggs_ptr, suw_ptr,
+                              susc_ptr, sub_ptr, sugs_ptr, F, K, KC, BITS, GROUP, MODE,
+                              HAS_GS, BLOCK_N, GT)
+        else:
+            e = tl.load(ids_ptr + p).to(tl.int64)
+            xrow = x_ptr + (p // TOPK).to(tl.int64) * stride_x + k0
+            g, u = _pair_rows(xrow, e, rn, k0, gw_ptr, gsc_ptr, gb_ptr, ggs_ptr, uw_ptr,
+                              usc_ptr, ub_ptr, ugs_ptr, F, K, KC, BITS, GROUP, MODE, HAS_GS,
+                              BLOCK_N, GT)
         hp = h_ptr + p.to(tl.int64) * F + rn
         if S == 1:
             g = _biased(g, gbias_ptr, e * F + rn, nmask, HAS_BIAS, DT)
             u = _biased(u, ubias_ptr, e * F + rn, nmask, HAS_BIAS, DT)
             tl.store(hp, _act(g, u, alpha, limit, ACT, DT).to(DT), mask=nmask)
         else:
-            off = (sk * P + p).to(tl.int64) * F + rn
+            off = (sk * NP + p).to(tl.int64) * F + rn
             tl.store(part_ptr + off, g, mask=nmask)
-            tl.store(part_ptr + S * P * F + off, u, mask=nmask)
+            tl.store(part_ptr + S * NP * F + off, u, mask=nmask)
             cp = ctr_ptr + p * tl.num_programs(1) + tile
             if _last_ticket(cp, S):
                 g = tl.zeros([BLOCK_N], dtype=tl.float32)
                 u = tl.zeros([BLOCK_N], dtype=tl.float32)
                 for s in tl.static_range(S):  # fixed order: deterministic
-                    o = (s * P + p).to(tl.int64) * F + rn
+                    o = (s * NP + p).to(tl.int64) * F + rn
                     g += tl.load(part_ptr + o, mask=nmask, other=0.0, cache_modifier=".cg")
-                    u += tl.load(part_ptr + S * P * F + o, mask=nmask, other=0.0,
+                    u += tl.load(part_ptr + S * NP * F + o, mask=nmask, other=0.0,
                                  cache_modifier=".cg")
                 g = _biased(g, gbias_ptr, e * F + rn, nmask, HAS_BIAS, DT)
                 u = _biased(u, ubias_ptr, e * F + rn, nmask, HAS_BIAS, DT)
@@ -121,33 +143,49 @@ if HAVE_TRITON:
                 tl.store(cp, 0)
 
     @triton.jit
+    def _down_rows(hrow, e, rn, k0, w_ptr, s_ptr, b_ptr, gs_ptr, E, F: tl.constexpr,
+                   FC: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                   MODE: tl.constexpr, HAS_GS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   GT: tl.constexpr):
+        """fp32 sums [BLOCK_N] of down rows rn of expert e over F chunk k0.. with hrow."""
+        WX: tl.constexpr = F * BITS // 32
+        NG: tl.constexpr = F // GROUP
+        so = e * E * NG + k0 // GROUP
+        return _expert_rows(hrow, w_ptr + e * E * WX + k0 * BITS // 32, s_ptr + so, b_ptr + so,
+                            _expert_gs(gs_ptr, e, HAS_GS), rn, E, F, BITS, GROUP, MODE,
+                            BLOCK_N, GT, FC)
+
+    @triton.jit
     def _down_onepass_kernel(
         h_ptr, ids_ptr, rw_ptr, y_ptr, part_ptr, ctr_ptr,
-        w_ptr, s_ptr, b_ptr, gs_ptr, bias_ptr,
+        w_ptr, s_ptr, b_ptr, gs_ptr, bias_ptr, sw_ptr, ss_ptr, sb_ptr, sgs_ptr,
         E, P, routed_scale,
         F: tl.constexpr, FC: tl.constexpr, S: tl.constexpr, TOPK: tl.constexpr,
         BITS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, HAS_GS: tl.constexpr,
         HAS_BIAS: tl.constexpr, ROUND_PROD: tl.constexpr, SCALED: tl.constexpr,
-        BLOCK_N: tl.constexpr, GT: tl.constexpr,
+        BLOCK_N: tl.constexpr, GT: tl.constexpr, SHARED: tl.constexpr,
     ):
-        """y[t, rn] = sum over slots of weight * down_e(h[t*k + j]); part [S, P, E] fp32."""
+        """y[t, rn] = sum over slots of weight * down_e(h[t*k + j]) (SHARED: plus token t's
+        shared expert, row P + t of h through the s* stack); part [S, rows of h, E] fp32."""
         p = tl.program_id(0)
         tile = tl.program_id(1)
         sk = tl.program_id(2)
+        NP = tl.num_programs(0)
         rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = rn < E
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        WX: tl.constexpr = F * BITS // 32
-        NG: tl.constexpr = F // GROUP
         k0 = sk * FC
-        so = e * E * NG + k0 // GROUP
-        acc = _expert_rows(h_ptr + p.to(tl.int64) * F + k0, w_ptr + e * E * WX + k0 * BITS // 32,
-                           s_ptr + so, b_ptr + so, _expert_gs(gs_ptr, e, HAS_GS), rn, E, F,
-                           BITS, GROUP, MODE, BLOCK_N, GT, FC)
-        tl.store(part_ptr + (sk * P + p).to(tl.int64) * E + rn, acc, mask=nmask)
-        t = p // TOPK
+        hrow = h_ptr + p.to(tl.int64) * F + k0
+        if SHARED and p >= P:
+            t = p - P
+            acc = _down_rows(hrow, tl.zeros([], dtype=tl.int64), rn, k0, sw_ptr, ss_ptr, sb_ptr,
+                             sgs_ptr, E, F, FC, BITS, GROUP, MODE, HAS_GS, BLOCK_N, GT)
+        else:
+            t = p // TOPK
+            acc = _down_rows(hrow, tl.load(ids_ptr + p).to(tl.int64), rn, k0, w_ptr, s_ptr,
+                             b_ptr, gs_ptr, E, F, FC, BITS, GROUP, MODE, HAS_GS, BLOCK_N, GT)
+        tl.store(part_ptr + (sk * NP + p).to(tl.int64) * E + rn, acc, mask=nmask)
         cp = ctr_ptr + t * tl.num_programs(1) + tile
-        if _last_ticket(cp, TOPK * S):
+        if _last_ticket(cp, (TOPK + SHARED) * S):
             DT: tl.constexpr = h_ptr.dtype.element_ty
             out = tl.zeros([BLOCK_N], dtype=tl.float32)
             for j in tl.static_range(TOPK):
@@ -156,7 +194,7 @@ if HAVE_TRITON:
                 wt = tl.load(rw_ptr + pj).to(tl.float32)
                 a = tl.zeros([BLOCK_N], dtype=tl.float32)
                 for s in tl.static_range(S):
-                    a += tl.load(part_ptr + (s * P + pj).to(tl.int64) * E + rn, mask=nmask,
+                    a += tl.load(part_ptr + (s * NP + pj).to(tl.int64) * E + rn, mask=nmask,
                                  other=0.0, cache_modifier=".cg")
                 y = _biased(a, bias_ptr, ej * E + rn, nmask, HAS_BIAS, DT) * wt
                 if ROUND_PROD:  # bf16 y times bf16 weights: torch rounds each product
@@ -165,6 +203,12 @@ if HAVE_TRITON:
             ODT: tl.constexpr = y_ptr.dtype.element_ty
             if SCALED:  # laguna: the routed scale multiplies after the cast
                 out = out.to(ODT).to(tl.float32) * routed_scale
+            if SHARED:  # out + shared: the shared down's output rounded, the sum rounded
+                a = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for s in tl.static_range(S):
+                    a += tl.load(part_ptr + (s * NP + P + t).to(tl.int64) * E + rn, mask=nmask,
+                                 other=0.0, cache_modifier=".cg")
+                out = out.to(ODT).to(tl.float32) + a.to(DT).to(tl.float32)
             tl.store(y_ptr + t.to(tl.int64) * E + rn, out.to(ODT), mask=nmask)
             tl.store(cp, 0)
 
@@ -174,70 +218,109 @@ def _tiles_fit(pairs: int, n: int, bn: int) -> bool:
     return pairs * triton.cdiv(n, bn) <= COUNTERS // 4
 
 
+def shared_fits(routed: ExpertQuant, shared: ExpertQuant) -> bool:
+    """Whether a one-expert stack (the shared expert's projection) rides in the routed
+    projection's launch: the same shape but X and the same storage, no expert bias."""
+    return (shared.shape[0] == 1 and shared.shape[1:] == routed.shape[1:]
+            and shared.mode == routed.mode and shared.bits == routed.bits
+            and shared.group == routed.group and shared.bias is None and routed.bias is None
+            and (shared.global_scale is None) == (routed.global_scale is None)
+            and (shared.biases is None) == (routed.biases is None)
+            and shared.w.dtype == routed.w.dtype
+            and (shared.scales is None or shared.scales.dtype == routed.scales.dtype))
+
+
+def _quant_args(q: ExpertQuant) -> tuple:
+    """(words, scales, affine biases, global scale) pointers of a stack (unused: dummies)."""
+    b, gs, _ = D._gs_bias(q, D._scales(q))
+    return D._words_i32(q.w), D._scales(q), b, gs
+
+
 def moe_gate_up_onepass(x: Tensor, ids: Tensor, gate: ExpertQuant, up: ExpertQuant, act: str,
                         alpha: float = 1.702, limit: float = 7.0,
-                        config: DecodeConfig | None = None) -> Tensor:
+                        config: DecodeConfig | None = None,
+                        shared: tuple[ExpertQuant, ExpertQuant] | None = None) -> Tensor:
     """`decode_experts.moe_gate_up` in one launch, K in `chunks(K, group, config.split)`
-    parts (config: rows per program, split, warps; default `ONEPASS_GATE_UP`)."""
+    parts (config: rows per program, split, warps; default `ONEPASS_GATE_UP`). shared: the
+    shared expert's (gate, up) as one-expert stacks (`shared_fits`): h gets T more rows,
+    row T*k + t = act(gate(x_t), up(x_t)) of the shared expert."""
     cfg = config or ONEPASS_GATE_UP
     check_pair(gate, up)
     if act not in D.ACTS:
         raise ValueError(f"unknown expert activation {act!r}")
+    if shared is not None and not all(shared_fits(gate, q) for q in shared):
+        raise ValueError("moe_gate_up_onepass: the shared expert does not fit the launch")
     _, f, k = gate.shape
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"moe_gate_up: x {tuple(x.shape)} does not match K = {k}")
     t, topk = ids.shape
     p = t * topk
+    rows = p + (t if shared is not None else 0)
     x, ids = x.contiguous(), ids.contiguous()
-    h = torch.empty(p, f, device=x.device, dtype=x.dtype)
+    h = torch.empty(rows, f, device=x.device, dtype=x.dtype)
     if p == 0:
         return h
     s = chunks(k, gate.group, cfg.split)
-    bn = cfg.block_n or D._block(f, p * s, x.device)
-    if not _tiles_fit(p, f, bn):
-        raise ValueError(f"moe_gate_up_onepass: {p} pairs x {f} rows exceed the counters")
-    part = torch.empty(2 * s * p * f if s > 1 else 1, device=x.device, dtype=torch.float32)
-    gb, ggs, gbias = D._gs_bias(gate, D._scales(gate))
-    ub, ugs, ubias = D._gs_bias(up, D._scales(up))
+    bn = cfg.block_n or D._block(f, rows * s, x.device)
+    if not _tiles_fit(rows, f, bn):
+        raise ValueError(f"moe_gate_up_onepass: {rows} pairs x {f} rows exceed the counters")
+    part = torch.empty(2 * s * rows * f if s > 1 else 1, device=x.device, dtype=torch.float32)
+    _, _, gbias = D._gs_bias(gate, D._scales(gate))
+    _, _, ubias = D._gs_bias(up, D._scales(up))
+    sg, su = shared if shared is not None else (gate, up)
     kc = k // s
-    _gate_up_onepass_kernel[(p, triton.cdiv(f, bn), s)](
-        x, ids, part, counters(x.device, 0), h,
-        D._words_i32(gate.w), D._scales(gate), gb, ggs, gbias,
-        D._words_i32(up.w), D._scales(up), ub, ugs, ubias,
+    _gate_up_onepass_kernel[(rows, triton.cdiv(f, bn), s)](
+        x, ids, part, counters(x.device, 0), h, *_quant_args(gate), gbias, *_quant_args(up),
+        ubias, *_quant_args(sg), *_quant_args(su),
         f, p, x.stride(0), float(alpha), float(limit), K=k, KC=kc, S=s, TOPK=topk,
         BITS=gate.bits, GROUP=gate.group, MODE=D.KERNEL_MODE[gate.mode],
         HAS_GS=gate.global_scale is not None, HAS_BIAS=gate.bias is not None,
         ACT=D.ACTS[act], BLOCK_N=bn, GT=D._gt(kc, gate.bits, gate.group),
-        num_warps=cfg.num_warps)
+        SHARED=shared is not None, num_warps=cfg.num_warps)
     return h
 
 
 def moe_down_onepass(h: Tensor, ids: Tensor, weights: Tensor, down: ExpertQuant,
                      out_dtype: torch.dtype, routed_scale: float = 1.0,
-                     config: DecodeConfig | None = None) -> Tensor:
+                     config: DecodeConfig | None = None,
+                     shared: ExpertQuant | None = None) -> Tensor:
     """`decode_experts.moe_down` in one launch: one program per (pair, row tile, F chunk), the
-    last of a token's tile adds the slots (default config `ONEPASS_DOWN`)."""
+    last of a token's tile adds the slots (default config `ONEPASS_DOWN`). shared: the
+    shared expert's down as a one-expert stack, h's rows T*k.. its activations (as
+    `moe_gate_up_onepass(shared=...)` makes them): y = routed + shared, as `MoeBlock`
+    adds them (each rounded to out_dtype, the sum rounded)."""
     cfg = config or ONEPASS_DOWN
-    h, ids, weights, y = D.down_operands(h, ids, weights, down, out_dtype)
-    _, e, f = down.shape
     t, topk = ids.shape
+    p = t * topk
+    full = None  # h with the shared expert's rows
+    if shared is not None:
+        if not shared_fits(down, shared) or h.dim() != 2 or h.shape[0] != p + t:
+            raise ValueError(f"moe_down_onepass: h {tuple(h.shape)} or the shared expert "
+                             "does not fit")
+        full = h.contiguous()
+        h = full[:p]
+    h, ids, weights, y = D.down_operands(h, ids, weights, down, out_dtype)
     if t == 0:
         return y
-    s, p = chunks(f, down.group, max(1, cfg.split)), t * topk
-    bn = cfg.block_n or D._block(e, p * s, h.device)
+    full = h if full is None else full
+    rows = full.shape[0]
+    _, e, f = down.shape
+    s = chunks(f, down.group, max(1, cfg.split))
+    bn = cfg.block_n or D._block(e, rows * s, h.device)
     if not _tiles_fit(t, e, bn):
         raise ValueError(f"moe_down_onepass: {t} tokens x {e} rows exceed the counters")
-    part = torch.empty(s * p * e, device=h.device, dtype=torch.float32)
-    b, gs, bias = D._gs_bias(down, D._scales(down))
+    part = torch.empty(s * rows * e, device=h.device, dtype=torch.float32)
+    _, _, bias = D._gs_bias(down, D._scales(down))
     fc = f // s
-    _down_onepass_kernel[(p, triton.cdiv(e, bn), s)](
-        h, ids, weights, y, part, counters(h.device, 1),
-        D._words_i32(down.w), D._scales(down), b, gs, bias, e, p, float(routed_scale),
+    _down_onepass_kernel[(rows, triton.cdiv(e, bn), s)](
+        full, ids, weights, y, part, counters(h.device, 1), *_quant_args(down), bias,
+        *_quant_args(down if shared is None else shared), e, p, float(routed_scale),
         F=f, FC=fc, S=s, TOPK=topk, BITS=down.bits, GROUP=down.group,
         MODE=D.KERNEL_MODE[down.mode], HAS_GS=down.global_scale is not None,
         HAS_BIAS=down.bias is not None,
         ROUND_PROD=weights.dtype == h.dtype != torch.float32, SCALED=routed_scale != 1.0,
-        BLOCK_N=bn, GT=D._gt(fc, down.bits, down.group), num_warps=cfg.num_warps)
+        BLOCK_N=bn, GT=D._gt(fc, down.bits, down.group), SHARED=shared is not None,
+        num_warps=cfg.num_warps)
     return y
 
 
