@@ -20,7 +20,8 @@ Sections (each line printed as it comes; past --budget seconds the rest prints S
   4-bit g64, 8-bit router) and Laguna-XS-2.1 (256 x [512, 2048] nvfp4, bf16 router, sigmoid +
   bias, routed scale 2.5) shapes, T = 1, 2, 4, 8, 16: router old (Linear + torch route) / new;
   gate_up old (decode_split default) / new; down old / new; block old / new (router +
-  experts, the shared expert not included); experts* = the engine's dispatch today
+  experts, the shared expert not included; Laguna's block+sh adds it: old = its Linears
+  and the add, new = folded into the two onepass launches); experts* = the engine's dispatch today
   (`ops.moe_experts`: the decode kernels up to 16 pairs, the grouped GEMM beyond) vs onepass
   at any T: where onepass wins past 16 pairs, raise MLXR_MOE_DECODE_MAX_PAIRS with it.
 * sweep: onepass gate_up and down configs (block_n, split, warps) and router rows per
@@ -235,6 +236,44 @@ def check_routers(dev) -> float:
     return bad
 
 
+def check_shared(dev) -> float:
+    """The shared expert folded into the onepass launches: bit-equal to the same kernels
+    run apart (routed; the shared expert as a top-1 stack) and added; vs today's path (the
+    Linears, another GEMV's sums): max error over the output's range."""
+    bad = 0.0
+    for mode, bits, group in (("nvfp4", 4, 16), ("affine", 4, 64), ("dense", 16, 0)):
+        if not gated(f"check fold {mode}"):
+            return bad
+        g = torch.Generator().manual_seed(21)
+        x_, f, h = (8, 64, 128) if DRY else (32, 512, 2048)
+        gate, up, down = make_stacks(mode, bits, group, False, x_, f, h, g, dev)
+        sgu, sdn = shared_linears(mode, bits, group, f, h, dev, g)
+        sq = ops.moe_shared_stacks(sgu, sdn)
+        if sq is None:  # the CPU's QuantWeight keeps no words (the dry run)
+            say(f"  fold {mode}: SKIP (no words to read)")
+            continue
+        for t in (1, 2) if DRY else (1, 2, 8, 16):
+            x = torch.randn(t, h, generator=g).to(dev, torch.bfloat16)
+            ids = torch.stack([torch.randperm(x_, generator=g)[:8] for _ in range(t)]).to(dev)
+            w = torch.softmax(torch.randn(t, 8, generator=g), -1).to(dev)
+            hh = O.moe_gate_up_onepass(x, ids, gate, up, "silu", shared=sq[:2])
+            y = O.moe_down_onepass(hh, ids, w, down, x.dtype, 2.5, shared=sq[2])
+            p = t * 8
+            zero = torch.zeros(t, 1, dtype=torch.long, device=dev)
+            one = torch.ones(t, 1, device=dev)
+            apart = (O.moe_down_onepass(hh[:p], ids, w, down, x.dtype, 2.5)
+                     + O.moe_down_onepass(hh[p:], zero, one, sq[2], x.dtype))
+            same = torch.equal(y, apart) and torch.equal(
+                hh[p:], O.moe_gate_up_onepass(x, zero, sq[0], sq[1], "silu"))
+            today = (O.moe_down_onepass(O.moe_gate_up_onepass(x, ids, gate, up, "silu"), ids,
+                                        w, down, x.dtype, 2.5) + shared_old(x, sgu, sdn))
+            err = float((y.float() - today.float()).abs().max() / today.float().abs().max())
+            say(f"  fold {mode:6s} T={t:2d}: == kernels apart {'ok' if same else 'FAIL'}; "
+                f"vs today's shared path max err {err:.2e} of the range")
+            bad = bad if same and err < 0.02 else float("inf")
+    return bad
+
+
 def check_graph_determinism(dev) -> float:
     g = torch.Generator().manual_seed(9)
     n, f = (128, 64) if DRY else (2048, 768)
@@ -319,12 +358,37 @@ def shape_operands(shape, dev, seed=1):
     return gate, up, down, lin, cb
 
 
+def shared_linears(mode, bits, group, f, h, dev, g):
+    """A shared expert as the loader builds it: [gate; up] one Linear (glu), down."""
+    import moe_gpu_kernels as K
+
+    def lin(n, k, glu):
+        if mode == "dense":
+            return Linear((torch.randn(n, k, generator=g) * 0.05).to(dev, torch.bfloat16))
+        q = K.random_stack(mode, bits, group, 1, n, k, g, "cpu")
+        return Linear(QuantWeight.from_tensors(
+            q.w[0], q.scales[0], None if q.biases is None else q.biases[0],
+            QuantSpec(mode, bits, group), device=dev, name="shared_expert", glu=glu))
+
+    return lin(2 * f, h, True), lin(h, f, False)
+
+
+def shared_old(x, sgu, sdn):
+    """`MoeBlock`'s shared expert today: the Linears, the activation between."""
+    gg, uu = sgu(x).chunk(2, dim=-1)
+    return sdn(ops.gated_act(gg, uu, "silu"))
+
+
 def time_shapes(dev) -> None:
     say(f"{'shape':14s} {'T':>2s} {'what':10s} {'old us':>8s} {'new us':>8s} {'old GB/s':>9s} "
         f"{'new GB/s':>9s} {'x':>5s}")
     for shape in SHAPES:
         name, x_, f, h, k, fmt, rfmt, kind, norm, score, has_cb, rs = shape
         gate, up, down, lin, cb = shape_operands(shape, dev)
+        sh = None
+        if name.startswith("laguna"):  # its shared expert: nvfp4, F 512
+            sgu, sdn = shared_linears(*fmt[:3], f, h, dev, torch.Generator().manual_seed(8))
+            sh = (sgu, sdn, ops.moe_shared_stacks(sgu, sdn))
         g = torch.Generator(device=dev).manual_seed(3)
         for t in TS:
             if not gated(f"time {name} T={t}", 15):
@@ -355,6 +419,13 @@ def time_shapes(dev) -> None:
                 nb = expert_bytes(q._replace(scales=None, biases=None), ids)
                 say(f"{name:14s} {t:2d} {what:10s} {'':8s} {us:8.1f} {'':9s} {nb / us / 1e3:9.0f}"
                     f"   (words only, one projection: the read roofline)")
+            if sh is not None:
+                sgu, sdn, sq = sh
+                sbytes = sum(expert_bytes(q, torch.zeros(1, device=dev)) for q in sq)
+                rows.append(("block+sh", rbytes + gu + dn + sbytes,
+                             lambda: block_old(x, lin, gate, up, down, shape, cb)
+                             + shared_old(x, sgu, sdn),
+                             lambda: block_new(x, lin, gate, up, down, shape, cb, shared=sq)))
             for what, nbytes, old, new in rows:
                 try:
                     a, b = time_call(old), time_call(new)
@@ -372,11 +443,14 @@ def block_old(x, lin, gate, up, down, shape, cb):
     return S.moe_down_split(hh, ids, w, down, x.dtype, rs)
 
 
-def block_new(x, lin, gate, up, down, shape, cb, gcfg=None, dcfg=None, block_e=None):
+def block_new(x, lin, gate, up, down, shape, cb, gcfg=None, dcfg=None, block_e=None,
+              shared=None):
     _, _, _, _, k, _, _, kind, norm, score, _, rs = shape
     ids, w = route_new(lin, x, kind, k, norm, score, cb, block_e)
-    hh = O.moe_gate_up_onepass(x, ids, gate, up, "silu", config=gcfg)
-    return O.moe_down_onepass(hh, ids, w, down, x.dtype, rs, config=dcfg)
+    hh = O.moe_gate_up_onepass(x, ids, gate, up, "silu", config=gcfg,
+                               shared=None if shared is None else shared[:2])
+    return O.moe_down_onepass(hh, ids, w, down, x.dtype, rs, config=dcfg,
+                              shared=None if shared is None else shared[2])
 
 
 def sweep(dev) -> None:
@@ -440,6 +514,8 @@ def main() -> int:
         worst = max(worst, check_experts(dev))
         say("== check: routers")
         worst = max(worst, check_routers(dev))
+        say("== check: shared expert folded into the launches")
+        worst = max(worst, check_shared(dev))
         if gated("graph / determinism"):
             say("== check: graphs, determinism, batch invariance")
             worst = max(worst, check_graph_determinism(dev))

@@ -131,3 +131,18 @@ def test_shared_expert_in_the_launches(q_args):
     with pytest.raises(ValueError, match="fit"):
         O.moe_down_onepass(h[:-1], ids, w, down, torch.float32, config=cfg, shared=sd)
     assert not O.shared_fits(gate, stacked(*q_args, 1, f + 8, k, 7))
+
+
+def test_shared_stacks_of_linears():
+    """A shared expert's Linears as one-expert stacks: gate and up the halves of the stacked
+    [gate; up] rows (views), down whole; a bias or a missing weight declines."""
+    from mlxr.layers import Linear
+    from mlxr.ops.moe.operands import shared_stacks
+
+    gu, dn = torch.randn(64, 32), torch.randn(32, 32)
+    gate, up, down = shared_stacks(Linear(gu), Linear(dn))
+    assert torch.equal(gate.w[0], gu[:32]) and torch.equal(up.w[0], gu[32:])
+    assert torch.equal(down.w[0], dn) and gate.shape == (1, 32, 32)
+    assert O.shared_fits(gate, gate) and not O.shared_fits(
+        gate, shared_stacks(Linear(gu, torch.ones(64)), Linear(dn))[0])
+    assert shared_stacks(Linear(gu), None) is None

@@ -166,17 +166,8 @@ class MoeBlock:
         kernels do not read. Built once (views of the Linears' words)."""
         if not hasattr(self, "_shared_q"):
             self._shared_q = None
-            gu, dn = self.shared_gate_up, self.shared_down
-            if dn is not None and self.shared_gate is None and isinstance(gu, Linear):
-                from ..ops.moe.router import router_quant
-                g2, d = router_quant(gu.weight, gu.bias), router_quant(dn.weight, dn.bias)
-                if g2 is not None and d is not None and g2.shape[1] % 2 == 0:
-                    f = g2.shape[1] // 2
-                    halves = [g2._replace(**{k: None if v is None else v[:, a:a + f]
-                                             for k, v in (("w", g2.w), ("scales", g2.scales),
-                                                          ("biases", g2.biases))})
-                              for a in (0, f)]
-                    self._shared_q = (*halves, d)
+            if self.shared_down is not None and self.shared_gate is None:
+                self._shared_q = ops.moe_shared_stacks(self.shared_gate_up, self.shared_down)
         return self._shared_q
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from .moe.operands import KERNEL_ACTS as MOE_KERNEL_ACTS
 from .moe.operands import ExpertQuant
 from .moe.operands import dense_experts as moe_dense_experts
 from .moe.operands import kernels_take as moe_kernels_take
+from .moe.operands import shared_stacks as moe_shared_stacks
 from .moe.operands import same_format as moe_gate_up_pair
 
 # mlxr.ops.layer.norm_rope_act, imported at the first CUDA call (triton is slow to import)
@@ -286,7 +287,7 @@ __all__ = ["MOE_KERNEL_ACTS", "ExpertQuant", "add_rms_norm", "attention", "atten
            "gdn_chunked",
            "head_gate", "moe_combine", "moe_dense_experts", "moe_expert_act", "moe_experts",
            "moe_experts_shared",
-           "moe_gate_up_pair", "moe_kernels_take",
+           "moe_gate_up_pair", "moe_kernels_take", "moe_shared_stacks",
            "moe_reference", "moe_route", "moe_router", "paged_attention", "paged_items",
            "paged_prefill_attention", "prefill_tile", "qkv_rope_write", "residual_norm", "rms_norm",
            "rope"]

@@ -37,7 +37,7 @@ from torch import Tensor
 from . import decode_experts as D
 from . import reference as moe_reference
 from .decode_onepass import counters
-from .operands import ExpertQuant, kernels_take
+from .operands import ExpertQuant, linear_stack
 from ..matmul.codes import HAVE_TRITON
 from ..matmul.generic_qmm import _next_pow2
 
@@ -54,26 +54,9 @@ MAX_TOKENS = 16
 
 
 def router_quant(weight, bias: Tensor | None = None) -> ExpertQuant | None:
-    """A router Linear's weight as a one-expert stack the kernel reads: a float tensor [E, H],
-    or a QuantWeight with its packed words; None where the kernel does not read it."""
-    if isinstance(weight, Tensor):
-        if weight.dim() != 2:
-            return None
-        q = ExpertQuant(weight.unsqueeze(0), None, None, None, None, "dense", 32,
-                        weight.shape[1])
-    else:
-        packed = getattr(weight, "packed", None)
-        if packed is None or weight.spec is None:
-            return None
-        sp = weight.spec
-        gs = weight.global_scale
-        q = ExpertQuant(packed.unsqueeze(0), weight.scales.unsqueeze(0),
-                        None if weight.biases is None else weight.biases.unsqueeze(0),
-                        None if gs is None else gs.reshape(1), None, sp.mode, sp.bits,
-                        sp.group_size)
-    if not kernels_take(q):
-        return None
-    return q._replace(bias=None if bias is None else bias.unsqueeze(0))
+    """A router Linear's weight (and bias) as the one-expert stack the kernel reads
+    (`operands.linear_stack`), or None."""
+    return linear_stack(weight, bias)
 
 
 def moe_router_ref(x: Tensor, q: ExpertQuant, router: str, top_k: int, norm_topk: bool = False,
