@@ -24,8 +24,9 @@ Sections (each line printed as it comes; past --budget seconds the rest prints S
   and the add, new = folded into the two onepass launches); experts* = the engine's dispatch today
   (`ops.moe_experts`: the decode kernels up to 16 pairs, the grouped GEMM beyond) vs onepass
   at any T: where onepass wins past 16 pairs, raise MLXR_MOE_DECODE_MAX_PAIRS with it.
-* sweep: onepass gate_up and down configs (block_n, split, warps) and router rows per
-  program x warps, best per shape and T (set `decode_onepass.ONEPASS_*` /
+* sweep: onepass gate_up (gate and up in one tile loop, and "gu apart": two loops) and
+  down configs (block_n, split, warps) and router rows per program x warps, best per shape
+  and T (set `decode_onepass.ONEPASS_*` /
   `router.default_block` from it).
 """
 
@@ -190,6 +191,8 @@ def check_case(mode, bits, group, gs, dtype, dev, seed, x_=32, e=1024, f=384) ->
         htol = K.h_tol(xs, pe, gate, up, href, "silu", 1.702, 7.0, r, False)
         h = O.moe_gate_up_onepass(x, ids, gate, up, "silu")
         worst = max(worst, K._within(f"{tag} gate_up T={t}", h, href, htol))
+        if mode != "dense" and not torch.equal(h, apart(x, ids, gate, up, None)):
+            say(f"  {tag} gate_up T={t}: paired != apart (info: another reduction layout)")
         yref = D.moe_down_ref(href, ids, w, down, dtype, 2.5)
         dtol = K.down_tol(href, ids, w, down, yref, 2.5, r, False)
         y = O.moe_down_onepass(href, ids, w, down, dtype, 2.5)
@@ -453,6 +456,15 @@ def block_new(x, lin, gate, up, down, shape, cb, gcfg=None, dcfg=None, block_e=N
                               shared=None if shared is None else shared[2])
 
 
+def apart(x, ids, gate, up, cfg):
+    """The onepass gate/up with gate and up in two tile loops (`decode_onepass.PAIRED` off)."""
+    O.PAIRED = False
+    try:
+        return O.moe_gate_up_onepass(x, ids, gate, up, "silu", config=cfg)
+    finally:
+        O.PAIRED = True
+
+
 def sweep(dev) -> None:
     C = S.DecodeConfig
     gcfgs = [C(bn, s, nw) for bn in (8, 16, 32, 64) for s in (1, 2, 4, 8) for nw in (2, 4, 8)
@@ -475,6 +487,7 @@ def sweep(dev) -> None:
             for what, cfgs, fn in (
                     ("gate_up", gcfgs, lambda c: O.moe_gate_up_onepass(x, ids, gate, up, "silu",
                                                                        config=c)),
+                    ("gu apart", gcfgs, lambda c: apart(x, ids, gate, up, c)),
                     ("down", dcfgs, lambda c: O.moe_down_onepass(hh, ids, w, down, x.dtype, rs,
                                                                  config=c)),
                     ("router", rcfgs, lambda c: route_new(lin, x, kind, k, norm, score, cb,

@@ -146,3 +146,20 @@ def test_shared_stacks_of_linears():
     assert O.shared_fits(gate, gate) and not O.shared_fits(
         gate, shared_stacks(Linear(gu, torch.ones(64)), Linear(dn))[0])
     assert shared_stacks(Linear(gu), None) is None
+
+
+@pytest.mark.parametrize("q_args", [("affine", 4, 64, False), ("affine", 3, 32, False),
+                                    ("nvfp4", 4, 16, True), ("mxfp8", 8, 32, False)])
+def test_paired_rows_equal_apart(q_args, monkeypatch):
+    """Gate and up in one tile loop (`decode_rows`) sum each row as two `_expert_rows` calls
+    do: the same h, bit for bit (3-bit: codes straddling words)."""
+    gate, up = (stacked(*q_args, 5, 40, 128, s) for s in (1, 2))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 128, generator=g)
+    ids = random_ids(2, 3, 5, g)
+    for cfg in (DecodeConfig(16, 1, 4), DecodeConfig(16, 2, 4)):
+        paired = O.moe_gate_up_onepass(x, ids, gate, up, "silu", config=cfg)
+        monkeypatch.setattr(O, "PAIRED", False)
+        apart = O.moe_gate_up_onepass(x, ids, gate, up, "silu", config=cfg)
+        monkeypatch.setattr(O, "PAIRED", True)
+        assert torch.equal(paired, apart)

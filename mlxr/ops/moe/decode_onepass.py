@@ -40,7 +40,10 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .decode_experts import _act, _biased, _expert_gs, _expert_rows
+    from .decode_rows import _pair_quant_rows
 
+# gate and up in one tile loop (`decode_rows`; False: two `_expert_rows` calls, for A/B)
+PAIRED = True
 COUNTERS = 1 << 16  # int32 tickets per device: gate/up's tiles, then down's, then the router's
 _WORKSPACE: dict = {}
 
@@ -71,18 +74,24 @@ if HAVE_TRITON:
     def _pair_rows(xrow, e, rn, k0, gw_ptr, gsc_ptr, gb_ptr, ggs_ptr, uw_ptr, usc_ptr, ub_ptr,
                    ugs_ptr, F, K: tl.constexpr, KC: tl.constexpr, BITS: tl.constexpr,
                    GROUP: tl.constexpr, MODE: tl.constexpr, HAS_GS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, GT: tl.constexpr):
-        """fp32 gate and up sums [BLOCK_N] of rows rn of expert e over K chunk k0.."""
+                   BLOCK_N: tl.constexpr, GT: tl.constexpr, PAIRED: tl.constexpr):
+        """fp32 gate and up sums [BLOCK_N] of rows rn of expert e over K chunk k0.. (PAIRED:
+        in one tile loop, `decode_rows`; dense experts always apart)."""
         WX: tl.constexpr = K * BITS // 32
         NG: tl.constexpr = K // GROUP
         wo = e * F * WX + k0 * BITS // 32
         so = e * F * NG + k0 // GROUP
-        g = _expert_rows(xrow, gw_ptr + wo, gsc_ptr + so, gb_ptr + so,
-                         _expert_gs(ggs_ptr, e, HAS_GS), rn, F, K, BITS, GROUP, MODE,
-                         BLOCK_N, GT, KC)
-        u = _expert_rows(xrow, uw_ptr + wo, usc_ptr + so, ub_ptr + so,
-                         _expert_gs(ugs_ptr, e, HAS_GS), rn, F, K, BITS, GROUP, MODE,
-                         BLOCK_N, GT, KC)
+        ggs = _expert_gs(ggs_ptr, e, HAS_GS)
+        ugs = _expert_gs(ugs_ptr, e, HAS_GS)
+        if PAIRED and MODE != 4:
+            g, u = _pair_quant_rows(xrow, gw_ptr + wo, gsc_ptr + so, gb_ptr + so, ggs,
+                                    uw_ptr + wo, usc_ptr + so, ub_ptr + so, ugs, rn, F, K,
+                                    BITS, GROUP, MODE, BLOCK_N, GT, KC)
+        else:
+            g = _expert_rows(xrow, gw_ptr + wo, gsc_ptr + so, gb_ptr + so, ggs, rn, F, K, BITS,
+                             GROUP, MODE, BLOCK_N, GT, KC)
+            u = _expert_rows(xrow, uw_ptr + wo, usc_ptr + so, ub_ptr + so, ugs, rn, F, K, BITS,
+                             GROUP, MODE, BLOCK_N, GT, KC)
         return g, u
 
     @triton.jit
@@ -95,7 +104,7 @@ if HAVE_TRITON:
         K: tl.constexpr, KC: tl.constexpr, S: tl.constexpr, TOPK: tl.constexpr,
         BITS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, HAS_GS: tl.constexpr,
         HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, GT: tl.constexpr,
-        SHARED: tl.constexpr,
+        SHARED: tl.constexpr, PAIRED: tl.constexpr,
     ):
         """h[p, rn] = act(gate, up) of pair p's rows rn (SHARED: rows P + t are token t's
         shared expert, the s* stacks of one expert); part [2, S, rows of h, F] fp32."""
@@ -112,13 +121,13 @@ if HAVE_TRITON:
             xrow = x_ptr + (p - P).to(tl.int64) * stride_x + k0
             g, u = _pair_rows(xrow, e, rn, k0, sgw_ptr, sgsc_ptr, sgb_ptr, sggs_ptr, suw_ptr,
                               susc_ptr, sub_ptr, sugs_ptr, F, K, KC, BITS, GROUP, MODE,
-                              HAS_GS, BLOCK_N, GT)
+                              HAS_GS, BLOCK_N, GT, PAIRED)
         else:
             e = tl.load(ids_ptr + p).to(tl.int64)
             xrow = x_ptr + (p // TOPK).to(tl.int64) * stride_x + k0
             g, u = _pair_rows(xrow, e, rn, k0, gw_ptr, gsc_ptr, gb_ptr, ggs_ptr, uw_ptr,
                               usc_ptr, ub_ptr, ugs_ptr, F, K, KC, BITS, GROUP, MODE, HAS_GS,
-                              BLOCK_N, GT)
+                              BLOCK_N, GT, PAIRED)
         hp = h_ptr + p.to(tl.int64) * F + rn
         if S == 1:
             g = _biased(g, gbias_ptr, e * F + rn, nmask, HAS_BIAS, DT)
@@ -276,7 +285,7 @@ def moe_gate_up_onepass(x: Tensor, ids: Tensor, gate: ExpertQuant, up: ExpertQua
         BITS=gate.bits, GROUP=gate.group, MODE=D.KERNEL_MODE[gate.mode],
         HAS_GS=gate.global_scale is not None, HAS_BIAS=gate.bias is not None,
         ACT=D.ACTS[act], BLOCK_N=bn, GT=D._gt(kc, gate.bits, gate.group),
-        SHARED=shared is not None, num_warps=cfg.num_warps)
+        SHARED=shared is not None, PAIRED=PAIRED, num_warps=cfg.num_warps)
     return h
 
 
