@@ -163,3 +163,24 @@ def test_paired_rows_equal_apart(q_args, monkeypatch):
         apart = O.moe_gate_up_onepass(x, ids, gate, up, "silu", config=cfg)
         monkeypatch.setattr(O, "PAIRED", True)
         assert torch.equal(paired, apart)
+
+
+def test_dispatch_falls_back_past_the_counters(monkeypatch):
+    """MLXR_MOE_DECODE=onepass with more pairs than the counters hold at the default row
+    blocks: `ops.moe_experts` takes the split kernels instead of raising."""
+    from mlxr import ops
+
+    q = stacked("affine", 4, 64, False, 4, 32, 64, 1)
+    d = stacked("affine", 4, 32, False, 4, 64, 32, 2)
+    ids = torch.tensor([[0, 3]])
+    assert O.fits(ids, q, d) and O.fits(ids, q, d, True)
+    monkeypatch.setattr(O, "ONEPASS_GATE_UP", DecodeConfig(1, 1, 4))
+    monkeypatch.setattr(O, "COUNTERS", 4)
+    assert not O.fits(ids, q, d)
+    monkeypatch.setenv("MLXR_MOE_DECODE", "onepass")
+    x = torch.randn(1, 64)
+    w = torch.full((1, 2), 0.5)
+    y = ops.moe_experts(x, ids, w, q, q, d, "silu", 1.702, 7.0, torch.float32)
+    monkeypatch.setenv("MLXR_MOE_DECODE", "split")
+    assert torch.equal(y, ops.moe_experts(x, ids, w, q, q, d, "silu", 1.702, 7.0,
+                                          torch.float32))

@@ -211,8 +211,8 @@ def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: 
     from .moe import grouped_mm
 
     if ids.numel() <= dec.decode_max_pairs():
-        if dec.decode_kernels() == "onepass":
-            from .moe import decode_onepass as one
+        from .moe import decode_onepass as one
+        if dec.decode_kernels() == "onepass" and one.fits(ids, gate, down):
             h = one.moe_gate_up_onepass(x, ids, gate, up, act, alpha, limit)
             return one.moe_down_onepass(h, ids, weights, down, out_dtype, routed_scale)
         h = dec.moe_gate_up_split(x, ids, gate, up, act, alpha, limit)
@@ -241,7 +241,7 @@ def moe_experts_shared(x, ids, weights, gate, up, down, shared, act: str, out_dt
     from .moe import decode_split as dec
 
     if (dec.decode_kernels() != "onepass" or act != "silu" or shared is None
-            or ids.numel() > dec.decode_max_pairs()
+            or ids.numel() > dec.decode_max_pairs() or not one.fits(ids, gate, down, True)
             or not all(one.shared_fits(r, q) for r, q in zip((gate, up, down), shared))):
         return None
     h = one.moe_gate_up_onepass(x, ids, gate, up, act, shared=shared[:2])

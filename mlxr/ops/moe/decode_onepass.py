@@ -224,7 +224,16 @@ if HAVE_TRITON:
 
 # ====================================================================== launchers
 def _tiles_fit(pairs: int, n: int, bn: int) -> bool:
-    return pairs * triton.cdiv(n, bn) <= COUNTERS // 4
+    return pairs * -(-n // bn) <= COUNTERS // 4
+
+
+def fits(ids: Tensor, gate: ExpertQuant, down: ExpertQuant, shared: bool = False) -> bool:
+    """Whether a step of ids [T, k] fits the counters at the default configs (the dispatch
+    falls back to `decode_split` where it does not: many pairs of small row blocks)."""
+    t, k = ids.shape
+    rows = t * k + (t if shared else 0)
+    return (_tiles_fit(rows, gate.shape[1], ONEPASS_GATE_UP.block_n or 2)
+            and _tiles_fit(t, down.shape[1], ONEPASS_DOWN.block_n or 2))
 
 
 def shared_fits(routed: ExpertQuant, shared: ExpertQuant) -> bool:
