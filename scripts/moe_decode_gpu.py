@@ -417,6 +417,11 @@ def time_shapes(dev) -> None:
                                                               1.702, 7.0, x.dtype, rs),
                  lambda: O.moe_down_onepass(O.moe_gate_up_onepass(x, ids, gate, up, "silu"),
                                             ids, w, down, x.dtype, rs))]
+            same = torch.equal(block_old(x, lin, gate, up, down, shape, cb),
+                               O.moe_down_onepass(O.moe_gate_up_onepass(x, ids, gate, up, "silu"),
+                                                  ids, w, down, x.dtype, rs))
+            say(f"{name:14s} {t:2d} onepass (defaults) == today's kernels, same ids: "
+                f"{'yes' if same else 'NO (info: another reduction layout on the GPU)'}")
             for q, what in ((gate, "touch gu"), (down, "touch dn")):
                 us = time_call(lambda: touch(q, ids))
                 nb = expert_bytes(q._replace(scales=None, biases=None), ids)

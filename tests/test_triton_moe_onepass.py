@@ -184,3 +184,24 @@ def test_dispatch_falls_back_past_the_counters(monkeypatch):
     monkeypatch.setenv("MLXR_MOE_DECODE", "split")
     assert torch.equal(y, ops.moe_experts(x, ids, w, q, q, d, "silu", 1.702, 7.0,
                                           torch.float32))
+
+
+@pytest.mark.parametrize("q_args", [("affine", 4, 64, False), ("nvfp4", 4, 16, True),
+                                    ("dense", 16, 0, False)])
+def test_equal_to_the_split_kernels(q_args):
+    """At the same split the onepass kernels sum exactly what `decode_split`'s two launches
+    sum (its chunks by `_expert_rows`, here by `decode_rows`; the chunks and slots in the same
+    order): bit-equal outputs."""
+    from mlxr.ops.moe import decode_split as S
+
+    gate, up = (stacked(*q_args, 5, 64, 128, s) for s in (1, 2))
+    down = stacked(*q_args, 5, 128, 64, 3)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 128, generator=g)
+    ids = random_ids(2, 3, 5, g)
+    w = torch.softmax(torch.randn(2, 3, generator=g), -1)
+    for cfg in (DecodeConfig(16, 2, 4), DecodeConfig(16, 1, 4)):
+        h = O.moe_gate_up_onepass(x, ids, gate, up, "silu", config=cfg)
+        assert torch.equal(h, S.moe_gate_up_split(x, ids, gate, up, "silu", config=cfg))
+        y = O.moe_down_onepass(h, ids, w, down, torch.float32, 2.5, config=cfg)
+        assert torch.equal(y, S.moe_down_split(h, ids, w, down, torch.float32, 2.5, config=cfg))

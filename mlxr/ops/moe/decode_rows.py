@@ -1,5 +1,6 @@
-"""Gate and up rows of one expert in one tile loop, for the decode MoE kernels
-(`decode_onepass`).
+"""The decode MoE kernels' row sums with every load of a tile ahead of its arithmetic
+(`decode_onepass`, `router`): gate and up rows of one expert in one tile loop
+(`_pair_quant_rows`), and one matrix's rows (`_rows`).
 
 `decode_experts._expert_rows` called twice (gate, then up) gives each program two dependent
 memory round trips: Triton issues up's word loads only after gate's arithmetic and its
@@ -9,6 +10,10 @@ loaded before any arithmetic, so both are in flight together, and the x values o
 position are loaded once for both matrices (they multiply the same x). Per row the sums are
 `_quant_rows`' exactly (the same products, added in the same order), so results are bit-equal
 to two `_expert_rows` calls; quantized codes only (dense experts keep `_expert_rows`).
+
+`_quant_rows` also loads the affine biases after the code loop (its source order; the TTGIR
+keeps it, so the LDG issues after the tile's products: another dependent round trip);
+`_rows` is `_expert_rows` with that load ahead of the products, bit-equal.
 """
 
 from __future__ import annotations
@@ -21,6 +26,55 @@ if HAVE_TRITON:
 
     from ..matmul.codes import _group_scale
     from ..matmul.decode_gemv import _value, _words
+    from .decode_experts import _dense_rows
+
+    @triton.jit
+    def _rows(x_ptr, w_ptr, s_ptr, b_ptr, gs, rn, N, K: tl.constexpr, BITS: tl.constexpr,
+              GROUP: tl.constexpr, MODE: tl.constexpr, BLOCK_N: tl.constexpr,
+              GT: tl.constexpr, KC: tl.constexpr):
+        """`decode_experts._expert_rows` (same arguments, same sums) with the tile's scale
+        and bias loads issued before its products."""
+        if MODE == 4:
+            res = _dense_rows(x_ptr, w_ptr, rn, N, K, KC, BLOCK_N, GT)
+        else:
+            PER: tl.constexpr = 32 // BITS if BITS == 2 or BITS == 4 or BITS == 8 else (
+                16 if BITS == 6 else 32)
+            UW: tl.constexpr = PER * BITS // 32
+            UPG: tl.constexpr = GROUP // PER
+            KWORDS: tl.constexpr = K * BITS // 32
+            NG: tl.constexpr = K // GROUP
+            NGC: tl.constexpr = KC // GROUP
+            NT: tl.constexpr = (NGC + GT - 1) // GT
+            rg = tl.arange(0, GT)
+            u2 = rg[:, None] * UPG + tl.arange(0, UPG)[None, :]
+            wrow = w_ptr + rn[:, None, None].to(tl.int64) * KWORDS + u2[None, :, :] * UW
+            srow = rn[:, None].to(tl.int64) * NG + rg[None, :]
+            nmask = rn < N
+            acc = tl.zeros([BLOCK_N, GT], dtype=tl.float32)
+            for t in range(NT):
+                g0 = t * GT
+                gmask = (g0 + rg) < NGC
+                wmask = nmask[:, None, None] & gmask[None, :, None]
+                smask = nmask[:, None] & gmask[None, :]
+                w0, w1, w2, w3, w4 = _words(wrow + g0 * UPG * UW, wmask, UW, True)
+                sraw = tl.load(s_ptr + srow + g0, mask=smask, other=0)
+                if MODE == 0:
+                    bb = tl.load(b_ptr + srow + g0, mask=smask, other=0.0).to(tl.float32)
+                xp = x_ptr + g0 * GROUP + u2 * PER
+                xmask = gmask[:, None]
+                p = tl.zeros([BLOCK_N, GT, UPG], dtype=tl.float32)
+                xs = tl.zeros([GT, UPG], dtype=tl.float32)
+                for c in tl.static_range(PER):
+                    v = _value(w0, w1, w2, w3, w4, c, BITS, MODE)
+                    xc = tl.load(xp + c, mask=xmask, other=0.0).to(tl.float32)
+                    p += xc[None, :, :] * v
+                    if MODE == 0:
+                        xs += xc
+                acc += tl.sum(p, axis=2) * _group_scale(sraw, gs, MODE)
+                if MODE == 0:
+                    acc += bb * tl.sum(xs, axis=1)[None, :]
+            res = tl.sum(acc, axis=1)
+        return res
 
     @triton.jit
     def _pair_quant_rows(x_ptr, gw_ptr, gs_ptr, gb_ptr, ggs, uw_ptr, us_ptr, ub_ptr, ugs, rn, N,

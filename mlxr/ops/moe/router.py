@@ -3,7 +3,7 @@ for T <= MAX_TOKENS tokens, writing expert ids [T, k] (int64) and weights [T, k]
 
 Replaces the router Linear plus `moe.reference.route`'s torch ops (softmax, topk with its sort,
 gather, sum, divide: several launches each) at decode. Grid (T, E / BLOCK_E): program (t, b)
-computes router rows b*BLOCK_E.. for token t (`decode_experts._expert_rows`: a bf16 / f16 / f32
+computes router rows b*BLOCK_E.. for token t (`decode_rows._rows`: a bf16 / f16 / f32
 weight, or affine / fp codes with their group scales; fp32 sums rounded to the router's output
 dtype, plus the Linear's bias rounded again, as `Linear` computes y + bias) and stores them as
 fp32 in a scratch row [T, E]. The last program of token t to finish (a ticket counter, as
@@ -46,7 +46,8 @@ if HAVE_TRITON:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from .decode_experts import _biased, _expert_gs, _expert_rows
+    from .decode_experts import _biased, _expert_gs
+    from .decode_rows import _rows
     from ..layer.norm_rope_act import _interpret
 
 ROUTERS = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_topk": 2}
@@ -167,9 +168,8 @@ if HAVE_TRITON:
         rn = b * BLOCK_E + tl.arange(0, BLOCK_E)
         nmask = rn < E
         DT: tl.constexpr = x_ptr.dtype.element_ty
-        acc = _expert_rows(x_ptr + t.to(tl.int64) * stride_x, w_ptr, s_ptr, b_ptr,
-                           _expert_gs(gs_ptr, 0, HAS_GS), rn, E, H, BITS, GROUP, MODE,
-                           BLOCK_E, GT, H)
+        acc = _rows(x_ptr + t.to(tl.int64) * stride_x, w_ptr, s_ptr, b_ptr,
+                    _expert_gs(gs_ptr, 0, HAS_GS), rn, E, H, BITS, GROUP, MODE, BLOCK_E, GT, H)
         lg = _biased(acc, bias_ptr, rn, nmask, HAS_BIAS, DT)
         row = lg_ptr + t.to(tl.int64) * E
         tl.store(row + rn, lg, mask=nmask)
