@@ -375,12 +375,15 @@ def test_onepass_kernels_equal_torch_path(built, family, quant, monkeypatch):
     assert (np.abs(step - step_want).max(-1) / mlx_ref.logit_range(step_want)).max() <= 1e-5
 
 
-def test_moe_kernels_engine_batch_equals_single(built, monkeypatch):
+@pytest.mark.parametrize("decode", ["split", "onepass"])
+def test_moe_kernels_engine_batch_equals_single(built, decode, monkeypatch):
     """The serving engine on the MoE kernels (gpt-oss: sinks in the paged decode step too):
     concurrent requests' greedy tokens equal each served alone (float32). Batched decode
-    steps of 3-4 sequences x k = 2 take the decode kernels, prefill chunks the grouped GEMM."""
+    steps of 3-4 sequences x k = 2 take the decode kernels (MLXR_MOE_DECODE: today's split
+    kernels or the onepass ones), prefill chunks the grouped GEMM."""
     b = built("gpt_oss", "mxfp4")
     monkeypatch.setenv("MLXR_MOE", "stacked")
+    monkeypatch.setenv("MLXR_MOE_DECODE", decode)
     model = mlxr.load(b.path, device="cpu", dtype="float32")
     _with_kernels(model, True)
     rng = random.Random(3)
