@@ -58,7 +58,7 @@ def _case(q_args, router, kw, t, seed, e=40, h=128, block_e=None, dtype=torch.fl
 @pytest.mark.parametrize("q_args", FORMATS)
 @pytest.mark.parametrize("router,kw", ROUTERS)
 def test_router_one_program(q_args, router, kw):
-    for t in (1, 5):
+    for t in (1, 2, 5, 16):
         _case(q_args, router, kw, t, 11 + t + q_args[1])
 
 
