@@ -13,16 +13,20 @@ independent of which program finished last, of the other tokens in the batch (a 
 one token's pairs only) and of the launch order: no float atomics.
 
 * `moe_gate_up_onepass`: grid (P, F / BLOCK_N, S); a program reads gate and up rows of its
-  chunk; counter per (pair, tile), S tickets.
+  chunk in one tile loop (`decode_rows`); counter per (pair, tile), S tickets; S = 1 stores
+  h directly (no counter).
 * `moe_down_onepass`: grid (P, E / BLOCK_N, S); counter per (token, tile), k * S tickets; the
   last sums each slot's chunks, rounds (+ bias), times the routing weight, adds the slots in
   slot order, the routed scale after the cast (`decode_experts._down_kernel`'s epilogue).
+* `shared=`: a shared expert (one-expert stacks of the routed format and shape,
+  `shared_fits`) rides along as T more rows of h (grid P + T) and one more ticket per down
+  tile; down's last program adds its output as `MoeBlock` does.
 
-S = 1 with one slot needs no counter. The counters live in one zeroed int32 workspace per
-device (`counters`), sized for MAX_PAIRS pairs; every launch leaves its counters at zero.
-Numerics equal `decode_split`'s at the same split (the same `_expert_rows` sums per chunk, the
-same ordered chunk sum), so the decode tests' bounds hold. Twins: `decode_experts.moe_gate_up_ref`
-and `moe_down_ref`.
+The counters live in one zeroed int32 workspace per device (`counters`, COUNTERS // 4 per
+kernel; `fits` says whether a step's tiles fit); every launch leaves its counters at zero.
+Numerics equal `decode_split`'s at the same config (the same sums per chunk, the same ordered
+chunk sum: bit-equal in the interpreter tests), so the decode tests' bounds hold. Twins:
+`decode_experts.moe_gate_up_ref` and `moe_down_ref`.
 """
 
 from __future__ import annotations
