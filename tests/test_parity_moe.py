@@ -344,12 +344,46 @@ def test_moe_kernels_equal_torch_path(built, family, quant, monkeypatch):
     assert (np.abs(step - step_want).max(-1) / mlx_ref.logit_range(step_want)).max() <= 1e-5
 
 
-def test_moe_kernels_engine_batch_equals_single(built, monkeypatch):
+@pytest.mark.parametrize("family,quant", [("qwen3_moe", "q8g64"), ("laguna", "laguna_nvfp4")])
+def test_onepass_kernels_equal_torch_path(built, family, quant, monkeypatch):
+    """MLXR_MOE_DECODE=onepass: decode steps on the one-launch decode kernels (Laguna's
+    shared expert folded into their launches) equal the torch path, float32: logits within
+    1e-5 of the range, the same expert selections."""
+    b = built(family, quant)
+    monkeypatch.setenv("MLXR_MOE", "stacked")
+    model = mlxr.load(b.path, device="cpu", dtype="float32")
+    seq = b.seq[:30]
+    _with_kernels(model, False)
+    step_want, routes_want = _decode_logits(model, seq, 27)
+    monkeypatch.setenv("MLXR_MOE_DECODE", "onepass")
+    blocks = _with_kernels(model, True)
+    folded = []
+    fold = mlxr.ops.moe_experts_shared
+
+    def counted(*a, **kw):
+        y = fold(*a, **kw)
+        folded.append(y is not None)
+        return y
+
+    monkeypatch.setattr(mlxr.ops, "moe_experts_shared", counted)
+    step, routes = _decode_logits(model, seq, 27)
+    if family == "laguna":  # the fold applied (nvfp4 shared expert of the routed shape)
+        assert all(blk.shared_quant() is not None for blk in blocks)
+        sparse = len(blocks)  # the prefill's pairs are past the decode kernels: not folded
+        assert folded == [False] * sparse + [True] * (len(folded) - sparse) and any(folded)
+    assert (routes == routes_want).all()
+    assert (np.abs(step - step_want).max(-1) / mlx_ref.logit_range(step_want)).max() <= 1e-5
+
+
+@pytest.mark.parametrize("decode", ["split", "onepass"])
+def test_moe_kernels_engine_batch_equals_single(built, decode, monkeypatch):
     """The serving engine on the MoE kernels (gpt-oss: sinks in the paged decode step too):
     concurrent requests' greedy tokens equal each served alone (float32). Batched decode
-    steps of 3-4 sequences x k = 2 take the decode kernels, prefill chunks the grouped GEMM."""
+    steps of 3-4 sequences x k = 2 take the decode kernels (MLXR_MOE_DECODE: today's split
+    kernels or the onepass ones), prefill chunks the grouped GEMM."""
     b = built("gpt_oss", "mxfp4")
     monkeypatch.setenv("MLXR_MOE", "stacked")
+    monkeypatch.setenv("MLXR_MOE_DECODE", decode)
     model = mlxr.load(b.path, device="cpu", dtype="float32")
     _with_kernels(model, True)
     rng = random.Random(3)

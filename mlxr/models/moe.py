@@ -114,6 +114,12 @@ class MoeBlock:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, E] -> expert ids [N, k] (long) and weights [N, k]."""
         s = self.spec
+        if self.use_kernels(x.device):  # the router in one launch (opt-in, ops.moe_router)
+            fused = ops.moe_router(x, self.router.weight, self.router.bias, s.router, s.top_k,
+                                   s.norm_topk, s.router_softcap, s.score_func,
+                                   self.correction_bias)
+            if fused is not None:
+                return fused
         return ops.moe_route(self.router(x), s.router, s.top_k, s.norm_topk,
                              s.router_softcap, s.score_func, self.correction_bias)
 
@@ -154,9 +160,24 @@ class MoeBlock:
         st = self.down[0]
         return st.rows(e, h) if isinstance(st, StackedExperts) else self.down[e](h)
 
+    def shared_quant(self) -> tuple | None:
+        """The shared expert's (gate, up, down) as one-expert stacks for the MoE kernels
+        (`ops.moe_experts_shared`), or None: no shared expert, a gated one, or weights the
+        kernels do not read. Built once (views of the Linears' words)."""
+        if not hasattr(self, "_shared_q"):
+            self._shared_q = None
+            if self.shared_down is not None and self.shared_gate is None:
+                self._shared_q = ops.moe_shared_stacks(self.shared_gate_up, self.shared_down)
+        return self._shared_q
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
         ids, w = self.route(x)
+        if self.use_kernels(x.device) and self.shared_down is not None:
+            y = ops.moe_experts_shared(x, ids, w, *self.quant, self.shared_quant(),
+                                       s.expert_act, x.dtype, s.routed_scale)
+            if y is not None:  # routed + shared in the kernels' two launches
+                return y
         if self.use_kernels(x.device):
             out = ops.moe_experts(x, ids, w, *self.quant, s.expert_act, s.act_alpha,
                                   s.act_limit, x.dtype, s.routed_scale)

@@ -28,6 +28,7 @@ from .moe.operands import KERNEL_ACTS as MOE_KERNEL_ACTS
 from .moe.operands import ExpertQuant
 from .moe.operands import dense_experts as moe_dense_experts
 from .moe.operands import kernels_take as moe_kernels_take
+from .moe.operands import shared_stacks as moe_shared_stacks
 from .moe.operands import same_format as moe_gate_up_pair
 
 # mlxr.ops.layer.norm_rope_act, imported at the first CUDA call (triton is slow to import)
@@ -201,7 +202,8 @@ def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: 
                 out_dtype, routed_scale: float = 1.0):
     """The routed experts' weighted sum [T, E] by the MoE kernels: x [T, E_in], ids / weights
     [T, k] on the device; the decode kernels up to `decode_split.decode_max_pairs` (token,
-    slot) pairs (launch configs from the env), beyond (MLXR_MOE_GROUPED, default auto): the
+    slot) pairs (launch configs from the env; MLXR_MOE_DECODE=onepass: `moe.decode_onepass`,
+    gate/up and down + combine one launch each), beyond (MLXR_MOE_GROUPED, default auto): the
     in-kernel dequant grouped GEMM (`moe.grouped_fused`: 2/4/8-bit codes or dense experts,
     bf16 compute, `_fused_preferred`; =fused always), dequant + torch._grouped_mm in bf16
     (`moe.grouped_mm`; =mm always), else the grouped Triton GEMM (`moe.grouped_experts`:
@@ -210,6 +212,10 @@ def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: 
     from .moe import grouped_mm
 
     if ids.numel() <= dec.decode_max_pairs():
+        from .moe import decode_onepass as one
+        if dec.decode_kernels() == "onepass" and one.fits(ids, gate, down):
+            h = one.moe_gate_up_onepass(x, ids, gate, up, act, alpha, limit)
+            return one.moe_down_onepass(h, ids, weights, down, out_dtype, routed_scale)
         h = dec.moe_gate_up_split(x, ids, gate, up, act, alpha, limit)
         return dec.moe_down_split(h, ids, weights, down, out_dtype, routed_scale)
     args = (x, ids, weights, gate, up, down, act, alpha, limit, out_dtype, routed_scale)
@@ -223,6 +229,41 @@ def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: 
         return grouped_mm.moe_grouped_mm(*args)
     from .moe.grouped_experts import moe_grouped
     return moe_grouped(*args)
+
+
+def moe_experts_shared(x, ids, weights, gate, up, down, shared, act: str, out_dtype,
+                       routed_scale: float = 1.0):
+    """The routed experts' weighted sum plus the shared expert (its gate, up, down
+    `ExpertQuant`s of one expert, a SiLU-GLU without a gate of its own) in the onepass
+    kernels' two launches (`moe.decode_onepass`), or None where that does not apply: only
+    with MLXR_MOE_DECODE=onepass, SiLU experts, at most `decode_max_pairs` pairs, the shared
+    stacks in the routed ones' format and shape."""
+    from .moe import decode_onepass as one
+    from .moe import decode_split as dec
+
+    if (dec.decode_kernels() != "onepass" or act != "silu" or shared is None
+            or ids.numel() > dec.decode_max_pairs() or not one.fits(ids, gate, down, True)
+            or not all(one.shared_fits(r, q) for r, q in zip((gate, up, down), shared))):
+        return None
+    h = one.moe_gate_up_onepass(x, ids, gate, up, act, shared=shared[:2])
+    return one.moe_down_onepass(h, ids, weights, down, out_dtype, routed_scale,
+                                shared=shared[2])
+
+
+def moe_router(x, weight, bias, router: str, top_k: int, norm_topk: bool, softcap: float,
+               score_func: str, correction_bias):
+    """The router Linear (weight, bias) and `moe_route` in one launch (`moe.router`), or None
+    where it does not apply: opt-in MLXR_MOE_ROUTER=fused (read at each call), CUDA with
+    Triton kernels, at most `router.MAX_TOKENS` rows, a weight format the kernel reads."""
+    if (os.environ.get("MLXR_MOE_ROUTER", "torch").lower() != "fused" or not _fast(x)
+            or x.shape[0] > 16):
+        return None
+    from .moe import router as fused_router
+    q = fused_router.router_quant(weight, bias)
+    if q is None or q.shape[2] != x.shape[1]:
+        return None
+    return fused_router.moe_router(x, q, router, top_k, norm_topk, softcap, score_func,
+                                   correction_bias)
 
 
 def _fused_preferred(x, pairs: int, gate) -> bool:
@@ -246,7 +287,8 @@ __all__ = ["MOE_KERNEL_ACTS", "ExpertQuant", "add_rms_norm", "attention", "atten
            "conv1d_silu", "fast_kernels", "gated_act", "gated_delta", "gated_delta_decode",
            "gdn_chunked",
            "head_gate", "moe_combine", "moe_dense_experts", "moe_expert_act", "moe_experts",
-           "moe_gate_up_pair", "moe_kernels_take",
-           "moe_reference", "moe_route", "paged_attention", "paged_items",
+           "moe_experts_shared",
+           "moe_gate_up_pair", "moe_kernels_take", "moe_shared_stacks",
+           "moe_reference", "moe_route", "moe_router", "paged_attention", "paged_items",
            "paged_prefill_attention", "prefill_tile", "qkv_rope_write", "residual_norm", "rms_norm",
            "rope"]

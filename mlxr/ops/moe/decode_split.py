@@ -71,6 +71,12 @@ def down_config() -> DecodeConfig:
     return _parse("MLXR_MOE_DOWN", DOWN_DEFAULT)
 
 
+def decode_kernels() -> str:
+    """The decode kernels (MLXR_MOE_DECODE, read at each call): "split" (this module, the
+    default) or "onepass" (`decode_onepass`: one launch per projection)."""
+    return os.environ.get("MLXR_MOE_DECODE", "split").lower()
+
+
 def decode_max_pairs() -> int:
     """The most (token, slot) pairs the decode kernels serve (MLXR_MOE_DECODE_MAX_PAIRS)."""
     return int(os.environ.get("MLXR_MOE_DECODE_MAX_PAIRS", str(D.MAX_PAIRS)))

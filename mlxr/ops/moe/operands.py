@@ -67,3 +67,44 @@ def same_format(a: ExpertQuant, b: ExpertQuant) -> bool:
     except ValueError:
         return False
     return True
+
+
+def linear_stack(weight, bias: Tensor | None = None) -> ExpertQuant | None:
+    """A Linear's weight as a one-expert stack [1, N, K] the MoE kernels read (views, no
+    copy): a float tensor [N, K], or a QuantWeight with its packed words (None where the
+    loader dropped them, or the format is not one the kernels read); bias [N] as the expert
+    bias."""
+    if isinstance(weight, Tensor):
+        if weight.dim() != 2:
+            return None
+        q = ExpertQuant(weight.unsqueeze(0), None, None, None, None, "dense", 32,
+                        weight.shape[1])
+    else:
+        packed, sp = getattr(weight, "packed", None), getattr(weight, "spec", None)
+        if packed is None or sp is None:
+            return None
+        gs = weight.global_scale
+        q = ExpertQuant(packed.unsqueeze(0), weight.scales.unsqueeze(0),
+                        None if weight.biases is None else weight.biases.unsqueeze(0),
+                        None if gs is None else gs.reshape(1), None, sp.mode, sp.bits,
+                        sp.group_size)
+    if not kernels_take(q):
+        return None
+    return q._replace(bias=None if bias is None else bias.unsqueeze(0))
+
+
+def shared_stacks(gate_up, down) -> tuple[ExpertQuant, ExpertQuant, ExpertQuant] | None:
+    """A shared expert's Linears (gate_up: [gate; up] rows stacked, down) as one-expert
+    (gate, up, down) stacks, or None where `linear_stack` reads either not."""
+    g2 = linear_stack(getattr(gate_up, "weight", None), getattr(gate_up, "bias", None))
+    d = linear_stack(getattr(down, "weight", None), getattr(down, "bias", None))
+    if g2 is None or d is None or g2.shape[1] % 2:
+        return None
+    f = g2.shape[1] // 2
+
+    def rows(t, a):
+        return None if t is None else t[:, a:a + f]
+
+    gate, up = (g2._replace(w=rows(g2.w, a), scales=rows(g2.scales, a),
+                            biases=rows(g2.biases, a), bias=rows(g2.bias, a)) for a in (0, f))
+    return gate, up, d
