@@ -40,7 +40,8 @@ class OptionalBuild(build_ext):
 
 setup(
     ext_modules=[Extension("mlxr.ops.cpu._kernels",
-                           [f"mlxr/ops/cpu/{f}.c" for f in ("kernels", "qmm", "i4mm", "attend")],
+                           [f"mlxr/ops/cpu/{f}.c" for f in ("kernels", "qmm", "i4mm", "i4deq",
+                                                           "attend")],
                            depends=["mlxr/ops/cpu/kernels.h"], optional=True)],
     cmdclass={"build_ext": OptionalBuild},
 )

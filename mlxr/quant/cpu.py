@@ -19,6 +19,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -98,18 +100,40 @@ def linear(qw, x: Tensor) -> Tensor:
     return tiled_linear(qw, x)
 
 
+def deq_serves(qw) -> bool:
+    """Whether the tiles come from mlxr's compiled dequant (`native.i4deq`: the int4 copy's
+    codes, the weight's own bf16 scales and biases, `dequant_rows`' values bit for bit; ~10x
+    faster than torch's decode + two bf16 ops, docs/perf.md "Session 21"). Env
+    `MLXR_CPU_DEQ=0` keeps torch's (read per call, for the A/B)."""
+    return (qw.i4 is not None and qw.planes == 1 and qw.spec.mode == "affine"
+            and qw.dense is None and qw.out_features % 64 == 0
+            and os.environ.get("MLXR_CPU_DEQ", "") != "0"
+            and native.i4deq_serves(qw.scales, qw.biases, qw.spec.group_size,
+                                    qw.compute_dtype))
+
+
+def _tile(qw, r0: int, r1: int, fast: bool) -> Tensor:
+    """Dequantized rows r0..r1 [r1 - r0, in] in the compute dtype."""
+    if not fast:
+        return qw.dequant_rows(slice(r0, r1))
+    a0, a1 = r0 // 64 * 64, -(-r1 // 64) * 64
+    w = native.i4deq(qw.i4, qw.scales, qw.biases, qw.spec.group_size, a0, a1)
+    return w[r0 - a0: r1 - a0]
+
+
 def tiled_linear(qw, x: Tensor) -> Tensor:
     cd = qw.compute_dtype
     isz = torch.empty((), dtype=cd).element_size()
     n_out = qw.out_features
+    fast = deq_serves(qw)
     if n_out * qw.in_features * isz <= SMALL_BYTES and not qw.exact:
-        return x @ qw.dequant_rows(slice(0, n_out)).t()
+        return x @ _tile(qw, 0, n_out, fast).t()
     # exact mode: fp32 tiles of ~TILE_BYTES regardless of matrix size (correctness > speed)
     step = qw.tile_rows(isz, TILE_BYTES)
     if step >= n_out:
-        return x @ qw.dequant_rows(slice(0, n_out)).t()
+        return x @ _tile(qw, 0, n_out, fast).t()
     y = torch.empty(x.shape[0], n_out, dtype=cd, device=x.device)
     for r0 in range(0, n_out, step):
         r1 = min(r0 + step, n_out)
-        y[:, r0:r1] = x @ qw.dequant_rows(slice(r0, r1)).t()
+        y[:, r0:r1] = x @ _tile(qw, r0, r1, fast).t()
     return y
