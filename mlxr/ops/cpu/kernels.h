@@ -116,7 +116,7 @@ int i4mm_run(I4Args *a, int nthreads);
 
 /* Rows of 64-row blocks b0..b1 of torch's int4 copy dequantized to bf16 with MLX's affine
  * arithmetic, bf16(bf16(q * s) + b) (i4deq.c): y [(b1 - b0) * 64, K]; s, bias [N, K / G]
- * bf16; G a multiple of 16. */
+ * bf16; G a multiple of 32. */
 typedef struct {
     const uint8_t *w;
     const uint16_t *s, *bias;

@@ -134,12 +134,12 @@ def i4deq_serves(scales: Tensor, biases: Tensor | None, group: int,
                  compute_dtype: torch.dtype) -> bool:
     """Whether `i4deq` reproduces `QuantWeight.dequant_rows` for an affine weight's int4 copy:
     built with AVX-512, 64-row blocks, bf16 scales and biases and bf16 compute (the two bf16
-    ops it mirrors), a group of a multiple of 16."""
+    ops it mirrors), a group of a multiple of 32."""
     from mlxr.quant import int4pack
 
     return (enabled() and bool(features().get("avx512")) and int4pack.block() == 64
             and biases is not None and scales.dtype == biases.dtype == torch.bfloat16
-            and compute_dtype == torch.bfloat16 and group % 16 == 0)
+            and compute_dtype == torch.bfloat16 and group % 32 == 0)
 
 
 def i4deq(packed: Tensor, scales: Tensor, biases: Tensor, group: int, r0: int,
@@ -151,7 +151,7 @@ def i4deq(packed: Tensor, scales: Tensor, biases: Tensor, group: int, r0: int,
     n, kg = scales.shape
     k = kg * group
     _check(scales.is_contiguous() and biases.is_contiguous() and biases.shape == scales.shape
-           and scales.dtype == biases.dtype == torch.bfloat16 and group % 16 == 0,
+           and scales.dtype == biases.dtype == torch.bfloat16 and group % 32 == 0,
            "scales / biases")
     _check(packed.dtype == torch.uint8 and packed.is_contiguous()
            and packed.numel() * 2 == n * k, f"int4 copy {tuple(packed.shape)} for [{n}, {k}]")
