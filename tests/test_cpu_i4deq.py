@@ -55,21 +55,24 @@ def test_i4deq_matches_twin_and_mlx(group, rows):
     assert not torch.equal(native.i4deq(shifted, s, b, group, r0, r1), want)
 
 
-@pytest.mark.parametrize("n,m", [(192, 40), (320, 200)])
-def test_tiles_take_i4deq(n, m, monkeypatch):
-    """`quant.cpu.tiled_linear` of a 4-bit bf16 weight builds its tiles with i4deq (the
+@pytest.mark.parametrize("n,m,bits", [(192, 40, 4), (320, 200, 4), (192, 24, 3)])
+def test_tiles_take_i4deq(n, m, bits, monkeypatch):
+    """`quant.cpu.tiled_linear` of a 4-bit (3-bit: the codes as nibbles) bf16 weight builds
+    its tiles with i4deq (the
     torch-built tiles' values: the same output bit for bit), also across several tiles and a
-    row range not on 64-row blocks; `MLXR_CPU_DEQ=0` or the kernels off keeps torch's."""
+    row range not on 64-row blocks, and `linear` takes them above I4MM_MAX_M rows;
+    `MLXR_CPU_DEQ=0` or the kernels off keeps torch's."""
     from mlxr.config import QuantSpec
     from mlxr.quant import QuantWeight, cpu
 
     g = torch.Generator().manual_seed(n)
     k = 1024
-    words = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=g)
+    words = torch.randint(-2**31, 2**31 - 1, (n, k * bits // 32), dtype=torch.int32,
+                          generator=g)
     s = (torch.rand(n, k // 64, generator=g) * 0.02 + 1e-3).to(torch.bfloat16)
     b = (torch.randn(n, k // 64, generator=g) * 0.1).to(torch.bfloat16)
-    qw = QuantWeight.from_tensors(words, s, b, QuantSpec("affine", 4, 64))
-    assert qw.i4 is not None and cpu.deq_serves(qw)
+    qw = QuantWeight.from_tensors(words, s, b, QuantSpec("affine", bits, 64))
+    assert qw.i4 is not None and cpu.deq_serves(qw) and cpu.i4_max_m(qw) == cpu.I4_MAX_M_DEQ
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     calls = []
     real = native.i4deq
@@ -78,9 +81,11 @@ def test_tiles_take_i4deq(n, m, monkeypatch):
     monkeypatch.setattr(qw, "tile_rows", lambda *a: 96)  # tiles cut inside 64-row blocks
     got = cpu.tiled_linear(qw, x)
     assert calls and calls[0] == (0, 128)
+    assert torch.equal(qw.linear(x), got)  # more than I4MM_MAX_M rows: the tiles
     monkeypatch.setenv("MLXR_CPU_DEQ", "0")
     assert not cpu.deq_serves(qw)
     assert torch.equal(got, cpu.tiled_linear(qw, x))
+    assert cpu.i4_max_m(qw) == cpu.I4_MAX_M[1]
     monkeypatch.setenv("MLXR_CPU_DEQ", "1")
     monkeypatch.setenv("MLXR_CPU_KERNELS", "0")
     assert not cpu.deq_serves(qw)

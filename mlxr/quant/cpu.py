@@ -34,11 +34,16 @@ from . import int4pack
 # tiles, tok/s (docs/perf.md): 4-bit 128 rows 260 vs 230, 192 rows 229 vs 296; 8-bit 64 rows
 # 152 vs 121, 96 rows 139 vs 157; mxfp4 (two planes) 64 rows 87 vs 97, 128 rows 115 vs 124.
 I4_MAX_M = {1: 160, 2: 80}
+# With the tiles from mlxr's compiled dequant (`deq_serves`) their fixed cost falls ~4x and
+# they beat torch's int4 kernel and i4mm from 16 rows on (docs/perf.md, "Session 21": 0.6B
+# qkv 4096 x 1024, 1 thread, M=16: tiles 1.34 ms, int4 1.59, i4mm 1.62; M=32: 1.41 vs 2.98):
+# above I4MM_MAX_M rows an affine weight goes straight to the tiles.
+I4_MAX_M_DEQ = 16
 
 
 def i4_max_m(qw) -> int:
     """Rows of x from which `linear` takes the tiles instead of the int4 kernel."""
-    return I4_MAX_M[qw.planes]
+    return I4_MAX_M_DEQ if deq_serves(qw) else I4_MAX_M[qw.planes]
 
 
 SMALL_BYTES = 8 << 20
