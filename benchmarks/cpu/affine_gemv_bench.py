@@ -13,8 +13,9 @@ the process's CPU time instead of the wall (with `--threads 1` on a shared box: 
 not the waits for a core). Prefill sizes (`--ms 32 128 512`) add `i4mm/16`, i4mm called on
 16-row chunks of x, and `--tiles` the path `quant.cpu.linear` takes from `I4_MAX_M` rows on:
 the codes decoded from the int4 copy and dequantized in torch (`dequant_rows`) and one bf16
-`x @ W^T` (oneDNN; AMX where the CPU has it), and `tiles/c`, the same tile from mlxr's
-compiled dequant (`native.i4deq`, the same values).
+`x @ W^T` (oneDNN; AMX where the CPU has it) over the whole matrix, and `tiles/c`, the tiles
+from mlxr's compiled dequant (`native.i4deq`, the same values) cut as `tiled_linear` cuts
+them (4 MiB of bf16 rows per tile past 8 MiB).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 import torch
 
 from mlxr.ops.cpu import native
-from mlxr.quant import int4pack
+from mlxr.quant import cpu, int4pack
 from mlxr.quant.affine import unpack_codes
 
 # (name, out, in): Qwen3-0.6B's qkv, o, gate_up, down, tied head; Llama-3.1-8B's o (its qkv
@@ -61,6 +62,17 @@ def tiles(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, b: torch.Tensor,
     n, k = s.shape[0], x.shape[1]
     q = int4pack.decode_rows(w, k, 0, n).to(torch.bfloat16).view(n, k // g, g)
     return x @ (q * s.unsqueeze(-1)).add_(b.unsqueeze(-1)).view(n, k).t()
+
+
+def tiles_c(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, b: torch.Tensor,
+            g: int) -> torch.Tensor:
+    """`quant.cpu.tiled_linear` with mlxr's dequant: one tile up to SMALL_BYTES of bf16, else
+    tiles of TILE_BYTES rows."""
+    n = s.shape[0]
+    step = n if n * x.shape[1] * 2 <= cpu.SMALL_BYTES else max(
+        64, cpu.TILE_BYTES // (x.shape[1] * 2) // 64 * 64)
+    return torch.cat([x @ native.i4deq(w, s, b, g, r0, min(r0 + step, n)).t()
+                      for r0 in range(0, n, step)], dim=1)
 
 
 def chunked(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, g: int) -> torch.Tensor:
@@ -109,7 +121,7 @@ def main() -> None:
                 arms["i4mm/16"] = lambda w, sz, s, b: chunked(x, w, sz, g)
             if a.tiles:
                 arms["tiles"] = lambda w, sz, s, b: tiles(x, w, s, b, g)
-                arms["tiles/c"] = lambda w, sz, s, b: x @ native.i4deq(w, s, b, g, 0, n).t()
+                arms["tiles/c"] = lambda w, sz, s, b: tiles_c(x, w, s, b, g)
             best = {arm: float("inf") for arm in arms}
             for _ in range(a.rounds):
                 for arm, fn in arms.items():
