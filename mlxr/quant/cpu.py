@@ -19,6 +19,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -32,11 +34,16 @@ from . import int4pack
 # tiles, tok/s (docs/perf.md): 4-bit 128 rows 260 vs 230, 192 rows 229 vs 296; 8-bit 64 rows
 # 152 vs 121, 96 rows 139 vs 157; mxfp4 (two planes) 64 rows 87 vs 97, 128 rows 115 vs 124.
 I4_MAX_M = {1: 160, 2: 80}
+# With the tiles from mlxr's compiled dequant (`deq_serves`) their fixed cost falls ~4x and
+# they beat torch's int4 kernel and i4mm from 16 rows on (docs/perf.md, "Session 21": 0.6B
+# qkv 4096 x 1024, 1 thread, M=16: tiles 1.34 ms, int4 1.59, i4mm 1.62; M=32: 1.41 vs 2.98):
+# above I4MM_MAX_M rows an affine weight goes straight to the tiles.
+I4_MAX_M_DEQ = 16
 
 
 def i4_max_m(qw) -> int:
     """Rows of x from which `linear` takes the tiles instead of the int4 kernel."""
-    return I4_MAX_M[qw.planes]
+    return I4_MAX_M_DEQ if deq_serves(qw) else I4_MAX_M[qw.planes]
 
 
 SMALL_BYTES = 8 << 20
@@ -98,18 +105,40 @@ def linear(qw, x: Tensor) -> Tensor:
     return tiled_linear(qw, x)
 
 
+def deq_serves(qw) -> bool:
+    """Whether the tiles come from mlxr's compiled dequant (`native.i4deq`: the int4 copy's
+    codes, the weight's own bf16 scales and biases, `dequant_rows`' values bit for bit; ~10x
+    faster than torch's decode + two bf16 ops, docs/perf.md "Session 21"). Env
+    `MLXR_CPU_DEQ=0` keeps torch's (read per call, for the A/B)."""
+    return (qw.i4 is not None and qw.planes == 1 and qw.spec.mode == "affine"
+            and qw.dense is None and qw.out_features % 64 == 0
+            and os.environ.get("MLXR_CPU_DEQ", "") != "0"
+            and native.i4deq_serves(qw.scales, qw.biases, qw.spec.group_size,
+                                    qw.compute_dtype))
+
+
+def _tile(qw, r0: int, r1: int, fast: bool) -> Tensor:
+    """Dequantized rows r0..r1 [r1 - r0, in] in the compute dtype."""
+    if not fast:
+        return qw.dequant_rows(slice(r0, r1))
+    a0, a1 = r0 // 64 * 64, -(-r1 // 64) * 64
+    w = native.i4deq(qw.i4, qw.scales, qw.biases, qw.spec.group_size, a0, a1)
+    return w[r0 - a0: r1 - a0]
+
+
 def tiled_linear(qw, x: Tensor) -> Tensor:
     cd = qw.compute_dtype
     isz = torch.empty((), dtype=cd).element_size()
     n_out = qw.out_features
+    fast = deq_serves(qw)
     if n_out * qw.in_features * isz <= SMALL_BYTES and not qw.exact:
-        return x @ qw.dequant_rows(slice(0, n_out)).t()
+        return x @ _tile(qw, 0, n_out, fast).t()
     # exact mode: fp32 tiles of ~TILE_BYTES regardless of matrix size (correctness > speed)
     step = qw.tile_rows(isz, TILE_BYTES)
     if step >= n_out:
-        return x @ qw.dequant_rows(slice(0, n_out)).t()
+        return x @ _tile(qw, 0, n_out, fast).t()
     y = torch.empty(x.shape[0], n_out, dtype=cd, device=x.device)
     for r0 in range(0, n_out, step):
         r1 = min(r0 + step, n_out)
-        y[:, r0:r1] = x @ qw.dequant_rows(slice(r0, r1)).t()
+        y[:, r0:r1] = x @ _tile(qw, r0, r1, fast).t()
     return y

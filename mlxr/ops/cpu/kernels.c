@@ -86,6 +86,30 @@ static PyObject *py_i4mm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_i4deq(PyObject *self, PyObject *args) {
+    (void)self;
+    I4DArgs a;
+    unsigned long long w, s, b, y;
+    long long k, b0, b1;
+    int nthreads;
+    memset(&a, 0, sizeof a);
+    if (!PyArg_ParseTuple(args, "KKKKLLLii", &w, &s, &b, &y, &k, &b0, &b1, &a.group,
+                          &nthreads))
+        return NULL;
+    a.w = (const uint8_t *)(uintptr_t)w; a.s = (const uint16_t *)(uintptr_t)s;
+    a.bias = (const uint16_t *)(uintptr_t)b; a.y = (uint16_t *)(uintptr_t)y;
+    a.k = k; a.b0 = b0; a.b1 = b1;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = i4deq_run(&a, nthreads < 1 ? 1 : nthreads);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_SetString(PyExc_RuntimeError, "mlxr.ops.cpu: i4deq not compiled for this CPU");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_attend(PyObject *self, PyObject *args) {
     (void)self;
     AArgs a;
@@ -174,6 +198,7 @@ static PyObject *py_features(PyObject *self, PyObject *noargs) {
 static PyMethodDef methods[] = {
     {"qmm", py_qmm, METH_VARARGS, "quantized x @ W^T from MLX's packed layout"},
     {"i4mm", py_i4mm, METH_VARARGS, "x @ W^T from torch's packed int4 CPU copy"},
+    {"i4deq", py_i4deq, METH_VARARGS, "bf16 rows of torch's int4 copy, MLX's arithmetic"},
     {"attend", py_attend, METH_VARARGS, "one-token attention over a KV cache"},
     {"add_rms_norm", py_add_rms_norm, METH_VARARGS, "residual add + RMSNorm, torch's values"},
     {"qk_rope", py_qk_rope, METH_VARARGS, "q/k norm + RoPE + the K/V cache write"},

@@ -114,6 +114,19 @@ typedef struct {
 
 int i4mm_run(I4Args *a, int nthreads);
 
+/* Rows of 64-row blocks b0..b1 of torch's int4 copy dequantized to bf16 with MLX's affine
+ * arithmetic, bf16(bf16(q * s) + b) (i4deq.c): y [(b1 - b0) * 64, K]; s, bias [N, K / G]
+ * bf16; G a multiple of 32. */
+typedef struct {
+    const uint8_t *w;
+    const uint16_t *s, *bias;
+    uint16_t *y;
+    int64_t k, b0, b1;
+    int group;
+} I4DArgs;
+
+int i4deq_run(const I4DArgs *a, int nthreads);
+
 /* ------------------------------------------------------------------ decode attention */
 
 /* One token per (sequence, query head): scores = (q * scale) . K in float32 over the S

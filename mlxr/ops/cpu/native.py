@@ -136,6 +136,38 @@ def i4mm(x: Tensor, packed: Tensor, sz: Tensor, group: int, out_dtype: torch.dty
     return y
 
 
+def i4deq_serves(scales: Tensor, biases: Tensor | None, group: int,
+                 compute_dtype: torch.dtype) -> bool:
+    """Whether `i4deq` reproduces `QuantWeight.dequant_rows` for an affine weight's int4 copy:
+    built with AVX-512, 64-row blocks, bf16 scales and biases and bf16 compute (the two bf16
+    ops it mirrors), a group of a multiple of 32."""
+    from mlxr.quant import int4pack
+
+    return (enabled() and bool(features().get("avx512")) and int4pack.block() == 64
+            and biases is not None and scales.dtype == biases.dtype == torch.bfloat16
+            and compute_dtype == torch.bfloat16 and group % 32 == 0)
+
+
+def i4deq(packed: Tensor, scales: Tensor, biases: Tensor, group: int, r0: int,
+          r1: int) -> Tensor:
+    """bf16 rows r0..r1 (multiples of 64) [r1 - r0, K] of an affine weight held as torch's
+    int4 copy (`packed` uint8 [N / 64, K, 32], `int4pack.pack`), w = bf16(bf16(q * s) + b)
+    with its bf16 scales / biases [N, K / G]: `QuantWeight.dequant_rows`' values bit for bit.
+    Callers check `i4deq_serves` first."""
+    n, kg = scales.shape
+    k = kg * group
+    _check(scales.is_contiguous() and biases.is_contiguous() and biases.shape == scales.shape
+           and scales.dtype == biases.dtype == torch.bfloat16 and group % 32 == 0,
+           "scales / biases")
+    _check(packed.dtype == torch.uint8 and packed.is_contiguous()
+           and packed.numel() * 2 == n * k, f"int4 copy {tuple(packed.shape)} for [{n}, {k}]")
+    _check(r0 % 64 == 0 and r1 % 64 == 0 and 0 <= r0 < r1 <= n, f"rows {r0}..{r1}")
+    y = torch.empty(r1 - r0, k, dtype=torch.bfloat16)
+    _module().i4deq(packed.data_ptr(), scales.data_ptr(), biases.data_ptr(), y.data_ptr(), k,
+                    r0 // 64, r1 // 64, group, torch.get_num_threads())
+    return y
+
+
 def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor | None, start: int,
            length: int, scale: float) -> Tensor:
     """One token's attention: q [H, D] over cache positions of k_cache / v_cache [KH, P, D]

@@ -115,3 +115,14 @@ def act_mul(gu: Tensor, act: str) -> Tensor:
 
     gate, up = gu.chunk(2, dim=-1)
     return reference.gated_act(gate, up, act).contiguous()
+
+
+def i4deq(packed: Tensor, scales: Tensor, biases: Tensor, group: int, r0: int,
+          r1: int) -> Tensor:
+    """`native.i4deq`: rows r0..r1 of torch's int4 copy (64-row blocks [N / 64, K, 32] bytes:
+    byte j of column k = row j low nibble, row j + 32 high nibble) as bf16(bf16(q * s) + b)."""
+    k = scales.shape[1] * group
+    blk = packed.view(-1, k, 32)[r0 // 64: r1 // 64].transpose(1, 2)  # [B, 32, K]
+    q = torch.cat([blk & 15, blk >> 4], dim=1).reshape(r1 - r0, k // group, group)
+    s, b = scales[r0:r1].unsqueeze(-1), biases[r0:r1].unsqueeze(-1)
+    return (q.to(torch.bfloat16) * s).add_(b).view(r1 - r0, k)
