@@ -252,3 +252,16 @@ def test_cmake_args():
         assert flag in cpu and flag in gpu
     assert "-DGGML_CUDA=OFF" in cpu and "-DGGML_CUDA=ON" in gpu
     assert "-DCMAKE_CUDA_ARCHITECTURES=90" in gpu
+
+
+def test_cmake_args_without_amx(monkeypatch):
+    """--no-amx: a non-native CPU build naming this CPU's ISA options, AMX never on."""
+    monkeypatch.setenv("MLXR_LLAMACPP_NO_AMX", "1")
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"avx", "avx2", "avx512f", "amx_tile"})
+    cpu = build.cmake_args("cpu")
+    assert "-DGGML_NATIVE=ON" not in cpu and "-DGGML_NATIVE=OFF" in cpu
+    assert {"-DGGML_AVX2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=OFF"} <= set(cpu)
+    assert not any("AMX" in a and a.endswith("=ON") for a in cpu)
+    assert "-DGGML_NATIVE=ON" in build.cmake_args("cuda")
+    monkeypatch.delenv("MLXR_LLAMACPP_NO_AMX")
+    assert "-DGGML_NATIVE=ON" in build.cmake_args("cpu")

@@ -25,13 +25,37 @@ TRIM = ("models", "docs", "media", "benches", "tests", ".github", "tools/ui",
 TARGETS = ("llama-bench", "llama-quantize")
 
 
+# /proc/cpuinfo flag -> the ggml option that enables it (a non-native CPU build names them)
+ISA_OPTIONS = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2",
+               "avx512f": "AVX512", "avx512_bf16": "AVX512_BF16", "avx512vbmi": "AVX512_VBMI",
+               "avx512_vnni": "AVX512_VNNI", "avx_vnni": "AVX_VNNI"}
+
+
+def isa_args(cpu_flags: set[str]) -> list[str]:
+    """A CPU build for this machine's vector ISA without AMX: GGML_NATIVE=OFF and each ggml
+    ISA option the CPU has. (llama.cpp 0.3.36's native build crashed in
+    ggml_backend_amx_mul_mat on an AMX Xeon: `--no-amx` in the side-by-side takes this.)"""
+    return ["-DGGML_NATIVE=OFF", *(f"-DGGML_{opt}={'ON' if flag in cpu_flags else 'OFF'}"
+                                   for flag, opt in ISA_OPTIONS.items())]
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
 def cmake_args(device: str) -> list[str]:
-    """Configure flags for a CPU-only or a CUDA (H200, sm_90) build."""
+    """Configure flags for a CPU-only or a CUDA (H200, sm_90) build; env
+    `MLXR_LLAMACPP_NO_AMX=1`: the CPU build without AMX (`isa_args`)."""
     args = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
             "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF"]
     if device == "cuda":
         return [*args, "-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90", "-DGGML_CUDA_NCCL=OFF"]
+    if os.environ.get("MLXR_LLAMACPP_NO_AMX") == "1":
+        args = [a for a in args if a != "-DGGML_NATIVE=ON"] + isa_args(cpu_flags())
     return [*args, "-DGGML_CUDA=OFF"]
 
 

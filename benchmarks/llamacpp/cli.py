@@ -95,6 +95,9 @@ def parser(device: str) -> argparse.ArgumentParser:
     p.add_argument("-n", "--gen", type=int, default=128)
     p.add_argument("--tokenizers", type=Path, default=compare.REPO / "tests/assets/tokenizers",
                    help="folder of the tokenizer folders the shapes name")
+    p.add_argument("--no-amx", action="store_true",
+                   help="CPU: build llama.cpp for this CPU's vector ISA without AMX (its AMX "
+                        "path crashed on an AMX Xeon); delete WORK/build-cpu to rebuild")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="build jobs")
     p.add_argument("--build-wait", type=int, default=120,
                    help="prep: seconds to wait for the background build before leaving the "
@@ -136,6 +139,8 @@ def quantize_ready(jobs: list[Job], work: Path, bins: Path) -> None:
 
 def main(device: str, argv: list[str] | None = None) -> None:
     a = parser(device).parse_args(argv)
+    if a.no_amx:
+        os.environ["MLXR_LLAMACPP_NO_AMX"] = "1"  # read by build.cmake_args
     work = a.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     if a.make_src:
