@@ -141,7 +141,7 @@ def _elsewhere(layer) -> bool:
             or layer.mlp_act is not None)
 
 
-def _served(lin) -> bool:
+def served(lin) -> bool:
     qw = lin.weight if isinstance(lin, Linear) else None
     return isinstance(qw, QuantWeight) and qw.ckern is not None
 
@@ -161,7 +161,7 @@ def _plan(dec) -> _Plan:
             layers.append(_LayerPlan(_matmul(layer.qkv), _matmul(layer.o_proj),
                                    _matmul(layer.gate_up) if dense else None,
                                    _matmul(layer.down_proj) if dense else None, qk,
-                                   _served(layer.qkv)))
+                                   served(layer.qkv)))
         norms = [w + off if off else w for layer in dec.layers
                  for w in (layer.input_norm, layer.mlp_norm)]
         norms.append(dec.norm + off if off else dec.norm)

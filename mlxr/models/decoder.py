@@ -14,6 +14,7 @@ import torch
 from .. import ops
 from ..config import ModelConfig
 from ..layers import Embedding, Linear, Rope
+from ..ops.cpu import native, prefill_attend
 from ..quant import QuantWeight
 from . import cpu_decode, fused_decode
 from .moe import MoeBlock
@@ -234,14 +235,27 @@ class Decoder:
                 else:
                     sl = sp.slots[lo:ctx]
                     keys, values = kc.index_select(1, sl), vc.index_select(1, sl)
-                outs.append(ops.attention(q[row:row + sp.q_len], keys, values, sp.q_start, lo,
-                                          c.attn_scale, window, c.attn_logit_softcap,
-                                          self.layers[i].sinks))
+                qs = q[row:row + sp.q_len]
+                if self._prefill_attend(i, qs, sp.q_start, lo, keys.shape[1]):
+                    outs.append(prefill_attend.attention(qs, keys, values, c.attn_scale))
+                else:
+                    outs.append(ops.attention(qs, keys, values, sp.q_start, lo, c.attn_scale,
+                                              window, c.attn_logit_softcap,
+                                              self.layers[i].sinks))
                 row += sp.q_len
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
         return self._run(ids, tables, pool, step.write_slots, attend, step.logits_rows,
                          hidden=hidden)
+
+    def _prefill_attend(self, i: int, q: torch.Tensor, q_start: int, k_start: int,
+                        s: int) -> bool:
+        """Whether layer i's attention of this span runs `prefill_attend` (a whole bf16
+        prompt on the CPU, where `native.prefill_attend_enabled` allows it)."""
+        c, layer = self.config, self.layers[i]
+        return (prefill_attend.takes(q, q_start, k_start, s, c.layer_window[i],
+                                     c.attn_logit_softcap, layer.sinks)
+                and native.prefill_attend_enabled(cpu_decode.served(layer.qkv)))
 
     def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, pool,
                        tables: dict) -> torch.Tensor:

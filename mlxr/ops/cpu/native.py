@@ -53,6 +53,16 @@ def attend_enabled(served: bool) -> bool:
     return enabled() and (env == "1" or (served and env != "0"))
 
 
+def prefill_attend_enabled(served: bool) -> bool:
+    """Whether a whole bf16 prompt's attention in a layer runs `prefill_attend` (torch's bf16
+    flash kernel, is_causal) instead of the reference's float32 SDPA with a mask (`served`:
+    the layer's projections run mlxr's own matmul kernels). Env `MLXR_CPU_PREFILL_ATTEND`:
+    "1" on, "0" off; unset, on for served layers only, as `attend_enabled` (its bf16
+    probabilities move ~40 % of the outputs by one bf16 step: docs/perf.md, session 21)."""
+    env = os.environ.get("MLXR_CPU_PREFILL_ATTEND", "")
+    return enabled() and (env == "1" or (served and env != "0"))
+
+
 def features() -> dict[str, int]:
     """How the extension was compiled: {"avx512": 0/1, "openmp": 0/1, "i4mm": 0/1} ({} when
     absent)."""
