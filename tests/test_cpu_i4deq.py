@@ -60,7 +60,8 @@ def test_tiles_take_i4deq(n, m, bits, monkeypatch):
     """`quant.cpu.tiled_linear` of a 4-bit (3-bit: the codes as nibbles) bf16 weight builds
     its tiles with i4deq (the
     torch-built tiles' values: the same output bit for bit), also across several tiles and a
-    row range not on 64-row blocks, and `linear` takes them above I4MM_MAX_M rows;
+    row range not on 64-row blocks, and `linear` takes them above I4MM_MAX_M rows with
+    `MLXR_CPU_DEQ_ROWS=1` (from I4_MAX_M rows by default);
     `MLXR_CPU_DEQ=0` or the kernels off keeps torch's."""
     from mlxr.config import QuantSpec
     from mlxr.quant import QuantWeight, cpu
@@ -72,7 +73,9 @@ def test_tiles_take_i4deq(n, m, bits, monkeypatch):
     s = (torch.rand(n, k // 64, generator=g) * 0.02 + 1e-3).to(torch.bfloat16)
     b = (torch.randn(n, k // 64, generator=g) * 0.1).to(torch.bfloat16)
     qw = QuantWeight.from_tensors(words, s, b, QuantSpec("affine", bits, 64))
-    assert qw.i4 is not None and cpu.deq_serves(qw) and cpu.i4_max_m(qw) == cpu.I4_MAX_M_DEQ
+    assert qw.i4 is not None and cpu.deq_serves(qw) and cpu.i4_max_m(qw) == cpu.I4_MAX_M[1]
+    monkeypatch.setenv("MLXR_CPU_DEQ_ROWS", "1")  # the tiles from 17 rows (opt-in)
+    assert cpu.i4_max_m(qw) == cpu.I4_MAX_M_DEQ
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     calls = []
     real = native.i4deq

@@ -37,13 +37,21 @@ I4_MAX_M = {1: 160, 2: 80}
 # With the tiles from mlxr's compiled dequant (`deq_serves`) their fixed cost falls ~4x and
 # they beat torch's int4 kernel and i4mm from 16 rows on (docs/perf.md, "Session 21": 0.6B
 # qkv 4096 x 1024, 1 thread, M=16: tiles 1.34 ms, int4 1.59, i4mm 1.62; M=32: 1.41 vs 2.98):
-# above I4MM_MAX_M rows an affine weight goes straight to the tiles.
+# above I4MM_MAX_M rows an affine weight can go straight to the tiles. Opt-in
+# (`MLXR_CPU_DEQ_ROWS=1`, read per call): the tiles hold the weights exactly (MLX's
+# dequantization) where torch's int4 kernel and i4mm use the int4 copy's (its zero point
+# rounded once more), so prompts of 17-159 rows would prefill with other weights than the
+# decode steps that follow (bf16 prefill-then-decode vs a full recompute of the tiny hybrid
+# MoE models: 0.19 of the logit range, tests/test_parity_hybrid.py); by default the tiles
+# start where they did before (I4_MAX_M), where i4deq gives the torch-built tiles' values.
 I4_MAX_M_DEQ = 16
 
 
 def i4_max_m(qw) -> int:
     """Rows of x from which `linear` takes the tiles instead of the int4 kernel."""
-    return I4_MAX_M_DEQ if deq_serves(qw) else I4_MAX_M[qw.planes]
+    if os.environ.get("MLXR_CPU_DEQ_ROWS") == "1" and deq_serves(qw):
+        return I4_MAX_M_DEQ
+    return I4_MAX_M[qw.planes]
 
 
 SMALL_BYTES = 8 << 20
