@@ -79,7 +79,7 @@ def test_q4gemv_matches_twin_and_fp64(group, dtype, n, k, cfg):
     err = (y.double() - exact).abs()
     assert bool((err <= tol).all()), float((err / scale).max())
     if dtype == torch.float16:  # same rounding as the fp32 twin nearly everywhere
-        assert float((y == ref).float().mean()) >= 0.9
+        assert int((y == ref).sum()) >= 0.9 * y.numel()  # counted: 18 of 20 passes
 
 
 def test_q4gemv_fp32_sums_before_rounding():
@@ -162,7 +162,7 @@ def test_prologue_matches_twin(pro, dtype, n, k, cfg):
     err = (y.double() - ref).abs()
     assert bool((err <= 2 * units * ref.abs() + 4 * units * scale).all()), float(err.max())
     if dtype == torch.float16:  # the interpreter rounds fp16 to nearest, as torch does
-        assert float((y.double() == ref).float().mean()) >= 0.9
+        assert int((y.double() == ref).sum()) >= 0.9 * y.numel()  # 18 of 20 passes
         if "h_out" in kw:
             assert torch.equal(kw["h_out"], (x + kw["r"]).to(dtype))
             assert torch.equal(kw["h_out"], kw_ref["h_out"])
