@@ -76,49 +76,68 @@ def test_qmm_matches_twin(mode, bits, group, m):
 
 
 def _int4_copy(n, k, group, g):
-    """torch's int4 copy of a random affine 4-bit weight: (packed, sz [K / G, N, 2])."""
+    """torch's int4 copy of a random affine 4-bit weight: (packed, sb [K / G, N, 2] (scale,
+    bias), sz [K / G, N, 2] (scale, zero): torch's kernel's)."""
     from mlxr.quant import int4pack
     from mlxr.quant.affine import unpack_codes
 
     words, s, b = _weight("affine", 4, group, n, k, g)
-    return int4pack.pack(unpack_codes(words, 4, k)), int4pack.scales_and_zeros(s, b)
+    return (int4pack.pack(unpack_codes(words, 4, k)), int4pack.scales_and_biases(s, b),
+            int4pack.scales_and_zeros(s, b))
 
 
-def _i4_bound(x, sz, group):
-    """gamma_n * T (module docstring) for i4mm and its twin, n = K + groups + 8: every term
-    either side forms is at most |x| (23 |s| + |z|) per code (the kernel's s * sum(q x), q <=
-    15, and (z - 8 s) * sum(x); the twin's ((q - 8) s + z) x)."""
+def _i4_bound(x, sb, group):
+    """gamma_n * T (module docstring) for i4mm and its twin, n = K + groups + 8, sb's pairs
+    (scale, bias or zero): every term either side forms is at most |x| (31 |s| + |b|) per code
+    (s * sum(q x), q <= 15, and b * sum(x) or (z - 8 s) * sum(x); torch's int4 kernel's
+    ((q - 8) s + z) x)."""
     m, k = x.shape
-    s, z = sz[..., 0].float().abs(), sz[..., 1].float().abs()  # [K / G, N]
+    s, b = sb[..., 0].float().abs(), sb[..., 1].float().abs()  # [K / G, N]
     xa = x.float().abs().view(m, k // group, group).sum(-1)  # [M, K / G]
-    return 2 * (k + k // group + 8) * U * (xa @ (23 * s + z))
+    return 2 * (k + k // group + 8) * U * (xa @ (31 * s + b))
 
 
 @pytest.mark.skipif(not native.i4mm_serves(64, 64, 64), reason="i4mm not built for this CPU")
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
-def test_i4mm_matches_twin_and_torch(group, m):
-    """i4mm over torch's int4 copy against its twin (float32, the bound above), in bf16 within
-    one rounding more, and against torch's own int4 kernel on the same copy (each side's
-    float32 error plus a half ulp of bf16 rounding each); a zero off by one scale fails."""
+@pytest.mark.parametrize("pairs", ["zeros", "biases", "tiles"])
+def test_i4mm_matches_twin_and_torch(group, m, pairs):
+    """i4mm over torch's int4 copy with its zeros, MLX's scales and biases, or the tiles'
+    weights (`native.i4mm` `pairs`) against its twin (float32, the bound above), in bf16
+    within one rounding more, and against torch's own int4 kernel on the same copy (each
+    side's float32 error, a half ulp of bf16 rounding each, and for "biases" torch's zero
+    rounded to bf16: |sum(x_g)| |z - (b + 8 s)| per group; "tiles": against x . w for the
+    tiles' weights, `native.i4deq`); a bias (zero) off by one scale fails, in the twin and in
+    the kernel."""
     from mlxr.quant import int4pack
 
     g = torch.Generator().manual_seed(group * 100 + m)
     n, k = 192, 512  # three 64-row blocks
-    packed, sz = _int4_copy(n, k, group, g)
+    packed, sb, sz = _int4_copy(n, k, group, g)
+    sbz = sz if pairs == "zeros" else sb
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    want = twins.i4mm(x, packed, sz, group, torch.float32)
-    tol = _i4_bound(x, sz, group)
-    got = native.i4mm(x, packed, sz, group, torch.float32)
+    want = twins.i4mm(x, packed, sbz, group, torch.float32, pairs)
+    tol = _i4_bound(x, sbz, group)
+    got = native.i4mm(x, packed, sbz, group, torch.float32, pairs)
     assert ((got - want).abs() <= tol).all(), ((got - want).abs() / tol).max()
-    got16 = native.i4mm(x, packed, sz, group, torch.bfloat16).float()
+    got16 = native.i4mm(x, packed, sbz, group, torch.bfloat16, pairs).float()
     assert ((got16 - want).abs() <= tol + 2 ** -8 * want.abs()).all()
-    theirs = int4pack.mm(x, packed, group, sz).float()
-    assert ((got16 - theirs).abs() <= 2 * tol + 2 ** -7 * want.abs()).all()
-    bad_sz = sz.clone()
-    bad_sz[..., 1] = (sz[..., 1].float() + sz[..., 0].float()).to(torch.bfloat16)
-    bad = twins.i4mm(x, packed, bad_sz, group, torch.float32)
+    if pairs == "tiles":
+        s16, b16 = sb[..., 0].t().contiguous(), sb[..., 1].t().contiguous()
+        theirs = x.float() @ native.i4deq(packed, s16, b16, group, 0, n).float().t()
+        dz = torch.zeros_like(sb[..., 0], dtype=torch.float32)
+    else:
+        theirs = int4pack.mm(x, packed, group, sz).float()
+        s, b = sb[..., 0].double(), sb[..., 1].double()
+        dz = (sz[..., 1].double() - (b + 8 * s)).abs().float() * (pairs == "biases")
+    xa = x.float().abs().view(m, k // group, group).sum(-1)
+    assert ((got16 - theirs).abs() <= 2 * tol + xa @ dz + 2 ** -7 * want.abs()).all()
+    bad_pairs = sbz.clone()
+    bad_pairs[..., 1] = (sbz[..., 1].float() + sbz[..., 0].float()).to(torch.bfloat16)
+    bad = twins.i4mm(x, packed, bad_pairs, group, torch.float32, pairs)
     assert not ((got - bad).abs() <= tol).all()
+    bad_got = native.i4mm(x, packed, bad_pairs, group, torch.float32, pairs)
+    assert not ((bad_got - want).abs() <= tol).all()
 
 
 @pytest.mark.skipif(not native.i4mm_serves(64, 64, 64), reason="i4mm not built for this CPU")
@@ -127,43 +146,58 @@ def test_i4mm_rows_do_not_depend_on_the_batch():
     kernel: the engine's batch-equals-single checks rely on it); x spans many binades so
     that another summation order would show."""
     g = torch.Generator().manual_seed(7)
-    packed, sz = _int4_copy(128, 1024, 64, g)
+    packed, sb, sz = _int4_copy(128, 1024, 64, g)
     x = (torch.randn(16, 1024, generator=g)
          * torch.exp(3 * torch.randn(16, 1024, generator=g))).to(torch.bfloat16)
-    alone = torch.cat([native.i4mm(x[i:i + 1], packed, sz, 64, torch.float32)
-                       for i in range(16)])
-    for m in (2, 3, 4, 5, 16):
-        assert torch.equal(native.i4mm(x[:m], packed, sz, 64, torch.float32), alone[:m]), m
+    for sbz, pairs in ((sz, "zeros"), (sb, "biases"), (sb, "tiles")):
+        alone = torch.cat([native.i4mm(x[i:i + 1], packed, sbz, 64, torch.float32, pairs)
+                           for i in range(16)])
+        for m in (2, 3, 4, 5, 16):
+            got = native.i4mm(x[:m], packed, sbz, 64, torch.float32, pairs)
+            assert torch.equal(got, alone[:m]), (m, pairs)
 
 
 @pytest.mark.skipif(not native.i4mm_serves(64, 64, 64), reason="i4mm not built for this CPU")
 @pytest.mark.parametrize("bits", [4, 8, 3])
-def test_affine_weights_take_i4mm(bits, monkeypatch):
+@pytest.mark.parametrize("pairs", ["zeros", "biases", "tiles"])
+def test_affine_weights_take_i4mm(bits, pairs, monkeypatch):
     """An affine weight's `linear` runs i4mm up to I4MM_MAX_M rows of x (over both nibble
-    planes for 8-bit: x once per plane) and torch's int4 kernel on the same copy above (the
-    same call as before: equal); i4mm within twice the bound above plus a bf16 ulp of torch's
-    kernel. With the kernels off at load the weight gets none."""
+    planes for 8-bit: x once per plane), within the bound above plus a bf16 ulp of the twin
+    on the int4 copy's zeros or (env MLXR_CPU_I4_PAIRS at load) the planes' own scales and
+    biases (`affine.plane_scales`, counted in the weight's bytes; "tiles" only where the
+    tiles come from `native.i4deq`, else "zeros"), and above that the tiles
+    where mlxr's dequant builds them and `i4_max_m` sends them, else torch's int4 kernel on
+    the same copy (the same call as before: equal). With the kernels off at load the weight
+    gets none."""
+    monkeypatch.setenv("MLXR_CPU_I4_PAIRS", pairs)
     from mlxr.config import QuantSpec
     from mlxr.quant import QuantWeight, cpu, int4pack
+    from mlxr.quant.affine import plane_scales
 
     g = torch.Generator().manual_seed(bits)
     n, k = 128, 256
     words, s, b = _weight("affine", bits, 64, n, k, g)
     qw = QuantWeight.from_tensors(words, s, b, QuantSpec("affine", bits, 64))
     assert isinstance(qw.ckern, native.I4Matmul) and qw.ckern.max_m == cpu.I4MM_MAX_M
+    if pairs == "tiles" and not cpu.deq_serves(qw):
+        pairs = "zeros"
+    sb = qw.i4_sz if pairs == "zeros" else int4pack.scales_and_biases(*plane_scales(s, b, bits))
+    assert (qw.ckern.words is not None) == (pairs != "zeros")
     calls = []
     real = qw.ckern.fn
     qw.ckern.fn = lambda *a: calls.append(a[1]) or real(*a)
     for m in (1, cpu.I4MM_MAX_M, cpu.I4MM_MAX_M + 1):
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         xp = x.repeat(1, qw.planes)
-        theirs = int4pack.mm(xp, qw.i4, 64, qw.i4_sz)
         got = qw.linear(x)
-        if m > cpu.I4MM_MAX_M:  # the tiles where mlxr's dequant builds them, else the same
-            assert torch.equal(got, cpu.tiled_linear(qw, x) if cpu.deq_serves(qw) else theirs)
+        if m > cpu.I4MM_MAX_M:
+            tiles = cpu.i4_max_m(qw) <= m
+            theirs = int4pack.mm(xp, qw.i4, 64, qw.i4_sz)
+            assert torch.equal(got, cpu.tiled_linear(qw, x) if tiles else theirs)
         else:
-            tol = 2 * _i4_bound(xp, qw.i4_sz, 64) + 2 ** -7 * theirs.float().abs()
-            assert ((got.float() - theirs.float()).abs() <= tol).all()
+            want = twins.i4mm(xp, qw.i4, sb, 64, torch.float32, pairs)
+            tol = _i4_bound(xp, sb, 64) + 2 ** -7 * want.abs()
+            assert ((got.float() - want).abs() <= tol).all()
     assert calls == [1, cpu.I4MM_MAX_M]
     monkeypatch.setenv("MLXR_CPU_KERNELS", "0")
     off = QuantWeight.from_tensors(words, s, b, QuantSpec("affine", bits, 64))

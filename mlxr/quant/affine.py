@@ -122,15 +122,24 @@ def planes(codes: Tensor, scales: Tensor, biases: Tensor, bits: int
     s' h . x + b' sum(x) + s l . x = s q . x + b sum(x), mlx-lm's qmv sums (fp32 order aside).
     A power-of-two scale is exact in a float format; a scale that overflows there (no real
     checkpoint has one) raises ValueError, so the caller keeps its other decode path."""
+    s, b = plane_scales(scales, biases, bits)
     if bits <= 4:
-        return codes, scales, biases
+        return codes, s, b
     sh = bits - 4
     q = codes.to(torch.int32)
+    return torch.cat([q >> sh, q & ((1 << sh) - 1)], dim=1), s, b
+
+
+def plane_scales(scales: Tensor, biases: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """`planes`' scales and biases [N, P K/G] (without the codes). Raises ValueError where
+    plane 0's scale overflows."""
+    if bits <= 4:
+        return scales, biases
+    sh = bits - 4
     s_hi = scales * (1 << sh)
     if not bool(torch.isfinite(s_hi).all()):
         raise ValueError(f"planes: scales x {1 << sh} overflow {scales.dtype}")
-    return (torch.cat([q >> sh, q & ((1 << sh) - 1)], dim=1), torch.cat([s_hi, scales], dim=1),
-            torch.cat([biases, torch.zeros_like(biases)], dim=1))
+    return torch.cat([s_hi, scales], dim=1), torch.cat([biases, torch.zeros_like(biases)], dim=1)
 
 
 def merge_planes(hi: Tensor, lo: Tensor, bits: int) -> Tensor:

@@ -27,6 +27,7 @@ from torch import Tensor
 from mlxr.ops.cpu import native
 
 from . import int4pack
+from .affine import plane_scales
 
 # Rows of x from which the tiles beat torch's int4 kernel, by its planes. The tiles pay a
 # fixed cost per call (every code decoded from the int4 copy and dequantized), the kernel a
@@ -38,12 +39,14 @@ I4_MAX_M = {1: 160, 2: 80}
 # they beat torch's int4 kernel and i4mm from 16 rows on (docs/perf.md, "Session 21": 0.6B
 # qkv 4096 x 1024, 1 thread, M=16: tiles 1.34 ms, int4 1.59, i4mm 1.62; M=32: 1.41 vs 2.98):
 # above I4MM_MAX_M rows an affine weight can go straight to the tiles. Opt-in
-# (`MLXR_CPU_DEQ_ROWS=1`, read per call): the tiles hold the weights exactly (MLX's
-# dequantization) where torch's int4 kernel and i4mm use the int4 copy's (its zero point
-# rounded once more), so prompts of 17-159 rows would prefill with other weights than the
-# decode steps that follow (bf16 prefill-then-decode vs a full recompute of the tiny hybrid
-# MoE models: 0.19 of the logit range, tests/test_parity_hybrid.py); by default the tiles
-# start where they did before (I4_MAX_M), where i4deq gives the torch-built tiles' values.
+# (`MLXR_CPU_DEQ_ROWS=1`, read per call): the tiles round each weight to bf16 as MLX's
+# dequantization does (bf16(bf16(q * s) + b)) where torch's int4 kernel and i4mm compute with
+# the unrounded q * s + b in float32, so prompts of 17-159 rows would prefill with other
+# weights than the decode steps that follow (bf16 prefill-then-decode vs a full recompute of
+# the tiny hybrid MoE models: 0.19 of the logit range, tests/test_parity_hybrid.py; with
+# i4mm on the tiles' weights too, `i4_pairs` "tiles", it passes, but decode is 2.7x slower:
+# docs/perf.md "Session 21: i4mm on the exact weights"); by default the tiles start where
+# they did before (I4_MAX_M), where i4deq gives the torch-built tiles' values.
 I4_MAX_M_DEQ = 16
 
 
@@ -94,12 +97,29 @@ def kernel_for(qw, words: Tensor) -> native.QMatmul:
 I4MM_MAX_M = 16
 
 
+def i4_pairs() -> str:
+    """i4mm's weights (`native.i4mm`'s `pairs`), env `MLXR_CPU_I4_PAIRS` read at load:
+    "zeros" (the default: the int4 copy's zeros, torch's int4 kernel's weights), "biases"
+    (MLX's scales and biases, w = q * s + b; +4 B per group of a row) or "tiles" (w =
+    bf16(bf16(q * s) + b): the prefill tiles' and mlx's CPU backend's weights; the same
+    bytes): docs/perf.md, "Session 21: i4mm on the exact weights"."""
+    mode = os.environ.get("MLXR_CPU_I4_PAIRS", "zeros")
+    return mode if mode in native.I4_PAIRS else "zeros"
+
+
 def i4_kernel_for(qw) -> native.I4Matmul | None:
-    """The compiled GEMV bound to an affine weight's torch int4 copy (`qw.i4`), or None where
-    it cannot read it (`native.i4mm_serves`: not built, another packing, N % 64 != 0)."""
+    """The compiled GEMV bound to an affine weight's torch int4 copy (`qw.i4`, with its zeros
+    `i4_sz` or its planes' own scales and biases: `i4_pairs`), or None where it cannot read
+    it (`native.i4mm_serves`: not built, another packing, N % 64 != 0)."""
     if not native.i4mm_serves(qw.out_features, qw.in_features * qw.planes, qw.spec.group_size):
         return None
-    return native.I4Matmul(qw.i4, qw.i4_sz, qw.spec.group_size, qw.planes, I4MM_MAX_M)
+    g, mode = qw.spec.group_size, i4_pairs()
+    if mode == "tiles" and not deq_serves(qw):  # the tiles' weights come from dequant_rows
+        mode = "zeros"
+    if mode == "zeros":
+        return native.I4Matmul(qw.i4, qw.i4_sz, g, qw.planes, I4MM_MAX_M)
+    sb = int4pack.scales_and_biases(*plane_scales(qw.scales, qw.biases, qw.spec.bits))
+    return native.I4Matmul(qw.i4, sb, g, qw.planes, I4MM_MAX_M, mode)
 
 
 def linear(qw, x: Tensor) -> Tensor:

@@ -44,6 +44,12 @@ def scales_and_zeros(scales: Tensor, biases: Tensor) -> Tensor:
     return torch.stack([s, z], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
 
+def scales_and_biases(scales: Tensor, biases: Tensor) -> Tensor:
+    """mlx scales/biases [N, K/G] -> [K/G, N, 2] bf16 (scale, bias): `scales_and_zeros`'
+    layout with MLX's own values (exact where they are bf16), what `native.i4mm` reads."""
+    return torch.stack([scales, biases], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+
 def mm(x: Tensor, packed: Tensor, group_size: int, sz: Tensor) -> Tensor:
     return torch._weight_int4pack_mm_for_cpu(x, packed, group_size, sz)
 

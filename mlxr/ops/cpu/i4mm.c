@@ -1,19 +1,28 @@
 /* Decode GEMV / small GEMM over torch's packed int4 CPU copy (`QuantWeight.i4`, `i4_sz`).
  *
  * Why this layout and not MLX's words: mlxr already keeps torch's int4 copy of every affine
- * weight on the CPU (prefill and the tiles read it), so reading it here costs no extra memory,
+ * weight on the CPU (prefill and the tiles read it), so reading it here costs no extra memory
+ * (by default; the exact pairs below: +4 B per group of a row, 1/16 B per weight at G = 64),
  * and its block layout suits a GEMV: a block of 64 output rows is one contiguous stream of
  * K * 32 bytes, byte j of column k holding row j (low nibble) and row j + 32 (high nibble)
  * (mlxr/quant/int4pack.py probes that this torch build packs that way; otherwise this kernel
- * is not routed). Scales and zeros [K / G, N, 2] bf16 (zero = bias + 8 * scale, rounded to
- * bf16 once at load: the weight torch's own kernel computes with, so the effective weights
- * are the current default's and only the float32 summation order differs).
+ * is not routed). Pairs [K / G, N, 2] bf16 per group of a row, by `zero` (`native.I4_PAIRS`,
+ * env MLXR_CPU_I4_PAIRS at load, quant/cpu.py `i4_pairs`): 1 (default) torch's scales and
+ * zeros (`QuantWeight.i4_sz`; zero = bias + 8 * scale rounded to bf16 at load: the weights
+ * torch's own kernel computes with); 0 MLX's own scales and biases in that layout
+ * (`int4pack.scales_and_biases`, built beside): w = q * s + b exactly, mlx-lm's Metal qmv's
+ * weights; 2 the same pairs, each weight formed as the prefill tiles (i4deq.c) and mlx's CPU
+ * backend form it, bf16(bf16(q * s) + b), so decode after a tiled prefill computes with the
+ * prefill's weights (docs/perf.md, "Session 21: i4mm on the exact weights": 2.7x slower).
  *
  * Per block and group g, per x row: the codes q (0..15, exact in bf16 through a 16-entry
  * table, vpermw) of columns k, k + 1 sit in one 32-bit lane per output row (vpermb gathers the
  * two columns' bytes), so vdpbf16ps adds q_k x_k + q_k+1 x_k+1 per row exactly (bf16 x bf16
  * products are exact in float32) into float32 lanes = output rows: no horizontal sums. Then
- * y += s * dot + (z - 8 s) * sum(x_g) per row, 16 rows per vector; the output rounds once.
+ * y += s * dot + b * sum(x_g) per row (b = z - 8 s from torch's zero), 16 rows per vector
+ * (mlx-lm's Metal qmv's algebra, float32); the output rounds once. Mode 2 turns each lane's
+ * two codes into the two bf16 weights (four float32 ops and four roundings per vector)
+ * before the dot, and adds the dots without scale or bias.
  * OpenMP over blocks of 64 rows; more than 4 x rows re-read the block from cache per 4 rows.
  * A row's summation order does not depend on M (torch's kernel has that property too, and
  * the batch-equals-single tests rely on it).
@@ -43,6 +52,15 @@ static const uint8_t PAIR_IDX[64] = {
  * would not fit the registers otherwise. Two accumulator sets alternate over column pairs
  * (one chain would wait on vdpbf16ps' latency), summed at the end of each group: every row
  * sums in the same order whatever M is, so a row's output does not depend on the batch. */
+/* float32 lanes rounded to bf16 values (nearest even, denormals kept: i4deq.c's rne_bf16),
+ * kept as float32 */
+static inline __m512 rne_keep(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
 static inline __attribute__((always_inline)) void i4_block(
         const I4Args *a, const uint8_t *wb, int64_t n0, const uint16_t *x, const float *xs,
         const int MB, const int NV, const int half, float *acc) {
@@ -53,8 +71,18 @@ static inline __attribute__((always_inline)) void i4_block(
     const int64_t k_all = a->k, grp = a->group, ng = k_all / grp;
     int vs[4] = {0, 1, 2, 3};  /* vector slot -> 16-row group of the block */
     if (NV == 2) { vs[0] = half; vs[1] = half + 2; }
+    const int rnd = a->zero == 2;
     for (int64_t g = 0; g < ng; g++) {
         __m512 ga[2][4][4];
+        __m512 sv[4], bv[4];
+        if (rnd) {
+            const uint16_t *sp = a->sb + (g * a->n + n0) * 2;
+            for (int v = 0; v < NV; v++) {
+                __m512i l = _mm512_loadu_si512(sp + 32 * vs[v]);
+                sv[v] = _mm512_castsi512_ps(_mm512_slli_epi32(l, 16));
+                bv[v] = _mm512_castsi512_ps(_mm512_and_si512(l, hi16));
+            }
+        }
         for (int u = 0; u < 2; u++)
             for (int m = 0; m < MB; m++)
                 for (int v = 0; v < NV; v++) ga[u][m][v] = _mm512_setzero_ps();
@@ -78,6 +106,16 @@ static inline __attribute__((always_inline)) void i4_block(
                     c[NV == 4 ? 3 : 1] =
                         _mm512_permutexvar_epi16(_mm512_srli_epi16(hi, 4), tab);
                 }
+                if (rnd) {
+                    for (int v = 0; v < NV; v++) {
+                        __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(c[v], 16));
+                        __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(c[v], hi16));
+                        lo = rne_keep(_mm512_add_ps(rne_keep(_mm512_mul_ps(lo, sv[v])), bv[v]));
+                        hi = rne_keep(_mm512_add_ps(rne_keep(_mm512_mul_ps(hi, sv[v])), bv[v]));
+                        c[v] = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(lo), 16),
+                                               _mm512_castps_si512(hi));
+                    }
+                }
                 for (int m = 0; m < MB; m++) {
                     uint32_t xp;
                     memcpy(&xp, x + m * k_all + k + 2 * u, 4);
@@ -87,14 +125,19 @@ static inline __attribute__((always_inline)) void i4_block(
                 }
             }
         }
-        const uint16_t *sp = a->sz + (g * a->n + n0) * 2;
-        for (int v = 0; v < NV; v++) {  /* 16 rows: (scale, zero) per 32 bits */
+        const uint16_t *sp = a->sb + (g * a->n + n0) * 2;
+        for (int v = 0; v < NV; v++) {  /* 16 rows: (scale, bias) per 32 bits */
             __m512i l = _mm512_loadu_si512(sp + 32 * vs[v]);
             __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(l, 16));
-            __m512 z = _mm512_castsi512_ps(_mm512_and_si512(l, hi16));
-            __m512 zz = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);  /* codes 0..15, not -8 */
+            __m512 zz = _mm512_castsi512_ps(_mm512_and_si512(l, hi16));  /* bias or zero */
+            if (a->zero == 1) zz = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, zz);  /* 0..15 */
             for (int m = 0; m < MB; m++) {
                 float *ar = acc + m * 64 + 16 * vs[v];
+                if (rnd) {  /* the weights themselves: no scale, no bias term */
+                    _mm512_storeu_ps(ar, _mm512_add_ps(_mm512_add_ps(ga[0][m][v], ga[1][m][v]),
+                                                       _mm512_loadu_ps(ar)));
+                    continue;
+                }
                 __m512 r = _mm512_fmadd_ps(s, _mm512_add_ps(ga[0][m][v], ga[1][m][v]),
                                            _mm512_loadu_ps(ar));
                 _mm512_storeu_ps(ar, _mm512_fmadd_ps(zz, _mm512_set1_ps(xs[m * ng + g]), r));

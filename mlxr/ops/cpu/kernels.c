@@ -64,15 +64,15 @@ static PyObject *py_qmm(PyObject *self, PyObject *args) {
 static PyObject *py_i4mm(PyObject *self, PyObject *args) {
     (void)self;
     I4Args a;
-    unsigned long long x, w, sz, y;
+    unsigned long long x, w, sb, y;
     long long m, k, n;
     int nthreads;
     memset(&a, 0, sizeof a);
-    if (!PyArg_ParseTuple(args, "KLLKKLiKii", &x, &m, &k, &w, &sz, &n, &a.group, &y, &a.y_dt,
-                          &nthreads))
+    if (!PyArg_ParseTuple(args, "KLLKKLiiKii", &x, &m, &k, &w, &sb, &n, &a.group, &a.zero, &y,
+                          &a.y_dt, &nthreads))
         return NULL;
     a.x = (const void *)(uintptr_t)x; a.w = (const uint8_t *)(uintptr_t)w;
-    a.sz = (const uint16_t *)(uintptr_t)sz; a.y = (void *)(uintptr_t)y;
+    a.sb = (const uint16_t *)(uintptr_t)sb; a.y = (void *)(uintptr_t)y;
     a.m = m; a.k = k; a.n = n;
     int rc;
     Py_BEGIN_ALLOW_THREADS

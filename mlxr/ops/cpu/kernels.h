@@ -103,11 +103,13 @@ int qmm_run(QArgs *a, int nthreads);
 /* ------------------------------------------------------------------ torch's int4 copy */
 
 /* y [m, n] = x [m, k] (bf16) @ W^T for W in torch's packed int4 CPU layout with 64-row
- * blocks (`w`: [n / 64, k, 32] bytes) and its scales and zeros (`sz`: [k / group, n, 2]
- * bf16, w = (q - 8) * scale + zero); y float32 or bf16. i4mm.c says why and how. */
+ * blocks (`w`: [n / 64, k, 32] bytes) and pairs `sb` [k / group, n, 2] bf16, by `zero`:
+ * 0 MLX's scales and biases (w = q * scale + bias), 1 torch's scales and zeros (w = (q - 8)
+ * * scale + zero), 2 MLX's, w = bf16(bf16(q * scale) + bias); y float32 or bf16. i4mm.c says
+ * why and how. */
 typedef struct {
     const void *x; int64_t m, k;
-    const uint8_t *w; const uint16_t *sz; int64_t n; int group;
+    const uint8_t *w; const uint16_t *sb; int64_t n; int group, zero;
     void *y; int y_dt;
     uint16_t tab[32];  /* code -> bf16 value, twice (vpermw indexes 32 entries) */
 } I4Args;

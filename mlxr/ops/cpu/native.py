@@ -126,23 +126,32 @@ def i4mm_serves(out_features: int, in_features: int, group: int) -> bool:
             and out_features % 64 == 0 and group % 4 == 0 and in_features % group == 0)
 
 
-def i4mm(x: Tensor, packed: Tensor, sz: Tensor, group: int, out_dtype: torch.dtype) -> Tensor:
+I4_PAIRS = {"biases": 0, "zeros": 1, "tiles": 2}  # i4mm's modes (i4mm.c)
+
+
+def i4mm(x: Tensor, packed: Tensor, sb: Tensor, group: int, out_dtype: torch.dtype,
+         pairs: str = "zeros") -> Tensor:
     """y [M, N] = x [M, K] (bf16) @ W^T for W in torch's packed int4 CPU copy (`packed`:
-    uint8 [N / 64, K, 32] bytes as `int4pack.pack` makes them, 64-row blocks; `sz` [K / G, N,
-    2] bf16 scale and zero, w = (q - 8) * scale + zero): the values of
-    `torch._weight_int4pack_mm_for_cpu(x, packed, group, sz)`, float32 sums in another order,
-    rounded to `out_dtype` (bf16 / float32) once. Callers check `i4mm_serves` first."""
+    uint8 [N / 64, K, 32] bytes as `int4pack.pack` makes them, 64-row blocks) and pairs `sb`
+    [K / G, N, 2] bf16. `pairs` "zeros": torch's scale and zero (`int4pack.scales_and_zeros`,
+    w = (q - 8) * scale + zero: the values of `torch._weight_int4pack_mm_for_cpu`, float32
+    sums in another order); "biases": MLX's scale and bias (`int4pack.scales_and_biases`,
+    w = q * scale + bias), both per group s * (x . q) + b * sum(x) in float32 (b = zero -
+    8 s); "tiles": MLX's scale and bias, each weight formed as the tiles and mlx's CPU backend
+    form it, bf16(bf16(q * s) + b) (`i4deq`), then x . w in float32. The output rounds to
+    `out_dtype` (bf16 / float32) once. Callers check `i4mm_serves` first."""
     m, k = x.shape
-    kg, n, two = sz.shape
+    kg, n, two = sb.shape
     _check(x.dtype == torch.bfloat16 and x.is_contiguous(), "x")
-    _check(two == 2 and sz.dtype == torch.bfloat16 and sz.is_contiguous() and kg * group == k
-           and n % 64 == 0 and group % 4 == 0, f"scales/zeros {tuple(sz.shape)} for K={k}")
+    _check(two == 2 and sb.dtype == torch.bfloat16 and sb.is_contiguous() and kg * group == k
+           and n % 64 == 0 and group % 4 == 0, f"scales/biases {tuple(sb.shape)} for K={k}")
     _check(packed.dtype == torch.uint8 and packed.is_contiguous()
            and packed.numel() * 2 == n * k, f"int4 copy {tuple(packed.shape)} for [{n}, {k}]")
     _check(out_dtype in (torch.bfloat16, torch.float32), "out dtype")
     y = torch.empty(m, n, dtype=out_dtype)
-    _module().i4mm(x.data_ptr(), m, k, packed.data_ptr(), sz.data_ptr(), n, group, y.data_ptr(),
-                   DTYPES[out_dtype], torch.get_num_threads())
+    _module().i4mm(x.data_ptr(), m, k, packed.data_ptr(), sb.data_ptr(), n, group,
+                   I4_PAIRS[pairs],
+                   y.data_ptr(), DTYPES[out_dtype], torch.get_num_threads())
     return y
 
 
@@ -233,18 +242,20 @@ class QMatmul:
 
 
 class I4Matmul:
-    """`i4mm` bound to a weight's torch int4 copy (`QuantWeight.i4` / `i4_sz`, `planes` nibble
-    planes of its codes side by side: x repeated once per plane, as torch's kernel is called
-    over them), its checks done once; serves up to `max_m` rows of x."""
+    """`i4mm` bound to a weight's torch int4 copy (`QuantWeight.i4`, `planes` nibble planes of
+    its codes side by side: x repeated once per plane, as torch's kernel is called over them)
+    and pairs `sb` (`i4mm`: the weight's own `i4_sz` for "zeros", else its planes' scales and
+    biases, kept here: what it reads beside the weight's storage), its checks done once;
+    serves up to `max_m` rows of x."""
 
-    words = None  # reads the weight's own int4 copy: nothing kept beside it
-
-    def __init__(self, packed: Tensor, sz: Tensor, group: int, planes: int, max_m: int):
-        kp = sz.shape[0] * group
-        i4mm(torch.zeros(1, kp, dtype=torch.bfloat16), packed, sz, group, torch.bfloat16)
-        self.keep = (packed, sz)
-        self.n, self.k, self.planes, self.max_m = sz.shape[1], kp // planes, planes, max_m
-        self.args = (packed.data_ptr(), sz.data_ptr(), self.n, group)
+    def __init__(self, packed: Tensor, sb: Tensor, group: int, planes: int, max_m: int,
+                 pairs: str = "zeros"):
+        kp = sb.shape[0] * group
+        i4mm(torch.zeros(1, kp, dtype=torch.bfloat16), packed, sb, group, torch.bfloat16, pairs)
+        self.keep = (packed, sb)
+        self.words = None if pairs == "zeros" else sb  # nbytes counts what is not its own
+        self.n, self.k, self.planes, self.max_m = sb.shape[1], kp // planes, planes, max_m
+        self.args = (packed.data_ptr(), sb.data_ptr(), self.n, group, I4_PAIRS[pairs])
         self.fn = _module().i4mm
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -253,7 +264,7 @@ class I4Matmul:
             raise ValueError(f"mlxr.ops.cpu: x {tuple(x.shape)} {x.dtype} for in={self.k}")
         x = x.contiguous() if self.planes == 1 else x.repeat(1, self.planes)
         y = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16)
-        p, sz, n, g = self.args
-        self.fn(x.data_ptr(), x.shape[0], x.shape[1], p, sz, n, g, y.data_ptr(), 1,
+        p, sb, n, g, z = self.args
+        self.fn(x.data_ptr(), x.shape[0], x.shape[1], p, sb, n, g, z, y.data_ptr(), 1,
                 torch.get_num_threads())
         return y

@@ -35,17 +35,28 @@ def qmm(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor | None, mode: s
     return y.to(out_dtype)
 
 
-def i4mm(x: Tensor, packed: Tensor, sz: Tensor, group: int, out_dtype: torch.dtype) -> Tensor:
-    """`native.i4mm` in torch: the codes decoded from the int4 copy, w = (q - 8) * s + z in
-    float32 (what torch's int4 kernel forms), one float32 matmul."""
+def i4mm(x: Tensor, packed: Tensor, sb: Tensor, group: int, out_dtype: torch.dtype,
+         pairs: str = "zeros") -> Tensor:
+    """`native.i4mm` in torch: the codes decoded from the int4 copy, per group s * (x . q) +
+    b * sum(x) in float32 with sb's scales and biases ([K / G, N, 2]; "zeros": b = zero - 8 s
+    from torch's zeros), summed over groups; "tiles": x . w in float32 for w = bf16(bf16(q *
+    s) + b) (two bf16 ops, as `QuantWeight.dequant_rows`)."""
     from mlxr.quant import int4pack
 
     m, k = x.shape
-    n = sz.shape[1]
-    q = int4pack.decode_rows(packed, k, 0, n).to(torch.float32)  # [N, K]
-    s, z = sz[..., 0].t().float(), sz[..., 1].t().float()  # [N, K / G]
-    w = ((q - 8).view(n, k // group, group) * s.unsqueeze(-1) + z.unsqueeze(-1)).view(n, k)
-    return (x.to(torch.float32) @ w.t()).to(out_dtype)
+    n = sb.shape[1]
+    q = int4pack.decode_rows(packed, k, 0, n).to(torch.float32).view(n, k // group, group)
+    if pairs == "tiles":
+        s16, b16 = sb[..., 0].t().unsqueeze(-1), sb[..., 1].t().unsqueeze(-1)  # [N, K / G, 1]
+        w = (q.to(torch.bfloat16) * s16 + b16).view(n, k)  # each op rounds to bf16
+        return (x.to(torch.float32) @ w.float().t()).to(out_dtype)
+    s, b = sb[..., 0].float(), sb[..., 1].float()  # [K / G, N]
+    if pairs == "zeros":
+        b = b - 8 * s
+    xg = x.to(torch.float32).view(m, k // group, group)
+    dots = torch.einsum("mgj,ngj->mgn", xg, q)  # [M, K / G, N]
+    y = (dots * s).sum(1) + torch.einsum("mg,gn->mn", xg.sum(-1), b)
+    return y.to(out_dtype)
 
 
 def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor | None, start: int,
