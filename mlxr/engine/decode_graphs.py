@@ -36,6 +36,29 @@ def supported(decoder) -> bool:
     return graphable(decoder) and ops.fast_kernels(decoder.device)
 
 
+def stage_table(h_tables: torch.Tensor, row_state: list, r: int, table: list[int]) -> int:
+    """Row r of the pinned host mirror of the block tables holds `table`: rewritten only from
+    the first column it lacks (all of it when row r held another sequence's table, whose list
+    is another object). row_state[r] = (table, columns written). Returns len(table)."""
+    m = len(table)
+    st = row_state[r]
+    have = st[1] if st is not None and st[0] is table else 0
+    if have < m:
+        h_tables[r, have:m] = torch.tensor(table[have:m], dtype=torch.int32)
+        row_state[r] = (table, m)
+    return m
+
+
+def clear_tables(h_tables: torch.Tensor, row_state: list, start: int, end: int,
+                 trash: int) -> None:
+    """Padding rows [start, end) read the trash block (only column 0 is ever read: their
+    context length is 1)."""
+    for r in range(start, end):
+        if row_state[r] is not None:
+            h_tables[r, 0] = trash
+            row_state[r] = None
+
+
 class PagedDecodeRunner:
     """Runs decode steps of up to `max_batch` sequences whose KV lives in `pool` (block size
     bs); `trash_block` is a pool block outside the BlockManager (padding rows write there)."""
@@ -83,10 +106,7 @@ class PagedDecodeRunner:
         self.h_rows[:, start:end] = 0
         self.h_rows[2, start:end] = self.trash * self.pool.block_size
         self.h_rows[3, start:end] = 1
-        for r in range(start, end):
-            if self.row_state[r] is not None:
-                self.h_tables[r, 0] = self.trash
-                self.row_state[r] = None
+        clear_tables(self.h_tables, self.row_state, start, end, self.trash)
 
     def _launch(self, b: int, width: int) -> None:
         """The step of bucket b from the host rows and the first `width` columns of the
@@ -111,13 +131,7 @@ class PagedDecodeRunner:
             ids.append(s.token_ids[p])
             pos.append(p)
             slots.append(table[p // bs] * bs + p % bs)
-            m = len(table)
-            width = max(width, m)
-            st = self.row_state[r]
-            have = st[1] if st is not None and st[0] is table else 0
-            if have < m:
-                self.h_tables[r, have:m] = torch.tensor(table[have:m], dtype=torch.int32)
-                self.row_state[r] = (table, m)
+            width = max(width, stage_table(self.h_tables, self.row_state, r, table))
         self.h_rows[:3, :n] = torch.tensor([ids, pos, slots])
         self.h_rows[3, :n] = self.h_rows[1, :n] + 1
         self._reset_padding(n, b)

@@ -22,7 +22,7 @@ import torch
 
 from ..models.slot_pool import SlotCache, SlotPool
 from .cuda_graph import capture
-from .decode_graphs import buckets_for
+from .decode_graphs import buckets_for, clear_tables, stage_table
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +79,7 @@ class HybridDecodeRunner:
         self.h_rows[SLOT, start:end] = self.pool.trash_block * self.pool.block_size
         self.h_rows[LEN, start:end] = 1
         self.h_rows[STATE, start:end] = self.pool.trash_slot
-        for r in range(start, end):
-            if self.row_state[r] is not None:
-                self.h_tables[r, 0] = self.pool.trash_block
-                self.row_state[r] = None
+        clear_tables(self.h_tables, self.row_state, start, end, self.pool.trash_block)
 
     def run(self, seqs: list, caches: list[SlotCache]) -> torch.Tensor:
         """Decode the pending token of each sequence (token_ids[num_computed], at position
@@ -99,13 +96,7 @@ class HybridDecodeRunner:
             pos.append(p)
             slots.append(table[p // bs] * bs + p % bs)
             states.append(cache.slot)
-            m = len(table)
-            width = max(width, m)
-            st = self.row_state[r]
-            have = st[1] if st is not None and st[0] is table else 0
-            if have < m:
-                self.h_tables[r, have:m] = torch.tensor(table[have:m], dtype=torch.int32)
-                self.row_state[r] = (table, m)
+            width = max(width, stage_table(self.h_tables, self.row_state, r, table))
         self.h_rows[[IDS, POS, SLOT, STATE], :n] = torch.tensor([ids, pos, slots, states])
         self.h_rows[LEN, :n] = self.h_rows[POS, :n] + 1
         self._reset_padding(n, b)
