@@ -113,8 +113,10 @@ def _counted(monkeypatch, module, name: str) -> list:
 
 def _decode(model, prompt: list[int], steps: int, lean: bool, monkeypatch):
     """Prefill `prompt`, then `steps` greedy one-token forwards: each step's logits and the
-    final cache."""
+    final cache. The DeltaNet step between the projections on torch (`MLXR_CPU_GDN=0`: the
+    compiled step sums in another order, tests/test_cpu_gdn.py)."""
     monkeypatch.setenv("MLXR_CPU_DECODE", "1" if lean else "0")
+    monkeypatch.setenv("MLXR_CPU_GDN", "0")
     dec = model.decoder
     cache = dec.new_cache(64) if hasattr(dec, "new_cache") else new_cache(dec, 64)
     rows = []
@@ -137,7 +139,8 @@ def _tensors(cache) -> list:
 def test_lean_decode_equals_generic(built, family, dtype, monkeypatch):
     """Six greedy decode steps after a 13-token prompt on the lean paths and on the generic
     ones (MLXR_CPU_DECODE=0): logits, K/V and recurrent states equal bit for bit, and the
-    lean DeltaNet step / MoE loop ran at every step of every such layer."""
+    lean DeltaNet step / MoE loop ran at every step of every such layer (its torch step:
+    `_decode`)."""
     model = mlxr.load(built(family), device="cpu", dtype=dtype)
     prompt = [(7 * i + 3) % 300 for i in range(13)]
     want, want_cache = _decode(model, prompt, 6, False, monkeypatch)
@@ -162,6 +165,7 @@ def test_lean_batched_decode_equals_generic(built, family, monkeypatch):
     model = mlxr.load(built(family), device="cpu", dtype="bfloat16")
     dec = model.decoder
     prompts = [[(5 * i + j) % 300 for i in range(n)] for j, n in ((1, 9), (2, 4), (3, 13))]
+    monkeypatch.setenv("MLXR_CPU_GDN", "0")
     out = {}
     for lean in (False, True):
         monkeypatch.setenv("MLXR_CPU_DECODE", "1" if lean else "0")
