@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ..ops.cpu import gdn, twins
+from ..ops.cpu import fused, gdn, twins
 from . import cpu_decode
 from .gated_delta import GatedDeltaMixer
 
@@ -83,3 +83,56 @@ def delta_step(m: GatedDeltaMixer, x: Tensor, conv_state: Tensor, ssm_state: Ten
             and conv_state.is_contiguous()):
         return p.out_proj(gdn.step(*args))
     return p.out_proj(twins.gdn_step(*args))
+
+
+@dataclass(frozen=True)
+class _MlpPlan:
+    """The dense MLPs' projections per layer (None: a MoE layer) and the activation's table
+    (`fused.act_table`)."""
+
+    gate_up: list[Callable[[Tensor], Tensor] | None]
+    down: list[Callable[[Tensor], Tensor] | None]
+    act: Tensor
+
+
+def _mlp_plan(dec) -> _MlpPlan | None:
+    """None where the fused calls do not give this decoder's values (`fused.ready`: checked
+    once, bit for bit against their torch twins) or its dtype is not bf16."""
+    plan = getattr(dec, "_cpu_mlp_plan", False)
+    if plan is False:
+        c = dec.config
+        ok = (dec.dtype == torch.bfloat16 and fused.ready(c.hidden_size, 1, 1, 64, 64, False,
+                                                          False, c.hidden_act)
+              and all(w.dtype == torch.bfloat16 for ly in dec.layers
+                      for w in (ly.input_norm, ly.mlp_norm)) and dec.norm.dtype == torch.bfloat16)
+        plan = None
+        if ok:
+            dense = [ly.moe is None for ly in dec.layers]
+            plan = _MlpPlan([cpu_decode._matmul(ly.gate_up) if d else None
+                             for ly, d in zip(dec.layers, dense, strict=True)],
+                            [cpu_decode._matmul(ly.down_proj) if d else None
+                             for ly, d in zip(dec.layers, dense, strict=True)],
+                            fused.act_table(c.hidden_act))
+        dec._cpu_mlp_plan = plan
+    return plan
+
+
+def layers(dec, h: Tensor, mixer) -> Tensor | None:
+    """`Qwen35Decoder._layers` for a decode step (rows h [B, E], one token of each sequence):
+    the residual adds with their RMSNorms and act(gate) * up in one C call each (`fused`:
+    the torch path's values bit for bit), the projections called directly. None where that
+    does not serve (the caller runs `_layers`)."""
+    plan = _mlp_plan(dec)
+    if plan is None or not fused.enabled() or h.dtype != torch.bfloat16:
+        return None
+    eps = dec.config.rms_norm_eps
+    h, x = fused.add_rms_norm(h.clone(), None, dec.layers[0].input_norm, eps)
+    for i, layer in enumerate(dec.layers):
+        h, x = fused.add_rms_norm(h, mixer(i, layer, x).contiguous(), layer.mlp_norm, eps)
+        if layer.moe is not None:
+            r = layer.moe(x)
+        else:
+            r = plan.down[i](fused.act_mul(plan.gate_up[i](x).contiguous(), plan.act))
+        nxt = dec.layers[i + 1].input_norm if i + 1 < len(dec.layers) else dec.norm
+        h, x = fused.add_rms_norm(h, r.contiguous(), nxt, eps)
+    return x
