@@ -93,3 +93,18 @@ def test_switch(monkeypatch):
     monkeypatch.setenv("MLXR_CPU_GDN", "1")
     monkeypatch.setenv("MLXR_CPU_KERNELS", "0")
     assert not gdn.enabled(True) and not native.enabled()
+
+
+def test_step_threads_agree():
+    """The heads split over OpenMP threads give what one thread gives (rows are independent)."""
+    conv, ssm, tables, projs = _case(2, 4, 32, 32, 2, seed=9)
+    out = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            c, s = conv.clone(), ssm.clone()
+            out.append((gdn.step(projs[0], c, s, *tables), c, s))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*out))
