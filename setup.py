@@ -41,7 +41,7 @@ class OptionalBuild(build_ext):
 setup(
     ext_modules=[Extension("mlxr.ops.cpu._kernels",
                            [f"mlxr/ops/cpu/{f}.c"
-                            for f in ("kernels", "qmm", "i4mm", "i4deq", "attend", "layer")],
+                            for f in ("kernels", "qmm", "i4mm", "i4deq", "attend", "layer", "gdn")],
                            depends=["mlxr/ops/cpu/kernels.h"], optional=True)],
     cmdclass={"build_ext": OptionalBuild},
 )

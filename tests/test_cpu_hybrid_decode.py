@@ -15,6 +15,7 @@ from mlxr.engine.kv_cache import new_cache
 from mlxr.layers import Linear
 from mlxr.models import cpu_hybrid_decode, cpu_moe_decode
 from mlxr.models.gated_delta import GatedDeltaMixer
+from mlxr.ops.cpu import fused
 from mlxr.ops.recurrent import reference as recurrent
 
 
@@ -113,8 +114,10 @@ def _counted(monkeypatch, module, name: str) -> list:
 
 def _decode(model, prompt: list[int], steps: int, lean: bool, monkeypatch):
     """Prefill `prompt`, then `steps` greedy one-token forwards: each step's logits and the
-    final cache."""
+    final cache. The DeltaNet step between the projections on torch (`MLXR_CPU_GDN=0`: the
+    compiled step sums in another order, tests/test_cpu_gdn.py)."""
     monkeypatch.setenv("MLXR_CPU_DECODE", "1" if lean else "0")
+    monkeypatch.setenv("MLXR_CPU_GDN", "0")
     dec = model.decoder
     cache = dec.new_cache(64) if hasattr(dec, "new_cache") else new_cache(dec, 64)
     rows = []
@@ -137,7 +140,8 @@ def _tensors(cache) -> list:
 def test_lean_decode_equals_generic(built, family, dtype, monkeypatch):
     """Six greedy decode steps after a 13-token prompt on the lean paths and on the generic
     ones (MLXR_CPU_DECODE=0): logits, K/V and recurrent states equal bit for bit, and the
-    lean DeltaNet step / MoE loop ran at every step of every such layer."""
+    lean DeltaNet step / MoE loop ran at every step of every such layer (its torch step:
+    `_decode`)."""
     model = mlxr.load(built(family), device="cpu", dtype=dtype)
     prompt = [(7 * i + 3) % 300 for i in range(13)]
     want, want_cache = _decode(model, prompt, 6, False, monkeypatch)
@@ -153,15 +157,19 @@ def test_lean_decode_equals_generic(built, family, dtype, monkeypatch):
     n_moe = sum(getattr(la, "moe", None) is not None for la in layers)
     assert len(delta) == 6 * n_delta
     assert len(moe) >= 6 * n_moe > 0 or (n_moe == 0 and not moe)
+    if n_delta and dtype == "bfloat16" and fused.ready(8, 1, 1, 64, 64, False, False, "silu"):
+        assert dec._cpu_mlp_plan is not None  # the fused residual / norm / MLP loop ran
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
 def test_lean_batched_decode_equals_generic(built, family, monkeypatch):
     """The engine's decode batch (`forward_batch`, three sequences of different lengths, bf16):
-    the lean step's logits and states equal the generic ones bit for bit."""
+    the lean step's logits and states equal the generic ones bit for bit (the fused residual
+    / norm / MLP loop included where the extension is built)."""
     model = mlxr.load(built(family), device="cpu", dtype="bfloat16")
     dec = model.decoder
     prompts = [[(5 * i + j) % 300 for i in range(n)] for j, n in ((1, 9), (2, 4), (3, 13))]
+    monkeypatch.setenv("MLXR_CPU_GDN", "0")
     out = {}
     for lean in (False, True):
         monkeypatch.setenv("MLXR_CPU_DECODE", "1" if lean else "0")

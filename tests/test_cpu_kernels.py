@@ -204,6 +204,38 @@ def test_affine_weights_take_i4mm(bits, pairs, monkeypatch):
     assert off.ckern is None and off.i4 is not None
 
 
+@pytest.mark.skipif(not native.i4mm_serves(64, 64, 64), reason="i4mm not built for this CPU")
+@pytest.mark.parametrize("n", [160, 208])
+def test_split_i4_rows_not_a_multiple_of_64(n, monkeypatch):
+    """A 4-bit weight of N % 64 != 0 rows (qwen3_5's DeltaNet in_proj: 8224) takes `SplitI4`:
+    its whole 64-row blocks on i4mm, read in place, within i4mm's bound of the twin; the last
+    rows on torch's int4 kernel, equal to its call over the whole copy; its own bytes in the
+    weight's count. Other pairs modes keep torch's kernel (no ckern)."""
+    from mlxr.config import QuantSpec
+    from mlxr.quant import QuantWeight, cpu, int4pack
+
+    if not int4pack.head_blocks():
+        pytest.skip("this torch lays out N % 64 != 0 copies otherwise")
+    g = torch.Generator().manual_seed(n)
+    k, n64 = 256, n // 64 * 64
+    words, s, b = _weight("affine", 4, 64, n, k, g)
+    qw = QuantWeight.from_tensors(words, s, b, QuantSpec("affine", 4, 64))
+    assert isinstance(qw.ckern, cpu.SplitI4) and qw.ckern.max_m == cpu.I4MM_MAX_M
+    for m in (1, 5, cpu.I4MM_MAX_M):
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        got = qw.linear(x)
+        whole = int4pack.mm(x, qw.i4, 64, qw.i4_sz)
+        assert torch.equal(got[:, n64:], whole[:, n64:])
+        head = qw.i4.reshape(-1)[:n64 * k // 2].view(n64 // 64, k, 32)
+        sb = qw.i4_sz[:, :n64].contiguous()
+        want = twins.i4mm(x, head, sb, 64, torch.float32, "zeros")
+        tol = _i4_bound(x, sb, 64) + 2 ** -7 * want.abs()
+        assert ((got[:, :n64].float() - want).abs() <= tol).all()
+    monkeypatch.setenv("MLXR_CPU_I4_PAIRS", "biases")
+    other = QuantWeight.from_tensors(words, s, b, QuantSpec("affine", 4, 64))
+    assert other.ckern is None and other.nbytes + qw.ckern.words.numel() == qw.nbytes
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2)])
 @pytest.mark.parametrize("gathered", [False, True])

@@ -3,10 +3,11 @@ lean paths against the generic ones in one process, alternating, in process CPU 
 share of a step spent in torch's int4 kernel.
 
     PYTHONPATH=. python benchmarks/cpu/family_decode_ab.py MODEL_DIR [--prompt 64] [--steps 6]
-        [--rounds 6] [--threads 1]
+        [--rounds 6] [--threads 1] [--arm NAME:VAR=VALUE,VAR=VALUE ...]
 
-Two caches get the same random prompt; each round decodes `steps` random tokens on each path
-(env MLXR_CPU_DECODE, read per step; the order flipped every round) and keeps the median step.
+Each path's cache gets the same random prompt; each round decodes `steps` random tokens on each
+path (env MLXR_CPU_DECODE, read per step, and the env of extra `--arm`s, e.g. `--arm
+torch_gdn:MLXR_CPU_GDN=0`; the order flipped every round) and keeps the median step.
 Process CPU time counts the work done, not the waits for a core, so with one thread the figures
 hold on the shared dev box (with two, OpenMP's spinning counts too). Then the int4 kernel's
 calls of one lean step are recorded and replayed alone: their CPU time is the step's matmul
@@ -68,42 +69,65 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--arm", action="append", default=[],
+                    help="NAME:VAR=VALUE,...: one more lean path with this env (read per step)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     dec = mlxr.load(a.model, device="cpu").decoder
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, dec.config.vocab_size, (a.prompt,), generator=g)
-    paths = {"generic": "0", "lean": "1"}
+    paths = {"generic": {"MLXR_CPU_DECODE": "0"}, "lean": {"MLXR_CPU_DECODE": "1"}}
+    for arm in a.arm:
+        name, env = arm.split(":", 1)
+        paths[name] = {"MLXR_CPU_DECODE": "1", **dict(kv.split("=", 1) for kv in env.split(","))}
+    keys = {k for env in paths.values() for k in env}
+    base = {k: os.environ.get(k) for k in keys}
+
+    def setenv(p: str) -> None:
+        for k in keys:
+            v = paths[p].get(k, base[k])
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
     caches = {p: _cache(dec, a.prompt + a.rounds * a.steps + 8) for p in paths}
     times: dict[str, list[float]] = {p: [] for p in paths}
-    equal = True
+    equal = {p: True for p in paths if p != "generic"}
+    diff = {p: 0.0 for p in equal}  # max |logit - generic's| over the logits' range
     with torch.inference_mode():
-        for p, flag in paths.items():
-            os.environ["MLXR_CPU_DECODE"] = flag
+        for p in paths:
+            setenv(p)
             dec.forward(prompt, caches[p], last_only=True)
         for r in range(a.rounds):
             tokens = torch.randint(0, dec.config.vocab_size, (a.steps, 1), generator=g)
             got = {}
             for p in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
-                os.environ["MLXR_CPU_DECODE"] = paths[p]
+                setenv(p)
                 ts = []
                 for t in tokens:
                     c = time.process_time()
                     got[p] = dec.forward(t, caches[p], last_only=True)
                     ts.append(time.process_time() - c)
                 times[p].append(statistics.median(ts))
-            equal &= torch.equal(got["generic"], got["lean"])
-        os.environ["MLXR_CPU_DECODE"] = "1"
+            ref = got["generic"]
+            for p in equal:
+                equal[p] &= torch.equal(got[p], ref)
+                diff[p] = max(diff[p], float((got[p] - ref).abs().max() / (ref.max() - ref.min())))
+        setenv("lean")
         mm_s = int4_share(dec, caches["lean"], tokens[0])
     ms = {p: 1e3 * statistics.median(v) for p, v in times.items()}
     for p, v in ms.items():
         print(f"{p:8s} {v:7.2f} ms/step CPU  (round medians "
               f"{[round(1e3 * x, 1) for x in times[p]]})")
-    print(f"lean / generic: {ms['generic'] / ms['lean']:.2f}x; logits equal: {equal}; int4 "
-          f"kernel {1e3 * mm_s:.1f} ms of the lean step, the rest {ms['lean'] - 1e3 * mm_s:.1f}")
-    print(json.dumps({"ms_generic": ms["generic"], "ms_lean": ms["lean"],
-                      "ms_int4": 1e3 * mm_s, "threads": a.threads, "prompt": a.prompt,
-                      "logits_equal": equal}))
+    for p in equal:
+        print(f"{p} / generic: {ms['generic'] / ms[p]:.2f}x; logits equal: {equal[p]} (max "
+              f"diff {diff[p]:.2e} of the range)")
+    print(f"torch's int4 kernel {1e3 * mm_s:.1f} ms of the lean step, the rest "
+          f"{ms['lean'] - 1e3 * mm_s:.1f}; load {os.getloadavg()[0]:.2f}")
+    print(json.dumps({**{f"ms_{p}": v for p, v in ms.items()}, "ms_int4": 1e3 * mm_s,
+                      "threads": a.threads, "prompt": a.prompt, "logits_equal": equal,
+                      "logits_diff": diff}))
 
 
 if __name__ == "__main__":

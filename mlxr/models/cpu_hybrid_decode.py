@@ -1,20 +1,25 @@
 """The CPU decode step of the gated DeltaNet layer (qwen3_5, qwen3_5_moe, qwen3_next): one new
-token per sequence, the generic mixer's arithmetic in fewer, larger torch ops.
+token per sequence, the generic mixer's arithmetic in fewer, larger ops.
 
 `Qwen35Decoder.forward` (a one-token step) and `forward_batch` (the engine's decode batches) call
 `delta_step` instead of `GatedDeltaMixer.__call__` on the CPU. The generic path
 (`ops.recurrent.reference`) spends ~0.3 ms of one core per layer and token outside the
-two projections, in ~25 small torch calls around the four passes over the float32 state. The
-same arithmetic here, every rounding where the reference rounds it (logits and states equal the
-generic path's bit for bit: tests/test_cpu_hybrid_decode.py):
+two projections, in ~25 small torch calls around the four passes over the float32 state.
+Between the projections this runs one of:
 
-* the conv's W tap products are one multiply by a float32 [W, C] table built once, summed tap
-  by tap in the reference's order (the same roundings);
-* q and k are L2-normed as one [B, 2Hk, Dk] tensor, their scales a per-head column rounded as
-  the reference's scalars;
-* the decay's -exp(A_log) is a table; the projections call torch's int4 kernel directly
-  (`cpu_decode._matmul`).
+* `mlxr.ops.cpu.gdn.step`, one C call (bf16, where `gdn.enabled`: by default in layers whose
+  projections run mlxr's own matmul kernels; env `MLXR_CPU_GDN`): the state read and written
+  once, every elementwise value rounded as below, the two dot products per state row summed
+  in another order than torch's bmm (within float32 summation bounds of the torch step's:
+  tests/test_cpu_gdn.py);
+* `mlxr.ops.cpu.twins.gdn_step`, the same arithmetic in torch, every rounding where the
+  reference rounds it (logits and states equal the generic path's bit for bit:
+  tests/test_cpu_hybrid_decode.py): the conv's W tap products one multiply by a float32
+  [W, C] table built once, summed tap by tap in the reference's order; q and k L2-normed as
+  one [B, 2Hk, Dk] tensor, their scales a per-head column rounded as the reference's
+  scalars; the decay's -exp(A_log) a table.
 
+The projections call mlxr's or torch's int4 kernel directly (`cpu_decode._matmul`).
 `MLXR_CPU_DECODE=0` (read per step) selects the generic mixer, as for the dense lean step.
 """
 
@@ -24,11 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .. import ops
-from ..ops.recurrent import reference as recurrent
+from ..ops.cpu import fused, gdn, twins
 from . import cpu_decode
 from .gated_delta import GatedDeltaMixer
 
@@ -41,66 +45,28 @@ def enabled(x: Tensor) -> bool:
 
 @dataclass(frozen=True)
 class _DeltaPlan:
-    """One mixer's tables. conv_w [W, C] float32 (tap j's weights as row j); qk_scale
-    [2Hk, 1] compute dtype (Dk^-1 for the q heads, Dk^-0.5 for the k heads, rounded as the
-    reference's scalars); neg_decay [Hv] float32 (-exp(A_log)); zero: a 0-d compute-dtype
-    zero for softplus."""
+    """One mixer's tables: conv_w [W, C] float32 (tap j's weights as row j), neg_decay [Hv]
+    float32 (-exp(A_log)); served: a projection runs mlxr's own matmul kernel (`gdn.enabled`);
+    dtype: the compute dtype the plan was made for."""
 
     in_proj: Callable[[Tensor], Tensor]
     out_proj: Callable[[Tensor], Tensor]
     conv_w: Tensor
-    qk_scale: Tensor
     neg_decay: Tensor
-    zero: Tensor
-    rms_eps: float
+    served: bool
+    dtype: torch.dtype
 
 
 def _plan(m: GatedDeltaMixer, dtype: torch.dtype) -> _DeltaPlan:
     plan = getattr(m, "_cpu_delta_plan", None)
-    if plan is None or plan.zero.dtype != dtype:
-        s = m.spec
-        inv = s.k_head_dim**-0.5
-        scale = torch.cat((torch.full((s.num_k_heads, 1), inv**2, dtype=dtype),
-                           torch.full((s.num_k_heads, 1), inv, dtype=dtype)))
+    if plan is None or plan.dtype != dtype:
+        lins = [ln for proj in (m.in_proj, m.out_proj) for ln in getattr(proj, "parts", [proj])]
+        served = any(cpu_decode.served(ln) for ln in lins)  # a Fused projection: its parts
         plan = _DeltaPlan(cpu_decode._matmul(m.in_proj), cpu_decode._matmul(m.out_proj),
-                          m.conv.float().t().contiguous(), scale, -torch.exp(m.a_log.float()),
-                          torch.zeros((), dtype=dtype), 1e-6 * inv**2)
+                          m.conv.float().t().contiguous(), -torch.exp(m.a_log.float()),
+                          served, dtype)
         m._cpu_delta_plan = plan
     return plan
-
-
-def _conv_silu(x: Tensor, state: Tensor, w: Tensor) -> Tensor:
-    """`recurrent.conv1d_silu` for one token: x [B, C], state [B, W-1, C] (rolled in place),
-    w [W, C] float32 -> silu(conv) [B, C] in x's dtype."""
-    seq = torch.cat((state, x.unsqueeze(1)), dim=1)  # [B, W, C]
-    prod = seq.float() * w
-    acc = prod[:, 0]
-    for j in range(1, w.shape[0]):  # the reference's order: tap 0 first
-        acc = acc + prod[:, j]
-    state.copy_(seq[:, 1:])
-    return F.silu(acc.to(x.dtype))
-
-
-def _unit_rms(x: Tensor, eps: float) -> Tensor:
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _recur(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
-    """One token of the gated delta rule. q, k [B, Hv, Dk] (key heads already repeated for
-    their value heads), v [B, Hv, Dv], g [B, Hv] float32, beta [B, Hv]; state [B, Hv, Dv, Dk]
-    float32 contiguous, updated in place with the reference's ops. Returns y [B, Hv, Dv] in
-    q's dtype."""
-    bsz, hv, dv = v.shape
-    dk = k.shape[-1]
-    s = state.view(bsz * hv, dv, dk)
-    kt = k.float().reshape(bsz * hv, 1, dk)
-    s.mul_(g.reshape(bsz * hv, 1, 1))
-    kv = torch.bmm(s, kt.transpose(1, 2))  # [B*Hv, Dv, 1]
-    delta = (v.float().reshape(bsz * hv, dv, 1) - kv) * beta.float().reshape(bsz * hv, 1, 1)
-    s.baddbmm_(delta, kt)
-    y = torch.bmm(s, q.float().reshape(bsz * hv, 1, dk).transpose(1, 2))  # as the reference
-    return y.reshape(bsz, hv, dv).to(q.dtype)
 
 
 def delta_step(m: GatedDeltaMixer, x: Tensor, conv_state: Tensor, ssm_state: Tensor) -> Tensor:
@@ -110,16 +76,63 @@ def delta_step(m: GatedDeltaMixer, x: Tensor, conv_state: Tensor, ssm_state: Ten
     s, p = m.spec, _plan(m, x.dtype)
     if ssm_state.dtype != torch.float32 or not ssm_state.is_contiguous():
         raise ValueError("delta_step: the state must be a contiguous float32 tensor")
-    bsz, hk, hv, dk = x.shape[0], s.num_k_heads, s.num_v_heads, s.k_head_dim
+    heads = (s.num_k_heads, s.num_v_heads, s.k_head_dim, s.v_head_dim)
     proj = p.in_proj(x)
-    qkv, z, b, a = proj.split([s.conv_dim, s.value_dim, hv, hv], -1)
-    mixed = _conv_silu(qkv, conv_state, p.conv_w)
-    qk = _unit_rms(mixed[:, :2 * s.key_dim].reshape(bsz, 2 * hk, dk), p.rms_eps) * p.qk_scale
-    q, k = qk[:, :hk], qk[:, hk:]
-    if hv > hk:
-        q, k = q.repeat_interleave(hv // hk, 1), k.repeat_interleave(hv // hk, 1)
-    g = torch.exp(p.neg_decay * torch.logaddexp(a + m.dt_bias.to(a.dtype), p.zero).float())
-    v = mixed[:, 2 * s.key_dim:].reshape(bsz, hv, s.v_head_dim)
-    y = _recur(q, k, v, g, torch.sigmoid(b), ssm_state)
-    out = recurrent.rms_norm_gated(y, z.reshape(bsz, hv, s.v_head_dim), m.norm, m.eps)
-    return p.out_proj(out.reshape(bsz, s.value_dim))
+    args = (proj, conv_state, ssm_state, p.conv_w, p.neg_decay, m.dt_bias, m.norm, heads, m.eps)
+    if (x.dtype == torch.bfloat16 and gdn.enabled(p.served) and gdn.ready()
+            and conv_state.is_contiguous()):
+        return p.out_proj(gdn.step(*args))
+    return p.out_proj(twins.gdn_step(*args))
+
+
+@dataclass(frozen=True)
+class _MlpPlan:
+    """The dense MLPs' projections per layer (None: a MoE layer) and the activation's table
+    (`fused.act_table`)."""
+
+    gate_up: list[Callable[[Tensor], Tensor] | None]
+    down: list[Callable[[Tensor], Tensor] | None]
+    act: Tensor
+
+
+def _mlp_plan(dec) -> _MlpPlan | None:
+    """None where the fused calls do not give this decoder's values (`fused.ready`: checked
+    once, bit for bit against their torch twins) or its dtype is not bf16."""
+    plan = getattr(dec, "_cpu_mlp_plan", False)
+    if plan is False:
+        c = dec.config
+        ok = (dec.dtype == torch.bfloat16 and fused.ready(c.hidden_size, 1, 1, 64, 64, False,
+                                                          False, c.hidden_act)
+              and all(w.dtype == torch.bfloat16 for ly in dec.layers
+                      for w in (ly.input_norm, ly.mlp_norm)) and dec.norm.dtype == torch.bfloat16)
+        plan = None
+        if ok:
+            dense = [ly.moe is None for ly in dec.layers]
+            plan = _MlpPlan([cpu_decode._matmul(ly.gate_up) if d else None
+                             for ly, d in zip(dec.layers, dense, strict=True)],
+                            [cpu_decode._matmul(ly.down_proj) if d else None
+                             for ly, d in zip(dec.layers, dense, strict=True)],
+                            fused.act_table(c.hidden_act))
+        dec._cpu_mlp_plan = plan
+    return plan
+
+
+def layers(dec, h: Tensor, mixer) -> Tensor | None:
+    """`Qwen35Decoder._layers` for a decode step (rows h [B, E], one token of each sequence):
+    the residual adds with their RMSNorms and act(gate) * up in one C call each (`fused`:
+    the torch path's values bit for bit), the projections called directly. None where that
+    does not serve (the caller runs `_layers`)."""
+    plan = _mlp_plan(dec)
+    if plan is None or not fused.enabled() or h.dtype != torch.bfloat16:
+        return None
+    eps = dec.config.rms_norm_eps
+    h, x = fused.add_rms_norm(h.clone(), None, dec.layers[0].input_norm, eps)
+    for i, layer in enumerate(dec.layers):
+        h, x = fused.add_rms_norm(h, mixer(i, layer, x).contiguous(), layer.mlp_norm, eps)
+        if layer.moe is not None:
+            r = layer.moe(x)
+        else:
+            r = plan.down[i](fused.act_mul(plan.gate_up[i](x).contiguous(), plan.act))
+        nxt = dec.layers[i + 1].input_norm if i + 1 < len(dec.layers) else dec.norm
+        h, x = fused.add_rms_norm(h, r.contiguous(), nxt, eps)
+    return x

@@ -170,6 +170,12 @@ class Qwen35Decoder:
             h, x = ops.add_rms_norm(h, r, nxt, eps)
         return x
 
+    def _step_layers(self, h: torch.Tensor, mixer) -> torch.Tensor:
+        """`_layers` for a decode step (one row per sequence): the CPU's lean loop where it
+        serves (`cpu_hybrid_decode.layers`: the same values in fewer calls)."""
+        x = cpu_hybrid_decode.layers(self, h, mixer) if cpu_hybrid_decode.enabled(h) else None
+        return self._layers(h, mixer, False) if x is None else x
+
     def forward(self, ids: torch.Tensor, cache: HybridCache,
                 last_only: bool = False) -> torch.Tensor:
         """Run ids [T] at positions [cache.length, +T) and return logits float32 [T|1, V]. A
@@ -188,7 +194,8 @@ class Qwen35Decoder:
                 return m(x[None], cache.conv[i], cache.ssm[i])[0]
             return m.o_proj(self._gated_attention(m, m.qkv(x), cache, i, start, cos, sin))
 
-        x = self._layers(self.embed(ids.to(self.device)), mixer, last_only)
+        h = self.embed(ids.to(self.device))
+        x = self._step_layers(h, mixer) if t == 1 else self._layers(h, mixer, last_only)
         cache.length = start + t
         return self.head(x).float()
 
@@ -302,7 +309,7 @@ class Qwen35Decoder:
                                           self.config.attn_scale)
             return m.o_proj(self._gated_out(out, gate))
 
-        x = self._layers(self.embed(ids.to(self.device)), mixer, False)
+        x = self._step_layers(self.embed(ids.to(self.device)), mixer)
         for c, s in zip(caches, starts):
             c.length = s + 1
         return self.head(x).float()

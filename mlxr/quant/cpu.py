@@ -27,7 +27,7 @@ from torch import Tensor
 from mlxr.ops.cpu import native
 
 from . import int4pack
-from .affine import plane_scales
+from .affine import plane_scales, unpack_codes
 
 # Rows of x from which the tiles beat torch's int4 kernel, by its planes. The tiles pay a
 # fixed cost per call (every code decoded from the int4 copy and dequantized), the kernel a
@@ -107,10 +107,49 @@ def i4_pairs() -> str:
     return mode if mode in native.I4_PAIRS else "zeros"
 
 
-def i4_kernel_for(qw) -> native.I4Matmul | None:
+class SplitI4:
+    """`i4mm` over a 4-bit weight's whole 64-row blocks, read in place in its int4 copy
+    (`int4pack.head_blocks`), and torch's int4 kernel over the last N % 64 rows, outputs side
+    by side. For the N % 64 != 0 matrices that i4mm cannot read whole, such as qwen3_5's
+    DeltaNet in_proj (8224 = 128 x 64 + 32 rows: [qkv | z | b | a]); 0.8B shape, 1 thread:
+    642 -> ~510 us per call (docs/perf.md, session 22). `words`: what it holds beside the
+    weight's storage (the blocks' zeros laid out for i4mm, the tail's own int4 copy and
+    zeros: 1/16 of the int4 copy's bytes), one buffer that the three tensors view."""
+
+    def __init__(self, qw, codes_tail: Tensor):
+        n, k, g = qw.out_features, qw.in_features, qw.spec.group_size
+        n64 = n // 64 * 64
+        parts = (qw.i4_sz[:, :n64].contiguous(), int4pack.pack(codes_tail),
+                 qw.i4_sz[:, n64:].contiguous())
+        self.words = torch.cat([t.reshape(-1).view(torch.uint8) for t in parts])
+        views, at = [], 0
+        for t in parts:
+            nb = t.numel() * t.element_size()
+            views.append(self.words[at:at + nb].view(t.dtype).view(t.shape))
+            at += nb
+        self.head = native.I4Matmul(qw.i4.reshape(-1)[:n64 * k // 2].view(n64 // 64, k, 32),
+                                    views[0], g, 1, I4MM_MAX_M)
+        self.tail, self.g, self.max_m = (views[1], views[2]), g, I4MM_MAX_M
+
+    def __call__(self, x: Tensor) -> Tensor:
+        x = x.contiguous()
+        tail = int4pack.mm(x, self.tail[0], self.g, self.tail[1])
+        return torch.cat((self.head(x), tail), dim=1)
+
+
+def i4_kernel_for(qw) -> native.I4Matmul | SplitI4 | None:
     """The compiled GEMV bound to an affine weight's torch int4 copy (`qw.i4`, with its zeros
     `i4_sz` or its planes' own scales and biases: `i4_pairs`), or None where it cannot read
-    it (`native.i4mm_serves`: not built, another packing, N % 64 != 0)."""
+    it (`native.i4mm_serves`: not built, another packing); N % 64 != 0: `SplitI4` for 4-bit
+    weights whose MLX words are at hand (zeros pairs), else None."""
+    if qw.out_features % 64 and qw.out_features > 64 and i4_pairs() == "zeros":
+        if (qw.planes == 1 and qw.spec.bits == 4 and qw.packed is not None
+                and int4pack.head_blocks()
+                and native.i4mm_serves(qw.out_features // 64 * 64, qw.in_features,
+                                       qw.spec.group_size)):
+            n64 = qw.out_features // 64 * 64
+            return SplitI4(qw, unpack_codes(qw.packed[n64:], 4, qw.in_features))
+        return None
     if not native.i4mm_serves(qw.out_features, qw.in_features * qw.planes, qw.spec.group_size):
         return None
     g, mode = qw.spec.group_size, i4_pairs()

@@ -100,6 +100,18 @@ def block() -> int:
         return 0
 
 
+@functools.cache
+def head_blocks() -> bool:
+    """Whether the copy of N % 64 != 0 rows starts with the bytes of its whole 64-row blocks
+    as `pack` lays out those rows alone (so `i4mm` can read them in place), probed once."""
+    if block() != 64:
+        return False
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 16, (160, 64), generator=g, dtype=torch.uint8)
+    p, head = pack(codes).reshape(-1), pack(codes[:128]).reshape(-1)
+    return p.numel() * 2 == codes.numel() and torch.equal(p[:head.numel()], head)
+
+
 def layout_ok() -> bool:
     """True if this torch build packs N % 64 == 0 weights in a layout `decode_rows` reads."""
     return block() > 0

@@ -184,6 +184,27 @@ static PyObject *py_row_sum(PyObject *self, PyObject *args) {
     return PyFloat_FromDouble(torch_row_sum((const float *)(uintptr_t)x, n, lanes));
 }
 
+static PyObject *py_gdn_step(PyObject *self, PyObject *args) {
+    (void)self;
+    GdnArgs a;
+    unsigned long long proj, cs, ssm, cw, nd, dtb, nw, si, sg, sp, s32, out;
+    int nthreads;
+    memset(&a, 0, sizeof a);
+    if (!PyArg_ParseTuple(args, "KLLLLLLLLKKKKKKKKKKffffiKi", &proj, &a.proj_stride, &a.n,
+                          &a.hk, &a.hv, &a.dk, &a.dv, &a.c, &a.w, &cs, &ssm, &cw, &nd, &dtb,
+                          &nw, &si, &sg, &sp, &s32, &a.q_scale, &a.k_scale, &a.qk_eps, &a.eps,
+                          &a.lanes, &out, &nthreads))
+        return NULL;
+    a.proj = (const uint16_t *)(uintptr_t)proj; a.conv_state = (uint16_t *)(uintptr_t)cs;
+    a.ssm = (float *)(uintptr_t)ssm; a.conv_w = (const float *)(uintptr_t)cw;
+    a.neg_decay = (const float *)(uintptr_t)nd; a.dt_bias = (const uint16_t *)(uintptr_t)dtb;
+    a.norm_w = (const uint16_t *)(uintptr_t)nw; a.silu = (const uint16_t *)(uintptr_t)si;
+    a.sigmoid = (const uint16_t *)(uintptr_t)sg; a.softplus = (const uint16_t *)(uintptr_t)sp;
+    a.silu32 = (const float *)(uintptr_t)s32; a.out = (uint16_t *)(uintptr_t)out;
+    if (gdn_step_run(&a, nthreads)) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_features(PyObject *self, PyObject *noargs) {
     (void)self; (void)noargs;
 #ifdef _OPENMP
@@ -203,6 +224,7 @@ static PyMethodDef methods[] = {
     {"add_rms_norm", py_add_rms_norm, METH_VARARGS, "residual add + RMSNorm, torch's values"},
     {"qk_rope", py_qk_rope, METH_VARARGS, "q/k norm + RoPE + the K/V cache write"},
     {"act_mul", py_act_mul, METH_VARARGS, "act(gate) * up through a bf16 table"},
+    {"gdn_step", py_gdn_step, METH_VARARGS, "a gated DeltaNet step between projections"},
     {"row_sum", py_row_sum, METH_VARARGS, "torch's float32 sum order of one row"},
     {"features", py_features, METH_NOARGS, "how this build was compiled"},
     {NULL, NULL, 0, NULL}};

@@ -177,4 +177,20 @@ int qk_rope_run(const RopeArgs *a);
  * entry */
 void act_mul_run(const uint16_t *gu, int64_t n, int64_t inter, const uint16_t *tab,
                  uint16_t *out);
+/* ------------------------------------------------------------------ gdn.c: a DeltaNet step */
+
+/* One gated DeltaNet decode step of n sequences from the input projection's rows proj
+ * [n, proj_stride] = [qkv (c) | z (hv dv) | b (hv) | a (hv)] (bf16) to out [n, hv dv] (bf16,
+ * before out_proj). conv_state [n, w - 1, c] (bf16) and ssm [n, hv, dv, dk] (float32) are
+ * updated in place; conv_w [w, c] float32 (tap j as row j); neg_decay [hv] float32
+ * (-exp(A_log)); dt_bias [hv] and norm_w [dv] bf16; silu / sigmoid / softplus: bf16 tables
+ * of torch's outputs over every bf16 bit pattern, silu32 the float32 one. */
+typedef struct {
+    const uint16_t *proj; int64_t proj_stride, n, hk, hv, dk, dv, c, w;
+    uint16_t *conv_state; float *ssm; const float *conv_w, *neg_decay;
+    const uint16_t *dt_bias, *norm_w, *silu, *sigmoid, *softplus; const float *silu32;
+    float q_scale, k_scale, qk_eps, eps; int lanes; uint16_t *out;
+} GdnArgs;
+
+int gdn_step_run(const GdnArgs *a, int nthreads);
 #endif

@@ -5,7 +5,10 @@ oracle and what runs where the extension was not built."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from mlxr.quant.affine import unpack_codes
@@ -137,3 +140,78 @@ def i4deq(packed: Tensor, scales: Tensor, biases: Tensor, group: int, r0: int,
     q = torch.cat([blk & 15, blk >> 4], dim=1).reshape(r1 - r0, k // group, group)
     s, b = scales[r0:r1].unsqueeze(-1), biases[r0:r1].unsqueeze(-1)
     return (q.to(torch.bfloat16) * s).add_(b).view(r1 - r0, k)
+
+
+@functools.cache
+def _qk_scale(hk: int, dk: int, dtype: torch.dtype) -> Tensor:
+    """[2 Hk, 1]: Dk^-1 for the q heads, Dk^-0.5 for the k heads, rounded as the reference's
+    scalars (`recurrent.l2norm_qk`)."""
+    inv = dk**-0.5
+    return torch.cat((torch.full((hk, 1), inv**2, dtype=dtype),
+                      torch.full((hk, 1), inv, dtype=dtype)))
+
+
+def _conv_silu(x: Tensor, state: Tensor, w: Tensor) -> Tensor:
+    """`recurrent.conv1d_silu` for one token: x [B, C], state [B, W-1, C] (rolled in place),
+    w [W, C] float32 -> silu(conv) [B, C] in x's dtype; the taps summed in the reference's
+    order, tap 0 first."""
+    seq = torch.cat((state, x.unsqueeze(1)), dim=1)  # [B, W, C]
+    prod = seq.float() * w
+    acc = prod[:, 0]
+    for j in range(1, w.shape[0]):
+        acc = acc + prod[:, j]
+    state.copy_(seq[:, 1:])
+    return F.silu(acc.to(x.dtype))
+
+
+def _unit_rms(x: Tensor, eps: float) -> Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _recur(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
+    """One token of the gated delta rule with the reference's ops. q, k [B, Hv, Dk] (key heads
+    already repeated for their value heads), v [B, Hv, Dv], g [B, Hv] float32, beta [B, Hv];
+    state [B, Hv, Dv, Dk] float32 contiguous, updated in place. Returns y [B, Hv, Dv] in q's
+    dtype."""
+    bsz, hv, dv = v.shape
+    dk = k.shape[-1]
+    s = state.view(bsz * hv, dv, dk)
+    kt = k.float().reshape(bsz * hv, 1, dk)
+    s.mul_(g.reshape(bsz * hv, 1, 1))
+    kv = torch.bmm(s, kt.transpose(1, 2))  # [B*Hv, Dv, 1]
+    delta = (v.float().reshape(bsz * hv, dv, 1) - kv) * beta.float().reshape(bsz * hv, 1, 1)
+    s.baddbmm_(delta, kt)
+    y = torch.bmm(s, q.float().reshape(bsz * hv, 1, dk).transpose(1, 2))  # as the reference
+    return y.reshape(bsz, hv, dv).to(q.dtype)
+
+
+def gdn_step(proj: Tensor, conv_state: Tensor, ssm: Tensor, conv_w: Tensor, neg_decay: Tensor,
+             dt_bias: Tensor, norm_w: Tensor, heads: tuple[int, int, int, int],
+             eps: float) -> Tensor:
+    """`gdn.step` in torch, the lean CPU step's own arithmetic (the generic mixer's values bit
+    for bit: tests/test_cpu_hybrid_decode.py): in_proj's rows proj [B, P] = [qkv (C) | z | b |
+    a] -> out_proj's input [B, Hv Dv] in proj's dtype; conv_state [B, W-1, C] and ssm [B, Hv,
+    Dv, Dk] (float32 contiguous) updated in place; conv_w [W, C] float32, neg_decay [Hv]
+    float32 (-exp(A_log)), dt_bias [Hv], norm_w [Dv]; heads = (Hk, Hv, Dk, Dv)."""
+    from mlxr.ops.recurrent import reference as recurrent
+
+    hk, hv, dk, dv = heads
+    bsz, kd, dtype = proj.shape[0], hk * dk, proj.dtype
+    qkv, z, b, a = proj.split([2 * kd + hv * dv, hv * dv, hv, hv], -1)
+    mixed = _conv_silu(qkv, conv_state, conv_w)
+    qk = _unit_rms(mixed[:, :2 * kd].reshape(bsz, 2 * hk, dk), 1e-6 * (dk**-0.5)**2)
+    qk = qk * _qk_scale(hk, dk, dtype)
+    q, k = qk[:, :hk], qk[:, hk:]
+    if hv > hk:
+        q, k = q.repeat_interleave(hv // hk, 1), k.repeat_interleave(hv // hk, 1)
+    sp = torch.logaddexp(a + dt_bias.to(dtype), _zero(dtype))
+    g = torch.exp(neg_decay * sp.float())
+    y = _recur(q, k, mixed[:, 2 * kd:].reshape(bsz, hv, dv), g, torch.sigmoid(b), ssm)
+    out = recurrent.rms_norm_gated(y, z.reshape(bsz, hv, dv), norm_w, eps)
+    return out.reshape(bsz, hv * dv)
+
+
+@functools.cache
+def _zero(dtype: torch.dtype) -> Tensor:
+    return torch.zeros((), dtype=dtype)
