@@ -74,6 +74,11 @@ def test_tiles_take_i4deq(n, m, bits, monkeypatch):
     b = (torch.randn(n, k // 64, generator=g) * 0.1).to(torch.bfloat16)
     qw = QuantWeight.from_tensors(words, s, b, QuantSpec("affine", bits, 64))
     assert qw.i4 is not None and cpu.deq_serves(qw) and cpu.i4_max_m(qw) == cpu.I4_MAX_M[1]
+    qw.tiles_early = True  # a weight repacked from ONNX: the tiles from 17 rows by default
+    assert cpu.i4_max_m(qw) == cpu.I4_MAX_M_DEQ
+    monkeypatch.setenv("MLXR_CPU_DEQ_ROWS", "0")
+    assert cpu.i4_max_m(qw) == cpu.I4_MAX_M[1]
+    qw.tiles_early = False
     monkeypatch.setenv("MLXR_CPU_DEQ_ROWS", "1")  # the tiles from 17 rows (opt-in)
     assert cpu.i4_max_m(qw) == cpu.I4_MAX_M_DEQ
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)

@@ -212,3 +212,26 @@ def test_separate_qkv_with_rotary_in_attention(onnx_exports, tmp_path):
     ref = prompt_logits(fp32_reference(folder), PROMPT)
     got = mlxr.load(folder, device="cpu", dtype="float32").logits(PROMPT).numpy()
     assert np.abs(got - ref).max() <= TOL_FP16 * np.abs(ref).max()
+
+
+def test_dense_exports_prefill_on_early_tiles_in_bf16(onnx_exports):
+    """Weights repacked from a dense export take the CPU prefill tiles from 17 rows
+    (`QuantWeight.tiles_early`, quant.cpu.i4_max_m); a QMoE export keeps the MLX rule. The
+    bf16 prompt (20 rows: the tiles where the compiled dequant serves) stays within bf16 noise
+    of the float32 one, with the same argmax at the last position."""
+    import torch
+
+    from mlxr.quant import cpu
+
+    bf16 = mlxr.load(onnx_exports / "llama_int4_cpu", device="cpu", dtype="bfloat16")
+    qws = bf16.decoder.quant_weights()
+    assert qws and all(qw.tiles_early for qw in qws)
+    assert any(cpu.i4_max_m(qw) == cpu.I4_MAX_M_DEQ for qw in qws) == any(
+        cpu.deq_serves(qw) for qw in qws)
+    got = bf16.logits(PROMPT).float()
+    want = mlxr.load(onnx_exports / "llama_int4_cpu", device="cpu",
+                     dtype="float32").logits(PROMPT).float()
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    assert torch.equal(got[-1].argmax(), want[-1].argmax())
+    moe = mlxr.load(onnx_exports / "gptoss_int4_cpu", device="cpu", dtype="bfloat16")
+    assert not any(qw.tiles_early for qw in moe.decoder.quant_weights())

@@ -128,6 +128,9 @@ def load_onnx(path, device: torch.device, dtype: torch.dtype, weights: bool = Tr
         for line in ins.report.lines():
             log.warning("%s: %s", ins.files.model.name, line)
         decoder = build_translated(ins, dtype, device) if weights else None
+        if decoder is not None and all(layer.moe is None for layer in decoder.layers):
+            for qw in decoder.quant_weights():  # dense: CPU prefill tiles from 17 rows
+                qw.tiles_early = True  # (quant.cpu.i4_max_m says why)
     else:
         config = fallback_config(ins.graph, ins.files.meta, ins.kv, ins.logits)
         for line in ins.report.lines():

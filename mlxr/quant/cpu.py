@@ -47,12 +47,17 @@ I4_MAX_M = {1: 160, 2: 80}
 # i4mm on the tiles' weights too, `i4_pairs` "tiles", it passes, but decode is 2.7x slower:
 # docs/perf.md "Session 21: i4mm on the exact weights"); by default the tiles start where
 # they did before (I4_MAX_M), where i4deq gives the torch-built tiles' values.
+# Weights repacked from ONNX MatMulNBits (`QuantWeight.tiles_early`, set by mlxr.onnx.load)
+# take the tiles from 17 rows by default: their reference is onnxruntime, whose float32
+# (q - zp) * s neither path reproduces in bf16; dense decoders only (no expert routing to
+# amplify the prefill / decode difference); env "0" keeps them at I4_MAX_M too.
 I4_MAX_M_DEQ = 16
 
 
 def i4_max_m(qw) -> int:
     """Rows of x from which `linear` takes the tiles instead of the int4 kernel."""
-    if os.environ.get("MLXR_CPU_DEQ_ROWS") == "1" and deq_serves(qw):
+    env = os.environ.get("MLXR_CPU_DEQ_ROWS", "")
+    if (env == "1" or (qw.tiles_early and env != "0")) and deq_serves(qw):
         return I4_MAX_M_DEQ
     return I4_MAX_M[qw.planes]
 

@@ -104,6 +104,9 @@ class QuantWeight:
         self.biases: Tensor | None = None
         self.global_scale: Tensor | None = None
         self.name = "weight"
+        # CPU prefill: the tiles from quant.cpu.I4_MAX_M_DEQ rows on (set by loaders whose
+        # reference is not mlx-lm's: quant.cpu.i4_max_m)
+        self.tiles_early = False
 
     # ------------------------------------------------------------------ construction
     @classmethod
