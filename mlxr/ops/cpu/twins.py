@@ -137,3 +137,17 @@ def i4deq(packed: Tensor, scales: Tensor, biases: Tensor, group: int, r0: int,
     q = torch.cat([blk & 15, blk >> 4], dim=1).reshape(r1 - r0, k // group, group)
     s, b = scales[r0:r1].unsqueeze(-1), biases[r0:r1].unsqueeze(-1)
     return (q.to(torch.bfloat16) * s).add_(b).view(r1 - r0, k)
+
+
+def i4_experts(x: Tensor, ids: Tensor, gate_up: list, down: list, group: int, act: str,
+               pairs: str = "zeros") -> Tensor:
+    """`experts.i4_experts` in torch: per slot, `i4mm`'s twin through the expert's gate_up
+    (rounded to bf16), act(gate) * up in torch's bf16 ops, then its down (rounded)."""
+    from mlxr import ops
+
+    outs = []
+    for e in ids.tolist():
+        gate, up = i4mm(x, *gate_up[e], group, torch.bfloat16, pairs).chunk(2, dim=-1)
+        outs.append(i4mm(ops.moe_expert_act(gate, up, act), *down[e], group, torch.bfloat16,
+                         pairs))
+    return torch.cat(outs)
