@@ -7,11 +7,15 @@ share of a step spent in torch's int4 kernel.
 
 Two caches get the same random prompt; each round decodes `steps` random tokens on each path
 (env MLXR_CPU_DECODE, read per step; the order flipped every round) and keeps the median step.
+A model with MoE layers gets a third arm, "per_expert": the lean step with the experts' calls
+one by one (MLXR_CPU_EXPERTS=0) instead of `mlxr.ops.cpu.experts`' one call per layer; its
+logits must equal the lean arm's.
 Process CPU time counts the work done, not the waits for a core, so with one thread the figures
 hold on the shared dev box (with two, OpenMP's spinning counts too). Then the int4 kernel's
 calls of one lean step are recorded and replayed alone: their CPU time is the step's matmul
-share, the rest is everything else. Prints the medians, the ratio, whether the logits were
-equal, and one JSON line.
+share on torch's kernel; with mlxr's compiled kernels the GEMV calls of a lean step are timed
+in place instead (the LM head, the other projections, the MoE layers' expert calls). Prints
+the medians, the ratios, whether the logits were equal, and one JSON line.
 """
 
 from __future__ import annotations
@@ -61,6 +65,40 @@ def int4_share(dec, cache, token: torch.Tensor, repeats: int = 3) -> float:
     return best
 
 
+def kernel_share(dec, cache, token: torch.Tensor, repeats: int = 3) -> dict[str, float]:
+    """CPU seconds one lean decode step spends in mlxr's compiled GEMVs (min over `repeats`
+    steps), by call: the LM head, the other projections (`native.I4Matmul`: attention, the
+    router, a dense MLP, experts called one by one) and the MoE layers' one expert call
+    (`experts.I4Experts`)."""
+    from mlxr.ops.cpu import experts, native
+
+    head = getattr(getattr(dec.head, "weight", None), "ckern", None)
+    best: dict[str, float] = {}
+    for _ in range(repeats):
+        got = {"head": 0.0, "gemv": 0.0, "experts": 0.0}
+        saved = {cls: cls.__call__ for cls in (native.I4Matmul, experts.I4Experts)}
+
+        def timed(cls):
+            def call(self, *args):
+                c = time.process_time()
+                out = saved[cls](self, *args)
+                key = "experts" if cls is experts.I4Experts else "head" if self is head \
+                    else "gemv"
+                got[key] += time.process_time() - c
+                return out
+            return call
+
+        for cls in saved:
+            cls.__call__ = timed(cls)
+        try:
+            dec.forward(token, cache, last_only=True)
+        finally:
+            for cls, fn in saved.items():
+                cls.__call__ = fn
+        best = {k: min(v, best.get(k, float("inf"))) for k, v in got.items()}
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
@@ -73,19 +111,21 @@ def main() -> None:
     dec = mlxr.load(a.model, device="cpu").decoder
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, dec.config.vocab_size, (a.prompt,), generator=g)
-    paths = {"generic": "0", "lean": "1"}
+    paths = {"generic": ("0", "1"), "lean": ("1", "1")}  # (MLXR_CPU_DECODE, MLXR_CPU_EXPERTS)
+    if any(getattr(layer, "moe", None) is not None for layer in dec.layers):
+        paths["per_expert"] = ("1", "0")
     caches = {p: _cache(dec, a.prompt + a.rounds * a.steps + 8) for p in paths}
     times: dict[str, list[float]] = {p: [] for p in paths}
-    equal = True
+    equal = one_call_equal = True
     with torch.inference_mode():
-        for p, flag in paths.items():
-            os.environ["MLXR_CPU_DECODE"] = flag
+        for p, (flag, one_call) in paths.items():
+            os.environ["MLXR_CPU_DECODE"], os.environ["MLXR_CPU_EXPERTS"] = flag, one_call
             dec.forward(prompt, caches[p], last_only=True)
         for r in range(a.rounds):
             tokens = torch.randint(0, dec.config.vocab_size, (a.steps, 1), generator=g)
             got = {}
             for p in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
-                os.environ["MLXR_CPU_DECODE"] = paths[p]
+                os.environ["MLXR_CPU_DECODE"], os.environ["MLXR_CPU_EXPERTS"] = paths[p]
                 ts = []
                 for t in tokens:
                     c = time.process_time()
@@ -93,17 +133,27 @@ def main() -> None:
                     ts.append(time.process_time() - c)
                 times[p].append(statistics.median(ts))
             equal &= torch.equal(got["generic"], got["lean"])
-        os.environ["MLXR_CPU_DECODE"] = "1"
+            one_call_equal &= torch.equal(got["lean"], got.get("per_expert", got["lean"]))
+        os.environ["MLXR_CPU_DECODE"], os.environ["MLXR_CPU_EXPERTS"] = "1", "1"
         mm_s = int4_share(dec, caches["lean"], tokens[0])
+        ks = kernel_share(dec, caches["lean"], tokens[0])
     ms = {p: 1e3 * statistics.median(v) for p, v in times.items()}
     for p, v in ms.items():
         print(f"{p:8s} {v:7.2f} ms/step CPU  (round medians "
               f"{[round(1e3 * x, 1) for x in times[p]]})")
     print(f"lean / generic: {ms['generic'] / ms['lean']:.2f}x; logits equal: {equal}; int4 "
           f"kernel {1e3 * mm_s:.1f} ms of the lean step, the rest {ms['lean'] - 1e3 * mm_s:.1f}")
+    print("mlxr's GEMVs in the lean step: " + ", ".join(f"{k} {1e3 * v:.2f} ms"
+                                                        for k, v in ks.items())
+          + f"; the rest {ms['lean'] - 1e3 * sum(ks.values()):.2f} ms")
+    if "per_expert" in ms:
+        print(f"lean (one expert call per layer) / per_expert: "
+              f"{ms['per_expert'] / ms['lean']:.3f}x; logits equal: {one_call_equal}")
     print(json.dumps({"ms_generic": ms["generic"], "ms_lean": ms["lean"],
-                      "ms_int4": 1e3 * mm_s, "threads": a.threads, "prompt": a.prompt,
-                      "logits_equal": equal}))
+                      "ms_per_expert": ms.get("per_expert"), "ms_int4": 1e3 * mm_s,
+                      **{f"ms_{k}": 1e3 * v for k, v in ks.items()},
+                      "load": os.getloadavg()[0], "threads": a.threads, "prompt": a.prompt,
+                      "logits_equal": equal, "one_call_equal": one_call_equal}))
 
 
 if __name__ == "__main__":
