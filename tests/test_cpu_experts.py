@@ -105,3 +105,7 @@ def test_moe_decode_equal_with_the_one_call(family, tmp_path, monkeypatch):
     assert torch.equal(out["0"], out["1"])
     n_moe = sum(la.moe is not None for la in dec.layers)
     assert len(calls) == 6 * n_moe > 0
+    monkeypatch.setenv("MLXR_CPU_KERNELS", "0")  # the torch paths: the call is not taken
+    with torch.inference_mode():
+        dec.forward(torch.tensor([5]), new_cache(dec, 8), last_only=True)
+    assert len(calls) == 6 * n_moe
