@@ -86,7 +86,11 @@ static inline __attribute__((always_inline)) void i4_block(
         for (int u = 0; u < 2; u++)
             for (int m = 0; m < MB; m++)
                 for (int v = 0; v < NV; v++) ga[u][m][v] = _mm512_setzero_ps();
+        /* the loops over u, m and v unrolled: without it GCC kept the M = 1 case's
+         * accumulators on the stack (a load and a store around every vdpbf16ps; decode's
+         * case, 8% slower in L2, 5% from DRAM); the same operations in the same order */
         for (int64_t k = g * grp; k < (g + 1) * grp; k += 4) {
+            #pragma GCC unroll 2
             for (int u = 0; u < 2; u++) {
                 const uint8_t *p = wb + (k + 2 * u) * 32;
                 _mm_prefetch((const char *)(p + I4_PF), _MM_HINT_T0);
@@ -116,10 +120,12 @@ static inline __attribute__((always_inline)) void i4_block(
                                                _mm512_castps_si512(hi));
                     }
                 }
+                #pragma GCC unroll 4
                 for (int m = 0; m < MB; m++) {
                     uint32_t xp;
                     memcpy(&xp, x + m * k_all + k + 2 * u, 4);
                     __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp);
+                    #pragma GCC unroll 4
                     for (int v = 0; v < NV; v++)
                         ga[u][m][v] = _mm512_dpbf16_ps(ga[u][m][v], (__m512bh)c[v], xv);
                 }
