@@ -71,7 +71,7 @@ static inline __m512 rne_keep(__m512 v) {
 
 static inline __attribute__((always_inline)) void i4_block(
         const I4Args *a, const uint8_t *wb, int64_t n0, const uint16_t *x, const float *xs,
-        const int MB, const int NV, const int half, const int rnd, float *acc) {
+        const int MB, const int NV, const int half, float *acc) {
     const __m512i ia = _mm512_loadu_si512(PAIR_IDX);
     const __m512i ib = _mm512_add_epi8(ia, _mm512_set1_epi8(16));
     const __m512i tab = _mm512_loadu_si512(a->tab);
@@ -79,6 +79,7 @@ static inline __attribute__((always_inline)) void i4_block(
     const int64_t k_all = a->k, grp = a->group, ng = k_all / grp;
     int vs[4] = {0, 1, 2, 3};  /* vector slot -> 16-row group of the block */
     if (NV == 2) { vs[0] = half; vs[1] = half + 2; }
+    const int rnd = a->zero == 2;
     for (int64_t g = 0; g < ng; g++) {
         __m512 ga[2][4][4];
         __m512 sv[4], bv[4];
@@ -199,32 +200,10 @@ static void i4_table(I4Args *a) {
     for (int i = 0; i < 32; i++) a->tab[i] = f32_to_bf16((float)(i & 15));
 }
 
-/* mb (1..4) x rows against one block, by constant row counts (the accumulators stay in
- * registers) and pair mode (rnd: mode 2's weights formed first; a constant, so the other
- * modes' loop carries no test of it) */
-static inline __attribute__((always_inline)) void i4_rows(
-        const I4Args *a, const uint8_t *wb, int64_t n0, const uint16_t *x, const float *xs,
-        int mb, const int rnd, float *acc) {
-    switch (mb) {
-    case 1: i4_block(a, wb, n0, x, xs, 1, 4, 0, rnd, acc); break;
-    case 2: i4_block(a, wb, n0, x, xs, 2, 4, 0, rnd, acc); break;
-    case 3:
-        i4_block(a, wb, n0, x, xs, 3, 2, 0, rnd, acc);
-        i4_block(a, wb, n0, x, xs, 3, 2, 1, rnd, acc);
-        break;
-    default:
-        i4_block(a, wb, n0, x, xs, 4, 2, 0, rnd, acc);
-        i4_block(a, wb, n0, x, xs, 4, 2, 1, rnd, acc);
-        break;
-    }
-}
-
 /* Block b (64 rows) of one x row against a: i4mm_run's M = 1 case */
 static inline void i4_row_block(const I4Args *a, int64_t b, const float *xs, float *acc) {
     memset(acc, 0, sizeof(float) * 64);
-    const uint8_t *wb = a->w + b * a->k * 32;
-    if (a->zero == 2) i4_block(a, wb, 64 * b, (const uint16_t *)a->x, xs, 1, 4, 0, 1, acc);
-    else i4_block(a, wb, 64 * b, (const uint16_t *)a->x, xs, 1, 4, 0, 0, acc);
+    i4_block(a, a->w + b * a->k * 32, 64 * b, (const uint16_t *)a->x, xs, 1, 4, 0, acc);
     i4_store(a, 0, 64 * b, acc);
 }
 #endif
@@ -248,8 +227,18 @@ int i4mm_run(I4Args *a, int nthreads) {
                 const uint16_t *xm = x + m0 * k_all;
                 const float *xsm = xs + m0 * ng;
                 memset(acc, 0, sizeof(float) * 64 * (size_t)mb);
-                if (a->zero == 2) i4_rows(a, wb, 64 * b, xm, xsm, mb, 1, acc);
-                else i4_rows(a, wb, 64 * b, xm, xsm, mb, 0, acc);
+                switch (mb) {  /* constant row counts: the accumulators stay in registers */
+                case 1: i4_block(a, wb, 64 * b, xm, xsm, 1, 4, 0, acc); break;
+                case 2: i4_block(a, wb, 64 * b, xm, xsm, 2, 4, 0, acc); break;
+                case 3:
+                    i4_block(a, wb, 64 * b, xm, xsm, 3, 2, 0, acc);
+                    i4_block(a, wb, 64 * b, xm, xsm, 3, 2, 1, acc);
+                    break;
+                default:
+                    i4_block(a, wb, 64 * b, xm, xsm, 4, 2, 0, acc);
+                    i4_block(a, wb, 64 * b, xm, xsm, 4, 2, 1, acc);
+                    break;
+                }
                 for (int i = 0; i < mb; i++) i4_store(a, m0 + i, 64 * b, acc + 64 * i);
             }
         }
