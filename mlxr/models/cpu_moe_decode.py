@@ -11,16 +11,28 @@ are concatenated in slot order), and the projections call torch's int4 kernel di
 (`cpu_decode._matmul`, built once per expert). Each expert sees the same rows in the same
 order as in the generic loop, so the outputs are its bit for bit
 (tests/test_cpu_hybrid_decode.py). `MLXR_CPU_DECODE=0` selects the generic loop.
+
+A single token whose experts all run i4mm (bf16, affine int4 copies, silu) takes one C call
+for its k experts instead (`mlxr.ops.cpu.experts`: gate_up, act * up and down of every
+selected expert in one parallel region): the same values as the per-expert calls bit for bit
+(tests/test_cpu_experts.py); env `MLXR_CPU_EXPERTS=0` (read per step) selects the per-expert
+calls.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import os
+
 import torch
 from torch import Tensor
 
 from .. import ops
+from ..layers import Linear
+from ..ops.cpu import experts as cpu_experts
+from ..ops.cpu import native
+from ..quant import QuantWeight
 from . import cpu_decode
 
 _Proj = Callable[[Tensor], Tensor]
@@ -44,11 +56,51 @@ def _projections(block, e: int) -> tuple[_Proj, _Proj]:
     return pair
 
 
+def _i4_kernel(lin) -> native.I4Matmul | None:
+    """The projection's i4mm binding over one nibble plane, or None."""
+    qw = lin.weight if isinstance(lin, Linear) and lin.bias is None else None
+    kern = qw.ckern if isinstance(qw, QuantWeight) else None
+    return kern if isinstance(kern, native.I4Matmul) and kern.planes == 1 else None
+
+
+def _one_call(block) -> cpu_experts.I4Experts | None:
+    """The block's experts bound for the one-call path (built once; None where some expert
+    does not run i4mm over one plane, the experts differ in group or pairs, or the
+    activation has no table)."""
+    got = getattr(block, "_cpu_i4_experts", False)
+    if got is not False:
+        return got
+    got = None
+    kerns = [(_i4_kernel(g), _i4_kernel(d)) for g, d in zip(block.gate_up, block.down,
+                                                           strict=True)]
+    if kerns and all(g is not None and d is not None for g, d in kerns):
+        modes = {k.args[3:] for pair in kerns for k in pair}  # (group, pair mode)
+        if len(modes) == 1:
+            (group, mode), = modes
+            pairs = next(p for p, z in native.I4_PAIRS.items() if z == mode)
+            try:
+                got = cpu_experts.I4Experts([g.keep for g, _ in kerns],
+                                            [d.keep for _, d in kerns], group,
+                                            block.spec.expert_act, pairs)
+            except ValueError:  # shapes or activation it does not serve
+                got = None
+    block._cpu_i4_experts = got
+    return got
+
+
+def _one_call_enabled() -> bool:
+    return native.enabled() and os.environ.get("MLXR_CPU_EXPERTS", "") != "0"
+
+
 def experts(block, x: Tensor, ids: Tensor) -> Tensor:
     """`MoeBlock.experts` for per-expert projections: x [N, E], ids [N, k] -> each token's
     selected experts' outputs [N, k, E]."""
     s = block.spec
     n, k = ids.shape
+    if n == 1 and x.dtype == torch.bfloat16 and _one_call_enabled():
+        kern = _one_call(block)
+        if kern is not None:
+            return kern(x, ids.reshape(-1)).unsqueeze(0)
     flat = ids.reshape(-1).tolist()
     groups: dict[int, list[int]] = {}
     for p, e in enumerate(flat):  # pairs in (token, slot) order within each expert

@@ -86,6 +86,36 @@ static PyObject *py_i4mm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_i4moe(PyObject *self, PyObject *args) {
+    (void)self;
+    I4XArgs a;
+    unsigned long long x, ids, ptrs, tab, y;
+    long long k, nx, e, f;
+    int nthreads;
+    memset(&a, 0, sizeof a);
+    if (!PyArg_ParseTuple(args, "KKLLKLLiiKKi", &x, &ids, &k, &nx, &ptrs, &e, &f, &a.group,
+                          &a.zero, &tab, &y, &nthreads))
+        return NULL;
+    a.x = (const uint16_t *)(uintptr_t)x; a.ids = (const int64_t *)(uintptr_t)ids;
+    a.ptrs = (const int64_t *)(uintptr_t)ptrs; a.tab = (const uint16_t *)(uintptr_t)tab;
+    a.y = (uint16_t *)(uintptr_t)y;
+    a.k = k; a.n_experts = nx; a.e = e; a.f = f;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = i4moe_run(&a, nthreads < 1 ? 1 : nthreads);
+    Py_END_ALLOW_THREADS
+    if (rc == -2) {
+        PyErr_SetString(PyExc_RuntimeError, "mlxr.ops.cpu: i4mm not compiled for this CPU");
+        return NULL;
+    }
+    if (rc == -3) {
+        PyErr_SetString(PyExc_ValueError, "mlxr.ops.cpu: expert id out of range");
+        return NULL;
+    }
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_i4deq(PyObject *self, PyObject *args) {
     (void)self;
     I4DArgs a;
@@ -219,6 +249,7 @@ static PyObject *py_features(PyObject *self, PyObject *noargs) {
 static PyMethodDef methods[] = {
     {"qmm", py_qmm, METH_VARARGS, "quantized x @ W^T from MLX's packed layout"},
     {"i4mm", py_i4mm, METH_VARARGS, "x @ W^T from torch's packed int4 CPU copy"},
+    {"i4moe", py_i4moe, METH_VARARGS, "one token's selected experts over their int4 copies"},
     {"i4deq", py_i4deq, METH_VARARGS, "bf16 rows of torch's int4 copy, MLX's arithmetic"},
     {"attend", py_attend, METH_VARARGS, "one-token attention over a KV cache"},
     {"add_rms_norm", py_add_rms_norm, METH_VARARGS, "residual add + RMSNorm, torch's values"},

@@ -116,6 +116,19 @@ typedef struct {
 
 int i4mm_run(I4Args *a, int nthreads);
 
+/* One token's k selected experts (the MoE decode step, i4mm.c): for slot j and expert
+ * e = ids[j], gu = x @ GU_e^T [2F] (bf16), h = bf16(act(gate) * up) through `tab`
+ * (act_mul_run), y [j] = h @ D_e^T [E] (bf16); each product i4mm_run's M = 1 values.
+ * `ptrs` [X, 4] int64: per expert its gate_up's int4 copy and pairs ([2F, E]), then its
+ * down's ([E, F]), all in pair mode `zero`. Returns -3 for an id outside 0..X-1. */
+typedef struct {
+    const uint16_t *x; const int64_t *ids; int64_t k, n_experts;
+    const int64_t *ptrs; int64_t e, f; int group, zero;
+    const uint16_t *tab; uint16_t *y;
+} I4XArgs;
+
+int i4moe_run(const I4XArgs *m, int nthreads);
+
 /* Rows of 64-row blocks b0..b1 of torch's int4 copy dequantized to bf16 with MLX's affine
  * arithmetic, bf16(bf16(q * s) + b) (i4deq.c): y [(b1 - b0) * 64, K]; s, bias [N, K / G]
  * bf16; G a multiple of 32. */

@@ -262,7 +262,8 @@ class I4Matmul:
         """x [M, in] bf16 -> [M, out] bf16."""
         if x.dim() != 2 or x.shape[1] != self.k or x.dtype != torch.bfloat16:
             raise ValueError(f"mlxr.ops.cpu: x {tuple(x.shape)} {x.dtype} for in={self.k}")
-        x = x.contiguous() if self.planes == 1 else x.repeat(1, self.planes)
+        # planes: x once per plane, side by side (cat: ~1.5 µs against repeat's ~6 per call)
+        x = x.contiguous() if self.planes == 1 else torch.cat([x] * self.planes, dim=1)
         y = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16)
         p, sb, n, g, z = self.args
         self.fn(x.data_ptr(), x.shape[0], x.shape[1], p, sb, n, g, z, y.data_ptr(), 1,

@@ -215,3 +215,16 @@ def gdn_step(proj: Tensor, conv_state: Tensor, ssm: Tensor, conv_w: Tensor, neg_
 @functools.cache
 def _zero(dtype: torch.dtype) -> Tensor:
     return torch.zeros((), dtype=dtype)
+
+def i4_experts(x: Tensor, ids: Tensor, gate_up: list, down: list, group: int, act: str,
+               pairs: str = "zeros") -> Tensor:
+    """`experts.i4_experts` in torch: per slot, `i4mm`'s twin through the expert's gate_up
+    (rounded to bf16), act(gate) * up in torch's bf16 ops, then its down (rounded)."""
+    from mlxr import ops
+
+    outs = []
+    for e in ids.tolist():
+        gate, up = i4mm(x, *gate_up[e], group, torch.bfloat16, pairs).chunk(2, dim=-1)
+        outs.append(i4mm(ops.moe_expert_act(gate, up, act), *down[e], group, torch.bfloat16,
+                         pairs))
+    return torch.cat(outs)
