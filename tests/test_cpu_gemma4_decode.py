@@ -100,6 +100,35 @@ def test_lean_batched_decode_equals_generic(built, family, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(out[True][1], out[False][1], strict=True))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_attend_kernel_within_bf16_tolerance(built, family, monkeypatch):
+    """`MLXR_CPU_ATTEND=1` (off by default): the compiled attention ran in every layer of every
+    step, and the logits of the same six fed tokens stay within 2% of their range of the
+    generic loop's (another float32 summation order, bf16 roundings after it)."""
+    if not native.available():
+        pytest.skip("the C extension is not built")
+    dec = mlxr.load(built(family), device="cpu", dtype="bfloat16").decoder
+    prompt = [(7 * i + 3) % 300 for i in range(20)]
+    fed = [5, 77, 130, 9, 250, 41]
+    monkeypatch.setenv("MLXR_CPU_DECODE", "0")
+    want = _fed(dec, prompt, fed)
+    monkeypatch.setenv("MLXR_CPU_DECODE", "1")
+    monkeypatch.setenv("MLXR_CPU_ATTEND", "1")
+    calls = _counted(monkeypatch, native, "attend")
+    got = _fed(dec, prompt, fed)
+    assert len(calls) == len(fed) * len(dec.layers)
+    span = float(want.max() - want.min())
+    assert float((got - want).abs().max()) <= 0.02 * span
+
+
+def _fed(dec, prompt: list[int], fed: list[int]) -> torch.Tensor:
+    """The logits of each fed token after the prompt, [len(fed), V]."""
+    cache = dec.new_cache(64)
+    with torch.inference_mode():
+        dec.forward(torch.tensor(prompt), cache, last_only=True)
+        return torch.cat([dec.forward(torch.tensor([t]), cache, last_only=True) for t in fed])
+
+
 def test_vector_gelu_tanh_table_matches_torch():
     """The gelu_tanh table (torch's vector-loop values): act_mul over fresh random rows of a
     `VECTOR_ROW`-multiple width equals torch's gelu(gate) * up bit for bit."""

@@ -24,6 +24,7 @@ selects the generic loop, `MLXR_CPU_FUSED=0` the torch norms and activation.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ..ops.cpu import fused
+from ..ops.cpu import fused, native
 from ..ops.recurrent.reference import _scalar
 from ..quant import QuantWeight
 from . import cpu_decode
@@ -126,6 +127,28 @@ def norm_fn(p: _Plan | None) -> Callable[[Tensor, Tensor, float], Tensor]:
         return fused.add_rms_norm(rows, None, w, eps)[1].view(x.shape)
 
     return norm
+
+
+def attention_fn(p: _Plan | None):
+    """`ops.attention` for the lean step: one token's attention (every key it is given
+    visible: the caller passes the window's positions) on the compiled kernel
+    (`native.attend`: float32 scores, softmax and sums, in another summation order than
+    the reference's bmm) where env `MLXR_CPU_ATTEND=1`; off by default, since it can move a
+    near-tie greedy token (the divergence: docs/perf.md, "Session 22: Gemma 4 CPU decode")."""
+    if p is None or os.environ.get("MLXR_CPU_ATTEND", "") != "1" or not native.enabled():
+        return ops.attention
+
+    def attention(q: Tensor, keys: Tensor, values: Tensor, start: int, lo: int, scale: float,
+                  window: int | None) -> Tensor:
+        wide = (torch.float32, torch.bfloat16)
+        if q.shape[0] != 1 or lo + keys.shape[1] != start + 1 or q.dtype not in wide \
+                or keys.dtype not in wide or values.dtype != keys.dtype:
+            return ops.attention(q, keys, values, start, lo, scale, window)
+        out = native.attend(q[0].contiguous(), keys.contiguous(), values.contiguous(), None, 0,
+                            keys.shape[1], scale)
+        return out.unsqueeze(0)
+
+    return attention
 
 
 def _mlp(p: _Plan, lp: _LayerPlan, x: Tensor, act: str) -> Tensor:

@@ -164,7 +164,7 @@ class Gemma4Decoder:
 
     def _attend_rows(self, i: int, ly: Gemma4Layer, q: torch.Tensor, kv: torch.Tensor | None,
                      cache: HybridCache, start: int, cos: torch.Tensor, sin: torch.Tensor,
-                     seen: dict, norm=ops.rms_norm) -> torch.Tensor:
+                     seen: dict, norm=ops.rms_norm, attention=ops.attention) -> torch.Tensor:
         """One sequence's rows at positions [start, +T) -> attention output [T, H*D] (before
         o_proj). The layer's own K/V go to the cache; seen[i] keeps the K/V this forward
         attends (the window's earlier positions and the new ones, in order), which the
@@ -175,7 +175,7 @@ class Gemma4Decoder:
         if k is not None:
             seen[i] = cache.extend(i, k, v, start)
         keys, values, lo = seen[s.kv_source[i]]
-        out = ops.attention(q, keys, values, start, lo, c.attn_scale, c.layer_window[i])
+        out = attention(q, keys, values, start, lo, c.attn_scale, c.layer_window[i])
         return out.reshape(q.shape[0], c.num_heads * s.head_dims[i])
 
     def _layers(self, ids: torch.Tensor, attend) -> torch.Tensor:
@@ -266,14 +266,16 @@ class Gemma4Decoder:
         t, start = ids.shape[0], cache.length
         cache.reserve(start + t)
         tables = {id(r.spec): r.cos_sin(start, t) for r in self._rope_kinds}
-        pj = cpu_gemma4_decode.projections(self, t)  # the layers' own, or direct calls
-        norm = cpu_gemma4_decode.norm_fn(cpu_gemma4_decode.plan(self, t))
+        lean = cpu_gemma4_decode.plan(self, t)
+        pj = self.layers if lean is None else lean.layers  # the layers' own, or direct calls
+        norm, attn = cpu_gemma4_decode.norm_fn(lean), cpu_gemma4_decode.attention_fn(lean)
 
         def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
             p = pj[i]
             kv = p.kv(x) if p.kv is not None else None
             return p.o_proj(self._attend_rows(i, ly, p.q_proj(x), kv, cache, start,
-                                              *tables[id(self.ropes[i].spec)], seen, norm))
+                                              *tables[id(self.ropes[i].spec)], seen, norm,
+                                              attn))
 
         seen: dict = {}
 
