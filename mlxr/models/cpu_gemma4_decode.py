@@ -19,7 +19,8 @@ projections' wrappers. Here, for bf16:
 
 float32 models take only the direct projections (the same kernels on the same inputs). MoE
 layers (the 26B-A4B variant) keep the generic loop. Env `MLXR_CPU_DECODE=0` (read per step)
-selects the generic loop, `MLXR_CPU_FUSED=0` the torch norms and activation.
+selects the generic loop, `MLXR_CPU_FUSED=0` the torch norms and activation; `MLXR_CPU_ATTEND=1`
+(off by default: another summation order) the compiled decode attention (`attention_fn`).
 """
 
 from __future__ import annotations
