@@ -22,6 +22,7 @@ from ..config.hybrid import Gemma4Spec
 from ..layers import Embedding, Linear, Rope
 from ..ops.recurrent.reference import _scalar
 from ..quant import QuantWeight
+from . import cpu_gemma4_decode
 from .decoder import Fused, _gated_act
 from .hybrid_cache import HybridCache, LayerShape, layer_shapes
 from .moe import MoeBlock
@@ -145,42 +146,44 @@ class Gemma4Decoder:
         return _scalar(proj + table, 2.0**-0.5)
 
     def _qkv(self, i: int, ly: Gemma4Layer, q: torch.Tensor, kv: torch.Tensor | None,
-             cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+             cos: torch.Tensor, sin: torch.Tensor, norm=ops.rms_norm) -> tuple:
         """One sequence's rows of the q projection q [T, H*D] (and of [k | v], None on a
-        KV-shared layer) -> q [T, H, D] normed and rotated, and the layer's own K/V
-        [K, T, D] (None on a KV-shared layer)."""
+        KV-shared layer) -> q [T, H, D] normed (by norm(x, w, eps): `ops.rms_norm`'s values)
+        and rotated, and the layer's own K/V [K, T, D] (None on a KV-shared layer)."""
         c, s = self.config, self.spec
         t, d, kh = q.shape[0], s.head_dims[i], s.kv_heads[i]
         eps = c.rms_norm_eps
-        q = ops.rope(ops.rms_norm(q.reshape(t, c.num_heads, d), ly.q_norm, eps), cos, sin,
-                     False)
+        q = ops.rope(norm(q.reshape(t, c.num_heads, d), ly.q_norm, eps), cos, sin, False)
         if kv is None:
             return q, None, None
         k = kv[:, :kh * d].reshape(t, kh, d)
         v = k if s.k_eq_v[i] else kv[:, kh * d:].reshape(t, kh, d)
-        k = ops.rope(ops.rms_norm(k, ly.k_norm, eps), cos, sin, False)
-        v = ops.rms_norm(v, self._ones[d], eps)
+        k = ops.rope(norm(k, ly.k_norm, eps), cos, sin, False)
+        v = norm(v, self._ones[d], eps)
         return q, k.transpose(0, 1), v.transpose(0, 1)
 
     def _attend_rows(self, i: int, ly: Gemma4Layer, q: torch.Tensor, kv: torch.Tensor | None,
                      cache: HybridCache, start: int, cos: torch.Tensor, sin: torch.Tensor,
-                     seen: dict) -> torch.Tensor:
+                     seen: dict, norm=ops.rms_norm, attention=ops.attention) -> torch.Tensor:
         """One sequence's rows at positions [start, +T) -> attention output [T, H*D] (before
         o_proj). The layer's own K/V go to the cache; seen[i] keeps the K/V this forward
         attends (the window's earlier positions and the new ones, in order), which the
         KV-shared layers reading layer i attend too (a ring may no longer hold a long chunk's
         first positions)."""
         c, s = self.config, self.spec
-        q, k, v = self._qkv(i, ly, q, kv, cos, sin)
+        q, k, v = self._qkv(i, ly, q, kv, cos, sin, norm)
         if k is not None:
             seen[i] = cache.extend(i, k, v, start)
         keys, values, lo = seen[s.kv_source[i]]
-        out = ops.attention(q, keys, values, start, lo, c.attn_scale, c.layer_window[i])
+        out = attention(q, keys, values, start, lo, c.attn_scale, c.layer_window[i])
         return out.reshape(q.shape[0], c.num_heads * s.head_dims[i])
 
     def _layers(self, ids: torch.Tensor, attend) -> torch.Tensor:
         """Embedding and the layers over rows ids [N]; attend(i, layer, x) -> the attention
         output [N, E] (after o_proj). Returns h [N, E] before the final norm."""
+        lean = cpu_gemma4_decode.plan(self, ids.shape[0])
+        if lean is not None:  # a CPU decode step: the same values in fewer calls
+            return cpu_gemma4_decode.layers(self, lean, ids, attend)
         c = self.config
         eps = c.rms_norm_eps
         h = _scalar(self.embed(ids), c.embed_scale)
@@ -204,7 +207,10 @@ class Gemma4Decoder:
         return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.head(ops.rms_norm(h, self.norm, self.config.rms_norm_eps)).float()
+        lean = cpu_gemma4_decode.plan(self, h.shape[0])
+        head = self.head if lean is None else lean.head
+        norm = cpu_gemma4_decode.norm_fn(lean)
+        logits = head(norm(h, self.norm, self.config.rms_norm_eps)).float()
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -260,11 +266,16 @@ class Gemma4Decoder:
         t, start = ids.shape[0], cache.length
         cache.reserve(start + t)
         tables = {id(r.spec): r.cos_sin(start, t) for r in self._rope_kinds}
+        lean = cpu_gemma4_decode.plan(self, t)
+        pj = self.layers if lean is None else lean.layers  # the layers' own, or direct calls
+        norm, attn = cpu_gemma4_decode.norm_fn(lean), cpu_gemma4_decode.attention_fn(lean)
 
         def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
-            kv = ly.kv(x) if ly.kv is not None else None
-            return ly.o_proj(self._attend_rows(i, ly, ly.q_proj(x), kv, cache, start,
-                                               *tables[id(self.ropes[i].spec)], seen))
+            p = pj[i]
+            kv = p.kv(x) if p.kv is not None else None
+            return p.o_proj(self._attend_rows(i, ly, p.q_proj(x), kv, cache, start,
+                                              *tables[id(self.ropes[i].spec)], seen, norm,
+                                              attn))
 
         seen: dict = {}
 
@@ -337,18 +348,21 @@ class Gemma4Decoder:
         for r in self._rope_kinds:
             cs = [r.cos_sin(s, 1) for s in starts]
             tables[id(r.spec)] = (torch.cat([a for a, _ in cs]), torch.cat([b for _, b in cs]))
+        pj = cpu_gemma4_decode.projections(self, len(caches))
+        norm = cpu_gemma4_decode.norm_fn(cpu_gemma4_decode.plan(self, len(caches)))
 
         def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
-            kv = ly.kv(x) if ly.kv is not None else None
+            p = pj[i]
+            kv = p.kv(x) if p.kv is not None else None
             # B rows: norms and RoPE row by row, each row its own position's angles
-            q, k, v = self._qkv(i, ly, ly.q_proj(x), kv, *tables[id(self.ropes[i].spec)])
+            q, k, v = self._qkv(i, ly, p.q_proj(x), kv, *tables[id(self.ropes[i].spec)], norm)
             src = self.spec.kv_source[i]
             for b, c in enumerate(caches):  # each sequence's K/V into its own cache
                 if k is not None:
                     seen[b][i] = c.extend(i, k[:, b:b + 1], v[:, b:b + 1], starts[b])
             out = padded_decode_attention(q, [s[src][0] for s in seen],
                                           [s[src][1] for s in seen], self.config.attn_scale)
-            return ly.o_proj(out.reshape(len(caches), -1))
+            return p.o_proj(out.reshape(len(caches), -1))
 
         seen: list[dict] = [{} for _ in caches]
 

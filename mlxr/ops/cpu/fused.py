@@ -22,7 +22,9 @@ from torch import Tensor
 
 from . import native, twins
 
-ACTS = {"silu": F.silu, "sigmoid": torch.sigmoid}  # gelu's vector and scalar paths differ
+ACTS = {"silu": F.silu, "sigmoid": torch.sigmoid,  # gelu's vector and scalar paths differ
+        "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+VECTOR_ROW = 128  # rows whose width is a multiple of this run torch's vector loop only
 
 
 def _k():
@@ -50,6 +52,10 @@ def lanes() -> int:
     return 0
 
 
+def _all_bf16() -> Tensor:
+    return torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
 @functools.cache
 def act_table(act: str) -> Tensor | None:
     """bf16 act(v) for each bf16 bit pattern v ([65536 + 1] bf16, the last entry padding), or
@@ -58,12 +64,32 @@ def act_table(act: str) -> Tensor | None:
     f = ACTS.get(act)
     if f is None:
         return None
-    allb = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    allb = _all_bf16()
     vec = f(allb)
     scalar = f(allb.repeat_interleave(2)[::2])  # strided input: torch's scalar loop
     a, b = vec.view(torch.int16), scalar.view(torch.int16)
     same = bool(((a == b) | (vec.isnan() & scalar.isnan())).all())
     return torch.cat((vec, vec.new_zeros(1))) if same else None  # + 1: layer.c's gather
+
+
+@functools.cache
+def vector_act_table(act: str) -> Tensor | None:
+    """`act_table` as torch's vector loop gives each value (gelu_tanh's scalar loop rounds 4
+    of the 65536 otherwise): exact for act(gate) * up where the gate's width is a multiple
+    of `VECTOR_ROW` (torch covers such rows in whole vector steps, 2 x 32 lanes at most).
+    Checked once: every bf16 value through `act_mul` and through torch in rows of that
+    width, bit for bit; None where that fails or the activation is unknown."""
+    f = ACTS.get(act)
+    if f is None or not native.available():
+        return None
+    allb = _all_bf16()
+    tab = torch.cat((f(allb), allb.new_zeros(1)))
+    gate = allb.view(-1, VECTOR_ROW)
+    up = torch.linspace(-3, 3, gate.numel()).to(torch.bfloat16).view_as(gate)
+    gu = torch.cat((gate, up), -1)
+    want, got = twins.act_mul(gu, act), act_mul(gu, tab)
+    same = (want.view(torch.int16) == got.view(torch.int16)) | (want.isnan() & got.isnan())
+    return tab if bool(same.all()) else None
 
 
 def add_rms_norm(h: Tensor, r: Tensor | None, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
