@@ -137,7 +137,7 @@ def gated_delta(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     y = torch.empty((bsz, t, hv, dv), dtype=q.dtype, device=q.device)
     block_k = triton.next_power_of_2(dk)
     block_v = min(triton.next_power_of_2(dv),
-                  int(os.environ.get("MLXR_GDN_BLOCK_V") or 0) or max(16, 4096 // block_k))
+                  int(os.environ.get("MLXR_GDN_BLOCK_V") or 0) or max(8, 1024 // block_k))
     grid = (bsz, hv, triton.cdiv(dv, block_v))
     _gated_delta_kernel[grid](
         q, k, v, g, beta, state, y, t, hv, q.stride(0), q.stride(1), q.stride(2),
@@ -148,15 +148,18 @@ def gated_delta(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 
 
 def prefetch() -> bool:
-    """Env `MLXR_GDN_PREFETCH=1` (read at each call): `gated_delta`'s kernel loads token
-    t+1's inputs before token t's math, so their latency overlaps it (the sequential prefill
-    kernel is latency-bound: ~1.7 us a token on the H200, 857 us a layer at T = 512). Same
-    values, same arithmetic; off until the H200 run (scripts/hybrid_prefill_gpu.py) shows it
-    bit-identical and faster. Envs `MLXR_GDN_BLOCK_V` (a power of two) and `MLXR_GDN_WARPS`
-    (read at each call) set the value rows per program (default 4096 / Dk, at least 16) and
-    its warps (default 4, Triton's) for that run's sweep: fewer rows and warps shorten the
-    per-token reductions' chain, but may sum in another order (not bitwise)."""
-    return os.environ.get("MLXR_GDN_PREFETCH", "") == "1"
+    """Env `MLXR_GDN_PREFETCH` (read at each call; on unless "0"): `gated_delta`'s kernel
+    loads token t+1's inputs before token t's math, so their latency overlaps it (the
+    sequential prefill kernel is latency-bound: ~1.7 us a token on the H200, 857 us a layer at
+    T = 512 with the old launch). Envs `MLXR_GDN_BLOCK_V` (a power of two) and `MLXR_GDN_WARPS`
+    (read at each call) set the value rows per program and its warps. The defaults, prefetch
+    on and 1024 / Dk rows (8 at Dk 128; at least 8) over 4 warps, come from the sweep of
+    scripts/hybrid_prefill_gpu.py on an H100 (session 22, Hk = Hv = 16, Dk = Dv = 128, T = 512,
+    bf16, us per layer call incl. a 1 MB state copy): the old launch (no prefetch, 32 rows) 689,
+    prefetch 482, prefetch with 8 rows 264, every one of them bit for bit the old launch's y and
+    state (of the 13 configurations swept, only 2 rows over 4 warps summed in another order).
+    Dk 128 is the only key width of the qwen3_5 / qwen3_next checkpoints."""
+    return os.environ.get("MLXR_GDN_PREFETCH", "") != "0"
 
 
 def conv1d_silu(x: Tensor, state: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
