@@ -50,3 +50,16 @@ def assert_static_step_equals_eager(dec, seq: list[int], prefill: int = 20,
                                      tables)[0]
             assert torch.allclose(got, want, rtol=0,
                                   atol=rtol_range * float(want.max() - want.min()))
+
+
+def counted(monkeypatch, module, name: str) -> list:
+    """Wrap module.name so each call appends to the returned list (how often a path ran)."""
+    calls: list = []
+    fn = getattr(module, name)
+
+    def wrapped(*a, **kw):
+        calls.append(1)
+        return fn(*a, **kw)
+
+    monkeypatch.setattr(module, name, wrapped)
+    return calls

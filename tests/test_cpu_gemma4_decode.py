@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import mlxr
 from mlxr.models import cpu_gemma4_decode
 from mlxr.ops.cpu import fused, native
+from decode_checks import counted
 
 FAMILIES = ["gemma4_text", "gemma4"]
 
@@ -28,18 +29,6 @@ def built(tmp_path_factory):
         return paths[family]
 
     return get
-
-
-def _counted(monkeypatch, module, name: str) -> list:
-    calls: list = []
-    fn = getattr(module, name)
-
-    def wrapped(*a, **kw):
-        calls.append(1)
-        return fn(*a, **kw)
-
-    monkeypatch.setattr(module, name, wrapped)
-    return calls
 
 
 def _decode(dec, prompt: list[int], steps: int, lean: bool, monkeypatch):
@@ -65,8 +54,8 @@ def test_lean_decode_equals_generic(built, family, dtype, monkeypatch):
     want, want_k = _decode(dec, prompt, 12, False, monkeypatch)
     monkeypatch.setenv("MLXR_CPU_DECODE", "1")
     cpu_gemma4_decode.plan(dec, 1)  # built (and its checks run) before counting
-    lean = _counted(monkeypatch, cpu_gemma4_decode, "layers")
-    gelu = _counted(monkeypatch, fused, "act_mul")
+    lean = counted(monkeypatch, cpu_gemma4_decode, "layers")
+    gelu = counted(monkeypatch, fused, "act_mul")
     got, got_k = _decode(dec, prompt, 12, True, monkeypatch)
     assert torch.equal(got, want)
     assert all(torch.equal(a, b) for a, b in zip(got_k, want_k, strict=True) if a is not None)
@@ -114,7 +103,7 @@ def test_attend_kernel_within_bf16_tolerance(built, family, monkeypatch):
     want = _fed(dec, prompt, fed)
     monkeypatch.setenv("MLXR_CPU_DECODE", "1")
     monkeypatch.setenv("MLXR_CPU_ATTEND", "1")
-    calls = _counted(monkeypatch, native, "attend")
+    calls = counted(monkeypatch, native, "attend")
     got = _fed(dec, prompt, fed)
     assert len(calls) == len(fed) * len(dec.layers)
     span = float(want.max() - want.min())

@@ -17,6 +17,7 @@ from mlxr.models import cpu_hybrid_decode, cpu_moe_decode
 from mlxr.models.gated_delta import GatedDeltaMixer
 from mlxr.ops.cpu import fused
 from mlxr.ops.recurrent import reference as recurrent
+from decode_checks import counted
 
 
 def _mixer(hk: int, hv: int, dtype: torch.dtype, seed: int) -> GatedDeltaMixer:
@@ -100,18 +101,6 @@ def built(tmp_path_factory):
     return get
 
 
-def _counted(monkeypatch, module, name: str) -> list:
-    calls: list = []
-    fn = getattr(module, name)
-
-    def wrapped(*a, **kw):
-        calls.append(1)
-        return fn(*a, **kw)
-
-    monkeypatch.setattr(module, name, wrapped)
-    return calls
-
-
 def _decode(model, prompt: list[int], steps: int, lean: bool, monkeypatch):
     """Prefill `prompt`, then `steps` greedy one-token forwards: each step's logits and the
     final cache. The DeltaNet step between the projections on torch (`MLXR_CPU_GDN=0`: the
@@ -145,8 +134,8 @@ def test_lean_decode_equals_generic(built, family, dtype, monkeypatch):
     model = mlxr.load(built(family), device="cpu", dtype=dtype)
     prompt = [(7 * i + 3) % 300 for i in range(13)]
     want, want_cache = _decode(model, prompt, 6, False, monkeypatch)
-    delta = _counted(monkeypatch, cpu_hybrid_decode, "delta_step")
-    moe = _counted(monkeypatch, cpu_moe_decode, "experts")
+    delta = counted(monkeypatch, cpu_hybrid_decode, "delta_step")
+    moe = counted(monkeypatch, cpu_moe_decode, "experts")
     got, got_cache = _decode(model, prompt, 6, True, monkeypatch)
     assert torch.equal(got, want)
     assert all(torch.equal(a, b) for a, b in zip(_tensors(got_cache), _tensors(want_cache)))

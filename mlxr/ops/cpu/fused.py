@@ -56,20 +56,26 @@ def _all_bf16() -> Tensor:
     return torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
 
 
+def torch_values(f) -> Tensor | None:
+    """f of every bf16 bit pattern (torch's vector loop: [65536] in f's output dtype), or None
+    where torch's scalar loop (a strided input) gives another value for some input (then a
+    row's tail could round otherwise)."""
+    allb = _all_bf16()
+    vec = f(allb)
+    scalar = f(allb.repeat_interleave(2)[::2])  # strided input: torch's scalar loop
+    bits = torch.int16 if vec.element_size() == 2 else torch.int32
+    a, b = vec.view(bits), scalar.view(bits)
+    return vec if bool(((a == b) | (vec.isnan() & scalar.isnan())).all()) else None
+
+
 @functools.cache
 def act_table(act: str) -> Tensor | None:
     """bf16 act(v) for each bf16 bit pattern v ([65536 + 1] bf16, the last entry padding), or
     None where torch's vector and scalar loops disagree on some value (then a row's tail could
     round otherwise)."""
     f = ACTS.get(act)
-    if f is None:
-        return None
-    allb = _all_bf16()
-    vec = f(allb)
-    scalar = f(allb.repeat_interleave(2)[::2])  # strided input: torch's scalar loop
-    a, b = vec.view(torch.int16), scalar.view(torch.int16)
-    same = bool(((a == b) | (vec.isnan() & scalar.isnan())).all())
-    return torch.cat((vec, vec.new_zeros(1))) if same else None  # + 1: layer.c's gather
+    vec = None if f is None else torch_values(f)
+    return None if vec is None else torch.cat((vec, vec.new_zeros(1)))  # + 1: layer.c's gather
 
 
 @functools.cache

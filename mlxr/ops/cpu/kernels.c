@@ -61,6 +61,21 @@ static PyObject *py_qmm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* i4mm_run's / i4moe_run's return code as Python's result: 0 None; -2 not compiled for this
+ * CPU; -3 an expert id out of range; else out of memory. */
+static PyObject *i4_result(int rc) {
+    if (rc == -2) {
+        PyErr_SetString(PyExc_RuntimeError, "mlxr.ops.cpu: i4mm not compiled for this CPU");
+        return NULL;
+    }
+    if (rc == -3) {
+        PyErr_SetString(PyExc_ValueError, "mlxr.ops.cpu: expert id out of range");
+        return NULL;
+    }
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_i4mm(PyObject *self, PyObject *args) {
     (void)self;
     I4Args a;
@@ -78,12 +93,7 @@ static PyObject *py_i4mm(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     rc = i4mm_run(&a, nthreads < 1 ? 1 : nthreads);
     Py_END_ALLOW_THREADS
-    if (rc == -2) {
-        PyErr_SetString(PyExc_RuntimeError, "mlxr.ops.cpu: i4mm not compiled for this CPU");
-        return NULL;
-    }
-    if (rc) return PyErr_NoMemory();
-    Py_RETURN_NONE;
+    return i4_result(rc);
 }
 
 static PyObject *py_i4moe(PyObject *self, PyObject *args) {
@@ -104,16 +114,7 @@ static PyObject *py_i4moe(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     rc = i4moe_run(&a, nthreads < 1 ? 1 : nthreads);
     Py_END_ALLOW_THREADS
-    if (rc == -2) {
-        PyErr_SetString(PyExc_RuntimeError, "mlxr.ops.cpu: i4mm not compiled for this CPU");
-        return NULL;
-    }
-    if (rc == -3) {
-        PyErr_SetString(PyExc_ValueError, "mlxr.ops.cpu: expert id out of range");
-        return NULL;
-    }
-    if (rc) return PyErr_NoMemory();
-    Py_RETURN_NONE;
+    return i4_result(rc);
 }
 
 static PyObject *py_i4deq(PyObject *self, PyObject *args) {
