@@ -74,10 +74,9 @@ def _one_call(block) -> cpu_experts.I4Experts | None:
     kerns = [(_i4_kernel(g), _i4_kernel(d)) for g, d in zip(block.gate_up, block.down,
                                                            strict=True)]
     if kerns and all(g is not None and d is not None for g, d in kerns):
-        modes = {k.args[3:] for pair in kerns for k in pair}  # (group, pair mode)
+        modes = {(k.group, k.pairs) for pair in kerns for k in pair}
         if len(modes) == 1:
-            (group, mode), = modes
-            pairs = next(p for p, z in native.I4_PAIRS.items() if z == mode)
+            (group, pairs), = modes
             try:
                 got = cpu_experts.I4Experts([g.keep for g, _ in kerns],
                                             [d.keep for _, d in kerns], group,

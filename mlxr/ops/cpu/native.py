@@ -255,6 +255,7 @@ class I4Matmul:
         self.keep = (packed, sb)
         self.words = None if pairs == "zeros" else sb  # nbytes counts what is not its own
         self.n, self.k, self.planes, self.max_m = sb.shape[1], kp // planes, planes, max_m
+        self.group, self.pairs = group, pairs
         self.args = (packed.data_ptr(), sb.data_ptr(), self.n, group, I4_PAIRS[pairs])
         self.fn = _module().i4mm
 
