@@ -331,18 +331,22 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU, narrow checkpoints (smoke run)")
     ap.add_argument("--shapes", default="gemma-4-e2b,qwen3.5-2b",
                     help="make_checkpoint shapes, comma-separated, in order")
+    ap.add_argument("--skip", default="", help="parts to leave out: gdn,float32,check,time")
     a = ap.parse_args()
+    skip = set(a.skip.split(",")) - {""}
     BUDGET[0] = a.budget
     dev = "cpu" if a.tiny else "cuda"
     a.dir.mkdir(parents=True, exist_ok=True)
-    if dev == "cuda":  # needs no checkpoint: first, so that a short budget still gets it
+    if dev == "cuda" and "gdn" not in skip:  # needs no checkpoint: first, for a short budget
         part("gdn kernel", 20, gdn_part)
     for shape in a.shapes.split(","):
         path = checkpoint(a.dir, shape, a.tiny)
         refs: dict = {}
-        part(f"float32 {shape}", 120, check_part, path, dev, "float32", (37, 300), refs)
-        part(f"check {shape}", 90, check_part, path, dev, "bfloat16", LENGTHS, refs)
-        if dev == "cuda":
+        if "float32" not in skip:
+            part(f"float32 {shape}", 120, check_part, path, dev, "float32", (37, 300), refs)
+        if "check" not in skip:
+            part(f"check {shape}", 90, check_part, path, dev, "bfloat16", LENGTHS, refs)
+        if dev == "cuda" and "time" not in skip:
             qwen = shape.startswith("qwen")
             part(f"time {shape}", 60 if qwen else 40, time_part, path,
                  ("0", "1") if qwen else ("0",))
