@@ -168,7 +168,7 @@ def test_dispatch(monkeypatch, bits, want):
     """MLXR_MOE_GROUPED=fused: past the decode kernels, the fused path for the codes it
     reads, the older grouped kernel for the rest; the default stays mm."""
     monkeypatch.setenv("MLXR_MOE_GROUPED", "fused")
-    monkeypatch.delenv("MLXR_MOE_DECODE_MAX_PAIRS", raising=False)
+    monkeypatch.setenv("MLXR_MOE_DECODE_MAX_PAIRS", "16")  # past the decode kernels
     calls = []
     monkeypatch.setattr(F, "moe_grouped_fused", lambda *a, **k: calls.append("fused"))
     monkeypatch.setattr(G, "moe_grouped", lambda *a, **k: calls.append("triton"))
@@ -189,7 +189,7 @@ def test_auto_dispatch(monkeypatch, dtype, mode, tokens, want):
     """The default (auto): the fused kernel in bf16 compute, for fp4 stacks only up to
     8192 pairs (mm measured faster beyond); float32 keeps the grouped kernel."""
     monkeypatch.delenv("MLXR_MOE_GROUPED", raising=False)
-    monkeypatch.delenv("MLXR_MOE_DECODE_MAX_PAIRS", raising=False)
+    monkeypatch.setenv("MLXR_MOE_DECODE_MAX_PAIRS", "16")  # past the decode kernels
     calls = []
     monkeypatch.setattr(F, "moe_grouped_fused", lambda *a, **k: calls.append("fused"))
     monkeypatch.setattr(G, "moe_grouped", lambda *a, **k: calls.append("triton"))

@@ -161,6 +161,7 @@ def test_dispatch(monkeypatch, dtype, pairs, env, want):
     MLXR_MOE_MM_MIN_PAIRS), the Triton kernel else."""
     for k in ("MLXR_MOE_GROUPED", "MLXR_MOE_MM_MIN_PAIRS", "MLXR_MOE_DECODE_MAX_PAIRS"):
         monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("MLXR_MOE_DECODE", "split")  # the split kernels' crossover
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     calls = _Calls()
@@ -173,4 +174,37 @@ def test_dispatch(monkeypatch, dtype, pairs, env, want):
     ids = torch.zeros(pairs // 2, 2, dtype=torch.long)
     ops.moe_experts(torch.zeros(pairs // 2, 64, dtype=dtype), ids, ids.float(), q, q, q,
                     "silu", 1.702, 7.0, dtype)
+    assert set(calls.paths) == {want}
+
+
+@pytest.mark.parametrize("pairs,env,want", [
+    (2, {}, "onepass"), (16, {}, "onepass"), (64, {}, "onepass"), (66, {}, "fused"),
+    (16, {"MLXR_MOE_DECODE": "split"}, "split"), (18, {"MLXR_MOE_DECODE": "split"}, "fused"),
+    (32, {"MLXR_MOE_DECODE_MAX_PAIRS": "16"}, "fused"), (18, {"COUNTERS": 1}, "fused"),
+    (16, {"COUNTERS": 1}, "split")])
+def test_default_dispatch_is_onepass(monkeypatch, pairs, env, want):
+    """The default (session 23, from an H100's per-layer timings): the onepass kernels up to
+    64 pairs; past their counters the split kernels up to their 16 pairs; beyond, the grouped
+    GEMM. MLXR_MOE_DECODE=split gives the older dispatch back."""
+    from mlxr.ops.moe import decode_onepass as O
+
+    for k in ("MLXR_MOE_GROUPED", "MLXR_MOE_DECODE", "MLXR_MOE_DECODE_MAX_PAIRS"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        if k == "COUNTERS":  # a step that does not fit the onepass counters
+            monkeypatch.setattr(O, "fits", lambda *a, **kw: False)
+        else:
+            monkeypatch.setenv(k, v)
+    calls = _Calls()
+    monkeypatch.setattr(O, "moe_gate_up_onepass", calls("onepass"))
+    monkeypatch.setattr(O, "moe_down_onepass", calls("onepass"))
+    monkeypatch.setattr(decode_split, "moe_gate_up_split", calls("split"))
+    monkeypatch.setattr(decode_split, "moe_down_split", calls("split"))
+    monkeypatch.setattr(M, "moe_grouped_mm", calls("mm"))
+    monkeypatch.setattr(G, "moe_grouped", calls("triton"))
+    monkeypatch.setattr(F, "moe_grouped_fused", calls("fused"))
+    q = stacked("affine", 4, 64, False, 4, 16, 64, 1)
+    ids = torch.zeros(pairs // 2, 2, dtype=torch.long)
+    ops.moe_experts(torch.zeros(pairs // 2, 64, dtype=BF), ids, ids.float(), q, q, q,
+                    "silu", 1.702, 7.0, BF)
     assert set(calls.paths) == {want}

@@ -13,8 +13,9 @@ The only numeric difference to the fused kernels is the fp32 summation order of 
 Config (`DecodeConfig`, env per projection, "block_n,split,num_warps"):
 MLXR_MOE_GATE_UP (default 32,4,4; split 1: the fused kernel) and MLXR_MOE_DOWN (default
 32,1,4; split 0: the fused kernel; 1: pair-parallel without a K split);
+MLXR_MOE_DECODE=split puts decode steps on these kernels (the default is `decode_onepass`);
 MLXR_MOE_DECODE_MAX_PAIRS: the most pairs served by the decode kernels (default
-`decode_experts.MAX_PAIRS`). Twins: `decode_experts.moe_gate_up_ref`
+`decode_experts.MAX_PAIRS` here, `ONEPASS_MAX_PAIRS` for onepass). Twins: `decode_experts.moe_gate_up_ref`
 and `moe_down_ref` (same signatures but the config).
 """
 
@@ -71,15 +72,25 @@ def down_config() -> DecodeConfig:
     return _parse("MLXR_MOE_DOWN", DOWN_DEFAULT)
 
 
+# The most (token, slot) pairs the onepass kernels serve by default: on an H100 (session 23,
+# scripts/moe_decode_gpu.py) they beat the engine's dispatch of the time up to 64 pairs
+# (Qwen3-30B-A3B layer, k = 8: T = 1 22.4 -> 19.7 us, T = 4 127.1 -> 59.8, T = 8 152.9 ->
+# 111.4, where the grouped GEMM served past 16 pairs) and lost at 128 (192.4 -> 210.1).
+ONEPASS_MAX_PAIRS = 64
+
+
 def decode_kernels() -> str:
-    """The decode kernels (MLXR_MOE_DECODE, read at each call): "split" (this module, the
-    default) or "onepass" (`decode_onepass`: one launch per projection)."""
-    return os.environ.get("MLXR_MOE_DECODE", "split").lower()
+    """The decode kernels (MLXR_MOE_DECODE, read at each call): "onepass" (the default:
+    `decode_onepass`, one launch per projection) or "split" (this module: partials, then a
+    finishing launch; at the default configs the same sums, bit for bit)."""
+    return os.environ.get("MLXR_MOE_DECODE", "onepass").lower()
 
 
 def decode_max_pairs() -> int:
-    """The most (token, slot) pairs the decode kernels serve (MLXR_MOE_DECODE_MAX_PAIRS)."""
-    return int(os.environ.get("MLXR_MOE_DECODE_MAX_PAIRS", str(D.MAX_PAIRS)))
+    """The most (token, slot) pairs the decode kernels serve (MLXR_MOE_DECODE_MAX_PAIRS;
+    default `ONEPASS_MAX_PAIRS` for onepass, `decode_experts.MAX_PAIRS` for split)."""
+    default = ONEPASS_MAX_PAIRS if decode_kernels() == "onepass" else D.MAX_PAIRS
+    return int(os.environ.get("MLXR_MOE_DECODE_MAX_PAIRS", str(default)))
 
 
 def chunks(k: int, group: int, split: int) -> int:
