@@ -9,8 +9,9 @@ Per batch size: a warm-up round, then a measured one. Reports output tok/s over 
 outside the decode runner (scheduling, sampling bookkeeping, detokenization), and the bytes of
 the quantized weights with their decode copies and the KV pool's size. `--eager` turns
 the captured decode graphs off (the eager forward_step path; for the hybrid families the
-per-sequence caches, `MLXR_HYBRID_GRAPHS=0` likewise) for an A/B; `MLXR_HYBRID_SLOTS=1` puts
-the hybrid families on the slot pool and its captured decode (opt-in until checked on a GPU).
+per-sequence caches, `MLXR_HYBRID_GRAPHS=0` likewise) for an A/B; `MLXR_HYBRID_SLOTS=0` takes
+the hybrid families off the slot pool and its captured decode (the default) onto per-sequence
+caches.
 `--tokens-out` writes the measured rounds' greedy tokens (per batch size, per request) as
 JSON, to compare two runs (e.g. two `MLXR_PREFILL_GEMM` routings). The last line is JSON.
 """

@@ -75,7 +75,7 @@ def _engine(model, mode: str, **kw) -> LLMEngine:
     """graphs: the default engine; graphs-nosnap: without prefix snapshots; slots-eager: the
     slot path without capture; old: the per-sequence caches."""
     os.environ["MLXR_HYBRID_GRAPHS"] = "0" if mode == "slots-eager" else "1"
-    os.environ["MLXR_HYBRID_SLOTS"] = "1"  # opt-in until this script has passed on a GPU
+    os.environ["MLXR_HYBRID_SLOTS"] = "1"  # the default since session 23; set for old trees
     if mode == "graphs-nosnap":
         mode, kw = "graphs", dict(kw, prefix_snapshot_bytes=0)
     paged = {"graphs": None if DEV == "cuda" else True, "slots-eager": True,

@@ -104,13 +104,13 @@ def test_padded_prefill_rerun(dec):
 
 
 def test_padded_prefill_gate(monkeypatch, tmp_path_factory, make_checkpoint):
-    """Opt-in by env; any bucket within the cache (rings wrap safely), never for the MoE
-    variant."""
+    """On by default, off by env; any bucket within the cache (rings wrap safely), never for
+    the MoE variant."""
     dec = _load("gemma4", tmp_path_factory, make_checkpoint)
     cache = new_cache(dec, 64)
-    monkeypatch.delenv("MLXR_HYBRID_PREFILL_GRAPHS", raising=False)
+    monkeypatch.setenv("MLXR_HYBRID_PREFILL_GRAPHS", "0")
     assert not cuda_graph.padded_prefill(dec, cache, WINDOW)
-    monkeypatch.setenv("MLXR_HYBRID_PREFILL_GRAPHS", "1")
+    monkeypatch.delenv("MLXR_HYBRID_PREFILL_GRAPHS")
     assert cuda_graph.padded_prefill(dec, cache, WINDOW)
     assert cuda_graph.padded_prefill(dec, cache, 64)
     assert not cuda_graph.padded_prefill(dec, cache, 128)

@@ -179,10 +179,14 @@ class PaddedPrefillGraph(PrefillGraph):
 def padded_prefill(decoder, cache, bucket: int) -> bool:
     """Whether a decoder without `forward_step` prefills `bucket` tokens in a graph: it pads
     safely there (`pads_fit`: no MoE layer, room for the bucket; the padded rows leave every
-    ring slot and recurrent state as the unpadded prompt leaves them) and
-    `MLXR_HYBRID_PREFILL_GRAPHS=1` (opt-in until checked on a GPU against the eager prefill:
-    scripts/hybrid_prefill_gpu.py)."""
-    return (os.environ.get("MLXR_HYBRID_PREFILL_GRAPHS") == "1"
+    ring slot and recurrent state as the unpadded prompt leaves them), unless
+    `MLXR_HYBRID_PREFILL_GRAPHS=0`. On by default since scripts/hybrid_prefill_gpu.py passed
+    on an H100 (session 23): float32 logits equal to the eager prefill's (0 of the range at
+    n = 37 and 300), capture exact; in bf16 a prompt shorter than its bucket goes through
+    kernels of the bucket's row count, so its logits round differently (as the dense
+    models' prefill graphs do), which moved greedy tokens only at near-ties of the random
+    checkpoints."""
+    return (os.environ.get("MLXR_HYBRID_PREFILL_GRAPHS", "1") != "0"
             and hasattr(decoder, "forward_padded") and decoder.pads_fit(cache, bucket))
 
 
