@@ -277,8 +277,10 @@ def _feed(info, c) -> "object":
     dt = {"tensor(float32)": np.float32, "tensor(float16)": np.float16,
           "tensor(int32)": np.int32, "tensor(int64)": np.int64}.get(info.type, np.float32)
     if info.name.startswith("past_key_values") and len(info.shape) == 4:
+        # window-sized buffers (gpt-oss's sliding layers) hold the seeds' window of 8
         fill = [1, c.num_kv_heads, 0, c.head_dim]
-        shape = [d if isinstance(d, int) else f for d, f in zip(info.shape, fill)]
+        shape = [d if isinstance(d, int) else 8 if "sliding" in d else f
+                 for d, f in zip(info.shape, fill)]
         return np.zeros(shape, dt)
     shape = [d if isinstance(d, int) else (1 if i == 0 else 3) for i, d in enumerate(info.shape)]
     return np.ones(shape, dt)
@@ -356,6 +358,7 @@ def build_seeds(work: Path, kinds: list[str]) -> dict[str, Path]:
 def fuzz_onnx(n: int, seed: int, kinds: list[str] | None = None) -> dict:
     """n cases per seed kind; a summary with outcomes by kind and every finding."""
     kinds = kinds or list(SEEDS)
+    keep = os.environ.get("MLXR_FUZZ_KEEP")  # a folder to copy each finding's case into
     rng = random.Random(seed)
     work = Path(tempfile.mkdtemp(prefix="mlxr-fuzz-onnx-"))
     worker = _Worker("onnx")
@@ -378,6 +381,8 @@ def fuzz_onnx(n: int, seed: int, kinds: list[str] | None = None) -> dict:
                 counts[out["outcome"]] = counts.get(out["outcome"], 0) + 1
                 if out["outcome"] not in ("ok", "error") or out.get("multiline"):
                     findings.append({"seed": kind, "case": i, "mutations": done, **out})
+                    if keep:  # the folder, for a regression test
+                        shutil.copytree(d, Path(keep) / f"{kind}-{i}", dirs_exist_ok=True)
                 shutil.rmtree(d, ignore_errors=True)
     finally:
         worker.stop()

@@ -154,7 +154,7 @@ class OnnxGraph:
     def _external_file(self, location: str, where: str) -> Path:
         """The external data file, which must be a regular file inside the model's folder."""
         rel = Path(location)
-        if not location or rel.is_absolute() or ".." in rel.parts:
+        if not location or "\0" in location or rel.is_absolute() or ".." in rel.parts:
             raise ModelFormatError(f"{where}: external data location {location!r} is not a "
                                    "relative path inside the model folder")
         file = (self.folder / rel).resolve()
