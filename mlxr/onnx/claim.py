@@ -53,7 +53,36 @@ MIN_GROUP = 32  # mlxr's affine kernels take groups of 32, 64 or 128
 
 
 def attrs(node: onnx.NodeProto) -> dict:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    try:
+        return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    except ValueError as e:  # an attribute of an undefined type
+        raise ModelFormatError(f"{where(node)}: unreadable attribute ({e})") from None
+
+
+# the ops mlxr translates: their domain, and which inputs the schema requires (the translator
+# indexes those; a node lacking one is invalid, and onnxruntime refuses it too)
+HOME = {op: dom for dom, op in SCHEMAS} | {op: "" for op in PLAIN_OPS}
+REQUIRED_INPUTS = {"MatMulNBits": 3, "GroupQueryAttention": 1,
+                   "SkipSimplifiedLayerNormalization": 3, "SimplifiedLayerNormalization": 2,
+                   "RMSNormalization": 2, "RotaryEmbedding": 4, "GatherBlockQuantized": 3,
+                   "QMoE": 4, "Constant": 0, "Sigmoid": 1, "Cast": 1, "Shape": 1,
+                   "Squeeze": 1, "Unsqueeze": 1, "ReduceSum": 1, "Split": 1}
+# (the others take 2: binary ops, Gather, Reshape)
+REQUIRED_AT = {"GroupQueryAttention": (5, 6), "QMoE": (5, 6)}  # required after optional ones
+
+
+def _check_arity(node: onnx.NodeProto) -> None:
+    need = [*range(REQUIRED_INPUTS.get(node.op_type, 2)), *REQUIRED_AT.get(node.op_type, ())]
+    missing = [i for i in need if not _input(node, i)]
+    if missing:
+        raise ModelFormatError(f"{where(node)}: required input(s) {missing} are missing "
+                               f"({len(node.input)} given)")
+    if not node.output or not node.output[0]:
+        raise ModelFormatError(f"{where(node)}: output 0 is missing")
+
+
+def _local_function(g: OnnxGraph, node: onnx.NodeProto) -> bool:
+    return any(f.name == node.op_type and f.domain == node.domain for f in g.model.functions)
 
 
 def where(node: onnx.NodeProto) -> str:
@@ -124,6 +153,12 @@ def check_node(g: OnnxGraph, node: onnx.NodeProto) -> str | None:
     """None if mlxr can translate the node, else why not. Raises ModelFormatError for a node
     that is invalid or laid out for one execution provider only."""
     key = (node.domain if node.domain != "ai.onnx" else "", node.op_type)
+    home = HOME.get(node.op_type)
+    if home is not None and key[0] != home and not _local_function(g, node):
+        raise ModelFormatError(f"{where(node)}: domain {node.domain or 'ai.onnx'!r} has no "
+                               f"{node.op_type} (it is a {home or 'ai.onnx'} op)")
+    if home is not None:
+        _check_arity(node)
     a = attrs(node)
     known = SCHEMAS.get(key)
     if known is not None:

@@ -157,8 +157,12 @@ class OnnxGraph:
         if not location or "\0" in location or rel.is_absolute() or ".." in rel.parts:
             raise ModelFormatError(f"{where}: external data location {location!r} is not a "
                                    "relative path inside the model folder")
-        file = (self.folder / rel).resolve()
-        if not file.is_relative_to(self.folder.resolve()) or not file.is_file():
+        try:
+            file = (self.folder / rel).resolve()
+            inside = file.is_relative_to(self.folder.resolve()) and file.is_file()
+        except OSError:  # a name too long for the file system, a symlink loop
+            inside = False
+        if not inside:
             raise ModelFormatError(f"{where}: external data file {location!r} is missing or "
                                    "not a regular file inside the model folder")
         return file

@@ -110,7 +110,7 @@ def check_mask_inputs(g: OnnxGraph, seqlens: str, total: str) -> set[int] | None
     try:
         memo: dict = {}
         s, t = _eval(g, seqlens, probe, seen, memo), _eval(g, total, probe, seen, memo)
-    except (NotMask, ValueError, TypeError, IndexError):
+    except (NotMask, ValueError, TypeError, IndexError, AttributeError):
         return None
     ok = (s.dtype == np.int32 and s.tolist() == [2, 4] and t.dtype == np.int32
           and t.size == 1 and int(t.reshape(())) == 5)

@@ -16,6 +16,7 @@ interleaved rows split into gate_proj (even) and up_proj (odd) stacks [X, F, ...
 
 from __future__ import annotations
 
+import math
 import time
 
 import onnx
@@ -23,7 +24,8 @@ import torch
 
 from ..config.moe import MoeSpec
 from .claim import MS, attrs
-from .graph import FLOAT_TYPES, OnnxGraph
+from ..errors import ModelFormatError
+from .graph import FLOAT_TYPES, OnnxGraph, type_name
 from .repack import AffineWeight, block_affine, group_size
 from .walk import PROJ_OPS, Decline, Walk
 from .weights import OnnxCheckpoint
@@ -133,6 +135,11 @@ def _bias(ck: OnnxCheckpoint, g: OnnxGraph, name: str, init: str | None,
     if init is None:
         ck.add(name, "F32", shape, lambda: torch.zeros(shape))
     else:
+        info = g.inits[init]
+        if info.numel != math.prod(shape) or info.elem not in FLOAT_TYPES:
+            raise ModelFormatError(f"{g.path.name}: initializer '{init}' is "
+                                   f"{type_name(info.elem)}{list(info.shape)}, not the float "
+                                   f"bias {list(shape)} of its QMoE")
         ck.add(name, "F32", shape, lambda: g.tensor(init).reshape(shape).float())
 
 

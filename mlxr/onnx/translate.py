@@ -15,7 +15,7 @@ import onnx
 from ..config import ModelConfig
 from .chain import LayerCut, residual_stream
 from .claim import MS, ClaimReport, _input, attrs
-from .graph import OnnxGraph
+from .graph import FLOAT_TYPES, OnnxGraph
 from .mask import check_mask_inputs
 from .qmoe import is_qmoe, moe_spec, translate_qmoe
 from .folder import KVNames
@@ -169,6 +169,9 @@ def _layer(w: Walk, gqa, i: int, x: str, h: str, names: KVNames, last: bool):
     qk_norm = _qk_norms(w, ck, gqa, a, p, q, k, d)
     sinks = gqa.input[11] if len(gqa.input) > 11 and gqa.input[11] else None
     if sinks:  # head_sink: one more logit per head in the softmax (gpt-oss's sinks)
+        s = g.inits.get(sinks)
+        if s is None or s.shape != (nq,) or s.elem not in FLOAT_TYPES:
+            raise Decline(gqa, f"head_sink is not an initializer of num_heads={nq} floats")
         ck.add(p + "self_attn.sinks", float_name(g.inits[sinks].elem), (nq,),
                lambda: g.tensor(sinks))
     cos, sin, inter = _rope(w, gqa, a, q, k, d)
