@@ -16,7 +16,7 @@ from mlxr.errors import MlxrError, ModelFormatError
 from mlxr.onnx import InferenceSession
 from mlxr.onnx.mask import constant_value
 from onnx_ref import copy_folder
-from test_onnx_errors import edit, init, node, set_external
+from test_onnx_errors import edit, init, node, set_attr, set_external
 
 MASK = "/model/attn_mask_reformat/attn_mask_subgraph/"
 
@@ -199,3 +199,80 @@ def test_special_token_with_a_lone_surrogate(folder):
     path.write_text(json.dumps(cfg))
     m = load(folder)
     assert m.tokenizer.token_to_id("\ud800") is None
+
+
+@pytest.mark.parametrize("limit", [-1.0, -float("inf"), float("nan")])
+@pytest.mark.parametrize("beta", [1.0, 0.5])  # mlxr's MoE block; declined to onnxruntime
+def test_qmoe_swiglu_limit_out_of_range(gptoss, limit, beta):
+    """A negative QMoE swiglu_limit: onnxruntime's std::clamp(u, -limit, limit) asserts and
+    aborts the process (SIGABRT), also where mlxr declines the QMoE to it (activation_beta
+    0.5); NaN clamps nothing there but everything in torch. Now refused at load."""
+    def change(g, m):
+        for n in g.node:
+            if n.op_type == "QMoE":
+                set_attr(n, "swiglu_limit", limit)
+                set_attr(n, "activation_beta", beta)
+
+    edit(gptoss, change)
+    with pytest.raises(ModelFormatError, match=r"\(QMoE\): attribute swiglu_limit=.* is "
+                                               r"invalid \(a float in \[0, inf\]\)") as e:
+        load(gptoss)
+    one_line(e)
+
+
+@pytest.mark.parametrize("attr,value", [("k", [2, 2]), ("activation_alpha", b"x"),
+                                        ("expert_weight_bits", 4.0)])
+def test_qmoe_attribute_of_another_type(gptoss, attr, value):
+    """QMoE attributes of the wrong type: k as a list was a TypeError comparing it to the
+    expert count, activation_alpha as a string a ValueError in float()."""
+    def change(g, m):
+        set_attr(node(g, "QMoE", "layers.0"), attr, value)
+
+    edit(gptoss, change)
+    with pytest.raises(ModelFormatError, match=rf"\(QMoE\): attribute {attr}=.* is "
+                                               "(out of range|invalid)") as e:
+        load(gptoss)
+    one_line(e)
+
+
+@pytest.mark.parametrize("attr", ["qk_norm_epsilon", "q_norm_epsilon", "k_norm_epsilon"])
+def test_gqa_norm_epsilon_of_another_type(onnx_exports, tmp_path, attr):
+    """qwen3's GQA q/k-norm epsilon as a string: was a TypeError sorting the set of the
+    graph's epsilons (bytes beside floats) in the translator."""
+    folder = copy_folder(onnx_exports / "qwen3_fp16", tmp_path / "q")
+
+    def change(g, m):
+        set_attr(node(g, "GroupQueryAttention", "layers.1"), attr, b"PER_TENSOR")
+
+    edit(folder, change)
+    with pytest.raises(ModelFormatError, match=rf"\(GroupQueryAttention\): attribute "
+                                               rf"{attr}=b'PER_TENSOR' is invalid") as e:
+        load(folder)
+    one_line(e)
+
+
+@pytest.mark.parametrize("i", [2, 3])  # scales, zero points
+def test_embedding_scales_computed_at_run_time(onnx_exports, tmp_path, i):
+    """GatherBlockQuantized's scales / zero points wired to an activation: was KeyError
+    reading them as initializers; now the embedding is declined and onnxruntime's verdict
+    (this graph has a cycle) comes as one line."""
+    folder = copy_folder(onnx_exports / "llama_tied_shared", tmp_path / "t")
+
+    def change(g, m):
+        n = node(g, "GatherBlockQuantized")
+        while len(n.input) <= i:
+            n.input.append("")
+        n.input[i] = "present.0.value"
+
+    edit(folder, change)
+    with pytest.raises(ModelFormatError, match="onnxruntime") as e:
+        list(load(folder).generate([1, 2, 3], max_tokens=2))
+    one_line(e)
+
+
+def test_tensor_of_a_value_that_is_no_initializer(folder):
+    """graph.tensor asked for an activation (what the case above reached): was KeyError."""
+    from mlxr.onnx.graph import OnnxGraph
+
+    with pytest.raises(ModelFormatError, match="'present.0.value' is not an initializer"):
+        OnnxGraph(folder / "model.onnx").tensor("present.0.value")

@@ -50,6 +50,8 @@ PLAIN_OPS = {"Constant", "ReduceSum", "Sub", "Cast", "Shape", "Gather", "Mul", "
              "Reshape", "Split", "MatMul", "Squeeze", "Unsqueeze"}
 MAX_HEADS = 1024
 MIN_GROUP = 32  # mlxr's affine kernels take groups of 32, 64 or 128
+MAX_EPS = 1.0  # a norm epsilon is in [0, MAX_EPS]
+MAX_FINITE = 3.4e38  # float32's range: float attributes that must be finite
 
 
 def attrs(node: onnx.NodeProto) -> dict:
@@ -96,6 +98,17 @@ def _int_attr(node, a: dict, key: str, default=None, lo: int = 0, hi: int = 1 <<
     if not isinstance(v, int) or not lo <= v <= hi:
         raise ModelFormatError(f"{where(node)}: attribute {key}={v!r} is out of range "
                                f"[{lo}, {hi}]")
+    return v
+
+
+def _float_attr(node, a: dict, key: str, default: float, lo: float, hi: float) -> float:
+    """A float attribute in [lo, hi] (NaN never is); onnxruntime reads an attribute of another
+    type as an error and asserts on some out-of-range values (a negative QMoE swiglu_limit
+    aborts the process in std::clamp), so both are refused before it sees the graph."""
+    v = a.get(key, default)
+    if not isinstance(v, float) or not lo <= v <= hi:
+        raise ModelFormatError(f"{where(node)}: attribute {key}={v!r:.40} is invalid "
+                               f"(a float in [{lo:g}, {hi:g}])")
     return v
 
 
@@ -233,6 +246,8 @@ def _gqa(g: OnnxGraph, node, a: dict) -> str | None:
                         ("smooth_softmax", -1, 1), ("local_window_size", -1, 1 << 24)):
         _int_attr(node, a, key, {"causal": 1, "smooth_softmax": -1,
                                  "local_window_size": -1}.get(key, 0), lo, hi)
+    for key in ("q_norm_epsilon", "k_norm_epsilon", "qk_norm_epsilon"):
+        _float_attr(node, a, key, 1e-6, 0.0, MAX_EPS)
     for key in ("scale", "softcap"):
         v = a.get(key, 0.0)
         if not isinstance(v, float) or v != v or abs(v) == float("inf") or v < 0:
@@ -269,9 +284,7 @@ def _gqa(g: OnnxGraph, node, a: dict) -> str | None:
 
 
 def _norm(g: OnnxGraph, node, a: dict) -> str | None:
-    eps = a.get("epsilon", 1e-5)
-    if not isinstance(eps, float) or not 0 <= eps < 1:
-        raise ModelFormatError(f"{where(node)}: epsilon={eps!r} is invalid")
+    _float_attr(node, a, "epsilon", 1e-5, 0.0, MAX_EPS)
     if a.get("axis", -1) != -1:
         return f"normalization over axis {a['axis']} (only the last axis is supported)"
     if a.get("stash_type", 1) != 1:
@@ -309,7 +322,24 @@ def _gather_bq(g: OnnxGraph, node, a: dict) -> str | None:
     return None
 
 
+INF = float("inf")
+# QMoE's integer attributes (type-checked; k bounded: the translator compares it)
+QMOE_INTS = ("expert_weight_bits", "fc1_expert_weight_bits", "fc2_expert_weight_bits",
+             "fc3_expert_weight_bits", "block_size", "swiglu_fusion", "use_sparse_mixer",
+             "swiglu_limit_after_activation", "normalize_routing_weights", "weights_prepacked",
+             "accuracy_level")
+
+
 def _qmoe(g: OnnxGraph, node, a: dict) -> str | None:
+    _int_attr(node, a, "k", 1, 1, 1 << 20)
+    for key in QMOE_INTS:
+        if key in a:
+            _int_attr(node, a, key, lo=-(1 << 63), hi=(1 << 63) - 1)
+    # onnxruntime clamps with std::clamp(u, -limit, limit): a negative limit (-inf included)
+    # aborts the process; +inf (the default) means no clamp
+    _float_attr(node, a, "swiglu_limit", INF, 0.0, INF)
+    for key, default in (("activation_alpha", 1.702), ("activation_beta", 1.0)):
+        _float_attr(node, a, key, default, -MAX_FINITE, MAX_FINITE)
     prepacked = a.get("weights_prepacked", -1)
     w, s = g.inits.get(_input(node, 2)), g.inits.get(_input(node, 3))
     raw = w is not None and s is not None and len(w.shape) == 3 and len(s.shape) >= 2 \

@@ -170,7 +170,10 @@ class OnnxGraph:
     def tensor(self, name: str) -> torch.Tensor:
         """An initializer's data as a CPU tensor of its shape (4-bit types: the packed bytes,
         shape [..., ceil(last/2)])."""
-        info = self.inits[name]
+        info = self.inits.get(name)
+        if info is None:
+            raise ModelFormatError(f"{self.path.name}: '{name}' is not an initializer (it is "
+                                   "computed at run time), where a constant is needed")
         dtype, bits = ELEM_TYPES[info.elem]
         if info.file is None:
             raw = self._proto_bytes(self._proto[name], info)

@@ -338,6 +338,7 @@ def _check_io(g: OnnxGraph, kv: list[KVNames], logits: str, positions: str | Non
 
 def _embedding_weights(w: Walk, ck, embed, head, head_proj, hidden: int) -> bool:
     """Add the embedding table; True when it is the LM head's own weight (tied)."""
+    w.weights_constant(embed)
     ep = Projection(w.g, embed, ck.repack_s)
     if ep.cols != hidden or ep.rows != head_proj.rows:
         raise Decline(embed, f"embedding [{ep.rows}, {ep.cols}] does not fit hidden {hidden} "
