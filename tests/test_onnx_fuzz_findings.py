@@ -276,3 +276,64 @@ def test_tensor_of_a_value_that_is_no_initializer(folder):
 
     with pytest.raises(ModelFormatError, match="'present.0.value' is not an initializer"):
         OnnxGraph(folder / "model.onnx").tensor("present.0.value")
+
+
+@pytest.mark.parametrize("attr", ["k_quant_type", "v_quant_type"])
+def test_gqa_string_attribute_not_utf8(folder, attr):
+    """A GQA k/v_quant_type of bytes that are not UTF-8: was UnicodeDecodeError."""
+    edit(folder, lambda g, m: set_attr(node(g, "GroupQueryAttention", "layers.1"), attr,
+                                       b"\xff\xfe"))
+    with pytest.raises(ModelFormatError, match=rf"{attr}='..' is unknown") as e:
+        load(folder)
+    one_line(e)
+
+
+def test_qmoe_expert_weights_computed_at_run_time(gptoss):
+    """QMoE's fc1 weights wired to a graph input: the claim declines the node, but the
+    translator walked the layer and read it as an initializer (KeyError)."""
+    def change(g, m):
+        node(g, "QMoE", "layers.1").input[2] = "past_key_values.1.key"
+
+    edit(gptoss, change)
+    with pytest.raises(ModelFormatError, match="onnxruntime cannot load") as e:
+        list(load(gptoss).generate([1, 2, 3], max_tokens=2))
+    one_line(e)
+
+
+def test_fallback_logits_of_another_rank(folder):
+    """Logits declared [batch, sequence, 384, 1] in a graph onnxruntime runs whole (the LM
+    head's scales computed): its vocabulary was read as 1, and generating failed with
+    a ValueError on the prompt."""
+    def change(g, m):
+        m.graph.output[0].type.tensor_type.shape.dim.add().dim_value = 1
+        node(g, "MatMulNBits", "lm_head").input[2] = "/model/layers.0/mlp/act_fn/Mul/output_0"
+
+    edit(folder, change)
+    with pytest.raises(ModelFormatError, match=r"output 'logits' is declared \['batch_size', "
+                                               r"'sequence_length', \d+, 1\]") as e:
+        load(folder)
+    one_line(e)
+
+
+@pytest.mark.parametrize("a", [{"value_int": float("inf")}, {"value_ints": [1.0, 2.0]},
+                               {"value_ints": b"x"}])
+def test_constant_value_int_of_another_type(a):
+    """A mask-probe Constant whose value_int(s) is a float or string: was OverflowError /
+    ValueError in np.asarray; now not a constant (the probe declines)."""
+    assert constant_value(a) is None
+
+
+def test_zero_points_of_another_size():
+    """An embedding's zero points rewired to another uint8 initializer: was a torch reshape
+    RuntimeError in the repack."""
+    import torch
+
+    from mlxr.onnx.repack import block_affine
+
+    data, scales = torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 4)
+    with pytest.raises(ModelFormatError, match=r"node 'e': zero points \[3, 16\] do not fit "
+                                               "8 rows of 4 blocks"):
+        block_affine(data, scales, torch.zeros(3, 16, dtype=torch.uint8), 4, 32, 8.0,
+                     "node 'e'")
+    with pytest.raises(ModelFormatError, match=r"scales \[8, 3\] do not fit"):
+        block_affine(data, torch.ones(8, 3), None, 4, 32, 8.0, "node 'e'")

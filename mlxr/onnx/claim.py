@@ -116,6 +116,12 @@ def _input(node: onnx.NodeProto, i: int) -> str:
     return node.input[i] if i < len(node.input) else ""
 
 
+def text(v):
+    """A string attribute as str (bytes that are not UTF-8 replaced, not an error: they then
+    match no known value); other types as they are."""
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+
+
 @dataclass
 class ClaimReport:
     """Per node: claimed, or declined with a reason."""
@@ -254,7 +260,7 @@ def _gqa(g: OnnxGraph, node, a: dict) -> str | None:
             raise ModelFormatError(f"{where(node)}: attribute {key}={v!r} is invalid")
     for key in ("k_quant_type", "v_quant_type"):
         v = a.get(key, b"NONE")
-        v = v.decode() if isinstance(v, bytes) else v
+        v = text(v)
         if v not in ("NONE", "PER_TENSOR", "PER_CHANNEL"):
             raise ModelFormatError(f"{where(node)}: {key}={v!r} is unknown")
         if v != "NONE":
@@ -361,9 +367,9 @@ UNSUPPORTED_INPUTS = {8: "fc3 weights", 9: "fc3 scales", 10: "fc3 bias", 13: "fc
 def check_qmoe(g: OnnxGraph, node: onnx.NodeProto, a: dict) -> str | None:
     """Why mlxr's MoE block cannot compute this (valid, raw-layout) QMoE, or None."""
     act = a.get("activation_type", b"relu")
-    act = act.decode() if isinstance(act, bytes) else act
+    act = text(act)
     quant = a.get("quant_type", b"int")
-    quant = quant.decode() if isinstance(quant, bytes) else quant
+    quant = text(quant)
     bits = a.get("expert_weight_bits", 4)
     if act != "swiglu" or a.get("swiglu_fusion", 0) != 1:
         return (f"activation {act} (swiglu_fusion={a.get('swiglu_fusion', 0)}): mlxr's block "

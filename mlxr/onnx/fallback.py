@@ -138,8 +138,16 @@ def fallback_config(g: OnnxGraph, meta: dict, kv: list[KVNames], logits: str) ->
     """What the Model and the KV cache need, from genai_config.json and the graph's I/O."""
     dec = meta.get("decoder") if isinstance(meta.get("decoder"), dict) else {}
     dims = g.inputs[kv[0].past_key].dims if kv else ()
-    vocab = g.outputs[logits].dims[-1] if logits in g.outputs else None
-    vocab = vocab if isinstance(vocab, int) else meta.get("vocab_size")
+    shape = g.outputs[logits].dims if logits in g.outputs else ()
+    if len(shape) not in (0, 3):
+        raise ModelFormatError(f"{g.path.name}: output '{logits}' is declared "
+                               f"{list(shape)}, not [batch, sequence, vocabulary]")
+    vocab = shape[-1] if shape and isinstance(shape[-1], int) else None
+    said = meta.get("vocab_size")
+    if vocab is not None and isinstance(said, int) and said != vocab:
+        raise ModelFormatError(f"{g.path.name}: output '{logits}' declares a vocabulary of "
+                               f"{vocab}, genai_config.json's vocab_size is {said}")
+    vocab = vocab if vocab is not None else said
     kv_heads = dims[1] if len(dims) == 4 and isinstance(dims[1], int) else \
         dec.get("num_key_value_heads")
     head = dims[3] if len(dims) == 4 and isinstance(dims[3], int) else dec.get("head_size")

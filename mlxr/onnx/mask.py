@@ -74,10 +74,10 @@ def constant_value(a: dict) -> np.ndarray | None:
             return numpy_helper.to_array(t)
         except (ValueError, TypeError, KeyError):
             return None
-    if "value_int" in a:
-        return np.asarray(a["value_int"], dtype=np.int64)
-    if "value_ints" in a:
-        return np.asarray(a["value_ints"], dtype=np.int64)
+    v = a.get("value_int", a.get("value_ints"))  # of another type: a float (inf), bytes
+    if isinstance(v, int) or (isinstance(v, list) and len(v) <= MAX_CONSTANT
+                              and all(isinstance(x, int) for x in v)):
+        return np.asarray(v, dtype=np.int64)
     return None
 
 

@@ -78,6 +78,10 @@ def translate_qmoe(w: Walk, ck: OnnxCheckpoint, x: str, p: str, at: onnx.NodePro
     router, rbias = _router(w, moe.input[1])
     if router.node.input[0] != x:
         raise Decline(router.node, "the router does not read the layer's norm")
+    computed = [i for i in (2, 3, 4, 5, 6, 7, 11, 12)
+                if _input(moe, i) and _input(moe, i) not in g.inits]
+    if computed:  # the claim declined these already; its layer may still be walked
+        raise Decline(moe, f"inputs {computed} are computed at run time, not initializers")
     wt, sc = g.inits[moe.input[2]], g.inits[moe.input[3]]
     bits, block, k = a.get("expert_weight_bits", 4), a["block_size"], a.get("k", 1)
     nx, two_f = wt.shape[0], wt.shape[1]
