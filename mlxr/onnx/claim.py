@@ -50,10 +50,41 @@ PLAIN_OPS = {"Constant", "ReduceSum", "Sub", "Cast", "Shape", "Gather", "Mul", "
              "Reshape", "Split", "MatMul", "Squeeze", "Unsqueeze"}
 MAX_HEADS = 1024
 MIN_GROUP = 32  # mlxr's affine kernels take groups of 32, 64 or 128
+MAX_EPS = 1.0  # a norm epsilon is in [0, MAX_EPS]
+MAX_FINITE = 3.4e38  # float32's range: float attributes that must be finite
 
 
 def attrs(node: onnx.NodeProto) -> dict:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    try:
+        return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    except ValueError as e:  # an attribute of an undefined type
+        raise ModelFormatError(f"{where(node)}: unreadable attribute ({e})") from None
+
+
+# the ops mlxr translates: their domain, and which inputs the schema requires (the translator
+# indexes those; a node lacking one is invalid, and onnxruntime refuses it too)
+HOME = {op: dom for dom, op in SCHEMAS} | {op: "" for op in PLAIN_OPS}
+REQUIRED_INPUTS = {"MatMulNBits": 3, "GroupQueryAttention": 1,
+                   "SkipSimplifiedLayerNormalization": 3, "SimplifiedLayerNormalization": 2,
+                   "RMSNormalization": 2, "RotaryEmbedding": 4, "GatherBlockQuantized": 3,
+                   "QMoE": 4, "Constant": 0, "Sigmoid": 1, "Cast": 1, "Shape": 1,
+                   "Squeeze": 1, "Unsqueeze": 1, "ReduceSum": 1, "Split": 1}
+# (the others take 2: binary ops, Gather, Reshape)
+REQUIRED_AT = {"GroupQueryAttention": (5, 6), "QMoE": (5, 6)}  # required after optional ones
+
+
+def _check_arity(node: onnx.NodeProto) -> None:
+    need = [*range(REQUIRED_INPUTS.get(node.op_type, 2)), *REQUIRED_AT.get(node.op_type, ())]
+    missing = [i for i in need if not _input(node, i)]
+    if missing:
+        raise ModelFormatError(f"{where(node)}: required input(s) {missing} are missing "
+                               f"({len(node.input)} given)")
+    if not node.output or not node.output[0]:
+        raise ModelFormatError(f"{where(node)}: output 0 is missing")
+
+
+def _local_function(g: OnnxGraph, node: onnx.NodeProto) -> bool:
+    return any(f.name == node.op_type and f.domain == node.domain for f in g.model.functions)
 
 
 def where(node: onnx.NodeProto) -> str:
@@ -70,8 +101,25 @@ def _int_attr(node, a: dict, key: str, default=None, lo: int = 0, hi: int = 1 <<
     return v
 
 
+def _float_attr(node, a: dict, key: str, default: float, lo: float, hi: float) -> float:
+    """A float attribute in [lo, hi] (NaN never is); onnxruntime reads an attribute of another
+    type as an error and asserts on some out-of-range values (a negative QMoE swiglu_limit
+    aborts the process in std::clamp), so both are refused before it sees the graph."""
+    v = a.get(key, default)
+    if not isinstance(v, float) or not lo <= v <= hi:
+        raise ModelFormatError(f"{where(node)}: attribute {key}={v!r:.40} is invalid "
+                               f"(a float in [{lo:g}, {hi:g}])")
+    return v
+
+
 def _input(node: onnx.NodeProto, i: int) -> str:
     return node.input[i] if i < len(node.input) else ""
+
+
+def text(v):
+    """A string attribute as str (bytes that are not UTF-8 replaced, not an error: they then
+    match no known value); other types as they are."""
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
 
 
 @dataclass
@@ -124,6 +172,12 @@ def check_node(g: OnnxGraph, node: onnx.NodeProto) -> str | None:
     """None if mlxr can translate the node, else why not. Raises ModelFormatError for a node
     that is invalid or laid out for one execution provider only."""
     key = (node.domain if node.domain != "ai.onnx" else "", node.op_type)
+    home = HOME.get(node.op_type)
+    if home is not None and key[0] != home and not _local_function(g, node):
+        raise ModelFormatError(f"{where(node)}: domain {node.domain or 'ai.onnx'!r} has no "
+                               f"{node.op_type} (it is a {home or 'ai.onnx'} op)")
+    if home is not None:
+        _check_arity(node)
     a = attrs(node)
     known = SCHEMAS.get(key)
     if known is not None:
@@ -198,13 +252,15 @@ def _gqa(g: OnnxGraph, node, a: dict) -> str | None:
                         ("smooth_softmax", -1, 1), ("local_window_size", -1, 1 << 24)):
         _int_attr(node, a, key, {"causal": 1, "smooth_softmax": -1,
                                  "local_window_size": -1}.get(key, 0), lo, hi)
+    for key in ("q_norm_epsilon", "k_norm_epsilon", "qk_norm_epsilon"):
+        _float_attr(node, a, key, 1e-6, 0.0, MAX_EPS)
     for key in ("scale", "softcap"):
         v = a.get(key, 0.0)
         if not isinstance(v, float) or v != v or abs(v) == float("inf") or v < 0:
             raise ModelFormatError(f"{where(node)}: attribute {key}={v!r} is invalid")
     for key in ("k_quant_type", "v_quant_type"):
         v = a.get(key, b"NONE")
-        v = v.decode() if isinstance(v, bytes) else v
+        v = text(v)
         if v not in ("NONE", "PER_TENSOR", "PER_CHANNEL"):
             raise ModelFormatError(f"{where(node)}: {key}={v!r} is unknown")
         if v != "NONE":
@@ -234,9 +290,7 @@ def _gqa(g: OnnxGraph, node, a: dict) -> str | None:
 
 
 def _norm(g: OnnxGraph, node, a: dict) -> str | None:
-    eps = a.get("epsilon", 1e-5)
-    if not isinstance(eps, float) or not 0 <= eps < 1:
-        raise ModelFormatError(f"{where(node)}: epsilon={eps!r} is invalid")
+    _float_attr(node, a, "epsilon", 1e-5, 0.0, MAX_EPS)
     if a.get("axis", -1) != -1:
         return f"normalization over axis {a['axis']} (only the last axis is supported)"
     if a.get("stash_type", 1) != 1:
@@ -274,7 +328,24 @@ def _gather_bq(g: OnnxGraph, node, a: dict) -> str | None:
     return None
 
 
+INF = float("inf")
+# QMoE's integer attributes (type-checked; k bounded: the translator compares it)
+QMOE_INTS = ("expert_weight_bits", "fc1_expert_weight_bits", "fc2_expert_weight_bits",
+             "fc3_expert_weight_bits", "block_size", "swiglu_fusion", "use_sparse_mixer",
+             "swiglu_limit_after_activation", "normalize_routing_weights", "weights_prepacked",
+             "accuracy_level")
+
+
 def _qmoe(g: OnnxGraph, node, a: dict) -> str | None:
+    _int_attr(node, a, "k", 1, 1, 1 << 20)
+    for key in QMOE_INTS:
+        if key in a:
+            _int_attr(node, a, key, lo=-(1 << 63), hi=(1 << 63) - 1)
+    # onnxruntime clamps with std::clamp(u, -limit, limit): a negative limit (-inf included)
+    # aborts the process; +inf (the default) means no clamp
+    _float_attr(node, a, "swiglu_limit", INF, 0.0, INF)
+    for key, default in (("activation_alpha", 1.702), ("activation_beta", 1.0)):
+        _float_attr(node, a, key, default, -MAX_FINITE, MAX_FINITE)
     prepacked = a.get("weights_prepacked", -1)
     w, s = g.inits.get(_input(node, 2)), g.inits.get(_input(node, 3))
     raw = w is not None and s is not None and len(w.shape) == 3 and len(s.shape) >= 2 \
@@ -296,9 +367,9 @@ UNSUPPORTED_INPUTS = {8: "fc3 weights", 9: "fc3 scales", 10: "fc3 bias", 13: "fc
 def check_qmoe(g: OnnxGraph, node: onnx.NodeProto, a: dict) -> str | None:
     """Why mlxr's MoE block cannot compute this (valid, raw-layout) QMoE, or None."""
     act = a.get("activation_type", b"relu")
-    act = act.decode() if isinstance(act, bytes) else act
+    act = text(act)
     quant = a.get("quant_type", b"int")
-    quant = quant.decode() if isinstance(quant, bytes) else quant
+    quant = text(quant)
     bits = a.get("expert_weight_bits", 4)
     if act != "swiglu" or a.get("swiglu_fusion", 0) != 1:
         return (f"activation {act} (swiglu_fusion={a.get('swiglu_fusion', 0)}): mlxr's block "

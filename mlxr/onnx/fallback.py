@@ -36,7 +36,25 @@ def ort_session(path, threads: int = 0, model: bytes | None = None):
                                     providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own exception types for bad graphs
         what = "a region of it" if model is not None else "it"
-        raise ModelFormatError(f"{path.name}: onnxruntime cannot load {what} ({e})") from None
+        raise ModelFormatError(f"{path.name}: onnxruntime cannot load {what} "
+                               f"({ort_message(e)})") from None
+
+
+def ort_message(e: Exception) -> str:
+    """onnxruntime's error as one line (its messages carry C++ source lines and newlines)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    text = " ".join(lines) or type(e).__name__
+    return text if len(text) <= 400 else text[:400] + "..."
+
+
+def ort_run(session, path, names: list[str], feeds: dict) -> list:
+    """session.run, with onnxruntime's run-time failures (a node's shape check on a graph
+    whose declared I/O disagrees with its nodes, bad feeds) as one-line mlxr errors."""
+    try:
+        return session.run(names, feeds)
+    except Exception as e:  # noqa: BLE001 -- onnxruntime's own exception types
+        raise ModelFormatError(f"{path.name}: onnxruntime failed running the graph "
+                               f"({ort_message(e)})") from None
 
 
 class OrtDecoder:
@@ -50,6 +68,7 @@ class OrtDecoder:
         self.dtype = torch.float32 if kv_elem == 1 else torch.float16
         self.device = torch.device("cpu")
         self.position_ids = "position_ids" if "position_ids" in g.inputs else None
+        self.path = g.path
         self.session = ort_session(g.path, model=full_cache_model(g))
 
     def quant_weights(self) -> list:
@@ -78,7 +97,7 @@ class OrtDecoder:
             feeds[names.past_value] = pool.v[i][:, :start].unsqueeze(0).numpy()
         wanted = [self.logits_name] + [n for k in self.kv for n in (k.present_key,
                                                                      k.present_value)]
-        out = dict(zip(wanted, self.session.run(wanted, feeds)))
+        out = dict(zip(wanted, ort_run(self.session, self.path, wanted, feeds)))
         for i, names in enumerate(self.kv):
             pool.k[i][:, :start + t] = torch.from_numpy(out[names.present_key][0])
             pool.v[i][:, :start + t] = torch.from_numpy(out[names.present_value][0])
@@ -119,8 +138,16 @@ def fallback_config(g: OnnxGraph, meta: dict, kv: list[KVNames], logits: str) ->
     """What the Model and the KV cache need, from genai_config.json and the graph's I/O."""
     dec = meta.get("decoder") if isinstance(meta.get("decoder"), dict) else {}
     dims = g.inputs[kv[0].past_key].dims if kv else ()
-    vocab = g.outputs[logits].dims[-1] if logits in g.outputs else None
-    vocab = vocab if isinstance(vocab, int) else meta.get("vocab_size")
+    shape = g.outputs[logits].dims if logits in g.outputs else ()
+    if len(shape) not in (0, 3):
+        raise ModelFormatError(f"{g.path.name}: output '{logits}' is declared "
+                               f"{list(shape)}, not [batch, sequence, vocabulary]")
+    vocab = shape[-1] if shape and isinstance(shape[-1], int) else None
+    said = meta.get("vocab_size")
+    if vocab is not None and isinstance(said, int) and said != vocab:
+        raise ModelFormatError(f"{g.path.name}: output '{logits}' declares a vocabulary of "
+                               f"{vocab}, genai_config.json's vocab_size is {said}")
+    vocab = vocab if vocab is not None else said
     kv_heads = dims[1] if len(dims) == 4 and isinstance(dims[1], int) else \
         dec.get("num_key_value_heads")
     head = dims[3] if len(dims) == 4 and isinstance(dims[3], int) else dec.get("head_size")

@@ -74,6 +74,10 @@ def kv_names(g: OnnxGraph, meta: dict) -> list[KVNames]:
     """Per layer, the past/present names (genai_config's patterns, else the builder's)."""
     dec = meta.get("decoder", {}) if isinstance(meta.get("decoder"), dict) else {}
     ins, outs = dec.get("inputs", {}) or {}, dec.get("outputs", {}) or {}
+    for key, v in (("inputs", ins), ("outputs", outs)):
+        if not isinstance(v, dict):
+            raise ModelFormatError(f"genai_config.json: key 'model.decoder.{key}' must be an "
+                                   f"object, got {type(v).__name__}")
     pats = [str(d.get(k, v)) for d, k, v in (
         (ins, "past_key_names", "past_key_values.%d.key"),
         (ins, "past_value_names", "past_key_values.%d.value"),
@@ -87,7 +91,7 @@ def kv_names(g: OnnxGraph, meta: dict) -> list[KVNames]:
         raise ModelFormatError(f"{g.path.name}: past KV inputs are not numbered 0..L-1")
     out = []
     for i in layers:
-        k = KVNames(*(p % i for p in pats))
+        k = KVNames(*(p.replace("%d", str(i)) for p in pats))
         if k.past_value not in g.inputs or k.present_key not in g.outputs \
                 or k.present_value not in g.outputs:
             raise ModelFormatError(f"{g.path.name}: layer {i} lacks one of {k}")

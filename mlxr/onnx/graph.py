@@ -154,11 +154,15 @@ class OnnxGraph:
     def _external_file(self, location: str, where: str) -> Path:
         """The external data file, which must be a regular file inside the model's folder."""
         rel = Path(location)
-        if not location or rel.is_absolute() or ".." in rel.parts:
+        if not location or "\0" in location or rel.is_absolute() or ".." in rel.parts:
             raise ModelFormatError(f"{where}: external data location {location!r} is not a "
                                    "relative path inside the model folder")
-        file = (self.folder / rel).resolve()
-        if not file.is_relative_to(self.folder.resolve()) or not file.is_file():
+        try:
+            file = (self.folder / rel).resolve()
+            inside = file.is_relative_to(self.folder.resolve()) and file.is_file()
+        except OSError:  # a name too long for the file system, a symlink loop
+            inside = False
+        if not inside:
             raise ModelFormatError(f"{where}: external data file {location!r} is missing or "
                                    "not a regular file inside the model folder")
         return file
@@ -166,7 +170,10 @@ class OnnxGraph:
     def tensor(self, name: str) -> torch.Tensor:
         """An initializer's data as a CPU tensor of its shape (4-bit types: the packed bytes,
         shape [..., ceil(last/2)])."""
-        info = self.inits[name]
+        info = self.inits.get(name)
+        if info is None:
+            raise ModelFormatError(f"{self.path.name}: '{name}' is not an initializer (it is "
+                                   "computed at run time), where a constant is needed")
         dtype, bits = ELEM_TYPES[info.elem]
         if info.file is None:
             raw = self._proto_bytes(self._proto[name], info)

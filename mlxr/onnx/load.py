@@ -76,7 +76,11 @@ def inspect(path) -> Inspection:
 
 def _logits_name(g: OnnxGraph, meta: dict) -> str:
     dec = meta.get("decoder") if isinstance(meta.get("decoder"), dict) else {}
-    name = (dec.get("outputs") or {}).get("logits", "logits")
+    outs = dec.get("outputs") or {}
+    name = outs.get("logits", "logits") if isinstance(outs, dict) else None
+    if not isinstance(name, str):
+        raise ModelFormatError(f"genai_config.json: key 'model.decoder.outputs.logits' must be "
+                               f"an output name, got {name!r:.80}")
     if name not in g.outputs:
         raise ModelFormatError(f"{g.path.name}: no '{name}' output: not a decoder graph")
     return name

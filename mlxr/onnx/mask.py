@@ -20,11 +20,18 @@ _NP = {onnx.TensorProto.INT32: np.int32, onnx.TensorProto.INT64: np.int64,
        onnx.TensorProto.FLOAT: np.float32}
 
 
+MAX_CONSTANT = 1 << 16  # elements of a Constant node mlxr reads (shapes, axes, indices)
+MAX_DEPTH = 32  # the reformat is ~6 ops deep; a longer chain (or a cycle) is not it
+
+
 class NotMask(Exception):
     """The value is not computed from the mask by the ops above."""
 
 
-def _eval(g: OnnxGraph, name: str, mask: np.ndarray, seen: set[int], memo: dict):
+def _eval(g: OnnxGraph, name: str, mask: np.ndarray, seen: set[int], memo: dict,
+          depth: int = 0):
+    if depth > MAX_DEPTH:
+        raise NotMask(name)
     if name in memo:
         return memo[name]
     if name == "attention_mask":
@@ -46,7 +53,7 @@ def _eval(g: OnnxGraph, name: str, mask: np.ndarray, seen: set[int], memo: dict)
         if out is None or out.size > 16:
             raise NotMask(name)
     else:
-        xs = [_eval(g, i, mask, seen, memo) if i else None for i in n.input]
+        xs = [_eval(g, i, mask, seen, memo, depth + 1) if i else None for i in n.input]
         out = _apply(n.op_type, a, xs)
     memo[name] = out
     return out
@@ -56,11 +63,21 @@ def constant_value(a: dict) -> np.ndarray | None:
     """A Constant node's value: a tensor (`value`) or, as Mobius writes them, a plain
     `value_int` / `value_ints` (int64 scalar / 1-D)."""
     if "value" in a:
-        return numpy_helper.to_array(a["value"])
-    if "value_int" in a:
-        return np.asarray(a["value_int"], dtype=np.int64)
-    if "value_ints" in a:
-        return np.asarray(a["value_ints"], dtype=np.int64)
+        t = a["value"]
+        # small inline tensors only: a hostile `value` may be another attribute type, huge
+        # dims, or external data (which numpy_helper would read relative to the working dir)
+        if not isinstance(t, onnx.TensorProto) or t.data_location == onnx.TensorProto.EXTERNAL \
+                or any(not 0 <= d <= MAX_CONSTANT for d in t.dims) \
+                or int(np.prod(t.dims)) > MAX_CONSTANT:
+            return None
+        try:
+            return numpy_helper.to_array(t)
+        except (ValueError, TypeError, KeyError):
+            return None
+    v = a.get("value_int", a.get("value_ints"))  # of another type: a float (inf), bytes
+    if isinstance(v, int) or (isinstance(v, list) and len(v) <= MAX_CONSTANT
+                              and all(isinstance(x, int) for x in v)):
+        return np.asarray(v, dtype=np.int64)
     return None
 
 
@@ -93,7 +110,7 @@ def check_mask_inputs(g: OnnxGraph, seqlens: str, total: str) -> set[int] | None
     try:
         memo: dict = {}
         s, t = _eval(g, seqlens, probe, seen, memo), _eval(g, total, probe, seen, memo)
-    except (NotMask, ValueError, TypeError, IndexError):
+    except (NotMask, ValueError, TypeError, IndexError, AttributeError):
         return None
     ok = (s.dtype == np.int32 and s.tolist() == [2, 4] and t.dtype == np.int32
           and t.size == 1 and int(t.reshape(())) == 5)

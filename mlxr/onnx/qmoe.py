@@ -16,6 +16,7 @@ interleaved rows split into gate_proj (even) and up_proj (odd) stacks [X, F, ...
 
 from __future__ import annotations
 
+import math
 import time
 
 import onnx
@@ -23,7 +24,8 @@ import torch
 
 from ..config.moe import MoeSpec
 from .claim import MS, attrs
-from .graph import FLOAT_TYPES, OnnxGraph
+from ..errors import ModelFormatError
+from .graph import FLOAT_TYPES, OnnxGraph, type_name
 from .repack import AffineWeight, block_affine, group_size
 from .walk import PROJ_OPS, Decline, Walk
 from .weights import OnnxCheckpoint
@@ -76,6 +78,10 @@ def translate_qmoe(w: Walk, ck: OnnxCheckpoint, x: str, p: str, at: onnx.NodePro
     router, rbias = _router(w, moe.input[1])
     if router.node.input[0] != x:
         raise Decline(router.node, "the router does not read the layer's norm")
+    computed = [i for i in (2, 3, 4, 5, 6, 7, 11, 12)
+                if _input(moe, i) and _input(moe, i) not in g.inits]
+    if computed:  # the claim declined these already; its layer may still be walked
+        raise Decline(moe, f"inputs {computed} are computed at run time, not initializers")
     wt, sc = g.inits[moe.input[2]], g.inits[moe.input[3]]
     bits, block, k = a.get("expert_weight_bits", 4), a["block_size"], a.get("k", 1)
     nx, two_f = wt.shape[0], wt.shape[1]
@@ -133,6 +139,11 @@ def _bias(ck: OnnxCheckpoint, g: OnnxGraph, name: str, init: str | None,
     if init is None:
         ck.add(name, "F32", shape, lambda: torch.zeros(shape))
     else:
+        info = g.inits[init]
+        if info.numel != math.prod(shape) or info.elem not in FLOAT_TYPES:
+            raise ModelFormatError(f"{g.path.name}: initializer '{init}' is "
+                                   f"{type_name(info.elem)}{list(info.shape)}, not the float "
+                                   f"bias {list(shape)} of its QMoE")
         ck.add(name, "F32", shape, lambda: g.tensor(init).reshape(shape).float())
 
 

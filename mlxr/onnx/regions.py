@@ -34,7 +34,7 @@ from ..engine.kv_cache import SequenceCache
 from ..errors import MlxrError, ModelFormatError
 from ..models.decoder import Decoder, Step
 from .chain import LayerCut
-from .fallback import NP_TYPES, ort_session
+from .fallback import NP_TYPES, ort_run, ort_session
 from .folder import KVNames
 from .graph import OnnxGraph
 from .mlp import SubRegion
@@ -108,6 +108,7 @@ class OrtRegion:
         self.int_types = {v: NP_INT.get(g.inputs[v].elem, np.int64) for v in cut.graph_inputs
                           if v in ("attention_mask", "position_ids")}
         self.session = ort_session(g.path, model=region_model(g, cut, kv, act))
+        self.path = g.path
         self.wanted = [cut.h_mid, cut.m, kv.present_key, kv.present_value]
 
     def __call__(self, x: torch.Tensor, h: torch.Tensor, i: int, pool,
@@ -123,7 +124,7 @@ class OrtRegion:
             for name, dt in self.int_types.items():
                 feeds[name] = (np.ones((1, start + t), dt) if name == "attention_mask" else
                                np.arange(start, start + t, dtype=dt)[None])
-            h_mid, m, pk, pv = self.session.run(self.wanted, feeds)
+            h_mid, m, pk, pv = ort_run(self.session, self.path, self.wanted, feeds)
             kc[:, start:start + t] = torch.from_numpy(pk[0, :, start:]).to(kc.dtype)
             vc[:, start:start + t] = torch.from_numpy(pv[0, :, start:]).to(vc.dtype)
             out = (torch.from_numpy(h_mid[0]).to(h.dtype), torch.from_numpy(m[0]).to(h.dtype))
@@ -147,6 +148,7 @@ class OrtSubRegion:
                                    "float32/16")
         io = [onnx.helper.make_tensor_value_info(v, act_elem, None)
               for v in (*r.inputs, r.output)]
+        self.path = g.path
         self.session = ort_session(g.path, model=subgraph_model(
             g, r.nodes, io[:-1], io[-1:], f"layer{r.layer}_{r.where.replace(' ', '_')}"))
 
@@ -157,7 +159,7 @@ class OrtSubRegion:
                                         "tokens": xs[0].shape[0]}):
             feeds = {name: x.detach().float().cpu().numpy().astype(self.np_dtype)[None]
                      for name, x in zip(r.inputs, xs)}
-            out = self.session.run([r.output], feeds)[0][0]
+            out = ort_run(self.session, self.path, [r.output], feeds)[0][0]
             y = torch.from_numpy(out).to(device=xs[0].device, dtype=xs[0].dtype)
         self.clock.t0 = time.perf_counter_ns()
         return y

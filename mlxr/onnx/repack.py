@@ -54,6 +54,12 @@ def block_affine(data: torch.Tensor, scales: torch.Tensor, zero_points: torch.Te
     if (data.shape[1] * 8) % 32:
         raise ModelFormatError(f"{what}: rows of {data.shape[1]} bytes do not fill uint32 words")
     blocks = data.shape[1] * 8 // bits // block
+    zp_size = None if zero_points is None else rows * (
+        -(-blocks * bits // 8) if zero_points.dtype == torch.uint8 else blocks)
+    for part, t, size in (("scales", scales, rows * blocks), ("zero points", zero_points, zp_size)):
+        if t is not None and t.numel() != size:  # another initializer wired in
+            raise ModelFormatError(f"{what}: {part} {list(t.shape)} do not fit {rows} rows of "
+                                   f"{blocks} blocks")
     s = scales.reshape(rows, blocks).float()
     if zero_points is None:
         bias = s * -default_zp

@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from ..engine.kv_cache import new_cache
-from ..errors import MlxrError
-from .fallback import ort_session
+from ..errors import MlxrError, ModelFormatError
+from .fallback import ort_run, ort_session
+from .graph import type_name
 from .load import build_translated, inspect
 
 NP_OF = {1: np.float32, 10: np.float16, 6: np.int32, 7: np.int64}
@@ -45,9 +46,15 @@ class InferenceSession:
         self._lock = threading.Lock()
         self._ort = None
         self._decoder = None
-        if self._ins.translation is not None:
-            self._decoder = build_translated(self._ins, DTYPES[dtype], torch.device(device))
         g = self._ins.graph
+        if self._ins.translation is not None:
+            for k in self._ins.kv:
+                for name in (self._ins.logits, k.present_key, k.present_value):
+                    if g.outputs[name].elem not in (1, 10):
+                        raise ModelFormatError(f"{g.path.name}: output '{name}' is "
+                                               f"{type_name(g.outputs[name].elem)}, not "
+                                               "float32/16")
+            self._decoder = build_translated(self._ins, DTYPES[dtype], torch.device(device))
         # window-sized KV buffers (gpt-oss's sliding layers): past/present are not mlxr's
         # growing cache, so the graph's own feeds go to onnxruntime
         self._window_cache = any(
@@ -111,16 +118,21 @@ class InferenceSession:
             return False
         ids, mask = feeds["input_ids"], feeds["attention_mask"]
         past = feeds[self._ins.kv[0].past_key]
+        if ids.ndim != 2 or past.ndim != 4:
+            return False
         b, s = ids.shape
         p = past.shape[2]
-        if mask.shape != (b, p + s) or not (mask == 1).all() or past.shape[0] != b:
+        c = self._decoder.config
+        if mask.shape != (b, p + s) or not (mask == 1).all() \
+                or past.shape != (b, c.num_kv_heads, p, c.head_dim) \
+                or any(feeds[n].shape != past.shape for k in self._ins.kv
+                       for n in (k.past_key, k.past_value)):
             return False
         pos = self._ins.translation.position_ids
-        if pos is not None and not (feeds[pos] == np.arange(p, p + s)).all():
+        if pos is not None and (feeds[pos].shape not in ((b, s), (1, s))
+                                or not (feeds[pos] == np.arange(p, p + s)).all()):
             return False
-        c = self._decoder.config
-        return (p + s <= c.context_length and past.shape[1] == c.num_kv_heads
-                and past.shape[3] == c.head_dim and bool((ids >= 0).all())
+        return (p + s <= c.context_length and bool((ids >= 0).all())
                 and bool((ids < c.vocab_size).all()))
 
     def _run_mlxr(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -149,4 +161,4 @@ class InferenceSession:
     def _run_ort(self, names: list[str], feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._ort is None:
             self._ort = ort_session(self._ins.graph.path)
-        return dict(zip(names, self._ort.run(names, feeds)))
+        return dict(zip(names, ort_run(self._ort, self._ins.graph.path, names, feeds)))

@@ -14,8 +14,8 @@ import onnx
 
 from ..config import ModelConfig
 from .chain import LayerCut, residual_stream
-from .claim import MS, ClaimReport, attrs
-from .graph import OnnxGraph
+from .claim import MS, ClaimReport, _input, attrs
+from .graph import FLOAT_TYPES, OnnxGraph
 from .mask import check_mask_inputs
 from .qmoe import is_qmoe, moe_spec, translate_qmoe
 from .folder import KVNames
@@ -81,14 +81,19 @@ def _rope(w: Walk, gqa: onnx.NodeProto, a: dict, q: Traced, k: Traced, d: int):
     if a.get("do_rotary", 0):
         if q.rope:
             raise Decline(q.rope, "rotary applied twice (RotaryEmbedding and in attention)")
-        cos, sin, inter = gqa.input[7], gqa.input[8], bool(a.get("rotary_interleaved", 0))
+        cos, sin = _input(gqa, 7), _input(gqa, 8)
+        if cos not in g.inits or sin not in g.inits:
+            raise Decline(gqa, "rotary cos/sin caches are not initializers")
+        inter = bool(a.get("rotary_interleaved", 0))
     elif q.rope:
         ra, rb = attrs(q.rope), attrs(k.rope)
         if list(q.rope.input[1:]) != list(k.rope.input[1:]) or ra != rb:
             raise Decline(k.rope, "q and k use different rotary tables")
-        if q.rope.input[1] not in g.inputs:
+        if _input(q.rope, 1) not in g.inputs:
             raise Decline(q.rope, "rotary positions are not a graph input")
-        cos, sin, inter = q.rope.input[2], q.rope.input[3], bool(ra.get("interleaved", 0))
+        cos, sin, inter = _input(q.rope, 2), _input(q.rope, 3), bool(ra.get("interleaved", 0))
+        if cos not in g.inits or sin not in g.inits:
+            raise Decline(q.rope, "rotary cos/sin caches are not initializers")
         rot = ra.get("rotary_embedding_dim", 0)
         if rot not in (0, 2 * g.inits[cos].shape[-1]) or (ra.get("num_heads", 0) and
                                                          ra["num_heads"] * d != q.n):
@@ -164,6 +169,9 @@ def _layer(w: Walk, gqa, i: int, x: str, h: str, names: KVNames, last: bool):
     qk_norm = _qk_norms(w, ck, gqa, a, p, q, k, d)
     sinks = gqa.input[11] if len(gqa.input) > 11 and gqa.input[11] else None
     if sinks:  # head_sink: one more logit per head in the softmax (gpt-oss's sinks)
+        s = g.inits.get(sinks)
+        if s is None or s.shape != (nq,) or s.elem not in FLOAT_TYPES:
+            raise Decline(gqa, f"head_sink is not an initializer of num_heads={nq} floats")
         ck.add(p + "self_attn.sinks", float_name(g.inits[sinks].elem), (nq,),
                lambda: g.tensor(sinks))
     cos, sin, inter = _rope(w, gqa, a, q, k, d)
@@ -223,7 +231,7 @@ def translate(g: OnnxGraph, report: ClaimReport, meta: dict, kv: list[KVNames],
         raise Decline(None, "no GroupQueryAttention: not a recognised decoder")
     if any(n.input[5:7] != gqas[0].input[5:7] for n in gqas):
         raise Decline(gqas[0], "layers read different seqlens_k / total_sequence_length")
-    mask_nodes = check_mask_inputs(g, gqas[0].input[5], gqas[0].input[6])
+    mask_nodes = check_mask_inputs(g, _input(gqas[0], 5), _input(gqas[0], 6))
     if mask_nodes is None:
         raise Decline(gqas[0], "seqlens_k / total_sequence_length are not the standard values "
                                "of attention_mask")
@@ -330,6 +338,7 @@ def _check_io(g: OnnxGraph, kv: list[KVNames], logits: str, positions: str | Non
 
 def _embedding_weights(w: Walk, ck, embed, head, head_proj, hidden: int) -> bool:
     """Add the embedding table; True when it is the LM head's own weight (tied)."""
+    w.weights_constant(embed)
     ep = Projection(w.g, embed, ck.repack_s)
     if ep.cols != hidden or ep.rows != head_proj.rows:
         raise Decline(embed, f"embedding [{ep.rows}, {ep.cols}] does not fit hidden {hidden} "

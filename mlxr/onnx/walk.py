@@ -25,6 +25,10 @@ from .weights import FLOAT_NAMES, OnnxCheckpoint, Projection
 
 PROJ_OPS = {"MatMulNBits", "MatMul"}
 NORM_OPS = {"SimplifiedLayerNormalization", "RMSNormalization"}
+# the inputs of each projection op that mlxr reads as constants (GatherBlockQuantized's table
+# may also be a Reshape of one: Projection.gbq_data)
+WEIGHT_INPUTS = {"MatMul": (1,), "MatMulNBits": (1, 2, 3), "Gather": (0,),
+                 "GatherBlockQuantized": (2, 3)}
 
 
 class Decline(Exception):
@@ -84,9 +88,17 @@ class Walk:
                               f"found {len(c)}")
         return c[0]
 
+    def weights_constant(self, node: onnx.NodeProto) -> None:
+        """Decline a projection whose weight, scales or zero points are computed at run time
+        (Projection reads them as initializers)."""
+        for i in WEIGHT_INPUTS.get(node.op_type, ()):
+            v = node.input[i] if i < len(node.input) else ""
+            if v and v not in self.g.inits:
+                raise Decline(node, f"input {i} '{v}' is computed at run time, not an "
+                                    "initializer")
+
     def proj(self, node: onnx.NodeProto) -> Projection:
-        if node.op_type == "MatMul" and node.input[1] not in self.g.inits:
-            raise Decline(node, "MatMul with a computed (not initializer) weight")
+        self.weights_constant(node)
         p = self._projs.get(id(node))
         if p is None:
             p = self._projs[id(node)] = Projection(self.g, node, self.ck.repack_s)

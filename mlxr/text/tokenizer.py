@@ -126,7 +126,10 @@ class Tokenizer:
         return [t.content for _, t in sorted(self.added_tokens.items())]
 
     def token_to_id(self, token: str) -> int | None:
-        return self._tk.token_to_id(token)
+        try:
+            return self._tk.token_to_id(token)
+        except UnicodeEncodeError:  # a lone surrogate (from a config's JSON) is no token
+            return None
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tk.id_to_token(int(token_id))
