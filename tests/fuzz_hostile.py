@@ -1,7 +1,8 @@
 """mlxr's own fuzzer (issue 34): seeded mutations of a tiny real model folder and of HTTP
 requests, each run in a subprocess under a memory limit and a timeout.
 
-Folders: the tiny 4-bit qwen3 of hostile_models (built at test time by mlx-lm) is copied and
+Folders: the tiny 4-bit qwen3 of hostile_models (built at test time by mlx-lm; or with --family,
+a tiny MoE or hybrid folder of fuzz_families, with mutations aimed at its keys) is copied and
 mutated 1-3 times (safetensors header bytes, config values, rope_scaling, quantization, the
 index, tokenizer.json, tokenizer_config.json, generation_config.json, the chat template), then
 a worker process loads it, generates 3 tokens and renders + tokenizes a chat. Outcomes: ok,
@@ -13,6 +14,7 @@ mutated bodies on every generation route, in concurrent batches beside a valid c
 Outcomes by status class; a 5xx, a hang or a failed canary is a finding.
 
     python tests/fuzz_hostile.py folders N SEED    # one JSON summary line on stdout
+    python tests/fuzz_hostile.py folders N SEED --family F    # F: fuzz_families.FAMILIES
     python tests/fuzz_hostile.py requests N SEED
 (tests/test_fuzz_hostile.py runs both within the CI budget; MLXR_FUZZ_FOLDERS /
 MLXR_FUZZ_REQUESTS / MLXR_FUZZ_SEED make a longer run.)
@@ -20,6 +22,7 @@ MLXR_FUZZ_REQUESTS / MLXR_FUZZ_SEED make a longer run.)
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -52,7 +55,8 @@ def _dumps(doc) -> str:
 
 
 def _hostile(rng: random.Random):
-    return rng.choice(HOSTILE_VALUES)
+    # a copy: a later step may pick this value as a parent and mutate it (into itself)
+    return copy.deepcopy(rng.choice(HOSTILE_VALUES))
 
 
 def _mutate_tree(doc, rng: random.Random, steps: int = 1):
@@ -229,7 +233,7 @@ def _worker_folders() -> None:
                                                 tokenize=True)
             out = {"outcome": "ok"}
         except MlxrError as e:
-            out = {"outcome": "error", "error": type(e).__name__}
+            out = {"outcome": "error", "error": f"{type(e).__name__}: {str(e)[:200]}"}
         except MemoryError:
             out = {"outcome": "oom"}
         except Exception as e:  # noqa: BLE001 -- what the fuzzer looks for
@@ -276,32 +280,56 @@ class _Worker:
             self.proc = None
 
 
-def fuzz_folders(n: int, seed: int) -> dict:
-    import mlx_ref
-    from hostile_models import make_folder
+def _family_mutations(family: str) -> list:
+    """The generic mutations, plus (beyond qwen3) fuzz_families' aimed at the family's keys."""
+    if family == "qwen3":
+        return FOLDER_MUTATIONS
+    import fuzz_families
+
+    return FOLDER_MUTATIONS + [
+        (lambda d, rng, f=f: f(d, rng, _edit_json, _hostile)) for f in fuzz_families.MUTATIONS]
+
+
+def fuzz_folders(n: int, seed: int, family: str = "qwen3") -> dict:
+    import fuzz_families
 
     rng = random.Random(seed)
     work = Path(tempfile.mkdtemp(prefix="mlxr-fuzz-"))
-    base = make_folder(mlx_ref, work / "base")
+    if family == "qwen3":
+        import mlx_ref
+        from hostile_models import make_folder
+
+        base = make_folder(mlx_ref, work / "base")
+    else:
+        base = fuzz_families.build_base(family, work / "base")
+    mutations = _family_mutations(family)
     worker = _Worker("folders")
     tally: dict[str, int] = {}
     findings = []
     start = time.monotonic()
     try:
-        worker.ask(str(base), 120)  # warm up: imports, first load
+        first = worker.ask(str(base), 120)  # warm up: imports, first load
+        if first["outcome"] != "ok":  # the unmutated folder must load
+            findings.append({"case": "base", **first})
         for i in range(n):
             d = work / f"case{i}"
             shutil.copytree(base, d)
-            kinds = [rng.choice(FOLDER_MUTATIONS)(d, rng) for _ in range(rng.randint(1, 3))]
+            kinds = [rng.choice(mutations)(d, rng) for _ in range(rng.randint(1, 3))]
             out = worker.ask(str(d), CASE_TIMEOUT)
             tally[out["outcome"]] = tally.get(out["outcome"], 0) + 1
+            if os.environ.get("MLXR_FUZZ_LOG"):  # every case's outcome, for a campaign's tally
+                with open(os.environ["MLXR_FUZZ_LOG"], "a") as log:
+                    log.write(json.dumps({"family": family, "case": i, "mutations": kinds,
+                                          **out}) + "\n")
             if out["outcome"] not in ("ok", "error"):
                 findings.append({"case": i, "mutations": kinds, **out})
+                if os.environ.get("MLXR_FUZZ_KEEP"):  # a folder to reproduce the finding
+                    shutil.copytree(d, Path(os.environ["MLXR_FUZZ_KEEP"]) / f"{family}-{i}")
             shutil.rmtree(d, ignore_errors=True)
     finally:
         worker.stop()
         shutil.rmtree(work, ignore_errors=True)
-    return {"kind": "folders", "tried": n, "seed": seed, "outcomes": tally,
+    return {"kind": "folders", "family": family, "tried": n, "seed": seed, "outcomes": tally,
             "findings": findings, "seconds": round(time.monotonic() - start, 1)}
 
 
@@ -438,5 +466,9 @@ if __name__ == "__main__":
         _worker_requests(int(sys.argv[2]), int(sys.argv[3]))
     else:
         sys.path[:0] = [str(ROOT), str(HERE)]
-        fn = fuzz_folders if mode == "folders" else fuzz_requests
-        print(json.dumps(fn(int(sys.argv[2]), int(sys.argv[3]))))
+        n, seed = int(sys.argv[2]), int(sys.argv[3])
+        if mode == "folders":
+            family = sys.argv[5] if sys.argv[4:5] == ["--family"] else "qwen3"
+            print(json.dumps(fuzz_folders(n, seed, family)))
+        else:
+            print(json.dumps(fuzz_requests(n, seed)))

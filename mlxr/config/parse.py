@@ -33,8 +33,10 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
         raise ModelFormatError(
             f"{source}: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})"
         )
-    if mt in HYBRID:
-        return parse_hybrid(raw, source)
+    if mt in HYBRID:  # the same value rules (rope fields, norms, softcaps) as the rest
+        config = parse_hybrid(raw, source)
+        check_model_config(config, source)
+        return config
     r = _Reader(raw, source)
     gemma3 = mt == "gemma3_text"
     d3 = gemma3  # gemma3_text has a default for every key
