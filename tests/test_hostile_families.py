@@ -6,12 +6,15 @@ load or generation."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
+from hostile_models import write_tokenizer
 from hybrid_configs import FAMILIES as HYBRID
 from mlxr.config import parse_config
-from mlxr.errors import ModelFormatError
+from mlxr.errors import ModelFormatError, TokenizerError
+from mlxr.text.tokenizer import load_tokenizer
 
 
 def hybrid(family: str, **text) -> dict:
@@ -54,3 +57,27 @@ def test_hybrid_norm_eps_and_softcap_checked():
 @pytest.mark.parametrize("family", list(HYBRID))
 def test_hybrid_tiny_configs_still_parse(family):
     parse_config(copy.deepcopy(HYBRID[family]))
+
+
+# laguna (seed 2, case 693): a per-layer-type partial_rotary_factor of 1e308 overflowed int()
+@pytest.mark.parametrize("frac", [1e308, float("inf"), -0.5, 0.0])
+def test_laguna_partial_rotary_factor_bounded(frac):
+    mlx_ref = pytest.importorskip("mlx_ref")
+    cfg = mlx_ref.config_for("laguna")
+    cfg["rope_parameters"]["sliding_attention"]["partial_rotary_factor"] = frac
+    assert "rope_parameters.sliding_attention.partial_rotary_factor" in refused(cfg)
+
+
+# every family (seed 2: laguna 1707, qwen3_5 1763, qwen3_5_moe 1703): a special token or an
+# added token of tokenizer_config.json holding a lone surrogate reached tokenizers'
+# token_to_id, a UnicodeEncodeError
+@pytest.mark.parametrize("edit", [
+    {"eos_token": "\ud800"}, {"pad_token": {"content": "a\udfff"}},
+    {"added_tokens_decoder": {"320": {"content": "\ud800", "special": True}}},
+])
+def test_special_token_with_a_lone_surrogate(tmp_path, edit):
+    write_tokenizer(tmp_path)
+    path = tmp_path / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    with pytest.raises(TokenizerError, match="tokenizer_config.json"):
+        load_tokenizer(tmp_path)
