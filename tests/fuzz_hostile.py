@@ -14,7 +14,9 @@ mutated bodies on every generation route, in concurrent batches beside a valid c
 Outcomes by status class; a 5xx, a hang or a failed canary is a finding.
 
     python tests/fuzz_hostile.py folders N SEED    # one JSON summary line on stdout
-    python tests/fuzz_hostile.py folders N SEED --family F    # F: fuzz_families.FAMILIES
+    python tests/fuzz_hostile.py folders N SEED --family F[,F...]    # N each; F: qwen3 or one of
+        fuzz_families.FAMILIES, or all (MLXR_FUZZ_LOG=file: every outcome, MLXR_FUZZ_KEEP=dir:
+        the folders of the findings)
     python tests/fuzz_hostile.py requests N SEED
 (tests/test_fuzz_hostile.py runs both within the CI budget; MLXR_FUZZ_FOLDERS /
 MLXR_FUZZ_REQUESTS / MLXR_FUZZ_SEED make a longer run.)
@@ -280,57 +282,64 @@ class _Worker:
             self.proc = None
 
 
-def _family_mutations(family: str) -> list:
-    """The generic mutations, plus (beyond qwen3) fuzz_families' aimed at the family's keys."""
-    if family == "qwen3":
-        return FOLDER_MUTATIONS
-    import fuzz_families
-
-    return FOLDER_MUTATIONS + [
-        (lambda d, rng, f=f: f(d, rng, _edit_json, _hostile)) for f in fuzz_families.MUTATIONS]
-
-
-def fuzz_folders(n: int, seed: int, family: str = "qwen3") -> dict:
-    import fuzz_families
-
-    rng = random.Random(seed)
-    work = Path(tempfile.mkdtemp(prefix="mlxr-fuzz-"))
+def _base(family: str, out: Path) -> tuple[Path, list]:
+    """A family's unmutated folder and its mutations: the generic ones, plus (beyond qwen3)
+    fuzz_families' aimed at the family's own keys and tensors."""
     if family == "qwen3":
         import mlx_ref
         from hostile_models import make_folder
 
-        base = make_folder(mlx_ref, work / "base")
-    else:
-        base = fuzz_families.build_base(family, work / "base")
-    mutations = _family_mutations(family)
+        return make_folder(mlx_ref, out), FOLDER_MUTATIONS
+    import fuzz_families
+
+    return fuzz_families.build_base(family, out), FOLDER_MUTATIONS + [
+        (lambda d, rng, f=f: f(d, rng, _edit_json, _hostile)) for f in fuzz_families.MUTATIONS]
+
+
+def _log(key: str, record: dict) -> None:
+    """MLXR_FUZZ_LOG: every case's outcome, one JSON line each (a campaign's tally)."""
+    if os.environ.get(key):
+        with open(os.environ[key], "a") as log:
+            log.write(json.dumps(record) + "\n")
+
+
+def fuzz_folders(n: int, seed: int, families: tuple[str, ...] = ("qwen3",)) -> dict:
+    """n cases for each family (its own random.Random(seed): the same cases whatever else
+    runs), all in one worker process."""
+    work = Path(tempfile.mkdtemp(prefix="mlxr-fuzz-"))
     worker = _Worker("folders")
     tally: dict[str, int] = {}
+    by_family: dict[str, dict[str, int]] = {}
     findings = []
     start = time.monotonic()
     try:
-        first = worker.ask(str(base), 120)  # warm up: imports, first load
-        if first["outcome"] != "ok":  # the unmutated folder must load
-            findings.append({"case": "base", **first})
-        for i in range(n):
-            d = work / f"case{i}"
-            shutil.copytree(base, d)
-            kinds = [rng.choice(mutations)(d, rng) for _ in range(rng.randint(1, 3))]
-            out = worker.ask(str(d), CASE_TIMEOUT)
-            tally[out["outcome"]] = tally.get(out["outcome"], 0) + 1
-            if os.environ.get("MLXR_FUZZ_LOG"):  # every case's outcome, for a campaign's tally
-                with open(os.environ["MLXR_FUZZ_LOG"], "a") as log:
-                    log.write(json.dumps({"family": family, "case": i, "mutations": kinds,
-                                          **out}) + "\n")
-            if out["outcome"] not in ("ok", "error"):
-                findings.append({"case": i, "mutations": kinds, **out})
-                if os.environ.get("MLXR_FUZZ_KEEP"):  # a folder to reproduce the finding
-                    shutil.copytree(d, Path(os.environ["MLXR_FUZZ_KEEP"]) / f"{family}-{i}")
-            shutil.rmtree(d, ignore_errors=True)
+        for family in families:
+            rng = random.Random(seed)
+            base, mutations = _base(family, work / family)
+            first = worker.ask(str(base), 120)  # warm up: imports, first load
+            if first["outcome"] != "ok":  # the unmutated folder must load
+                findings.append({"family": family, "case": "base", **first})
+            counts = by_family.setdefault(family, {})
+            for i in range(n):
+                d = work / f"case{i}"
+                shutil.copytree(base, d)
+                kinds = [rng.choice(mutations)(d, rng) for _ in range(rng.randint(1, 3))]
+                out = worker.ask(str(d), CASE_TIMEOUT)
+                for t in (tally, counts):
+                    t[out["outcome"]] = t.get(out["outcome"], 0) + 1
+                record = {"family": family, "case": i, "mutations": kinds, **out}
+                _log("MLXR_FUZZ_LOG", record)
+                if out["outcome"] not in ("ok", "error"):
+                    findings.append(record)
+                    if os.environ.get("MLXR_FUZZ_KEEP"):  # a folder to reproduce it
+                        shutil.copytree(d, Path(os.environ["MLXR_FUZZ_KEEP"]) / f"{family}-{i}")
+                shutil.rmtree(d, ignore_errors=True)
     finally:
         worker.stop()
         shutil.rmtree(work, ignore_errors=True)
-    return {"kind": "folders", "family": family, "tried": n, "seed": seed, "outcomes": tally,
-            "findings": findings, "seconds": round(time.monotonic() - start, 1)}
+    return {"kind": "folders", "families": list(families), "tried": n * len(families),
+            "seed": seed, "outcomes": tally, "by_family": by_family, "findings": findings,
+            "seconds": round(time.monotonic() - start, 1)}
 
 
 # -- requests --------------------------------------------------------------------------------------
@@ -469,6 +478,10 @@ if __name__ == "__main__":
         n, seed = int(sys.argv[2]), int(sys.argv[3])
         if mode == "folders":
             family = sys.argv[5] if sys.argv[4:5] == ["--family"] else "qwen3"
-            print(json.dumps(fuzz_folders(n, seed, family)))
+            if family == "all":
+                import fuzz_families
+
+                family = ",".join(fuzz_families.FAMILIES)
+            print(json.dumps(fuzz_folders(n, seed, tuple(family.split(",")))))
         else:
             print(json.dumps(fuzz_requests(n, seed)))

@@ -1,8 +1,9 @@
 """mlxr's fuzzer in CI (issue 34; the fuzzer itself is tests/fuzz_hostile.py): a fixed seed and
 a bounded number of inputs, ~60-90 s on 2 cores. A longer run:
 
-    MLXR_FUZZ_FOLDERS=2000 MLXR_FUZZ_REQUESTS=20000 MLXR_FUZZ_SEED=7 \\
-        python -m pytest -s tests/test_fuzz_hostile.py
+    MLXR_FUZZ_FOLDERS=2000 MLXR_FUZZ_FAMILY_FOLDERS=2000 MLXR_FUZZ_REQUESTS=20000 \\
+        MLXR_FUZZ_SEED=7 python -m pytest -s tests/test_fuzz_hostile.py
+(MLXR_FUZZ_FAMILY_FOLDERS: cases for each MoE / hybrid family of tests/fuzz_families.py.)
 
 Every folder must load, or fail with an mlxr error; every request must get a status below
 500 within its timeout while a valid request beside it succeeds; no worker may hang or run
@@ -28,6 +29,17 @@ def _report(summary: dict) -> None:
 
 def test_fuzz_model_folders():
     summary = fuzz_hostile.fuzz_folders(int(os.environ.get("MLXR_FUZZ_FOLDERS", "150")), SEED)
+    _report(summary)
+    assert summary["findings"] == [], summary["findings"]
+    assert set(summary["outcomes"]) <= {"ok", "error"}
+
+
+def test_fuzz_family_folders():
+    """The MoE and hybrid families' folders (tests/fuzz_families.py), a few cases each."""
+    import fuzz_families
+
+    n = int(os.environ.get("MLXR_FUZZ_FAMILY_FOLDERS", "150"))
+    summary = fuzz_hostile.fuzz_folders(n, SEED, tuple(fuzz_families.FAMILIES[1:]))
     _report(summary)
     assert summary["findings"] == [], summary["findings"]
     assert set(summary["outcomes"]) <= {"ok", "error"}
