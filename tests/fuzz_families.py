@@ -232,3 +232,63 @@ def mutate_tensor_header(d: Path, rng: random.Random, edit_json, hostile) -> str
 
 MUTATIONS = [mutate_family_keys, mutate_family_keys, mutate_rope_parameters,
              mutate_layer_quant, mutate_tensor_header, mutate_tensor_header]
+
+
+# -- the sweep: every single-key edit, deterministic ---------------------------------------------
+
+SWEEP_VALUES = [0, 1, 2, 3, 4, 7, 8, 16, 63, 65, 128, 1 << 20, 1 << 40, -1, 0.5, 1e308, None,
+                True, "x", [], [0], [1] * 4, {"a": 1}]
+
+
+def sweep_edits(cfg: dict) -> list[tuple[str, object]]:
+    """(key, value) for each family key the config holds (in text_config when nested) and
+    each of SWEEP_VALUES, plus each key's deletion (value `...`)."""
+    t = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    keys = [k for k in t if k not in ("model_type", "quantization", "quantization_config")]
+    return [(k, v) for k in keys for v in [*SWEEP_VALUES, ...]]
+
+
+def apply_edit(cfg: dict, key: str, value) -> dict:
+    t = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    if value is ...:
+        t.pop(key, None)
+    else:
+        t[key] = copy.deepcopy(value)
+    return cfg
+
+
+def sweep(families: tuple[str, ...]) -> dict:
+    """Every single-key edit of each family's tiny folder, loaded and run by one worker."""
+    import shutil
+    import tempfile
+    import time
+
+    import fuzz_hostile
+
+    work = Path(tempfile.mkdtemp(prefix="mlxr-sweep-"))
+    worker = fuzz_hostile._Worker("folders")
+    tally: dict[str, int] = {}
+    findings = []
+    start = time.monotonic()
+    try:
+        for family in families:
+            base, _ = fuzz_hostile._base(family, work / family)
+            worker.ask(str(base), 120)
+            cfg = json.loads((base / "config.json").read_text())
+            for key, value in sweep_edits(cfg):
+                d = work / "case"
+                shutil.copytree(base, d)
+                doc = apply_edit(json.loads((d / "config.json").read_text()), key, value)
+                (d / "config.json").write_text(fuzz_hostile._dumps(doc))
+                out = worker.ask(str(d), fuzz_hostile.CASE_TIMEOUT)
+                tally[out["outcome"]] = tally.get(out["outcome"], 0) + 1
+                record = {"family": family, "key": key, "value": repr(value), **out}
+                fuzz_hostile._log("MLXR_FUZZ_LOG", record)
+                if out["outcome"] not in ("ok", "error"):
+                    findings.append(record)
+                shutil.rmtree(d, ignore_errors=True)
+    finally:
+        worker.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return {"kind": "sweep", "families": list(families), "outcomes": tally,
+            "findings": findings, "seconds": round(time.monotonic() - start, 1)}

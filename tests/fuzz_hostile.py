@@ -17,6 +17,7 @@ Outcomes by status class; a 5xx, a hang or a failed canary is a finding.
     python tests/fuzz_hostile.py folders N SEED --family F[,F...]    # N each; F: qwen3 or one of
         fuzz_families.FAMILIES, or all (MLXR_FUZZ_LOG=file: every outcome, MLXR_FUZZ_KEEP=dir:
         the folders of the findings)
+    python tests/fuzz_hostile.py sweep 0 0 --family F[,F...]    # every single-key config edit
     python tests/fuzz_hostile.py requests N SEED
 (tests/test_fuzz_hostile.py runs both within the CI budget; MLXR_FUZZ_FOLDERS /
 MLXR_FUZZ_REQUESTS / MLXR_FUZZ_SEED make a longer run.)
@@ -233,7 +234,8 @@ def _worker_folders() -> None:
             if (d / "tokenizer.json").is_file():
                 m.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
                                                 tokenize=True)
-            out = {"outcome": "ok"}
+            # a model that loads must compute finite logits (its weights as mlx-lm made them)
+            out = {"outcome": "ok" if m.logits([1, 2, 3]).isfinite().all() else "nan"}
         except MlxrError as e:
             out = {"outcome": "error", "error": f"{type(e).__name__}: {str(e)[:200]}"}
         except MemoryError:
@@ -483,5 +485,11 @@ if __name__ == "__main__":
 
                 family = ",".join(fuzz_families.FAMILIES)
             print(json.dumps(fuzz_folders(n, seed, tuple(family.split(",")))))
+        elif mode == "sweep":  # every single-key config edit: sweep 0 0 --family F[,F...]
+            import fuzz_families
+
+            family = sys.argv[5] if sys.argv[4:5] == ["--family"] else "all"
+            names = fuzz_families.FAMILIES if family == "all" else family.split(",")
+            print(json.dumps(fuzz_families.sweep(tuple(names))))
         else:
             print(json.dumps(fuzz_requests(n, seed)))

@@ -81,3 +81,28 @@ def test_special_token_with_a_lone_surrogate(tmp_path, edit):
     path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
     with pytest.raises(TokenizerError, match="tokenizer_config.json"):
         load_tokenizer(tmp_path)
+
+
+# the sweep (tests/fuzz_hostile.py sweep): a soft-cap or routed scale of 1e308 loaded (finite
+# in Python) and computed NaN logits (float32: inf * tanh(x / inf) = inf * 0)
+@pytest.mark.parametrize("family", ["gemma4_text", "gemma4", "gemma4_moe"])
+def test_gemma4_final_softcap_bounded(family):
+    assert "final_logit_softcapping" in refused(hybrid(family, final_logit_softcapping=1e308))
+
+
+@pytest.mark.parametrize("key, value", [
+    ("moe_routed_scaling_factor", 1e308), ("moe_routed_scaling_factor", 0.0),
+    ("moe_routed_scaling_factor", -1.0), ("moe_router_logit_softcapping", 1e308),
+])
+def test_laguna_moe_scalars_bounded(key, value):
+    mlx_ref = pytest.importorskip("mlx_ref")
+    cfg = mlx_ref.config_for("laguna")
+    cfg[key] = value
+    assert key in refused(cfg)
+
+
+def test_real_moe_scalars_still_parse():
+    mlx_ref = pytest.importorskip("mlx_ref")
+    cfg = mlx_ref.config_for("laguna")
+    cfg.update(moe_routed_scaling_factor=16.0, moe_router_logit_softcapping=30.0)
+    assert parse_config(cfg).moe.routed_scale == 16.0
