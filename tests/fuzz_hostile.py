@@ -17,7 +17,7 @@ Outcomes by status class; a 5xx, a hang or a failed canary is a finding.
     python tests/fuzz_hostile.py folders N SEED --family F[,F...]    # N each; F: qwen3 or one of
         fuzz_families.FAMILIES, or all (MLXR_FUZZ_LOG=file: every outcome, MLXR_FUZZ_KEEP=dir:
         the folders of the findings)
-    python tests/fuzz_hostile.py sweep 0 0 --family F[,F...]    # every single-key config edit
+    python tests/fuzz_hostile.py sweep 0 0 --family F[,F...]    # tests/fuzz_sweep.py
     python tests/fuzz_hostile.py requests N SEED
 (tests/test_fuzz_hostile.py runs both within the CI budget; MLXR_FUZZ_FOLDERS /
 MLXR_FUZZ_REQUESTS / MLXR_FUZZ_SEED make a longer run.)
@@ -485,11 +485,12 @@ if __name__ == "__main__":
 
                 family = ",".join(fuzz_families.FAMILIES)
             print(json.dumps(fuzz_folders(n, seed, tuple(family.split(",")))))
-        elif mode == "sweep":  # every single-key config edit: sweep 0 0 --family F[,F...]
+        elif mode == "sweep":  # tests/fuzz_sweep.py: every single edit of one kind
             import fuzz_families
+            import fuzz_sweep
 
             family = sys.argv[5] if sys.argv[4:5] == ["--family"] else "all"
             names = fuzz_families.FAMILIES if family == "all" else family.split(",")
-            print(json.dumps(fuzz_families.sweep(tuple(names))))
+            print(json.dumps(fuzz_sweep.sweep(tuple(names))))
         else:
             print(json.dumps(fuzz_requests(n, seed)))
