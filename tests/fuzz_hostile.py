@@ -5,9 +5,10 @@ Folders: the tiny 4-bit qwen3 of hostile_models (built at test time by mlx-lm; o
 a tiny MoE or hybrid folder of fuzz_families, with mutations aimed at its keys) is copied and
 mutated 1-3 times (safetensors header bytes, config values, rope_scaling, quantization, the
 index, tokenizer.json, tokenizer_config.json, generation_config.json, the chat template), then
-a worker process loads it, generates 3 tokens and renders + tokenizes a chat. Outcomes: ok,
-error (an mlxr error: the promise), crash (any other exception), hang (past the per-case
-timeout) or oom (past the address-space limit).
+a worker process loads it, generates 3 tokens, computes the logits of 3 and renders +
+tokenizes a chat. Outcomes: ok, error (an mlxr error: the promise), nan (loaded, but the logits
+are not finite), crash (any other exception), hang (past the per-case timeout) or oom (past
+the address-space limit).
 
 Requests: the bundled model served in-process (ASGI, AsyncEngine) in a worker process gets
 mutated bodies on every generation route, in concurrent batches beside a valid canary request.
