@@ -224,8 +224,12 @@ def _limit_memory() -> None:
 
 def _worker_folders() -> None:
     """Worker: one folder path per stdin line -> one JSON outcome per stdout line."""
+    import torch
+
     import mlxr
     from mlxr.errors import MlxrError
+
+    torch.set_num_threads(1)  # tiny models: threads only contend (10x slower on a busy box)
 
     for line in sys.stdin:
         d = Path(line.strip())
@@ -327,7 +331,9 @@ def fuzz_folders(n: int, seed: int, families: tuple[str, ...] = ("qwen3",)) -> d
                 d = work / f"case{i}"
                 shutil.copytree(base, d)
                 kinds = [rng.choice(mutations)(d, rng) for _ in range(rng.randint(1, 3))]
+                t0 = time.monotonic()
                 out = worker.ask(str(d), CASE_TIMEOUT)
+                out["seconds"] = round(time.monotonic() - t0, 3)
                 for t in (tally, counts):
                     t[out["outcome"]] = t.get(out["outcome"], 0) + 1
                 record = {"family": family, "case": i, "mutations": kinds, **out}
