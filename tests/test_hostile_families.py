@@ -106,3 +106,40 @@ def test_real_moe_scalars_still_parse():
     cfg = mlx_ref.config_for("laguna")
     cfg.update(moe_routed_scaling_factor=16.0, moe_router_logit_softcapping=30.0)
     assert parse_config(cfg).moe.routed_scale == 16.0
+
+
+def _bpe(tmp_path, prefix: str, merges=None):
+    write_tokenizer(tmp_path)
+    path = tmp_path / "tokenizer.json"
+    doc = json.loads(path.read_text())
+    doc["model"]["continuing_subword_prefix"] = prefix
+    if merges is not None:
+        doc["model"]["merges"] = merges
+        doc["model"]["vocab"]["##t"] = 313
+    path.write_text(json.dumps(doc))
+
+
+# gemma4_moe (seed 4, case 3204; any family's tokenizer.json): a BPE continuing_subword_prefix
+# longer than a merge's second part was a Rust panic in tokenizers (PanicException, a
+# BaseException: it killed the process)
+@pytest.mark.parametrize("prefix", ["NaN", "##"])
+def test_bpe_prefix_longer_than_a_merge(tmp_path, prefix):
+    _bpe(tmp_path, prefix)
+    with pytest.raises(TokenizerError, match="continuing_subword_prefix"):
+        load_tokenizer(tmp_path)
+
+
+def test_bpe_prefix_held_by_every_merge_loads(tmp_path):
+    _bpe(tmp_path, "##", [["Ġ", "##t"]])
+    assert len(load_tokenizer(tmp_path).encode("a")) == 1
+
+
+# gemma4 / gemma4_moe (seed 4, cases 279 and 291): a proportional rope's factor of 0 loaded
+# and computed NaN logits (periods 0)
+@pytest.mark.parametrize("factor", [0, -1.0, 1e308])
+def test_gemma4_proportional_factor_bounded(factor):
+    params = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                 "rope_theta": 1e6, "factor": factor},
+              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    msg = refused(hybrid("gemma4_text", rope_parameters=params))
+    assert "rope_parameters.full_attention.factor" in msg
