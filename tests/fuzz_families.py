@@ -17,7 +17,8 @@ import json
 import random
 from pathlib import Path
 
-# family -> (builder, quantization): the format its checkpoints ship in, at tiny sizes
+# family -> its quantization (an mlx_ref QUANTS name or an mlx_ref_hybrid dict): the format
+# its checkpoints ship in, at tiny sizes
 MOE = {"qwen3_moe": "q4g64", "mixtral": "q4g64", "gpt_oss": "mxfp4_q8",
        "laguna": "laguna_nvfp4"}
 HYBRID = {"qwen3_5": dict(bits=4, group_size=64), "qwen3_5_moe": dict(bits=4, group_size=64),
