@@ -1,18 +1,24 @@
 """mlxr's own fuzzer (issue 34): seeded mutations of a tiny real model folder and of HTTP
 requests, each run in a subprocess under a memory limit and a timeout.
 
-Folders: the tiny 4-bit qwen3 of hostile_models (built at test time by mlx-lm) is copied and
+Folders: the tiny 4-bit qwen3 of hostile_models (built at test time by mlx-lm; or with --family,
+a tiny MoE or hybrid folder of fuzz_families, with mutations aimed at its keys) is copied and
 mutated 1-3 times (safetensors header bytes, config values, rope_scaling, quantization, the
 index, tokenizer.json, tokenizer_config.json, generation_config.json, the chat template), then
-a worker process loads it, generates 3 tokens and renders + tokenizes a chat. Outcomes: ok,
-error (an mlxr error: the promise), crash (any other exception), hang (past the per-case
-timeout) or oom (past the address-space limit).
+a worker process loads it, generates 3 tokens, computes the logits of 3 and renders +
+tokenizes a chat. Outcomes: ok, error (an mlxr error: the promise), nan (loaded, but the logits
+are not finite), crash (any other exception), hang (past the per-case timeout) or oom (past
+the address-space limit).
 
 Requests: the bundled model served in-process (ASGI, AsyncEngine) in a worker process gets
 mutated bodies on every generation route, in concurrent batches beside a valid canary request.
 Outcomes by status class; a 5xx, a hang or a failed canary is a finding.
 
     python tests/fuzz_hostile.py folders N SEED    # one JSON summary line on stdout
+    python tests/fuzz_hostile.py folders N SEED --family F[,F...]    # N each; F: qwen3 or one of
+        fuzz_families.FAMILIES, or all (MLXR_FUZZ_LOG=file: every outcome, MLXR_FUZZ_KEEP=dir:
+        the folders of the findings)
+    python tests/fuzz_hostile.py sweep 0 0 --family F[,F...]    # tests/fuzz_sweep.py
     python tests/fuzz_hostile.py requests N SEED
 (tests/test_fuzz_hostile.py runs both within the CI budget; MLXR_FUZZ_FOLDERS /
 MLXR_FUZZ_REQUESTS / MLXR_FUZZ_SEED make a longer run.)
@@ -20,6 +26,7 @@ MLXR_FUZZ_REQUESTS / MLXR_FUZZ_SEED make a longer run.)
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -52,7 +59,8 @@ def _dumps(doc) -> str:
 
 
 def _hostile(rng: random.Random):
-    return rng.choice(HOSTILE_VALUES)
+    # a copy: a later step may pick this value as a parent and mutate it (into itself)
+    return copy.deepcopy(rng.choice(HOSTILE_VALUES))
 
 
 def _mutate_tree(doc, rng: random.Random, steps: int = 1):
@@ -216,8 +224,12 @@ def _limit_memory() -> None:
 
 def _worker_folders() -> None:
     """Worker: one folder path per stdin line -> one JSON outcome per stdout line."""
+    import torch
+
     import mlxr
     from mlxr.errors import MlxrError
+
+    torch.set_num_threads(1)  # tiny models: threads only contend (10x slower on a busy box)
 
     for line in sys.stdin:
         d = Path(line.strip())
@@ -227,9 +239,10 @@ def _worker_folders() -> None:
             if (d / "tokenizer.json").is_file():
                 m.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
                                                 tokenize=True)
-            out = {"outcome": "ok"}
+            # a model that loads must compute finite logits (its weights as mlx-lm made them)
+            out = {"outcome": "ok" if m.logits([1, 2, 3]).isfinite().all() else "nan"}
         except MlxrError as e:
-            out = {"outcome": "error", "error": type(e).__name__}
+            out = {"outcome": "error", "error": f"{type(e).__name__}: {str(e)[:200]}"}
         except MemoryError:
             out = {"outcome": "oom"}
         except Exception as e:  # noqa: BLE001 -- what the fuzzer looks for
@@ -276,33 +289,66 @@ class _Worker:
             self.proc = None
 
 
-def fuzz_folders(n: int, seed: int) -> dict:
-    import mlx_ref
-    from hostile_models import make_folder
+def _base(family: str, out: Path) -> tuple[Path, list]:
+    """A family's unmutated folder and its mutations: the generic ones, plus (beyond qwen3)
+    fuzz_families' aimed at the family's own keys and tensors."""
+    if family == "qwen3":
+        import mlx_ref
+        from hostile_models import make_folder
 
-    rng = random.Random(seed)
+        return make_folder(mlx_ref, out), FOLDER_MUTATIONS
+    import fuzz_families
+
+    return fuzz_families.build_base(family, out), FOLDER_MUTATIONS + [
+        (lambda d, rng, f=f: f(d, rng, _edit_json, _hostile)) for f in fuzz_families.MUTATIONS]
+
+
+def _log(key: str, record: dict) -> None:
+    """MLXR_FUZZ_LOG: every case's outcome, one JSON line each (a campaign's tally)."""
+    if os.environ.get(key):
+        with open(os.environ[key], "a") as log:
+            log.write(json.dumps(record) + "\n")
+
+
+def fuzz_folders(n: int, seed: int, families: tuple[str, ...] = ("qwen3",)) -> dict:
+    """n cases for each family (its own random.Random(seed): the same cases whatever else
+    runs), all in one worker process."""
     work = Path(tempfile.mkdtemp(prefix="mlxr-fuzz-"))
-    base = make_folder(mlx_ref, work / "base")
     worker = _Worker("folders")
     tally: dict[str, int] = {}
+    by_family: dict[str, dict[str, int]] = {}
     findings = []
     start = time.monotonic()
     try:
-        worker.ask(str(base), 120)  # warm up: imports, first load
-        for i in range(n):
-            d = work / f"case{i}"
-            shutil.copytree(base, d)
-            kinds = [rng.choice(FOLDER_MUTATIONS)(d, rng) for _ in range(rng.randint(1, 3))]
-            out = worker.ask(str(d), CASE_TIMEOUT)
-            tally[out["outcome"]] = tally.get(out["outcome"], 0) + 1
-            if out["outcome"] not in ("ok", "error"):
-                findings.append({"case": i, "mutations": kinds, **out})
-            shutil.rmtree(d, ignore_errors=True)
+        for family in families:
+            rng = random.Random(seed)
+            base, mutations = _base(family, work / family)
+            first = worker.ask(str(base), 120)  # warm up: imports, first load
+            if first["outcome"] != "ok":  # the unmutated folder must load
+                findings.append({"family": family, "case": "base", **first})
+            counts = by_family.setdefault(family, {})
+            for i in range(n):
+                d = work / f"case{i}"
+                shutil.copytree(base, d)
+                kinds = [rng.choice(mutations)(d, rng) for _ in range(rng.randint(1, 3))]
+                t0 = time.monotonic()
+                out = worker.ask(str(d), CASE_TIMEOUT)
+                out["seconds"] = round(time.monotonic() - t0, 3)
+                for t in (tally, counts):
+                    t[out["outcome"]] = t.get(out["outcome"], 0) + 1
+                record = {"family": family, "case": i, "mutations": kinds, **out}
+                _log("MLXR_FUZZ_LOG", record)
+                if out["outcome"] not in ("ok", "error"):
+                    findings.append(record)
+                    if os.environ.get("MLXR_FUZZ_KEEP"):  # a folder to reproduce it
+                        shutil.copytree(d, Path(os.environ["MLXR_FUZZ_KEEP"]) / f"{family}-{i}")
+                shutil.rmtree(d, ignore_errors=True)
     finally:
         worker.stop()
         shutil.rmtree(work, ignore_errors=True)
-    return {"kind": "folders", "tried": n, "seed": seed, "outcomes": tally,
-            "findings": findings, "seconds": round(time.monotonic() - start, 1)}
+    return {"kind": "folders", "families": list(families), "tried": n * len(families),
+            "seed": seed, "outcomes": tally, "by_family": by_family, "findings": findings,
+            "seconds": round(time.monotonic() - start, 1)}
 
 
 # -- requests --------------------------------------------------------------------------------------
@@ -438,5 +484,20 @@ if __name__ == "__main__":
         _worker_requests(int(sys.argv[2]), int(sys.argv[3]))
     else:
         sys.path[:0] = [str(ROOT), str(HERE)]
-        fn = fuzz_folders if mode == "folders" else fuzz_requests
-        print(json.dumps(fn(int(sys.argv[2]), int(sys.argv[3]))))
+        n, seed = int(sys.argv[2]), int(sys.argv[3])
+        if mode == "folders":
+            family = sys.argv[5] if sys.argv[4:5] == ["--family"] else "qwen3"
+            if family == "all":
+                import fuzz_families
+
+                family = ",".join(fuzz_families.FAMILIES)
+            print(json.dumps(fuzz_folders(n, seed, tuple(family.split(",")))))
+        elif mode == "sweep":  # tests/fuzz_sweep.py: every single edit of one kind
+            import fuzz_families
+            import fuzz_sweep
+
+            family = sys.argv[5] if sys.argv[4:5] == ["--family"] else "all"
+            names = fuzz_families.FAMILIES if family == "all" else family.split(",")
+            print(json.dumps(fuzz_sweep.sweep(tuple(names))))
+        else:
+            print(json.dumps(fuzz_requests(n, seed)))

@@ -17,6 +17,10 @@ from .spec import ModelConfig, RopeSpec
 
 MAX_ROPE_FACTOR = 1024.0  # real factors are 2-64 (llama3 8, yarn 4-40, linear 2-16)
 MAX_ROPE_BASE = 1e15  # real rope_theta: 1e4 to 1e8
+# real soft-caps are 5-50 and routed scales 1-16; past these bounds float32 turns the
+# cap * tanh(x / cap) or the scaled expert sum into inf * 0 = NaN
+MAX_SOFTCAP = 1e6
+MAX_ROUTED_SCALE = 1e3
 
 
 def _number(v: Any) -> bool:
@@ -101,8 +105,21 @@ def check_model_config(c: ModelConfig, source: str) -> None:
                                f"{c.attn_scale!r} (query_pre_attn_scalar / head_dim)")
     for key in ("attn_logit_softcap", "final_logit_softcap"):
         v = getattr(c, key)
-        if v is not None:
-            positive(v, f"{source}: {key}ping")
+        if v is not None and positive(v, f"{source}: {key}ping") > MAX_SOFTCAP:
+            raise ModelFormatError(f"{source}: {key}ping must be at most {MAX_SOFTCAP:g}, "
+                                   f"got {v!r}")
+    if c.moe is not None:
+        _check_moe(c, source)
     for i, spec in enumerate(c.layer_rope):
         if i == 0 or spec is not c.layer_rope[i - 1]:  # most configs share one spec
             check_rope(spec, source)
+
+
+def _check_moe(c: ModelConfig, source: str) -> None:
+    """The MoE block's scalars (router soft-cap, routed scale) within float32's reach."""
+    if not 0 <= c.moe.router_softcap <= MAX_SOFTCAP:
+        raise ModelFormatError(f"{source}: moe_router_logit_softcapping must be in "
+                               f"[0, {MAX_SOFTCAP:g}], got {c.moe.router_softcap!r}")
+    if not 0 < c.moe.routed_scale <= MAX_ROUTED_SCALE:
+        raise ModelFormatError(f"{source}: moe_routed_scaling_factor must be in "
+                               f"(0, {MAX_ROUTED_SCALE:g}], got {c.moe.routed_scale!r}")

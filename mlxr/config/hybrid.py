@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ModelFormatError
+from .checks import MAX_ROPE_FACTOR
 from .moe import parse_hybrid_moe
 from .reader import _MISSING, LIMITS, _eos_ids, _Reader, _rope_scaling, parse_quant
 from .spec import ModelConfig, RopeSpec
@@ -234,8 +235,12 @@ def _gemma4_rope(r: _Nested, params: dict, kind_key: str, dims: int,
             raise ModelFormatError(f"{r.source}: key '{pr.prefix}partial_rotary_factor' = "
                                    f"{partial} does not rotate an even number of the {dims} "
                                    "head dims")
+        factor = pr.float("factor", 1.0)
+        if not 0 < factor <= MAX_ROPE_FACTOR:  # (0: periods 0, inverse frequencies inf)
+            raise ModelFormatError(f"{r.source}: key '{pr.prefix}factor' = {factor} is not in "
+                                   f"(0, {MAX_ROPE_FACTOR:g}]")
         return RopeSpec(dims, theta, False, {"rope_type": "proportional", "rotated": rotated,
-                                             "factor": pr.float("factor", 1.0)}, max_pos)
+                                             "factor": factor}, max_pos)
     raise ModelFormatError(f"{r.source}: key '{pr.prefix}rope_type' = {kind!r} is not "
                            "supported (default, linear, proportional)")
 

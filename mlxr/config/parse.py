@@ -12,7 +12,7 @@ from pathlib import Path
 from .. import bounded_json
 from ..errors import ModelFormatError
 from .checks import check_model_config, positive
-from .hybrid import parse_hybrid
+from .hybrid import _Nested, parse_hybrid
 from .moe import MOE_TYPES, layer_kinds, layer_list, parse_moe
 from .reader import _MISSING, LIMITS, _eos_ids, _Reader, _rope_scaling, parse_quant
 from .spec import ModelConfig, RopeSpec
@@ -33,8 +33,10 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
         raise ModelFormatError(
             f"{source}: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})"
         )
-    if mt in HYBRID:
-        return parse_hybrid(raw, source)
+    if mt in HYBRID:  # the same value rules (rope fields, norms, softcaps) as the rest
+        config = parse_hybrid(raw, source)
+        check_model_config(config, source)
+        return config
     r = _Reader(raw, source)
     gemma3 = mt == "gemma3_text"
     d3 = gemma3  # gemma3_text has a default for every key
@@ -234,10 +236,10 @@ def _laguna_rope(r: _Reader, sub, key: str, head_dim: int, partial: float,
     sub = sub or {}
     if not isinstance(sub, dict):
         raise ModelFormatError(f"{r.source}: key '{key}' must be an object")
-    sr = _Reader(sub, r.source)
+    sr = _Nested(sub, r.source, key + ".")  # (errors name rope_parameters.<type>.<key>)
     base = sr.float("rope_theta", 10000.0)
     frac = sr.float("partial_rotary_factor", partial)
-    dims = int(head_dim * frac)
+    dims = int(head_dim * frac) if 0 < frac <= 1 else 0  # (inf: no OverflowError)
     if dims < 2 or dims % 2 or dims > head_dim:
         raise ModelFormatError(f"{r.source}: key '{key}.partial_rotary_factor' = {frac} "
                                f"gives {dims} rotary dims of head_dim {head_dim}")

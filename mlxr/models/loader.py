@@ -196,8 +196,9 @@ class _Builder:
                                    f"checkpoint has '{path}.scales'")
         spec = self.quant_spec(path, out, inp, 2 + len(lead))
         if inp % spec.group_size or (inp * spec.bits) % 32:
-            raise ModelFormatError(f"'{path}': input size {inp} is not a multiple of group size "
-                                   f"{spec.group_size}")
+            raise ModelFormatError(f"config.json: quantization of '{path}': input size {inp} "
+                                   f"is not a multiple of group size {spec.group_size} (or "
+                                   f"of 32 bits at {spec.bits} bits)")
         w_info, s_info = self._info(path + ".weight"), self._info(path + ".scales")
         self._expect(w_info, (*lead, out, inp * spec.bits // 32), {"U32"})
         affine = spec.mode == "affine"

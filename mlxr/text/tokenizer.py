@@ -304,7 +304,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         check_tokenizer_json(bounded_json.loads(text, str(path), TokenizerError), str(path))
         try:
             backend = tokenizers.Tokenizer.from_str(text)
-        except Exception as exc:  # tokenizers raises a bare Exception
+        except BaseException as exc:  # tokenizers raises a bare Exception, or panics
+            if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+                raise  # (KeyboardInterrupt, SystemExit; a Rust panic is a BaseException)
             raise TokenizerError(f"{path}: cannot load ({exc})") from exc
         if str(config.get("tokenizer_class", "")).startswith("LlamaTokenizer"):
             _modernize_llama_json(backend, config)

@@ -28,6 +28,7 @@ def check_tokenizer_json(doc: Any, where: str) -> None:
         tid = tok.get("id")
         if type(tid) is not int or not 0 <= tid <= MAX_TOKEN_ID:
             raise TokenizerError(f"{where}: added_tokens[{i}].id = {tid!r} is not a token id")
+    _check_bpe_prefix(doc.get("model"), where)
     for key in ("normalizer", "pre_tokenizer", "decoder", "post_processor"):
         stack = [(doc.get(key), key)]
         while stack:
@@ -39,6 +40,27 @@ def check_tokenizer_json(doc: Any, where: str) -> None:
                     _check_pattern(node.get("pattern"), f"{where}: {path}.pattern")
                 stack.extend((v, f"{path}.{k}") for k, v in node.items()
                              if isinstance(v, (dict, list)))
+
+
+def _check_bpe_prefix(model: Any, where: str) -> None:
+    """tokenizers' BPE builder cuts continuing_subword_prefix's bytes off the second part of
+    every merge (model.rs: `&b[prefix_len..]`): a part shorter than the prefix, or a cut inside
+    a UTF-8 character, is a Rust panic."""
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        return
+    prefix = model.get("continuing_subword_prefix")
+    merges = model.get("merges")
+    if not isinstance(prefix, str) or not prefix or not isinstance(merges, list):
+        return
+    cut = len(prefix.encode("utf-8", "surrogatepass"))
+    for i, merge in enumerate(merges):
+        parts = merge.split(" ") if isinstance(merge, str) else merge
+        if not isinstance(parts, list) or len(parts) != 2 or not isinstance(parts[1], str):
+            continue  # (tokenizers refuses these itself, with an exception)
+        rest = parts[1].encode("utf-8", "surrogatepass")
+        if len(rest) < cut or (len(rest) > cut and rest[cut] & 0xC0 == 0x80):
+            raise TokenizerError(f"{where}: model.merges[{i}] = {merge!r}: its second part "
+                                 f"does not hold continuing_subword_prefix {prefix!r}")
 
 
 def _check_pattern(pattern: Any, where: str) -> None:

@@ -83,12 +83,11 @@ def _read_json(path: Path) -> Any:
 def _token_content(value: Any, where: str) -> str | None:
     """A special token value from tokenizer_config.json / special_tokens_map.json: str, AddedToken
     dict or None."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    raise TokenizerError(
-        f"{where}: expected a string or a {{'content': ...}} object, got {value!r}"
+    content = value.get("content") if isinstance(value, dict) else value
+    if value is None or isinstance(content, str) and bounded_json.utf8_ok(content):
+        return content
+    raise TokenizerError(  # (a lone surrogate: tokenizers' token_to_id raises on it)
+        f"{where}: expected a UTF-8 string or a {{'content': ...}} object, got {value!r}"
     )
 
 
@@ -339,7 +338,8 @@ def _add_tokens(
     for key, spec in added_decoder.items():
         idx = int(key) if key.isascii() and key.isdigit() and len(key) < 11 else -1
         content = spec.get("content") if isinstance(spec, dict) else None
-        if not 0 <= idx < 1 << 31 or not isinstance(content, str) or not content:
+        if (not 0 <= idx < 1 << 31 or not isinstance(content, str) or not content
+                or not bounded_json.utf8_ok(content)):
             raise TokenizerError(
                 f"{root / 'tokenizer_config.json'}: added_tokens_decoder[{key!r}] is malformed "
                 "(needs a token id key and a non-empty string 'content')"
