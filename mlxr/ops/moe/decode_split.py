@@ -15,8 +15,8 @@ MLXR_MOE_GATE_UP (default 32,4,4; split 1: the fused kernel) and MLXR_MOE_DOWN (
 32,1,4; split 0: the fused kernel; 1: pair-parallel without a K split);
 MLXR_MOE_DECODE=split puts decode steps on these kernels (the default is `decode_onepass`);
 MLXR_MOE_DECODE_MAX_PAIRS: the most pairs served by the decode kernels (default
-`decode_experts.MAX_PAIRS` here, `ONEPASS_MAX_PAIRS` for onepass). Twins: `decode_experts.moe_gate_up_ref`
-and `moe_down_ref` (same signatures but the config).
+`decode_experts.MAX_PAIRS` here, `ONEPASS_MAX_PAIRS` for onepass). Twins:
+`decode_experts.moe_gate_up_ref` and `moe_down_ref` (same signatures but the config).
 """
 
 from __future__ import annotations
