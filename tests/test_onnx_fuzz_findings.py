@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 import mlxr
-from mlxr.errors import MlxrError, ModelFormatError
+from mlxr.errors import MlxrError, ModelFormatError, TokenizerError
 from mlxr.onnx import InferenceSession
 from mlxr.onnx.mask import constant_value
 from onnx_ref import copy_folder
@@ -192,13 +192,14 @@ def test_qmoe_router_bias_of_the_wrong_size(gptoss):
 
 
 def test_special_token_with_a_lone_surrogate(folder):
-    """tokenizer_config's eos_token "\\ud800" (valid JSON): was UnicodeEncodeError."""
+    """tokenizer_config's eos_token "\\ud800" (valid JSON): was UnicodeEncodeError; now a
+    TokenizerError naming the file and key (the MLX path's check, shared by ONNX folders)."""
     path = folder / "tokenizer_config.json"
     cfg = json.loads(path.read_text())
     cfg["eos_token"] = "\ud800"
     path.write_text(json.dumps(cfg))
-    m = load(folder)
-    assert m.tokenizer.token_to_id("\ud800") is None
+    with pytest.raises(TokenizerError, match="tokenizer_config.json: eos_token"):
+        load(folder).tokenizer
 
 
 @pytest.mark.parametrize("limit", [-1.0, -float("inf"), float("nan")])
