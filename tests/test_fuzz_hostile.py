@@ -19,6 +19,7 @@ import os
 import pytest
 
 import fuzz_hostile
+import fuzz_requests
 
 pytest.importorskip("mlx_ref")
 
@@ -61,7 +62,7 @@ def test_sweep_family_folders():
 
 
 def test_fuzz_requests():
-    summary = fuzz_hostile.fuzz_requests(int(os.environ.get("MLXR_FUZZ_REQUESTS", "2000")), SEED)
+    summary = fuzz_requests.fuzz_requests(int(os.environ.get("MLXR_FUZZ_REQUESTS", "2000")), SEED)
     _report(summary)
     assert summary["findings"] == [], summary["findings"]
     assert not any(k.startswith(("5", "exception", "hang", "crash")) for k in summary["outcomes"])
