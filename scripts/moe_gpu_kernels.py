@@ -67,6 +67,8 @@ def abs_stack(q: ExpertQuant) -> ExpertQuant:
     """A stack whose dequantized weights bound |W| elementwise (see the module docstring)."""
     if q.mode == "affine":
         return q._replace(scales=q.scales.abs(), biases=q.biases.abs(), bias=None)
+    if q.mode == "dense":  # float weights: |W| itself (the fp-code masks below are for codes)
+        return q._replace(w=q.w.abs(), bias=None)
     mask = 0x77777777 if q.bits == 4 else 0x7F7F7F7F  # E2M1 / E4M3 sign bits cleared
     w = (q.w.view(torch.int32) & mask)
     return q._replace(w=w, bias=None)
