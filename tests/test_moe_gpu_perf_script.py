@@ -39,3 +39,29 @@ def test_summarize_picks_defaults():
     assert p["gate_up"] == m.cfg_name(g) and p["down"] == m.cfg_name(d)
     assert p["decode_max_pairs"] == 16  # T = 2 (x k = 8) the last decode win
     assert p["mm_min_pairs"] == 512  # T = 64: mm first faster than triton
+
+
+def _kernels_script():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("moe_gpu_kernels",
+                                                  ROOT / "scripts" / "moe_gpu_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_abs_stack_of_dense_experts_is_abs_w(dtype):
+    """The bound helper of the GPU checks: a dense stack's |W| keeps its shape and values (it
+    once masked float bits as fp4/fp8 codes: a bf16 stack changed shape and the H100's check
+    raised)."""
+    import torch
+
+    from mlxr import ops
+
+    k = _kernels_script()
+    w = torch.randn(3, 8, 16).to(getattr(torch, dtype))
+    a = k.abs_stack(ops.moe_dense_experts(w))
+    assert a.w.shape == w.shape and torch.equal(a.w, w.abs())
