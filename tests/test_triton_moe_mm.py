@@ -147,6 +147,26 @@ class _Calls:
 MM = {"MLXR_MOE_GROUPED": "mm"}
 
 
+def _dispatched(monkeypatch, pairs: int, dtype, split: str = "split") -> set[str]:
+    """The paths `ops.moe_experts` took for a step of `pairs` (token, slot) pairs, every
+    kernel replaced by a recorder (the split kernels recorded as `split`)."""
+    from mlxr.ops.moe import decode_onepass as O
+
+    calls = _Calls()
+    monkeypatch.setattr(O, "moe_gate_up_onepass", calls("onepass"))
+    monkeypatch.setattr(O, "moe_down_onepass", calls("onepass"))
+    monkeypatch.setattr(decode_split, "moe_gate_up_split", calls(split))
+    monkeypatch.setattr(decode_split, "moe_down_split", calls(split))
+    monkeypatch.setattr(M, "moe_grouped_mm", calls("mm"))
+    monkeypatch.setattr(G, "moe_grouped", calls("triton"))
+    monkeypatch.setattr(F, "moe_grouped_fused", calls("fused"))
+    q = stacked("affine", 4, 64, False, 4, 16, 64, 1)
+    ids = torch.zeros(pairs // 2, 2, dtype=torch.long)
+    ops.moe_experts(torch.zeros(pairs // 2, 64, dtype=dtype), ids, ids.float(), q, q, q,
+                    "silu", 1.702, 7.0, dtype)
+    return set(calls.paths)
+
+
 @pytest.mark.parametrize("dtype,pairs,env,want", [
     (BF, 16, {}, "decode"), (BF, 18, {}, "fused"), (BF, 18, MM, "mm"),
     (torch.float32, 18, {}, "triton"), (torch.float16, 18, {}, "triton"),
@@ -164,17 +184,7 @@ def test_dispatch(monkeypatch, dtype, pairs, env, want):
     monkeypatch.setenv("MLXR_MOE_DECODE", "split")  # the split kernels' crossover
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    calls = _Calls()
-    monkeypatch.setattr(decode_split, "moe_gate_up_split", calls("decode"))
-    monkeypatch.setattr(decode_split, "moe_down_split", calls("decode"))
-    monkeypatch.setattr(M, "moe_grouped_mm", calls("mm"))
-    monkeypatch.setattr(G, "moe_grouped", calls("triton"))
-    monkeypatch.setattr(F, "moe_grouped_fused", calls("fused"))
-    q = stacked("affine", 4, 64, False, 4, 16, 64, 1)
-    ids = torch.zeros(pairs // 2, 2, dtype=torch.long)
-    ops.moe_experts(torch.zeros(pairs // 2, 64, dtype=dtype), ids, ids.float(), q, q, q,
-                    "silu", 1.702, 7.0, dtype)
-    assert set(calls.paths) == {want}
+    assert _dispatched(monkeypatch, pairs, dtype, split="decode") == {want}
 
 
 @pytest.mark.parametrize("pairs,env,want", [
@@ -195,16 +205,4 @@ def test_default_dispatch_is_onepass(monkeypatch, pairs, env, want):
             monkeypatch.setattr(O, "fits", lambda *a, **kw: False)
         else:
             monkeypatch.setenv(k, v)
-    calls = _Calls()
-    monkeypatch.setattr(O, "moe_gate_up_onepass", calls("onepass"))
-    monkeypatch.setattr(O, "moe_down_onepass", calls("onepass"))
-    monkeypatch.setattr(decode_split, "moe_gate_up_split", calls("split"))
-    monkeypatch.setattr(decode_split, "moe_down_split", calls("split"))
-    monkeypatch.setattr(M, "moe_grouped_mm", calls("mm"))
-    monkeypatch.setattr(G, "moe_grouped", calls("triton"))
-    monkeypatch.setattr(F, "moe_grouped_fused", calls("fused"))
-    q = stacked("affine", 4, 64, False, 4, 16, 64, 1)
-    ids = torch.zeros(pairs // 2, 2, dtype=torch.long)
-    ops.moe_experts(torch.zeros(pairs // 2, 64, dtype=BF), ids, ids.float(), q, q, q,
-                    "silu", 1.702, 7.0, BF)
-    assert set(calls.paths) == {want}
+    assert _dispatched(monkeypatch, pairs, BF) == {want}
