@@ -213,13 +213,13 @@ def moe_experts(x, ids, weights, gate, up, down, act: str, alpha: float, limit: 
     from .moe import decode_split as dec
     from .moe import grouped_mm
 
-    pairs = ids.numel()
-    if pairs <= dec.decode_max_pairs():
+    pairs, kernels = ids.numel(), dec.decode_kernels()  # (the env read once a call)
+    if pairs <= dec.decode_max_pairs(kernels):
         from .moe import decode_onepass as one
-        if dec.decode_kernels() == "onepass" and one.fits(ids, gate, down):
+        if kernels == "onepass" and one.fits(ids, gate, down):
             h = one.moe_gate_up_onepass(x, ids, gate, up, act, alpha, limit)
             return one.moe_down_onepass(h, ids, weights, down, out_dtype, routed_scale)
-        if dec.decode_kernels() != "onepass" or pairs <= dec.D.MAX_PAIRS:
+        if kernels != "onepass" or pairs <= dec.D.MAX_PAIRS:
             h = dec.moe_gate_up_split(x, ids, gate, up, act, alpha, limit)
             return dec.moe_down_split(h, ids, weights, down, out_dtype, routed_scale)
     args = (x, ids, weights, gate, up, down, act, alpha, limit, out_dtype, routed_scale)
@@ -246,7 +246,8 @@ def moe_experts_shared(x, ids, weights, gate, up, down, shared, act: str, out_dt
     from .moe import decode_split as dec
 
     if (dec.decode_kernels() != "onepass" or act != "silu" or shared is None
-            or ids.numel() > dec.decode_max_pairs() or not one.fits(ids, gate, down, True)
+            or ids.numel() > dec.decode_max_pairs("onepass")
+            or not one.fits(ids, gate, down, True)
             or not all(one.shared_fits(r, q) for r, q in zip((gate, up, down), shared))):
         return None
     h = one.moe_gate_up_onepass(x, ids, gate, up, act, shared=shared[:2])

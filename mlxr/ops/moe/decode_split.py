@@ -86,10 +86,12 @@ def decode_kernels() -> str:
     return os.environ.get("MLXR_MOE_DECODE", "onepass").lower()
 
 
-def decode_max_pairs() -> int:
+def decode_max_pairs(kernels: str | None = None) -> int:
     """The most (token, slot) pairs the decode kernels serve (MLXR_MOE_DECODE_MAX_PAIRS;
-    default `ONEPASS_MAX_PAIRS` for onepass, `decode_experts.MAX_PAIRS` for split)."""
-    default = ONEPASS_MAX_PAIRS if decode_kernels() == "onepass" else D.MAX_PAIRS
+    default `ONEPASS_MAX_PAIRS` for onepass, `decode_experts.MAX_PAIRS` for split);
+    `kernels`: `decode_kernels()` where the caller has read it already."""
+    kernels = decode_kernels() if kernels is None else kernels
+    default = ONEPASS_MAX_PAIRS if kernels == "onepass" else D.MAX_PAIRS
     return int(os.environ.get("MLXR_MOE_DECODE_MAX_PAIRS", str(default)))
 
 
