@@ -162,6 +162,19 @@ class Gemma4Decoder:
         v = norm(v, self._ones[d], eps)
         return q, k.transpose(0, 1), v.transpose(0, 1)
 
+    def _qkv_write(self, i: int, ly: Gemma4Layer, q: torch.Tensor, kv: torch.Tensor | None,
+                   rope: tuple, pool, slots: torch.Tensor | None) -> torch.Tensor:
+        """`_qkv`'s values for a decode step's rows, the layer's own K/V written to
+        pool.k / pool.v[i] [K, S, D] at slots [N] (device long; kv None on a KV-shared layer:
+        nothing written): `ops.split_qkv_norm_rope_write`, one launch with
+        MLXR_GEMMA4_QKV_FUSED=1. Returns q [N, H, D]."""
+        s, d = self.spec, self.spec.head_dims[i]
+        own = kv is not None
+        return ops.split_qkv_norm_rope_write(
+            q, kv, self.config.num_heads, s.kv_heads[i], d, ly.q_norm, ly.k_norm,
+            self._ones[d], self.config.rms_norm_eps, *rope, False, s.k_eq_v[i],
+            pool.k[i] if own else None, pool.v[i] if own else None, slots)
+
     def _attend_rows(self, i: int, ly: Gemma4Layer, q: torch.Tensor, kv: torch.Tensor | None,
                      cache: HybridCache, start: int, cos: torch.Tensor, sin: torch.Tensor,
                      seen: dict, norm=ops.rms_norm, attention=ops.attention) -> torch.Tensor:
@@ -296,10 +309,10 @@ class Gemma4Decoder:
         slots = pool.step_slots(pos)  # buffer length -> (write slot, last visible slot)
 
         def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
-            kv = ly.kv(x) if ly.kv is not None else None
-            q, k, v = self._qkv(i, ly, ly.q_proj(x), kv, *rows[id(self.ropes[i].spec)])
-            if k is not None:
-                pool.write_at(i, k, v, slots[pool.k[i].shape[1]][0])
+            own = ly.kv is not None
+            q = self._qkv_write(i, ly, ly.q_proj(x), ly.kv(x) if own else None,
+                                rows[id(self.ropes[i].spec)], pool,
+                                slots[pool.k[i].shape[1]][0] if own else None)
             src = s.kv_source[i]
             out = ops.attention_at(q, pool.k[src], pool.v[src], slots[pool.k[src].shape[1]][1],
                                    None, c.attn_scale)
@@ -325,13 +338,11 @@ class Gemma4Decoder:
                      torch.clamp(lens, max=r), r)
 
         def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
-            kv = ly.kv(x) if ly.kv is not None else None
-            q, k, v = self._qkv(i, ly, ly.q_proj(x), kv, *rows[id(self.ropes[i].spec)])
             src = s.kv_source[i]
             put, tab, ctx, bs = at[pool.ring[src]]
-            if k is not None:
-                pool.k[i].index_copy_(1, put, k)
-                pool.v[i].index_copy_(1, put, v)
+            own = ly.kv is not None
+            q = self._qkv_write(i, ly, ly.q_proj(x), ly.kv(x) if own else None,
+                                rows[id(self.ropes[i].spec)], pool, put if own else None)
             out = ops.paged_attention(q, pool.k[src], pool.v[src], tab, ctx, bs, c.attn_scale)
             return ly.o_proj(out.reshape(q.shape[0], c.num_heads * s.head_dims[i]))
 

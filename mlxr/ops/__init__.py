@@ -135,6 +135,21 @@ def qkv_rope_write(qkv, n_heads: int, n_kv_heads: int, head_dim: int, q_norm, k_
     return reference.qkv_rope_write(*args)
 
 
+def split_qkv_norm_rope_write(q, kv, n_heads: int, n_kv_heads: int, head_dim: int, q_norm,
+                              k_norm, v_norm, eps: float, cos, sin, traditional: bool,
+                              k_eq_v: bool, k_cache, v_cache, slots, positions=None):
+    """Gemma 4's q/k/v norms, RoPE and KV-cache write (see reference.split_qkv_norm_rope_write).
+    On CUDA with MLXR_GEMMA4_QKV_FUSED=1 (read at each call; a captured step keeps what it
+    was captured with) one launch (`layer.add_norm_qkv_rope`), else the norm, RoPE and copy
+    ops one by one (7 launches on an unshared layer, 2 on a KV-shared one)."""
+    args = (q, kv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, v_norm, eps, cos, sin,
+            traditional, k_eq_v, k_cache, v_cache, slots, positions)
+    if _fast(q) and os.environ.get("MLXR_GEMMA4_QKV_FUSED") == "1":
+        from .layer.add_norm_qkv_rope import split_qkv_norm_rope_write as fast
+        return fast(*args)
+    return reference.split_qkv_norm_rope_write(*args, norm=rms_norm, rotate=rope)
+
+
 def paged_prefill_attention(q, k, v, block_tables, items, block_size: int, scale: float,
                             window: int | None = None, softcap: float | None = None,
                             sinks=None):
@@ -298,4 +313,4 @@ __all__ = ["MOE_KERNEL_ACTS", "ExpertQuant", "add_rms_norm", "attention", "atten
            "moe_gate_up_pair", "moe_kernels_take", "moe_shared_stacks",
            "moe_reference", "moe_route", "moe_router", "paged_attention", "paged_items",
            "paged_prefill_attention", "prefill_tile", "qkv_rope_write", "residual_norm", "rms_norm",
-           "rope"]
+           "rope", "split_qkv_norm_rope_write"]

@@ -232,6 +232,37 @@ def qkv_rope_write(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: i
     return q
 
 
+def split_qkv_norm_rope_write(q: torch.Tensor, kv: torch.Tensor | None, n_heads: int,
+                              n_kv_heads: int, head_dim: int, q_norm: torch.Tensor,
+                              k_norm: torch.Tensor | None, v_norm: torch.Tensor | None,
+                              eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                              traditional: bool, k_eq_v: bool,
+                              k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+                              slots: torch.Tensor | None, positions: torch.Tensor | None = None,
+                              norm=rms_norm, rotate=rope) -> torch.Tensor:
+    """Gemma 4's glue from its q and [k | v] projections to attention: q [N, H*D] and k get
+    their per-head RMSNorm (q_norm / k_norm [D]) and RoPE (cos/sin as in `qkv_rope_write`),
+    v its RMSNorm if v_norm [D] is given (Gemma passes ones: mlx-lm's weightless norm); k and
+    v go to k_cache / v_cache [K, S, D] at `slots` [N]. kv [N, K*D] holds k alone where
+    k_eq_v (v is the same projection, normed but not rotated), else [N, 2*K*D]; None on a
+    KV-shared layer (q only, nothing written). norm / rotate: the ops composed (the CUDA
+    composition passes `ops.rms_norm` / `ops.rope`). Returns q [N, H, D]."""
+    if positions is not None:
+        cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
+    n, d = q.shape[0], head_dim
+    out = rotate(norm(q.reshape(n, n_heads, d), q_norm, eps), cos, sin, traditional)
+    if kv is None:
+        return out
+    k = kv[:, :n_kv_heads * d].reshape(n, n_kv_heads, d)
+    v = k if k_eq_v else kv[:, n_kv_heads * d:].reshape(n, n_kv_heads, d)
+    k = rotate(norm(k, k_norm, eps), cos, sin, traditional)
+    if v_norm is not None:
+        v = norm(v, v_norm, eps)
+    k_cache.index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.index_copy_(1, slots, v.transpose(0, 1))
+    return out
+
+
 def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             block_tables: torch.Tensor, items: torch.Tensor, block_size: int,
                             scale: float, window: int | None = None,

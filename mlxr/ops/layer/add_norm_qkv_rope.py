@@ -15,6 +15,9 @@
   live on the device: the gather is a load in this kernel, not two index_select launches).
   Norm weights, q and the caches share qkv's dtype (what `index_copy_` in the reference
   composition requires).
+* `split_qkv_norm_rope_write`: the same kernel for Gemma 4, whose q and [k | v] come from two
+  projections (a second source pointer), whose v is RMS-normed too (V_NORM) and may be k's own
+  columns (k = v layers); on a KV-shared layer only the q programs run.
 
 The Triton interpreter (TRITON_INTERPRET=1) truncates fp32 -> bf16 casts; CUDA rounds to nearest.
 """
@@ -85,11 +88,12 @@ def _norm_rope(x_row, w_ptr, c, s, lo, hi, p, im, pm, eps, offset, scale, D: tl.
 
 
 @triton.jit
-def _qkv_rope_write_kernel(qkv_ptr, qw_ptr, kw_ptr, c_ptr, s_ptr, slot_ptr, pos_ptr, q_ptr,
-                           kc_ptr, vc_ptr, sx0, sc0, skc0, skc1, svc0, svc1, eps, offset, scale,
+def _qkv_rope_write_kernel(qkv_ptr, kv_ptr, qw_ptr, kw_ptr, vw_ptr, c_ptr, s_ptr, slot_ptr, pos_ptr,
+                           q_ptr, kc_ptr, vc_ptr, sx0, skv0, v_off, sc0, skc0, skc1, svc0, svc1,
+                           eps, offset, scale,
                            H: tl.constexpr, K: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
                            TRAD: tl.constexpr, HAS_NORM: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                           HAS_SCALE: tl.constexpr, GATHER: tl.constexpr,
+                           HAS_SCALE: tl.constexpr, GATHER: tl.constexpr, V_NORM: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     crow = t  # the cos / sin row of token t: its own, or (GATHER) its position's in the tables
@@ -108,20 +112,26 @@ def _qkv_rope_write_kernel(qkv_ptr, qw_ptr, kw_ptr, c_ptr, s_ptr, slot_ptr, pos_
     pm = p < D
     c = tl.load(c_ptr + crow * sc0 + i, mask=im, other=0.0)
     s = tl.load(s_ptr + crow * sc0 + i, mask=im, other=0.0)
-    x_row = qkv_ptr + t * sx0 + j * D
     if j < H:
+        x_row = qkv_ptr + t * sx0 + j * D
         o1, o2, ot = _norm_rope(x_row, qw_ptr, c, s, lo, hi, p, im, pm, eps, offset, scale,
                                 D, HAS_NORM, HAS_OFFSET, HAS_SCALE)
         dst = q_ptr + (t * H + j) * D
     else:
         g = (j - H).to(tl.int64)
+        x_row = kv_ptr + t * skv0 + g * D
         o1, o2, ot = _norm_rope(x_row, kw_ptr, c, s, lo, hi, p, im, pm, eps, offset, scale,
                                 D, HAS_NORM, HAS_OFFSET, HAS_SCALE)
         slot = tl.load(slot_ptr + t)
         dst = kc_ptr + g * skc0 + slot * skc1
         d = tl.arange(0, BLOCK_D)
         dm = d < D
-        v = tl.load(x_row + K * D + d, mask=dm)
+        v = tl.load(x_row + v_off + d, mask=dm, other=0.0)
+        if V_NORM:  # v's RMSNorm (Gemma 4), rounded as rms_norm rounds
+            v32 = v.to(tl.float32)
+            vw = tl.load(vw_ptr + d, mask=dm, other=0.0).to(tl.float32)
+            y = (v32 * tl.rsqrt(tl.sum(v32 * v32, axis=0) / D + eps)).to(v.dtype)
+            v = (y.to(tl.float32) * vw).to(v.dtype)
         tl.store(vc_ptr + g * svc0 + slot * svc1 + d, v, mask=dm)
     dt = dst.dtype.element_ty
     tl.store(dst + lo, o1.to(dt), mask=im)
@@ -178,14 +188,60 @@ def qkv_rope_write(qkv: Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
         return q
     slots = slots.contiguous()
     _qkv_rope_write_kernel[(n, h + kh)](
-        qkv, qw, kw, cos, sin, slots, positions.contiguous() if gather else slots, q, k_cache,
-        v_cache, qkv.stride(0), sc0,
+        qkv, qkv[:, h * d:], qw, kw, kw, cos, sin, slots,
+        positions.contiguous() if gather else slots, q, k_cache, v_cache, qkv.stride(0),
+        qkv.stride(0), kh * d, sc0,
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), float(eps),
         float(offset), float(rope_scale), H=h, K=kh, D=d, R=r, TRAD=bool(traditional),
         HAS_NORM=has_norm, HAS_OFFSET=has_norm and bool(offset), HAS_SCALE=rope_scale != 1.0,
-        GATHER=gather, BLOCK_R=_p2(r), BLOCK_P=_p2(max(1, d - 2 * r)), BLOCK_D=_p2(d),
-        num_warps=_warps(_p2(d)))
+        GATHER=gather, V_NORM=False, BLOCK_R=_p2(r), BLOCK_P=_p2(max(1, d - 2 * r)),
+        BLOCK_D=_p2(d), num_warps=_warps(_p2(d)))
     return q
 
 
-__all__ = ["add_rms_norm", "qkv_rope_write"]
+def split_qkv_norm_rope_write(q: Tensor, kv: Tensor | None, n_heads: int, n_kv_heads: int,
+                              head_dim: int, q_norm: Tensor, k_norm: Tensor | None,
+                              v_norm: Tensor | None, eps: float, cos: Tensor, sin: Tensor,
+                              traditional: bool, k_eq_v: bool,
+                              k_cache: Tensor | None, v_cache: Tensor | None, slots: Tensor | None,
+                              positions: Tensor | None = None) -> Tensor:
+    """`reference.split_qkv_norm_rope_write` in one launch: the q programs as
+    `qkv_rope_write`'s, the kv programs reading their head of kv (v at the same columns when
+    k_eq_v, else K heads further) and norming v (V_NORM)."""
+    n = q.shape[0]
+    h, kh, d, r = n_heads, (0 if kv is None else n_kv_heads), head_dim, cos.shape[-1]
+    assert q.shape[1] == h * d and 2 * r <= d, (q.shape, h, d, r)
+    assert q_norm.dtype == q.dtype, (q_norm.dtype, q.dtype)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if kv is None:  # a KV-shared layer: q programs only; the kv arguments are never read
+        kv, kw, vw, k_cache, v_cache, slots = q, q_norm, q_norm, q, q, q
+    else:
+        width = kh * d if k_eq_v else 2 * kh * d
+        assert kv.shape[1] == width and kv.dtype == q.dtype, (kv.shape, kv.dtype, width)
+        assert k_cache.dtype == v_cache.dtype == q.dtype, (k_cache.dtype, q.dtype)
+        assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+        assert k_norm.dtype == q.dtype, (k_norm.dtype, q.dtype)
+        assert v_norm is None or v_norm.dtype == q.dtype, (v_norm.dtype, q.dtype)
+        if kv.stride(-1) != 1:
+            kv = kv.contiguous()
+        kw, slots = k_norm.contiguous(), slots.contiguous()
+        vw = kw if v_norm is None else v_norm.contiguous()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    gather = positions is not None
+    sc0 = 0 if cos.shape[0] == 1 and not gather else cos.stride(0)
+    out = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    _qkv_rope_write_kernel[(n, h + kh)](
+        q, kv, q_norm.contiguous(), kw, vw, cos, sin, slots,
+        positions.contiguous() if gather else slots, out, k_cache, v_cache, q.stride(0),
+        kv.stride(0), 0 if k_eq_v else kh * d, sc0, k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), float(eps), 0.0, 1.0, H=h, K=kh, D=d, R=r,
+        TRAD=bool(traditional), HAS_NORM=True, HAS_OFFSET=False, HAS_SCALE=False,
+        GATHER=gather, V_NORM=v_norm is not None, BLOCK_R=_p2(r), BLOCK_P=_p2(max(1, d - 2 * r)),
+        BLOCK_D=_p2(d), num_warps=_warps(_p2(d)))
+    return out
+
+
+__all__ = ["add_rms_norm", "qkv_rope_write", "split_qkv_norm_rope_write"]
