@@ -278,7 +278,9 @@ def gdn_part() -> None:
         same = torch.equal(y, base[0]) and torch.equal(s, base[1])
         worst = float((y.float() - base[0].float()).abs().max())
         us = events_ms(lambda: scan.gated_delta(q, k, v, gate, beta, state.clone())) * 1e3
-        print(f"gdn T=512 prefetch={flag} block_v={block or 'default'} warps={warps or 4}: "
+        rows, nw = scan.launch_shape(d)
+        print(f"gdn T=512 prefetch={flag} block_v={rows}{'' if block else ' (default)'} "
+              f"warps={nw}: "
               f"{us:.0f} us (incl. a 1 MB state copy), bitwise == old launch: {same} "
               f"(max |dy| {worst:.1e})", flush=True)
     for name in ("MLXR_GDN_PREFETCH", "MLXR_GDN_BLOCK_V", "MLXR_GDN_WARPS"):

@@ -87,6 +87,39 @@ def test_gated_delta_prefetch_is_the_same_arithmetic(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(out[0], out[2]))
 
 
+@pytest.mark.parametrize("dk,env,want", [
+    (128, {}, (2, 1)),  # the checkpoints' key width: 2 rows over 1 warp (the H100 sweeps)
+    (64, {}, (16, 4)), (32, {}, (32, 4)), (256, {}, (8, 4)),  # elsewhere: 1024 / Dk rows
+    (128, {"MLXR_GDN_BLOCK_V": "32"}, (32, 4)),  # the sweep's old launch stays 4 warps
+    (128, {"MLXR_GDN_BLOCK_V": "2", "MLXR_GDN_WARPS": "4"}, (2, 4)),
+    (128, {"MLXR_GDN_WARPS": "2"}, (2, 2))])
+def test_gated_delta_launch_shape(monkeypatch, dk, env, want):
+    for name in ("MLXR_GDN_BLOCK_V", "MLXR_GDN_WARPS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert K.launch_shape(dk) == want
+
+
+def test_gated_delta_narrow_launch_at_the_checkpoints_width(monkeypatch):
+    """Dk = Dv = 128 (2 value rows a program by default): the twin's values, and the wider
+    launch's bits (8 rows over 4 warps; here in the interpreter's numpy sums)."""
+    q, k, v, gate, beta, state = _inputs(1, 5, 2, 4, 128, 128, torch.bfloat16,
+                                         _gen("narrow"))
+    out = []
+    for block, warps in (("", ""), ("8", "4")):
+        monkeypatch.setenv("MLXR_GDN_BLOCK_V", block)
+        monkeypatch.setenv("MLXR_GDN_WARPS", warps)
+        s = state.clone()
+        out.append((K.gated_delta(q, k, v, gate, beta, s), s))
+    assert all(torch.equal(a, b) for a, b in zip(out[0], out[1]))
+    s_ref = state.clone()
+    y_ref = R.gated_delta(q, k, v, gate, beta, s_ref)
+    assert (out[0][1] - s_ref).abs().max() <= 2e-5 * s_ref.abs().max() + 1e-6
+    y_tol = 2e-5 * y_ref.float().abs().max() + 1e-6 + 2 * ULP * y_ref.float().abs()
+    assert ((out[0][0].float() - y_ref.float()).abs() <= y_tol).all()
+
+
 def test_gated_delta_chunks_compose():
     """Two calls (T = 3, then T = 4) carrying the state equal one call over T = 7."""
     g = _gen("chunks")

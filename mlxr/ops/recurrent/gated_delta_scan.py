@@ -136,29 +136,43 @@ def gated_delta(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         raise ValueError("gated_delta: the state must be a contiguous float32 tensor")
     y = torch.empty((bsz, t, hv, dv), dtype=q.dtype, device=q.device)
     block_k = triton.next_power_of_2(dk)
-    block_v = min(triton.next_power_of_2(dv),
-                  int(os.environ.get("MLXR_GDN_BLOCK_V") or 0) or max(8, 1024 // block_k))
+    rows, warps = launch_shape(dk)
+    block_v = min(triton.next_power_of_2(dv), rows)
     grid = (bsz, hv, triton.cdiv(dv, block_v))
     _gated_delta_kernel[grid](
         q, k, v, g, beta, state, y, t, hv, q.stride(0), q.stride(1), q.stride(2),
         v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), REP=hv // hk,
         DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, OUT=_DTYPES[q.dtype],
-        PREFETCH=prefetch(), num_warps=int(os.environ.get("MLXR_GDN_WARPS") or 4))
+        PREFETCH=prefetch(), num_warps=warps)
     return y
+
+
+def launch_shape(dk: int) -> tuple[int, int]:
+    """`gated_delta`'s (value rows per program, warps) at key width dk: envs MLXR_GDN_BLOCK_V
+    (a power of two) and MLXR_GDN_WARPS (read at each call) where set; else 2 rows over 1 warp
+    at Dk 128, the only key width of the qwen3_5 / qwen3_next checkpoints (H100, T = 512, bf16,
+    us a layer call incl. a 1 MB state copy: 231 (session 22) and 213 (session 23) against
+    264 / 274 for 8 rows over 4 warps, y and state bit for bit the old launch's both times),
+    and max(8, 1024 / Dk) rows over 4 warps at other widths (unmeasured there). An explicit row
+    count keeps 4 warps unless MLXR_GDN_WARPS says otherwise (the sweep's old launch: 32 rows
+    over 4 warps)."""
+    block_k = 1 << max(0, dk - 1).bit_length()
+    env_rows = int(os.environ.get("MLXR_GDN_BLOCK_V") or 0)
+    narrow = not env_rows and block_k == 128
+    rows = env_rows or (2 if narrow else max(8, 1024 // block_k))
+    return rows, int(os.environ.get("MLXR_GDN_WARPS") or 0) or (1 if narrow else 4)
 
 
 def prefetch() -> bool:
     """Env `MLXR_GDN_PREFETCH` (read at each call; on unless "0"): `gated_delta`'s kernel
     loads token t+1's inputs before token t's math, so their latency overlaps it (the
     sequential prefill kernel is latency-bound: ~1.7 us a token on the H200, 857 us a layer at
-    T = 512 with the old launch). Envs `MLXR_GDN_BLOCK_V` (a power of two) and `MLXR_GDN_WARPS`
-    (read at each call) set the value rows per program and its warps. The defaults, prefetch
-    on and 1024 / Dk rows (8 at Dk 128; at least 8) over 4 warps, come from the sweep of
-    scripts/hybrid_prefill_gpu.py on an H100 (session 22, Hk = Hv = 16, Dk = Dv = 128, T = 512,
-    bf16, us per layer call incl. a 1 MB state copy): the old launch (no prefetch, 32 rows) 689,
-    prefetch 482, prefetch with 8 rows 264, every one of them bit for bit the old launch's y and
-    state (of the 13 configurations swept, only 2 rows over 4 warps summed in another order).
-    Dk 128 is the only key width of the qwen3_5 / qwen3_next checkpoints."""
+    T = 512 with the old launch). The launch shape is `launch_shape`'s. Both come from the
+    sweep of scripts/hybrid_prefill_gpu.py on an H100 (session 22, Hk = Hv = 16, Dk = Dv = 128,
+    T = 512, bf16, us per layer call incl. a 1 MB state copy): the old launch (no prefetch, 32
+    rows) 689, prefetch 482, prefetch with 8 rows 264, with 2 rows over 1 warp 231, every one of
+    them bit for bit the old launch's y and state (of the 13 configurations swept, only 2 rows
+    over 4 warps summed in another order)."""
     return os.environ.get("MLXR_GDN_PREFETCH", "") != "0"
 
 
