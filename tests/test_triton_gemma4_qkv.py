@@ -141,7 +141,6 @@ def _kernel_dispatch(monkeypatch) -> list:
 
 
 def test_graph_step_on_the_fused_kernel(model, monkeypatch):
-    spec = model.decoder.spec
     calls = _kernel_dispatch(monkeypatch)
     rng = random.Random(3)
     assert_static_step_equals_eager(model.decoder, [rng.randrange(320) for _ in range(16)],
