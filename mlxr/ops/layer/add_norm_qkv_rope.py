@@ -167,36 +167,20 @@ def qkv_rope_write(qkv: Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
                    rope_scale: float, cos: Tensor, sin: Tensor, traditional: bool,
                    k_cache: Tensor, v_cache: Tensor, slots: Tensor,
                    positions: Tensor | None = None) -> Tensor:
-    n = qkv.shape[0]
-    h, kh, d, r = n_heads, n_kv_heads, head_dim, cos.shape[-1]
-    assert qkv.shape[1] == (h + 2 * kh) * d and 2 * r <= d, (qkv.shape, h, kh, d, r)
+    h, kh, d = n_heads, n_kv_heads, head_dim
+    assert qkv.shape[1] == (h + 2 * kh) * d, (qkv.shape, h, kh, d)
     assert k_cache.dtype == v_cache.dtype == qkv.dtype, (k_cache.dtype, qkv.dtype)
     has_norm = q_norm is not None
     if has_norm:
         assert q_norm.dtype == k_norm.dtype == qkv.dtype, (q_norm.dtype, qkv.dtype)
-        qw, kw = q_norm.contiguous(), k_norm.contiguous()
+        qw, kw = q_norm, k_norm
     else:
         qw = kw = qkv  # unused
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    gather = positions is not None
-    sc0 = 0 if cos.shape[0] == 1 and not gather else cos.stride(0)
-    q = torch.empty((n, h, d), dtype=qkv.dtype, device=qkv.device)
-    if n == 0:
-        return q
-    slots = slots.contiguous()
-    _qkv_rope_write_kernel[(n, h + kh)](
-        qkv, qkv[:, h * d:], qw, kw, kw, cos, sin, slots,
-        positions.contiguous() if gather else slots, q, k_cache, v_cache, qkv.stride(0),
-        qkv.stride(0), kh * d, sc0,
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), float(eps),
-        float(offset), float(rope_scale), H=h, K=kh, D=d, R=r, TRAD=bool(traditional),
-        HAS_NORM=has_norm, HAS_OFFSET=has_norm and bool(offset), HAS_SCALE=rope_scale != 1.0,
-        GATHER=gather, V_NORM=False, BLOCK_R=_p2(r), BLOCK_P=_p2(max(1, d - 2 * r)),
-        BLOCK_D=_p2(d), num_warps=_warps(_p2(d)))
-    return q
+    return _launch(qkv, qkv[:, h * d:], kh * d, qw, kw, None, h, kh, d, cos, sin, traditional,
+                   k_cache, v_cache, slots, positions, eps, offset if has_norm else 0.0,
+                   rope_scale, has_norm)
 
 
 def split_qkv_norm_rope_write(q: Tensor, kv: Tensor | None, n_heads: int, n_kv_heads: int,
@@ -208,39 +192,51 @@ def split_qkv_norm_rope_write(q: Tensor, kv: Tensor | None, n_heads: int, n_kv_h
     """`reference.split_qkv_norm_rope_write` in one launch: the q programs as
     `qkv_rope_write`'s, the kv programs reading their head of kv (v at the same columns when
     k_eq_v, else K heads further) and norming v (V_NORM)."""
-    n = q.shape[0]
-    h, kh, d, r = n_heads, (0 if kv is None else n_kv_heads), head_dim, cos.shape[-1]
-    assert q.shape[1] == h * d and 2 * r <= d, (q.shape, h, d, r)
+    h, kh, d = n_heads, (0 if kv is None else n_kv_heads), head_dim
+    assert q.shape[1] == h * d, (q.shape, h, d)
     assert q_norm.dtype == q.dtype, (q_norm.dtype, q.dtype)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if kv is None:  # a KV-shared layer: q programs only; the kv arguments are never read
-        kv, kw, vw, k_cache, v_cache, slots = q, q_norm, q_norm, q, q, q
+        kv, k_norm, v_norm, k_cache, v_cache, slots = q, q_norm, None, q, q, q
     else:
         width = kh * d if k_eq_v else 2 * kh * d
         assert kv.shape[1] == width and kv.dtype == q.dtype, (kv.shape, kv.dtype, width)
         assert k_cache.dtype == v_cache.dtype == q.dtype, (k_cache.dtype, q.dtype)
-        assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
         assert k_norm.dtype == q.dtype, (k_norm.dtype, q.dtype)
         assert v_norm is None or v_norm.dtype == q.dtype, (v_norm.dtype, q.dtype)
         if kv.stride(-1) != 1:
             kv = kv.contiguous()
-        kw, slots = k_norm.contiguous(), slots.contiguous()
-        vw = kw if v_norm is None else v_norm.contiguous()
+    return _launch(q, kv, 0 if k_eq_v else kh * d, q_norm, k_norm, v_norm, h, kh, d, cos, sin,
+                   traditional, k_cache, v_cache, slots, positions, eps, 0.0, 1.0, True)
+
+
+def _launch(q_src: Tensor, kv_src: Tensor, v_off: int, qw: Tensor, kw: Tensor,
+            vw: Tensor | None, h: int, kh: int, d: int, cos: Tensor, sin: Tensor,
+            traditional: bool, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+            positions: Tensor | None, eps: float, offset: float, scale: float,
+            has_norm: bool) -> Tensor:
+    """`_qkv_rope_write_kernel` over (n tokens, h q heads + kh kv heads): q heads read q_src
+    [N, H*D], kv head g reads kv_src's columns [g*D, +D) and its v at v_off further (rows of
+    both contiguous); vw: v's norm weight (None: v copied as it is). Returns q [N, H, D]."""
+    n, r = q_src.shape[0], cos.shape[-1]
+    assert 2 * r <= d, (d, r)
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     gather = positions is not None
     sc0 = 0 if cos.shape[0] == 1 and not gather else cos.stride(0)
-    out = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
+    out = torch.empty((n, h, d), dtype=q_src.dtype, device=q_src.device)
     if n == 0:
         return out
+    qw, kw, slots = qw.contiguous(), kw.contiguous(), slots.contiguous()
     _qkv_rope_write_kernel[(n, h + kh)](
-        q, kv, q_norm.contiguous(), kw, vw, cos, sin, slots,
-        positions.contiguous() if gather else slots, out, k_cache, v_cache, q.stride(0),
-        kv.stride(0), 0 if k_eq_v else kh * d, sc0, k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), float(eps), 0.0, 1.0, H=h, K=kh, D=d, R=r,
-        TRAD=bool(traditional), HAS_NORM=True, HAS_OFFSET=False, HAS_SCALE=False,
-        GATHER=gather, V_NORM=v_norm is not None, BLOCK_R=_p2(r), BLOCK_P=_p2(max(1, d - 2 * r)),
-        BLOCK_D=_p2(d), num_warps=_warps(_p2(d)))
+        q_src, kv_src, qw, kw, kw if vw is None else vw.contiguous(), cos, sin, slots,
+        positions.contiguous() if gather else slots, out, k_cache, v_cache, q_src.stride(0),
+        kv_src.stride(0), v_off, sc0, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), float(eps), float(offset), float(scale), H=h, K=kh, D=d, R=r,
+        TRAD=bool(traditional), HAS_NORM=has_norm, HAS_OFFSET=has_norm and bool(offset),
+        HAS_SCALE=scale != 1.0, GATHER=gather, V_NORM=vw is not None, BLOCK_R=_p2(r),
+        BLOCK_P=_p2(max(1, d - 2 * r)), BLOCK_D=_p2(d), num_warps=_warps(_p2(d)))
     return out
 
 

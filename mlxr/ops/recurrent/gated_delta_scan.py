@@ -156,7 +156,7 @@ def launch_shape(dk: int) -> tuple[int, int]:
     and max(8, 1024 / Dk) rows over 4 warps at other widths (unmeasured there). An explicit row
     count keeps 4 warps unless MLXR_GDN_WARPS says otherwise (the sweep's old launch: 32 rows
     over 4 warps)."""
-    block_k = 1 << max(0, dk - 1).bit_length()
+    block_k = triton.next_power_of_2(dk)
     env_rows = int(os.environ.get("MLXR_GDN_BLOCK_V") or 0)
     narrow = not env_rows and block_k == 128
     rows = env_rows or (2 if narrow else max(8, 1024 // block_k))
