@@ -87,7 +87,7 @@ class Gemma4Spec:
     ple_vocab: int
 
 
-class _Nested(_Reader):
+class Nested(_Reader):
     """A reader whose errors name keys under a parent object (`text_config.hidden_size`) and
     that bounds the new keys by NEW_LIMITS."""
 
@@ -114,16 +114,16 @@ class _Nested(_Reader):
         return tuple(v)
 
 
-def _text_reader(raw: dict, source: str) -> _Nested:
+def _text_reader(raw: dict, source: str) -> Nested:
     tc = raw.get("text_config")
     if tc is None:
-        return _Nested(raw, source)
+        return Nested(raw, source)
     if not isinstance(tc, dict):
         raise ModelFormatError(f"{source}: key 'text_config' must be an object")
-    return _Nested(tc, source, "text_config.")
+    return Nested(tc, source, "text_config.")
 
 
-def _common(r: _Nested, raw: dict, mt: str, **kw) -> dict:
+def _common(r: Nested, raw: dict, mt: str, **kw) -> dict:
     """Fields every family's ModelConfig has, from the text reader (eos / bos / quantization
     also from the top level)."""
     eos = _eos_ids(r.raw.get("eos_token_id")) + _eos_ids(raw.get("eos_token_id"))
@@ -135,13 +135,13 @@ def _common(r: _Nested, raw: dict, mt: str, **kw) -> dict:
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or r.raw.get("dtype"), **kw)
 
 
-def _heads(r: _Nested, heads: int, kv: int, key: str = "num_key_value_heads") -> None:
+def _heads(r: Nested, heads: int, kv: int, key: str = "num_key_value_heads") -> None:
     if heads % kv:
         raise ModelFormatError(f"{r.source}: key '{r.prefix}num_attention_heads' ({heads}) is "
                                f"not a multiple of '{r.prefix}{key}' ({kv})")
 
 
-def _qwen_rope(r: _Nested, head_dim: int, max_pos: int, next_: bool) -> RopeSpec:
+def _qwen_rope(r: Nested, head_dim: int, max_pos: int, next_: bool) -> RopeSpec:
     """qwen3_5: rope_parameters (theta, partial_rotary_factor, type; mrope's text positions
     are the same on every axis); qwen3_next: the top-level rope_theta, partial_rotary_factor
     and rope_scaling (all required but the last, as mlx-lm's ModelArgs has them)."""
@@ -152,7 +152,7 @@ def _qwen_rope(r: _Nested, head_dim: int, max_pos: int, next_: bool) -> RopeSpec
     else:
         params = r.dict("rope_parameters") or {"rope_type": "default", "rope_theta": 100000.0,
                                                "partial_rotary_factor": 0.25}
-        pr, key = _Nested(params, r.source, r.prefix + "rope_parameters."), "rope_parameters."
+        pr, key = Nested(params, r.source, r.prefix + "rope_parameters."), "rope_parameters."
         kind = params.get("type") or params.get("rope_type") or "default"
         scaling = None if kind in ("default", "mrope") else _rope_scaling(r, "rope_parameters")
         theta, partial = pr.float("rope_theta", 100000.0), pr.float("partial_rotary_factor",
@@ -171,7 +171,7 @@ def parse_qwen3_5(raw: dict, source: str) -> ModelConfig:
     DeltaNet layers beside gated attention, each followed by a SwiGLU MLP or the MoE block."""
     mt = raw["model_type"]
     next_ = mt == "qwen3_next"
-    r = _Nested(raw, source) if next_ else _text_reader(raw, source)
+    r = Nested(raw, source) if next_ else _text_reader(raw, source)
 
     def dflt(v):  # qwen3_next's ModelArgs has no default for most keys
         return _MISSING if next_ else v
@@ -214,13 +214,13 @@ def parse_qwen3_5(raw: dict, source: str) -> ModelConfig:
         **_common(r, raw, mt))
 
 
-def _gemma4_rope(r: _Nested, params: dict, kind_key: str, dims: int,
+def _gemma4_rope(r: Nested, params: dict, kind_key: str, dims: int,
                  max_pos: int) -> RopeSpec:
     p = params.get(kind_key) or {}
     if not isinstance(p, dict):
         raise ModelFormatError(f"{r.source}: key '{r.prefix}rope_parameters.{kind_key}' must "
                                "be an object")
-    pr = _Nested(p, r.source, f"{r.prefix}rope_parameters.{kind_key}.")
+    pr = Nested(p, r.source, f"{r.prefix}rope_parameters.{kind_key}.")
     theta = pr.float("rope_theta", 10000.0)
     kind = p.get("rope_type") or p.get("type") or "default"
     if kind == "default":

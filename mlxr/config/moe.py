@@ -109,7 +109,7 @@ def _hybrid_counts(r, count_key: str, k_key: str) -> tuple[int, int]:
 
 
 def parse_hybrid_moe(r, family: str, layers: int) -> MoeSpec | None:
-    """The MoE block of a hybrid family, None where it has none (r: `config.hybrid._Nested`).
+    """The MoE block of a hybrid family, None where it has none (r: `config.hybrid.Nested`).
 
     qwen3_5 (and qwen3_5_moe): every layer sparse once num_experts > 0; qwen3_next: layers
     by decoder_sparse_step and mlp_only_layers (all keys required, as its ModelArgs has no

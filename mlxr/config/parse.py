@@ -12,7 +12,7 @@ from pathlib import Path
 from .. import bounded_json
 from ..errors import ModelFormatError
 from .checks import check_model_config, positive
-from .hybrid import _Nested, parse_hybrid
+from .hybrid import Nested, parse_hybrid
 from .moe import MOE_TYPES, layer_kinds, layer_list, parse_moe
 from .reader import _MISSING, LIMITS, _eos_ids, _Reader, _rope_scaling, parse_quant
 from .spec import ModelConfig, RopeSpec
@@ -236,7 +236,7 @@ def _laguna_rope(r: _Reader, sub, key: str, head_dim: int, partial: float,
     sub = sub or {}
     if not isinstance(sub, dict):
         raise ModelFormatError(f"{r.source}: key '{key}' must be an object")
-    sr = _Nested(sub, r.source, key + ".")  # (errors name rope_parameters.<type>.<key>)
+    sr = Nested(sub, r.source, key + ".")  # (errors name rope_parameters.<type>.<key>)
     base = sr.float("rope_theta", 10000.0)
     frac = sr.float("partial_rotary_factor", partial)
     dims = int(head_dim * frac) if 0 < frac <= 1 else 0  # (inf: no OverflowError)

@@ -75,7 +75,7 @@ REQUIRED_AT = {"GroupQueryAttention": (5, 6), "QMoE": (5, 6)}  # required after 
 
 def _check_arity(node: onnx.NodeProto) -> None:
     need = [*range(REQUIRED_INPUTS.get(node.op_type, 2)), *REQUIRED_AT.get(node.op_type, ())]
-    missing = [i for i in need if not _input(node, i)]
+    missing = [i for i in need if not input_name(node, i)]
     if missing:
         raise ModelFormatError(f"{where(node)}: required input(s) {missing} are missing "
                                f"({len(node.input)} given)")
@@ -112,7 +112,8 @@ def _float_attr(node, a: dict, key: str, default: float, lo: float, hi: float) -
     return v
 
 
-def _input(node: onnx.NodeProto, i: int) -> str:
+def input_name(node: onnx.NodeProto, i: int) -> str:
+    """The node's i-th input name, "" where it has fewer (an omitted optional input)."""
     return node.input[i] if i < len(node.input) else ""
 
 
@@ -206,8 +207,8 @@ def _matmul_nbits(g: OnnxGraph, node, a: dict) -> str | None:
         raise ModelFormatError(f"{where(node)}: bits={bits}, block_size={bs}: expected bits in "
                                "2/4/8 and a power-of-two block size >= 16")
     kb = -(-k // bs)
-    b = g.inits.get(_input(node, 1))
-    s = g.inits.get(_input(node, 2))
+    b = g.inits.get(input_name(node, 1))
+    s = g.inits.get(input_name(node, 2))
     if b is None or s is None:
         return "weight or scales are computed at run time, not initializers"
     if b.elem != onnx.TensorProto.UINT8 or b.shape != (n, kb, bs * bits // 8):
@@ -217,7 +218,7 @@ def _matmul_nbits(g: OnnxGraph, node, a: dict) -> str | None:
     if s.elem not in FLOAT_TYPES or s.numel != n * kb:
         raise ModelFormatError(f"{where(node)}: scales {type_name(s.elem)}{list(s.shape)} do not "
                                f"hold N*k_blocks = {n * kb} floats")
-    zp_name, bias_name = _input(node, 3), _input(node, 5)
+    zp_name, bias_name = input_name(node, 3), input_name(node, 5)
     if zp_name:
         zp = g.inits.get(zp_name)
         if zp is None:
@@ -228,7 +229,7 @@ def _matmul_nbits(g: OnnxGraph, node, a: dict) -> str | None:
             raise ModelFormatError(f"{where(node)}: zero_points {type_name(zp.elem)}"
                                    f"{list(zp.shape)} fit neither the packed uint8 nor the "
                                    "float layout")
-    if _input(node, 4):
+    if input_name(node, 4):
         return "g_idx (act-order) is not supported"
     if bias_name:
         bias = g.inits.get(bias_name)
@@ -275,15 +276,16 @@ def _gqa(g: OnnxGraph, node, a: dict) -> str | None:
         return "qk_output is not supported"
     for i, what in ((9, "position_ids"), (10, "attention_bias"), (12, "k_scale"),
                     (13, "v_scale"), (16, "query_seqlens")):
-        if _input(node, i):
+        if input_name(node, i):
             return f"input {what} is not in mlxr's attention"
-    sink = g.inits.get(_input(node, 11)) if _input(node, 11) else None
-    if _input(node, 11) and (sink is None or sink.elem not in FLOAT_TYPES or sink.shape != (nq,)):
+    sink_name = input_name(node, 11)
+    sink = g.inits.get(sink_name) if sink_name else None
+    if sink_name and (sink is None or sink.elem not in FLOAT_TYPES or sink.shape != (nq,)):
         return f"head_sink is not an initializer of num_heads={nq} floats"
     if len(node.input) > 17:
         raise ModelFormatError(f"{where(node)}: {len(node.input)} inputs, the schema has 17")
     if a.get("do_rotary", 0):
-        cos, sin = g.inits.get(_input(node, 7)), g.inits.get(_input(node, 8))
+        cos, sin = g.inits.get(input_name(node, 7)), g.inits.get(input_name(node, 8))
         if cos is None or sin is None:
             return "rotary cos/sin caches are not initializers"
     return None
@@ -295,7 +297,7 @@ def _norm(g: OnnxGraph, node, a: dict) -> str | None:
         return f"normalization over axis {a['axis']} (only the last axis is supported)"
     if a.get("stash_type", 1) != 1:
         return "stash_type other than float32"
-    if node.op_type == "SkipSimplifiedLayerNormalization" and _input(node, 3):
+    if node.op_type == "SkipSimplifiedLayerNormalization" and input_name(node, 3):
         return "SkipSimplifiedLayerNormalization with a bias input"
     if node.op_type == "SkipSimplifiedLayerNormalization" and any(
             v in g.consumers or v in g.outputs for v in node.output[1:3] if v):
@@ -311,7 +313,7 @@ def _rotary(g: OnnxGraph, node, a: dict) -> str | None:
         return "packed batching is not supported"
     if a.get("scale", 1.0) != 1.0:
         return "a rotary scale other than 1"
-    if g.inits.get(_input(node, 2)) is None or g.inits.get(_input(node, 3)) is None:
+    if g.inits.get(input_name(node, 2)) is None or g.inits.get(input_name(node, 3)) is None:
         return "rotary cos/sin caches are not initializers"
     return None
 
@@ -347,7 +349,7 @@ def _qmoe(g: OnnxGraph, node, a: dict) -> str | None:
     for key, default in (("activation_alpha", 1.702), ("activation_beta", 1.0)):
         _float_attr(node, a, key, default, -MAX_FINITE, MAX_FINITE)
     prepacked = a.get("weights_prepacked", -1)
-    w, s = g.inits.get(_input(node, 2)), g.inits.get(_input(node, 3))
+    w, s = g.inits.get(input_name(node, 2)), g.inits.get(input_name(node, 3))
     raw = w is not None and s is not None and len(w.shape) == 3 and len(s.shape) >= 2 \
         and w.shape[1] == s.shape[1]
     if prepacked == 1 or (prepacked == -1 and w is not None and s is not None and not raw):
@@ -385,13 +387,13 @@ def check_qmoe(g: OnnxGraph, node: onnx.NodeProto, a: dict) -> str | None:
     if not bs or bs & (bs - 1) or bs < 32:
         return f"block_size={bs}: mlxr's groups are 32 to 128 (larger blocks split)"
     for i, what in UNSUPPORTED_INPUTS.items():
-        if _input(node, i):
+        if input_name(node, i):
             return f"input {what} is not in mlxr's MoE block"
-    names = [_input(node, i) for i in (2, 3, 5, 6)]
+    names = [input_name(node, i) for i in (2, 3, 5, 6)]
     if not all(n in g.inits for n in names):
         return "expert weights or scales are computed at run time"
     for i in (4, 7, 11, 12):
-        if _input(node, i) and _input(node, i) not in g.inits:
+        if input_name(node, i) and input_name(node, i) not in g.inits:
             return "expert biases or zero points are computed at run time"
     return None
 

@@ -23,16 +23,12 @@ import onnx
 import torch
 
 from ..config.moe import MoeSpec
-from .claim import MS, attrs
+from .claim import MS, attrs, input_name
 from ..errors import ModelFormatError
 from .graph import FLOAT_TYPES, OnnxGraph, type_name
 from .repack import AffineWeight, block_affine, group_size
 from .walk import PROJ_OPS, Decline, Walk
 from .weights import OnnxCheckpoint
-
-def _input(node: onnx.NodeProto, i: int) -> str:
-    return node.input[i] if i < len(node.input) else ""
-
 
 class _Experts:
     """One QMoE's fc1 / fc2 repacked once: gate, up and down as MLX affine stacks."""
@@ -52,9 +48,9 @@ class _Experts:
 
     def _stack(self, w: int, s: int, zp: int, rows: int) -> AffineWeight:
         g, (x, _, _, bits, block) = self.g, self.shape
-        zero = _input(self.node, zp)
-        data = g.tensor(_input(self.node, w)).reshape(x * rows, -1)
-        aw = block_affine(data, g.tensor(_input(self.node, s)).reshape(x * rows, -1),
+        zero = input_name(self.node, zp)
+        data = g.tensor(input_name(self.node, w)).reshape(x * rows, -1)
+        aw = block_affine(data, g.tensor(input_name(self.node, s)).reshape(x * rows, -1),
                           None if not zero else g.tensor(zero).reshape(x * rows, -1), bits,
                           block, 2.0 ** (bits - 1), f"node {self.node.name!r}")
         return AffineWeight(*(t.reshape(x, rows, -1) for t in aw))
@@ -79,7 +75,7 @@ def translate_qmoe(w: Walk, ck: OnnxCheckpoint, x: str, p: str, at: onnx.NodePro
     if router.node.input[0] != x:
         raise Decline(router.node, "the router does not read the layer's norm")
     computed = [i for i in (2, 3, 4, 5, 6, 7, 11, 12)
-                if _input(moe, i) and _input(moe, i) not in g.inits]
+                if input_name(moe, i) and input_name(moe, i) not in g.inits]
     if computed:  # the claim declined these already; its layer may still be walked
         raise Decline(moe, f"inputs {computed} are computed at run time, not initializers")
     wt, sc = g.inits[moe.input[2]], g.inits[moe.input[3]]
@@ -97,7 +93,7 @@ def translate_qmoe(w: Walk, ck: OnnxCheckpoint, x: str, p: str, at: onnx.NodePro
                            "mlxr's block")
     for i, shape in ((3, (nx, two_f, e // block)), (6, (nx, e, f // block)),
                      (4, (nx, two_f)), (7, (nx, e))):
-        name = _input(moe, i)
+        name = input_name(moe, i)
         if name and (g.inits[name].numel != shape[0] * shape[1] * (shape[2] if len(shape) > 2
                                                                    else 1)
                      or g.inits[name].elem not in FLOAT_TYPES):
@@ -116,7 +112,7 @@ def translate_qmoe(w: Walk, ck: OnnxCheckpoint, x: str, p: str, at: onnx.NodePro
         for part in ("scales", "biases"):
             ck.add(f"{path}.{part}", "F32", (nx, n, gs),
                    lambda name=name, part=part: getattr(experts.value()[name], part))
-    fc1_bias, fc2_bias = _input(moe, 4), _input(moe, 7)
+    fc1_bias, fc2_bias = input_name(moe, 4), input_name(moe, 7)
 
     def gate_up_bias(rows: slice):
         return lambda: g.tensor(fc1_bias).reshape(nx, two_f)[:, rows].float().contiguous()

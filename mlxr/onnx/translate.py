@@ -14,7 +14,7 @@ import onnx
 
 from ..config import ModelConfig
 from .chain import LayerCut, residual_stream
-from .claim import MS, ClaimReport, _input, attrs
+from .claim import MS, ClaimReport, attrs, input_name
 from .graph import FLOAT_TYPES, OnnxGraph
 from .mask import check_mask_inputs
 from .qmoe import is_qmoe, moe_spec, translate_qmoe
@@ -81,7 +81,7 @@ def _rope(w: Walk, gqa: onnx.NodeProto, a: dict, q: Traced, k: Traced, d: int):
     if a.get("do_rotary", 0):
         if q.rope:
             raise Decline(q.rope, "rotary applied twice (RotaryEmbedding and in attention)")
-        cos, sin = _input(gqa, 7), _input(gqa, 8)
+        cos, sin = input_name(gqa, 7), input_name(gqa, 8)
         if cos not in g.inits or sin not in g.inits:
             raise Decline(gqa, "rotary cos/sin caches are not initializers")
         inter = bool(a.get("rotary_interleaved", 0))
@@ -89,9 +89,10 @@ def _rope(w: Walk, gqa: onnx.NodeProto, a: dict, q: Traced, k: Traced, d: int):
         ra, rb = attrs(q.rope), attrs(k.rope)
         if list(q.rope.input[1:]) != list(k.rope.input[1:]) or ra != rb:
             raise Decline(k.rope, "q and k use different rotary tables")
-        if _input(q.rope, 1) not in g.inputs:
+        if input_name(q.rope, 1) not in g.inputs:
             raise Decline(q.rope, "rotary positions are not a graph input")
-        cos, sin, inter = _input(q.rope, 2), _input(q.rope, 3), bool(ra.get("interleaved", 0))
+        cos, sin = input_name(q.rope, 2), input_name(q.rope, 3)
+        inter = bool(ra.get("interleaved", 0))
         if cos not in g.inits or sin not in g.inits:
             raise Decline(q.rope, "rotary cos/sin caches are not initializers")
         rot = ra.get("rotary_embedding_dim", 0)
@@ -231,7 +232,7 @@ def translate(g: OnnxGraph, report: ClaimReport, meta: dict, kv: list[KVNames],
         raise Decline(None, "no GroupQueryAttention: not a recognised decoder")
     if any(n.input[5:7] != gqas[0].input[5:7] for n in gqas):
         raise Decline(gqas[0], "layers read different seqlens_k / total_sequence_length")
-    mask_nodes = check_mask_inputs(g, _input(gqas[0], 5), _input(gqas[0], 6))
+    mask_nodes = check_mask_inputs(g, input_name(gqas[0], 5), input_name(gqas[0], 6))
     if mask_nodes is None:
         raise Decline(gqas[0], "seqlens_k / total_sequence_length are not the standard values "
                                "of attention_mask")
