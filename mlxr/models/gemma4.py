@@ -214,9 +214,11 @@ class Gemma4Decoder:
             if ple is None:
                 h, x = ops.residual_norm(h, m, ly.post_mlp_norm, eps, ly.scalar, nxt)
                 continue
-            h, _ = ops.residual_norm(h, m, ly.post_mlp_norm, eps)
-            g = ops.gated_act(ly.ple_gate(h), ple[:, i], c.hidden_act)
-            h, x = ops.residual_norm(h, ly.ple_proj(g), ly.ple_norm, eps, ly.scalar, nxt)
+            # the per-layer-input branch: residual norm, gate GEMV and act, projection GEMV
+            # and residual norm (two launches with MLXR_GEMMA4_PLE_FUSED=1 at decode)
+            h, g = ops.residual_linear_act(h, m, ly.post_mlp_norm, eps, ly.ple_gate,
+                                           ple[:, i], c.hidden_act)
+            h, x = ops.linear_residual_norm(g, ly.ple_proj, h, ly.ple_norm, eps, ly.scalar, nxt)
         return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -122,6 +122,33 @@ def residual_norm(h, a, weight, eps: float, scalar=None, next_weight=None):
     return h, None if next_weight is None else rms_norm(h, next_weight, eps)
 
 
+def residual_linear_act(h, a, weight, eps: float, linear, up, act: str):
+    """(h', act(linear(h')) * up) for h' = h + rms_norm(a, weight) (see
+    reference.residual_linear_act). On CUDA with MLXR_GEMMA4_PLE_FUSED=1 (read at each call)
+    and decode-sized rows, one launch (`layer.residual_gemv`); else residual_norm, linear and
+    gated_act one by one."""
+    if _fast(h) and os.environ.get("MLXR_GEMMA4_PLE_FUSED") == "1":
+        from .layer import residual_gemv
+        out = residual_gemv.residual_linear_act(h, a, weight, eps, linear, up, act)
+        if out is not None:
+            return out
+    return reference.residual_linear_act(h, a, weight, eps, linear, up, act,
+                                         norm=residual_norm, gate=gated_act)
+
+
+def linear_residual_norm(x, linear, h, weight, eps: float, scalar=None, next_weight=None):
+    """residual_norm(h, linear(x), weight, eps, scalar, next_weight) (see
+    reference.linear_residual_norm); one launch as `residual_linear_act` says."""
+    if _fast(h) and os.environ.get("MLXR_GEMMA4_PLE_FUSED") == "1":
+        from .layer import residual_gemv
+        out = residual_gemv.linear_residual_norm(x, linear, h, weight, eps, scalar,
+                                                 next_weight)
+        if out is not None:
+            return out
+    return reference.linear_residual_norm(x, linear, h, weight, eps, scalar, next_weight,
+                                          norm=residual_norm)
+
+
 def qkv_rope_write(qkv, n_heads: int, n_kv_heads: int, head_dim: int, q_norm, k_norm,
                    eps: float, offset: float, rope_scale: float, cos, sin, traditional: bool,
                    k_cache, v_cache, slots, positions=None):
@@ -308,9 +335,11 @@ __all__ = ["MOE_KERNEL_ACTS", "ExpertQuant", "add_rms_norm", "attention", "atten
            "attention_masked",
            "conv1d_silu", "fast_kernels", "gated_act", "gated_delta", "gated_delta_decode",
            "gdn_chunked",
-           "head_gate", "moe_combine", "moe_dense_experts", "moe_expert_act", "moe_experts",
+           "head_gate", "linear_residual_norm", "moe_combine", "moe_dense_experts",
+           "moe_expert_act", "moe_experts",
            "moe_experts_shared",
            "moe_gate_up_pair", "moe_kernels_take", "moe_shared_stacks",
            "moe_reference", "moe_route", "moe_router", "paged_attention", "paged_items",
+           "residual_linear_act",
            "paged_prefill_attention", "prefill_tile", "qkv_rope_write", "residual_norm", "rms_norm",
            "rope", "split_qkv_norm_rope_write"]

@@ -202,6 +202,25 @@ def residual_norm(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: f
     return h, None if next_weight is None else rms_norm(h, next_weight, eps)
 
 
+def residual_linear_act(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float,
+                        linear, up: torch.Tensor, act: str,
+                        norm=None, gate=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """h' = h + rms_norm(a, weight) and act(linear(h')) * up (Gemma 4's per-layer-input
+    gate). norm / gate: the residual norm and gated activation to compose (default: this
+    module's)."""
+    h, _ = (norm or residual_norm)(h, a, weight, eps)
+    return h, (gate or gated_act)(linear(h), up, act)
+
+
+def linear_residual_norm(x: torch.Tensor, linear, h: torch.Tensor, weight: torch.Tensor,
+                         eps: float, scalar: torch.Tensor | None = None,
+                         next_weight: torch.Tensor | None = None, norm=None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """residual_norm(h, linear(x), weight, eps, scalar, next_weight) (Gemma 4's per-layer
+    projection and the layer's last residual); norm: the residual norm to compose."""
+    return (norm or residual_norm)(h, linear(x), weight, eps, scalar, next_weight)
+
+
 def qkv_rope_write(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                    offset: float, rope_scale: float, cos: torch.Tensor, sin: torch.Tensor,
