@@ -125,7 +125,13 @@ def _stack(linear, k: int, n: int) -> ExpertQuant | None:
     None (a bias, dropped words, a format the kernels do not read, another shape)."""
     if getattr(linear, "bias", None) is not None:
         return None
-    q = linear_stack(getattr(linear, "weight", None))
+    q = getattr(linear, "_rows_stack", False)
+    if q is False:  # views of the weight, made once (a decode step would redo six per call)
+        q = linear_stack(getattr(linear, "weight", None))
+        try:
+            linear._rows_stack = q
+        except AttributeError:
+            pass
     if q is None or not kernels_take(q) or q.shape != (1, n, k):
         return None
     return q
