@@ -160,7 +160,7 @@ def model(tmp_path_factory, make_checkpoint):
 def test_gemma4_logits_on_the_kernels(model, monkeypatch):
     """The model's float32 logits over a 9-token prompt with the branch on the kernels (as on
     CUDA with the switch on) within 1e-4 of each position's range of the composed ops', the
-    greedy tokens equal; every layer took both kernels."""
+    greedy tokens equal; every layer took both kernels (the second for o_proj too)."""
     monkeypatch.setattr(cpu_gemma4_decode, "plan", lambda dec, rows: None)  # the generic loop
     ids = torch.tensor([random.Random(4).randrange(320) for _ in range(9)])
     ref = model.decoder.forward(ids, model.decoder.new_cache())
@@ -170,15 +170,16 @@ def test_gemma4_logits_on_the_kernels(model, monkeypatch):
         calls.append("gate")
         return K.residual_linear_act(*a)
 
-    def second(*a):
+    def second(*a, **k):
         calls.append("proj")
-        return K.linear_residual_norm(*a)
+        return K.linear_residual_norm(*a, **k)
 
     monkeypatch.setattr(ops, "residual_linear_act", first)
     monkeypatch.setattr(ops, "linear_residual_norm", second)
     got = model.decoder.forward(ids, model.decoder.new_cache())
     n = model.decoder.config.num_layers
-    assert calls.count("gate") == calls.count("proj") == n
+    # per layer: the gate, and the projections o_proj and per_layer_projection
+    assert calls.count("gate") == n and calls.count("proj") == 2 * n
     span = (ref.amax(-1) - ref.amin(-1)).unsqueeze(-1)
     assert ((got - ref).abs() <= 1e-4 * span).all()
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
