@@ -21,12 +21,12 @@ pytest.importorskip("triton")
 
 from test_triton_q4gemv import _weights  # noqa: E402
 
+from mlxr.ops import tickets  # noqa: E402
 from mlxr.ops.layer import add_norm_qkv_rope as A  # noqa: E402
 from mlxr.ops.layer import residual_norm as RN  # noqa: E402
 from mlxr.ops.layer import residual_tail as T  # noqa: E402
 from mlxr.ops.matmul import decode_gemv_q4 as Q  # noqa: E402
 from mlxr.ops.matmul import decode_gemv_tc as TC  # noqa: E402
-from mlxr.ops.moe import decode_onepass as O  # noqa: E402
 
 INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU
 
@@ -58,7 +58,7 @@ def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def _counters_zero() -> None:
-    assert int(O.counters(torch.device("cpu"), T.TICKET_REGION).abs().sum()) == 0
+    assert int(tickets.counters(torch.device("cpu"), tickets.RESIDUAL).abs().sum()) == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -175,7 +175,7 @@ def test_dispatch_falls_back_past_the_counters(monkeypatch):
     ids = torch.tensor([[0, 3]])
     assert O.fits(ids, q, d) and O.fits(ids, q, d, True)
     monkeypatch.setattr(O, "ONEPASS_GATE_UP", DecodeConfig(1, 1, 4))
-    monkeypatch.setattr(O, "COUNTERS", 4)
+    monkeypatch.setattr(O, "TILES", 1)
     assert not O.fits(ids, q, d)
     monkeypatch.setenv("MLXR_MOE_DECODE", "onepass")
     x = torch.randn(1, 64)

@@ -32,9 +32,9 @@ import mlxr  # noqa: E402
 from mlxr import ops  # noqa: E402
 from mlxr.models import cpu_gemma4_decode  # noqa: E402
 from mlxr.ops import reference as R  # noqa: E402
+from mlxr.ops import tickets  # noqa: E402
 from mlxr.ops.layer import residual_gemv as K  # noqa: E402
 from mlxr.ops.moe import decode_experts as D  # noqa: E402
-from mlxr.ops.moe import decode_onepass as O  # noqa: E402
 
 INTERPRETER_ONLY = True  # tests/conftest.py: the interpreter is on without a GPU
 
@@ -129,7 +129,7 @@ def test_linear_residual_norm(fmt, dtype, m, scaled, nxt):
     assert (got_x is None) == (not nxt)
     if nxt:
         _within(got_x, ref_x, (points + 2) * ulp * _rowmax(ref_x) * 2 + 1e-6)
-    assert int(O.counters(torch.device("cpu"), K.TICKET_REGION).abs().sum()) == 0
+    assert int(tickets.counters(torch.device("cpu"), tickets.RESIDUAL).abs().sum()) == 0
 
 
 def test_declines_what_it_cannot_take():

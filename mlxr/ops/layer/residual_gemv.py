@@ -16,7 +16,7 @@ there. Here the branch takes two launches:
 * `linear_residual_norm`: y = x @ W^T rounded, then (h + rms_norm(y, w)) [* scalar] and its
   norm for the next branch. Grid (row tiles of W, tokens); each program stores its rows of y,
   then takes a ticket from its token's int32 counter (acq_rel at GPU scope after a CTA
-  barrier: `decode_onepass`'s threadfence-reduction pattern, region 3 of its counters); the
+  barrier: `mlxr.ops.tickets`, region RESIDUAL, shared with the GEMV tails); the
   program that draws the last ticket reads the whole row of y and runs
   `residual_norm._residual_norm_kernel`'s arithmetic on it, then resets the counter.
 
@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..moe import decode_experts as D
-from ..moe.decode_onepass import counters
+from .. import tickets
 from ..moe.decode_rows import _rows
 from ..moe.operands import ExpertQuant, kernels_take, linear_stack
 from .norm_rope_act import ACTS, _gated, _p2
@@ -44,7 +44,6 @@ from .residual_norm import _unit_rms
 
 MAX_ROWS = 16  # tokens per call (decode); longer inputs take the composed ops
 MAX_E = 8192  # the residual row is held in registers by one program
-TICKET_REGION = 3  # decode_onepass.counters' region these kernels use
 
 
 @triton.jit
@@ -193,7 +192,7 @@ def linear_residual_norm(x: Tensor, linear, h: Tensor, weight: Tensor, eps: floa
         return None
     bn = _block_n(e, m)
     tiles = triton.cdiv(e, bn)
-    ctr = counters(h.device, TICKET_REGION)
+    ctr = tickets.counters(h.device, tickets.RESIDUAL)
     if m > ctr.numel():
         return None
     h = h.contiguous()

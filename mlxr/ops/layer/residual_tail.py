@@ -9,7 +9,7 @@ per kernel in a CUDA graph on the H200, docs/perf.md, plus the norm kernel's own
 round trips), twice per layer. The GEMV's rows are spread over many programs, and the norm
 needs the whole row, so the add cannot ride in each program: after storing its rows of y,
 each program takes a ticket from an int32 counter (an integer atomic, acq_rel at GPU scope,
-after a CTA barrier: `moe.decode_onepass`'s threadfence-reduction pattern); the program that
+after a CTA barrier: `mlxr.ops.tickets`, region RESIDUAL); the program that
 draws the last ticket reads y back (`.cg`: from L2) and runs the residual step over each row
 with the rounding points of the standalone kernels (`add_norm_qkv_rope._add_rms_norm_kernel`,
 `residual_norm._residual_norm_kernel`), then resets the counter for the next launch. The
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .. import tickets
 from .norm_rope_act import HAVE_TRITON, _p2
 
 if HAVE_TRITON:
@@ -81,21 +82,15 @@ def launch_args(tail: TailArgs | None, y: Tensor, device: torch.device) -> dict:
         return dict(ctr_ptr=y, th_ptr=y, tw_ptr=y, tsc_ptr=y, tw2_ptr=y, tho_ptr=y, txo_ptr=y,
                     t_eps=0.0, t_off=0.0, TAIL=0, T_BLOCK_E=1, T_OFFSET=False,
                     T_SCALE=False, T_NEXT=False)
-    from ..moe.decode_onepass import counters
-
     t = tail
     e = t.h.shape[-1]
-    return dict(ctr_ptr=counters(device, TICKET_REGION), th_ptr=t.h, tw_ptr=t.weight,
+    return dict(ctr_ptr=tickets.counters(device, tickets.RESIDUAL), th_ptr=t.h, tw_ptr=t.weight,
                 tsc_ptr=t.scalar if t.scalar is not None else t.weight,
                 tw2_ptr=t.next_weight if t.next_weight is not None else t.weight,
                 tho_ptr=t.h_out, txo_ptr=t.x_out if t.x_out is not None else t.h_out,
                 t_eps=float(t.eps), t_off=float(t.offset), TAIL=t.mode, T_BLOCK_E=_p2(e),
                 T_OFFSET=bool(t.offset), T_SCALE=t.scalar is not None,
                 T_NEXT=t.x_out is not None)
-
-
-TICKET_REGION = 3  # decode_onepass.counters' region (shared with residual_gemv: every
-# launch leaves its counters at zero, and the launches of a stream never overlap in them)
 
 
 if HAVE_TRITON:

@@ -22,8 +22,8 @@ one token's pairs only) and of the launch order: no float atomics.
   `shared_fits`) rides along as T more rows of h (grid P + T) and one more ticket per down
   tile; down's last program adds its output as `MoeBlock` does.
 
-The counters live in one zeroed int32 workspace per device (`counters`, COUNTERS // 4 per
-kernel; `fits` says whether a step's tiles fit); every launch leaves its counters at zero.
+The counters are `mlxr.ops.tickets`' (a region per kernel; `fits` says whether a step's tiles
+fit); every launch leaves its counters at zero.
 Numerics equal `decode_split`'s at the same config (the same sums per chunk, the same ordered
 chunk sum: bit-equal in the interpreter tests), so the decode tests' bounds hold. Twins:
 `decode_experts.moe_gate_up_ref` and `moe_down_ref`.
@@ -37,7 +37,9 @@ from torch import Tensor
 from . import decode_experts as D
 from .decode_split import DecodeConfig, chunks
 from .operands import ExpertQuant, check_pair
+from .. import tickets
 from ..matmul.codes import HAVE_TRITON
+from ..tickets import counters  # noqa: F401 (the tests read the counters here)
 
 if HAVE_TRITON:
     import triton
@@ -48,20 +50,7 @@ if HAVE_TRITON:
 
 # gate and up in one tile loop (`decode_rows`; False: two `_rows` loops, for A/B)
 PAIRED = True
-COUNTERS = 1 << 16  # int32 tickets per device: gate/up's tiles, then down's, then the router's
-_WORKSPACE: dict = {}
-
-
-def counters(device: torch.device, region: int) -> Tensor:
-    """Region (0: gate/up, 1: down, 2: the router) of the device's zeroed ticket counters,
-    COUNTERS // 4 each. Allocated at the first call on the device (the engine's eager warmup
-    runs before any CUDA graph capture); every kernel leaves its counters at zero."""
-    key = (device.type, device.index)
-    ws = _WORKSPACE.get(key)
-    if ws is None:
-        ws = _WORKSPACE[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    n = COUNTERS // 4
-    return ws[region * n:(region + 1) * n]
+TILES = tickets.REGION  # output tiles a launch may count (its region's counters)
 
 
 if HAVE_TRITON:
@@ -228,7 +217,7 @@ if HAVE_TRITON:
 
 # ====================================================================== launchers
 def _tiles_fit(pairs: int, n: int, bn: int) -> bool:
-    return pairs * -(-n // bn) <= COUNTERS // 4
+    return pairs * -(-n // bn) <= TILES
 
 
 def fits(ids: Tensor, gate: ExpertQuant, down: ExpertQuant, shared: bool = False) -> bool:
@@ -292,8 +281,8 @@ def moe_gate_up_onepass(x: Tensor, ids: Tensor, gate: ExpertQuant, up: ExpertQua
     sg, su = shared if shared is not None else (gate, up)
     kc = k // s
     _gate_up_onepass_kernel[(rows, triton.cdiv(f, bn), s)](
-        x, ids, part, counters(x.device, 0), h, *_quant_args(gate), gbias, *_quant_args(up),
-        ubias, *_quant_args(sg), *_quant_args(su),
+        x, ids, part, counters(x.device, tickets.MOE_GATE_UP), h, *_quant_args(gate), gbias,
+        *_quant_args(up), ubias, *_quant_args(sg), *_quant_args(su),
         f, p, x.stride(0), float(alpha), float(limit), K=k, KC=kc, S=s, TOPK=topk,
         BITS=gate.bits, GROUP=gate.group, MODE=D.KERNEL_MODE[gate.mode],
         HAS_GS=gate.global_scale is not None, HAS_BIAS=gate.bias is not None,
@@ -335,7 +324,7 @@ def moe_down_onepass(h: Tensor, ids: Tensor, weights: Tensor, down: ExpertQuant,
     _, _, bias = D._gs_bias(down, D._scales(down))
     fc = f // s
     _down_onepass_kernel[(rows, triton.cdiv(e, bn), s)](
-        full, ids, weights, y, part, counters(h.device, 1), *_quant_args(down), bias,
+        full, ids, weights, y, part, counters(h.device, tickets.MOE_DOWN), *_quant_args(down), bias,
         *_quant_args(down if shared is None else shared), e, p, float(routed_scale),
         F=f, FC=fc, S=s, TOPK=topk, BITS=down.bits, GROUP=down.group,
         MODE=D.KERNEL_MODE[down.mode], HAS_GS=down.global_scale is not None,

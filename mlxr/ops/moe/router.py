@@ -36,9 +36,10 @@ from torch import Tensor
 
 from . import decode_experts as D
 from . import reference as moe_reference
-from .decode_onepass import counters
 from .operands import ExpertQuant, linear_stack
+from .. import tickets
 from ..matmul.codes import HAVE_TRITON
+from ..tickets import counters
 from ..matmul.generic_qmm import _next_pow2
 
 if HAVE_TRITON:
@@ -220,7 +221,8 @@ def moe_router(x: Tensor, q: ExpertQuant, router: str, top_k: int, norm_topk: bo
     b, gs, bias = D._gs_bias(q, dummy)
     cb = dummy if correction_bias is None else correction_bias.contiguous()
     _router_kernel[(t, nb)](
-        x, D._words_i32(q.w), D._scales(q), b, gs, bias, cb, lg, counters(x.device, 2),
+        x, D._words_i32(q.w), D._scales(q), b, gs, bias, cb, lg,
+        counters(x.device, tickets.MOE_ROUTER),
         ids, w, e, x.stride(0), float(softcap), H=h, BITS=q.bits, GROUP=q.group,
         MODE=D.KERNEL_MODE[q.mode], HAS_GS=q.global_scale is not None,
         HAS_BIAS=q.bias is not None, HAS_CB=correction_bias is not None, NB=nb,
