@@ -1,6 +1,7 @@
 """The decode attention's splits merged by the split kernel's last program
 (`kv_attention.masked`, MLXR_ATTN_MERGE=1) instead of the combine launch, under the CPU
-interpreter: the same `_merge_splits` arithmetic over the same partials, so the outputs equal
+interpreter: `_merge_splits`' arithmetic over the same partials (by chunks of the head's
+features: the same per-feature sums), so the outputs equal
 the two-launch path's bit for bit (the merge skips the acc of splits that saw no key, whose
 weight is exp2(-inf) = 0 and acc 0: the same sums), over masks, positions with windows, sinks,
 soft-caps, several row blocks and many empty splits; the ticket counters are back at zero
@@ -61,9 +62,11 @@ def test_merge_equals_combine_masks(monkeypatch, dtype, rep, t, softcap, window)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_merge_equals_combine_positions_and_sinks(monkeypatch, dtype):
+@pytest.mark.parametrize("tile", [2048, 128])  # 128: the merge walks the head in 8-wide chunks
+def test_merge_equals_combine_positions_and_sinks(monkeypatch, dtype, tile):
     """The decode graph's form (positions, a window) and gpt-oss's sinks; 40 rows over
     ATTN_MAX_BLOCK_M-row blocks: several row blocks, each its own ticket."""
+    monkeypatch.setattr(A, "MERGE_TILE", tile)
     kh, rep, t, s, d = 2, 20, 2, 200, 64
     g = gen(("merge-pos", str(dtype)))
     q = torch.randn(t, kh * rep, d, generator=g).to(dtype)

@@ -67,7 +67,9 @@ def _counters_zero() -> None:
     (T.SANDWICH, 0.0, True, True), (T.SANDWICH, 0.0, False, False)])
 @pytest.mark.parametrize("n,k,cfg", [(48, 1024, Q.Q4Config(block_n=8, wt=128)),
                                      (40, 2048, Q.Q4Config(block_n=16, wt=128))])
-def test_q4gemv_tail(dtype, mode, offset, scaled, nxt, n, k, cfg):
+@pytest.mark.parametrize("chunk", [1024, 16])  # 16: the last program walks rows in 3 chunks
+def test_q4gemv_tail(monkeypatch, dtype, mode, offset, scaled, nxt, n, k, cfg, chunk):
+    monkeypatch.setattr(T, "CHUNK", chunk)
     packed, sc, b, x = _weights(n, k, 64, dtype, seed=n + k)
     words = Q.repack(packed)
     h, w, s, w2 = _residual(n, dtype, n + mode)

@@ -117,21 +117,40 @@ if HAVE_TRITON:
         return m_i, l_i
 
     @triton.jit
-    def _merge_splits(pacc_ptr, pml_ptr, prow, jm, d, dmask, D: tl.constexpr,
-                      LIVE: tl.constexpr = False, CM: tl.constexpr = ""):
+    def _merge_splits(pacc_ptr, pml_ptr, prow, jm, d, dmask, D: tl.constexpr):
         """One row's output [BLOCK_D] fp32 from its splits' partials: acc at pacc[prow, :D],
-        (max, sum) at pml[prow, 0:2], for the splits jm marks (empty splits weigh 0). LIVE:
-        acc is read only for splits that saw a key (max > -inf; an empty split's acc is 0
-        and its weight exp2(-inf) = 0: the same sums); CM: the loads' cache modifier."""
-        m = tl.load(pml_ptr + prow * 2, mask=jm, other=float("-inf"), cache_modifier=CM)
-        lsum = tl.load(pml_ptr + prow * 2 + 1, mask=jm, other=0.0, cache_modifier=CM)
+        (max, sum) at pml[prow, 0:2], for the splits jm marks (empty splits weigh 0)."""
+        m = tl.load(pml_ptr + prow * 2, mask=jm, other=float("-inf"))
+        lsum = tl.load(pml_ptr + prow * 2 + 1, mask=jm, other=0.0)
         mx = tl.max(m, axis=0)
         w = tl.exp2(m - tl.where(mx == float("-inf"), 0.0, mx))
         l_tot = tl.sum(w * lsum, axis=0)
-        am = jm & (m > float("-inf")) if LIVE else jm
         acc = tl.load(pacc_ptr + prow[:, None] * D + d[None, :],
-                      mask=am[:, None] & dmask[None, :], other=0.0, cache_modifier=CM)
+                      mask=jm[:, None] & dmask[None, :], other=0.0)
         return tl.sum(acc * w[:, None], axis=0) / tl.where(l_tot > 0.0, l_tot, 1.0)
+
+    @triton.jit
+    def _merge_row(pacc_ptr, pml_ptr, prow, jm, o_row, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, DC: tl.constexpr):
+        """`_merge_splits`' arithmetic for one row, stored at o_row, with the head's features
+        in DC-wide chunks (the split kernel's last program merges: its registers stay the
+        attention loop's) and only the splits that saw a key read (an empty split's acc is 0
+        and its weight exp2(-inf) = 0: the same sums); loads from L2 (`.cg`: other programs
+        wrote them)."""
+        m = tl.load(pml_ptr + prow * 2, mask=jm, other=float("-inf"), cache_modifier=".cg")
+        lsum = tl.load(pml_ptr + prow * 2 + 1, mask=jm, other=0.0, cache_modifier=".cg")
+        mx = tl.max(m, axis=0)
+        w = tl.exp2(m - tl.where(mx == float("-inf"), 0.0, mx))
+        l_tot = tl.sum(w * lsum, axis=0)
+        den = tl.where(l_tot > 0.0, l_tot, 1.0)
+        live = jm & (m > float("-inf"))
+        for c0 in tl.static_range(0, BLOCK_D, DC):
+            dd = c0 + tl.arange(0, DC)
+            dm = dd < D
+            acc = tl.load(pacc_ptr + prow[:, None] * D + dd[None, :],
+                          mask=live[:, None] & dm[None, :], other=0.0, cache_modifier=".cg")
+            out = tl.sum(acc * w[:, None], axis=0) / den
+            tl.store(o_row + dd, out.to(o_row.dtype.element_ty), mask=dm)
 
     @triton.jit
     def _attn_split_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, pos_ptr, sink_ptr, o_ptr, pacc_ptr,
@@ -143,7 +162,7 @@ if HAVE_TRITON:
                            SOFTCAP: tl.constexpr, SINGLE: tl.constexpr, DOT_F32: tl.constexpr,
                            POS: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
                            DK: tl.constexpr, NDK: tl.constexpr, MERGE: tl.constexpr,
-                           BLOCK_N: tl.constexpr):
+                           BLOCK_N: tl.constexpr, MERGE_DC: tl.constexpr):
         """POS: no mask in memory; query row t sits at position pos[t] and sees key slot j iff
         j <= pos[t] (and pos[t] - j < window with WINDOW): the decode graph's visibility with
         no mask to build per step, and no mask load before each tile's K. MERGE: the program
@@ -212,10 +231,8 @@ if HAVE_TRITON:
                         row = tl.program_id(2) * BLOCK_M + rr
                         if row < RT:
                             pr = (g * NSPLIT + j).to(tl.int64) * RT + row
-                            out = _merge_splits(pacc_ptr, pml_ptr, pr, jm, d, dmask, D, True,
-                                                ".cg")
-                            optr = o_ptr + ((row % T) * H + g * REP + row // T).to(tl.int64) * D
-                            tl.store(optr + d, out.to(o_ptr.dtype.element_ty), mask=dmask)
+                            orow = o_ptr + ((row % T) * H + g * REP + row // T).to(tl.int64) * D
+                            _merge_row(pacc_ptr, pml_ptr, pr, jm, orow, D, BLOCK_D, MERGE_DC)
                     tl.store(ctr_ptr + cid, 0)
 
     @triton.jit
@@ -242,6 +259,7 @@ if HAVE_TRITON:
 
 
 MERGE_MAX = 1 << 16  # rows x splits x head features one program merges (`merge_in_split`)
+MERGE_TILE = 2048  # splits x features the merging program loads at a time (16 a thread)
 
 
 def merge_in_split(rows: int, nsplit: int, block_d: int) -> bool:
@@ -376,7 +394,8 @@ def attention_masked_split(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | No
         T=t, REP=rep, H=h, D=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=block_s, TILES=per,
         NSPLIT=nsplit, SOFTCAP=softcap is not None, SINGLE=single, DOT_F32=dot_f32,
         POS=positions is not None, WINDOW=window is not None, HAS_SINKS=sinks is not None,
-        DK=dk, NDK=ndk, MERGE=merge, BLOCK_N=_p2(nsplit), num_warps=warps)
+        DK=dk, NDK=ndk, MERGE=merge, BLOCK_N=_p2(nsplit),
+        MERGE_DC=max(1, min(block_d, MERGE_TILE // _p2(nsplit))), num_warps=warps)
     if not single and not merge:
         _attn_combine_kernel[(kh * rt,)](
             pacc, pml, out, T=t, REP=rep, H=h, D=d, NSPLIT=nsplit, BLOCK_N=_p2(nsplit),

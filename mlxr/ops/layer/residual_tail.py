@@ -36,7 +36,8 @@ if HAVE_TRITON:
     import triton.language as tl
 
 ADD_NORM, SANDWICH = 1, 2  # TAIL values: add_rms_norm, residual_norm
-MAX_E = 8192  # one program holds a row of the residual stream
+MAX_E = 16384  # the residual row's length (the last program walks it in CHUNK columns)
+CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def launch_args(tail: TailArgs | None, y: Tensor, device: torch.device) -> dict:
     """The GEMV kernels' tail arguments (dummies pointing at y without a tail)."""
     if tail is None:
         return dict(ctr_ptr=y, th_ptr=y, tw_ptr=y, tsc_ptr=y, tw2_ptr=y, tho_ptr=y, txo_ptr=y,
-                    t_eps=0.0, t_off=0.0, TAIL=0, T_BLOCK_E=1, T_OFFSET=False,
+                    t_eps=0.0, t_off=0.0, TAIL=0, T_CHUNK=1, T_OFFSET=False,
                     T_SCALE=False, T_NEXT=False)
     t = tail
     e = t.h.shape[-1]
@@ -88,7 +89,8 @@ def launch_args(tail: TailArgs | None, y: Tensor, device: torch.device) -> dict:
                 tsc_ptr=t.scalar if t.scalar is not None else t.weight,
                 tw2_ptr=t.next_weight if t.next_weight is not None else t.weight,
                 tho_ptr=t.h_out, txo_ptr=t.x_out if t.x_out is not None else t.h_out,
-                t_eps=float(t.eps), t_off=float(t.offset), TAIL=t.mode, T_BLOCK_E=_p2(e),
+                t_eps=float(t.eps), t_off=float(t.offset), TAIL=t.mode,
+                T_CHUNK=min(CHUNK, _p2(e)),
                 T_OFFSET=bool(t.offset), T_SCALE=t.scalar is not None,
                 T_NEXT=t.x_out is not None)
 
@@ -96,46 +98,68 @@ def launch_args(tail: TailArgs | None, y: Tensor, device: torch.device) -> dict:
 if HAVE_TRITON:
 
     @triton.jit
-    def _unit(x, eps, E, DT: tl.constexpr):
-        """x [BLOCK_E] fp32 (zeros past E) -> x * rsqrt(mean(x^2) + eps) rounded to DT."""
-        inv = tl.rsqrt(tl.sum(x * x, axis=0) / E + eps)
-        return (x * inv).to(DT).to(tl.float32)
+    def _sum_sq(src, E, CH: tl.constexpr, CM: tl.constexpr):
+        """sum(x^2) / E over a row x at src (fp32 of its dtype's values), in CH-wide chunks."""
+        sq = tl.zeros([CH], dtype=tl.float32)
+        for c0 in range(0, E, CH):
+            cols = c0 + tl.arange(0, CH)
+            v = tl.load(src + cols, mask=cols < E, other=0.0, cache_modifier=CM).to(tl.float32)
+            sq += v * v
+        return tl.sum(sq, axis=0) / E
+
+    @triton.jit
+    def _norm_row(src, w_ptr, dst, inv, off, E, CH: tl.constexpr, OFFSET: tl.constexpr):
+        """dst = rms_norm's values of the row at src (its statistic inv given): (x * inv)
+        rounded, times the weight (+ offset formed in the weight's dtype), rounded."""
+        dt = dst.dtype.element_ty
+        for c0 in range(0, E, CH):
+            cols = c0 + tl.arange(0, CH)
+            cm = cols < E
+            x = tl.load(src + cols, mask=cm, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + cols, mask=cm, other=0.0)
+            if OFFSET:  # gemma's (1 + w)
+                w = (w.to(tl.float32) + off).to(w_ptr.dtype.element_ty)
+            tl.store(dst + cols, ((x * inv).to(dt).to(tl.float32) * w.to(tl.float32)).to(dt),
+                     mask=cm)
 
     @triton.jit
     def _tail(y_ptr, sy, rows, E, tickets, ctr_ptr, th_ptr, tw_ptr, tsc_ptr, tw2_ptr, tho_ptr,
-              txo_ptr, t_eps, t_off, TAIL: tl.constexpr,
-              T_BLOCK_E: tl.constexpr, T_OFFSET: tl.constexpr, T_SCALE: tl.constexpr,
-              T_NEXT: tl.constexpr):
+              txo_ptr, t_eps, t_off, TAIL: tl.constexpr, T_CHUNK: tl.constexpr,
+              T_OFFSET: tl.constexpr, T_SCALE: tl.constexpr, T_NEXT: tl.constexpr):
         """Called by every program of a GEMV after it stored its part of y (rows [rows, E],
         row stride sy): the program that draws the last of `tickets` runs the residual step
-        over the rows and resets the counter. E: the row length (the GEMV's N)."""
+        over the rows and resets the counter. E: the row length (the GEMV's N). The rows go
+        in T_CHUNK-wide chunks (a few registers a thread, so the GEMV's own register budget
+        and occupancy do not change), each pass storing what the next reads back (a CTA
+        barrier between them): the sum of squares, then h' (stored), then its norm."""
         tl.debug_barrier()
         done = tl.atomic_add(ctr_ptr, 1, sem="acq_rel", scope="gpu")
         if done == tickets - 1:
             dt = tho_ptr.dtype.element_ty
-            cols = tl.arange(0, T_BLOCK_E)
-            cm = cols < E
-            w = tl.load(tw_ptr + cols, mask=cm, other=0.0)
-            if T_OFFSET:  # gemma's (1 + w), formed in the weight's dtype
-                w = (w.to(tl.float32) + t_off).to(tw_ptr.dtype.element_ty)
-            w = w.to(tl.float32)
-            if T_NEXT:
-                w2 = tl.load(tw2_ptr + cols, mask=cm, other=0.0).to(tl.float32)
             for r in range(rows):
-                y = tl.load(y_ptr + r * sy + cols, mask=cm, other=0.0,
-                            cache_modifier=".cg").to(tl.float32)
-                h = tl.load(th_ptr + r * E + cols, mask=cm, other=0.0).to(tl.float32)
-                if TAIL == 1:  # add_rms_norm
-                    s = (h + y).to(dt)
-                    tl.store(tho_ptr + r * E + cols, s, mask=cm)
-                    x = (_unit(s.to(tl.float32), t_eps, E, dt) * w).to(dt)
-                    tl.store(txo_ptr + r * E + cols, x, mask=cm)
-                else:  # residual_norm: h + rms_norm(y) [* scalar], then the next norm
-                    s = (h + (_unit(y, t_eps, E, dt) * w).to(dt).to(tl.float32)).to(dt)
-                    if T_SCALE:
-                        s = (s.to(tl.float32) * tl.load(tsc_ptr).to(tl.float32)).to(dt)
-                    tl.store(tho_ptr + r * E + cols, s, mask=cm)
-                    if T_NEXT:
-                        x = (_unit(s.to(tl.float32), t_eps, E, dt) * w2).to(dt)
-                        tl.store(txo_ptr + r * E + cols, x, mask=cm)
+                yr, hr = y_ptr + r * sy, th_ptr + r * E
+                ho, xo = tho_ptr + r * E, txo_ptr + r * E
+                if TAIL == 2:  # residual_norm: the statistic of y first
+                    inv_y = tl.rsqrt(_sum_sq(yr, E, T_CHUNK, ".cg") + t_eps)
+                for c0 in range(0, E, T_CHUNK):  # h' = h + y, or h + rms_norm(y) [* scalar]
+                    cols = c0 + tl.arange(0, T_CHUNK)
+                    cm = cols < E
+                    y = tl.load(yr + cols, mask=cm, other=0.0, cache_modifier=".cg")
+                    h = tl.load(hr + cols, mask=cm, other=0.0).to(tl.float32)
+                    if TAIL == 1:
+                        s = (h + y.to(tl.float32)).to(dt)
+                    else:
+                        w = tl.load(tw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+                        yn = ((y.to(tl.float32) * inv_y).to(dt).to(tl.float32) * w).to(dt)
+                        s = (h + yn.to(tl.float32)).to(dt)
+                        if T_SCALE:
+                            s = (s.to(tl.float32) * tl.load(tsc_ptr).to(tl.float32)).to(dt)
+                    tl.store(ho + cols, s, mask=cm)
+                if T_NEXT:
+                    tl.debug_barrier()  # this CTA's stores of h' before its threads read them
+                    inv = tl.rsqrt(_sum_sq(ho, E, T_CHUNK, "") + t_eps)
+                    if TAIL == 1:
+                        _norm_row(ho, tw_ptr, xo, inv, t_off, E, T_CHUNK, T_OFFSET)
+                    else:
+                        _norm_row(ho, tw2_ptr, xo, inv, t_off, E, T_CHUNK, False)
             tl.store(ctr_ptr, 0)

@@ -263,7 +263,7 @@ if HAVE_TRITON:
                        SB: tl.constexpr, CG: tl.constexpr, GDC: tl.constexpr,
                        PRO: tl.constexpr, HAS_R: tl.constexpr, HAS_OFFSET: tl.constexpr,
                        ACT: tl.constexpr, ctr_ptr, th_ptr, tw_ptr, tsc_ptr, tw2_ptr, tho_ptr,
-                       txo_ptr, t_eps, t_off, TAIL: tl.constexpr, T_BLOCK_E: tl.constexpr,
+                       txo_ptr, t_eps, t_off, TAIL: tl.constexpr, T_CHUNK: tl.constexpr,
                        T_OFFSET: tl.constexpr, T_SCALE: tl.constexpr, T_NEXT: tl.constexpr):
         """y[pid * BLOCK_N + i] for i < BLOCK_N. PRO: 0 x as given, 1 rms_norm(x + r), 2
         act(gate) * up (see `_x_at`); program 0 also stores the residual x + r. TAIL > 0:
@@ -316,7 +316,7 @@ if HAVE_TRITON:
             tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
         if TAIL > 0:
             _tail(y_ptr, N, 1, N, tl.num_programs(0), ctr_ptr, th_ptr, tw_ptr, tsc_ptr, tw2_ptr,
-                  tho_ptr, txo_ptr, t_eps, t_off, TAIL, T_BLOCK_E, T_OFFSET, T_SCALE, T_NEXT)
+                  tho_ptr, txo_ptr, t_eps, t_off, TAIL, T_CHUNK, T_OFFSET, T_SCALE, T_NEXT)
 
 def q4gemv(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: int,
            out: Tensor | None = None, config: Q4Config | None = None,

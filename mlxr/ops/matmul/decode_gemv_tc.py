@@ -141,7 +141,7 @@ if HAVE_TRITON:
                      F16: tl.constexpr, GDC: tl.constexpr, INTERP: tl.constexpr,
                      FP4: tl.constexpr, HAS_GS: tl.constexpr, FP8: tl.constexpr, t_rows,
                      ctr_ptr, th_ptr, tw_ptr, tsc_ptr, tw2_ptr, tho_ptr, txo_ptr, t_eps, t_off,
-                     TAIL: tl.constexpr, T_BLOCK_E: tl.constexpr, T_OFFSET: tl.constexpr,
+                     TAIL: tl.constexpr, T_CHUNK: tl.constexpr, T_OFFSET: tl.constexpr,
                      T_SCALE: tl.constexpr, T_NEXT: tl.constexpr):
         """y [M, N] for row tiles pid * RT .. + RT (16 rows each) of x [M, K] (M = 1, 2, 4, 8:
         the B columns are M rows of x x GPW = 8 / M group slots, so a window holds GPW
@@ -306,7 +306,7 @@ if HAVE_TRITON:
                          mask=(rows < NRT * 16)[None, :])
         if TAIL > 0:
             _tail(y_ptr, NRT * 16, t_rows, NRT * 16, tl.num_programs(0), ctr_ptr, th_ptr,
-                  tw_ptr, tsc_ptr, tw2_ptr, tho_ptr, txo_ptr, t_eps, t_off, TAIL, T_BLOCK_E,
+                  tw_ptr, tsc_ptr, tw2_ptr, tho_ptr, txo_ptr, t_eps, t_off, TAIL, T_CHUNK,
                   T_OFFSET, T_SCALE, T_NEXT)
 
 
