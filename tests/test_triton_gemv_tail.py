@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 
 from test_triton_q4gemv import _weights  # noqa: E402
 
+from mlxr.ops import reference as R  # noqa: E402
 from mlxr.ops import tickets  # noqa: E402
 from mlxr.ops.layer import add_norm_qkv_rope as A  # noqa: E402
 from mlxr.ops.layer import residual_norm as RN  # noqa: E402
@@ -84,6 +85,24 @@ def test_q4gemv_tail(monkeypatch, dtype, mode, offset, scaled, nxt, n, k, cfg, c
     if ref_x is not None:
         _close(tail.x_out, ref_x)
     _counters_zero()
+    # and the plain-torch twin: q4gemv_ref, then the reference op. y may differ by two ulps
+    # (fp32 order, and the interpreter truncates bf16 casts where torch rounds to nearest),
+    # then each rounding point by one: h' (up to 4 points) within 6, x (2 more) within 8
+    twin_y = Q.q4gemv_ref(x, words, sc, b, group=64).view(1, n)
+    if mode == T.ADD_NORM:
+        tw_h, tw_x = R.add_rms_norm(h, twin_y, w, 1e-6, offset)
+    else:
+        tw_h, tw_x = R.residual_norm(h, twin_y, w, 1e-6, s, w2)
+    _near(tail.h_out, tw_h, 6)
+    if tw_x is not None:
+        _near(tail.x_out, tw_x, 8)
+
+
+def _near(got: torch.Tensor, ref: torch.Tensor, ulps: int) -> None:
+    """Within `ulps` units of the dtype at each row's largest value."""
+    ulp = 2.0**-7 if got.dtype == torch.bfloat16 else 2.0**-10
+    tol = ulps * ulp * ref.float().abs().amax(-1, keepdim=True)
+    assert bool(((got.float() - ref.float()).abs() <= tol).all())
 
 
 def test_tail_argument_checks():
