@@ -150,12 +150,15 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a gemma4 checkpoint (default: a small one)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--top", type=int, default=12, help="op names listed")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="float32 keeps the weights' MLX words, which the per-layer-input "
+                         "kernels (MLXR_GEMMA4_PLE_FUSED=1) read; bf16 on the CPU drops them")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = a.model or make_checkpoint.write_hybrid(
             hybrid_tables.narrow_gemma4(make_checkpoint.SHAPES["gemma-4-e2b"]), Path(tmp),
             (4, 64, "affine"))
-        m = mlxr.load(path, device="cpu", dtype="bfloat16")
+        m = mlxr.load(path, device="cpu", dtype=a.dtype)
     dec = m.decoder
     n_layers = dec.config.num_layers
     ids = torch.randint(0, m.config.vocab_size, (a.tokens,), generator=torch.Generator()
