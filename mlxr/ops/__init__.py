@@ -183,7 +183,7 @@ def _gemv_tail(x, linear, mode: int, h, weight, eps: float, offset: float = 0.0,
     if h.dim() != 2 or x.dim() != 2 or w.out_features != h.shape[1] or x.dtype != h.dtype:
         return None
     h = h.contiguous()
-    if not rt.takes(mode, h, h.shape[1], h.shape[0], weight, scalar, next_weight, offset):
+    if not rt.takes(mode, h, weight, scalar, next_weight, offset):
         return None
     tail = rt.new_tail(mode, h, weight, eps, offset, scalar, next_weight)
     return (tail.h_out, tail.x_out) if w.linear_tail(x, tail) else None

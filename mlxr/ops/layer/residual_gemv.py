@@ -15,10 +15,8 @@ there. Here the branch takes two launches:
   the activation `norm_rope_act._gated`'s (the rounding of `ops.gated_act`).
 * `linear_residual_norm`: y = x @ W^T rounded, then (h + rms_norm(y, w)) [* scalar] and its
   norm for the next branch. Grid (row tiles of W, tokens); each program stores its rows of y,
-  then takes a ticket from its token's int32 counter (acq_rel at GPU scope after a CTA
-  barrier: `mlxr.ops.tickets`, region RESIDUAL, shared with the GEMV tails); the
-  program that draws the last ticket reads the whole row of y and runs
-  `residual_norm._residual_norm_kernel`'s arithmetic on it, then resets the counter.
+  then runs the decode GEMVs' tail (`residual_tail._tail`, a counter per token): the
+  program that draws the token's last ticket runs the residual step over its row of y.
 
 Values equal the composed ops but for the GEMV's fp32 summation order (by groups of the
 format, then across groups), so a bf16 output may differ from the composition's in its last
@@ -40,7 +38,9 @@ from .. import tickets
 from ..moe.decode_rows import _rows
 from ..moe.operands import ExpertQuant, kernels_take, linear_stack
 from .norm_rope_act import ACTS, _gated, _p2
+from . import residual_tail
 from .residual_norm import _unit_rms
+from .residual_tail import _tail
 
 MAX_ROWS = 16  # tokens per call (decode); longer inputs take the composed ops
 MAX_E = 8192  # the residual row is held in registers by one program
@@ -84,38 +84,25 @@ def _residual_linear_act_kernel(h_ptr, a_ptr, nw_ptr, ho_ptr, w_ptr, s_ptr, b_pt
 
 
 @triton.jit
-def _linear_residual_norm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, gs_ptr, y_ptr, ctr_ptr, h_ptr,
-                                 nw_ptr, sc_ptr, nw2_ptr, ho_ptr, xo_ptr, sx, eps,
-                                 K: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
-                                 BITS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
+def _linear_residual_norm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, gs_ptr, y_ptr, sx,
+                                 K: tl.constexpr, E: tl.constexpr, BITS: tl.constexpr,
+                                 GROUP: tl.constexpr, MODE: tl.constexpr,
                                  HAS_GS: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 GT: tl.constexpr, TICKETS: tl.constexpr,
-                                 HAS_SCALE: tl.constexpr, HAS_NEXT: tl.constexpr):
+                                 GT: tl.constexpr, TICKETS: tl.constexpr, ctr_ptr, th_ptr,
+                                 tw_ptr, tsc_ptr, tw2_ptr, tho_ptr, txo_ptr, t_eps, t_off,
+                                 TAIL: tl.constexpr, T_CHUNK: tl.constexpr,
+                                 T_OFFSET: tl.constexpr, T_SCALE: tl.constexpr,
+                                 T_NEXT: tl.constexpr):
+    """Rows rn of y = x @ W^T for token r, then the GEMV tail's residual step
+    (`residual_tail._tail`, a counter per token) by the token's last program."""
     r = tl.program_id(1).to(tl.int64)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    dt = ho_ptr.dtype.element_ty
     acc = _rows(x_ptr + r * sx, w_ptr, s_ptr, b_ptr, D._expert_gs(gs_ptr, 0, HAS_GS), rn, E, K,
                 BITS, GROUP, MODE, BLOCK_N, GT, K)
-    tl.store(y_ptr + r * E + rn, acc.to(dt), mask=rn < E)
-    tl.debug_barrier()
-    done = tl.atomic_add(ctr_ptr + r, 1, sem="acq_rel", scope="gpu")
-    if done == TICKETS - 1:  # every row of y is stored: the residual norm of the whole row
-        cols = tl.arange(0, BLOCK_E)
-        cmask = cols < E
-        m = cmask[None, :]
-        off = r * E + cols[None, :]
-        a = tl.load(y_ptr + off, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-        h = tl.load(h_ptr + off, mask=m, other=0.0).to(tl.float32)
-        w = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        h = (h + (_unit_rms(a, eps, E, dt) * w[None, :]).to(dt).to(tl.float32)).to(dt)
-        h = h.to(tl.float32)
-        if HAS_SCALE:
-            h = (h * tl.load(sc_ptr).to(tl.float32)).to(dt).to(tl.float32)
-        tl.store(ho_ptr + off, h.to(dt), mask=m)
-        if HAS_NEXT:
-            w2 = tl.load(nw2_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-            tl.store(xo_ptr + off, (_unit_rms(h, eps, E, dt) * w2[None, :]).to(dt), mask=m)
-        tl.store(ctr_ptr + r, 0)
+    tl.store(y_ptr + r * E + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < E)
+    _tail(y_ptr + r * E, E, 1, E, TICKETS, ctr_ptr + r, th_ptr + r * E, tw_ptr, tsc_ptr,
+          tw2_ptr, tho_ptr + r * E, txo_ptr + r * E, t_eps, t_off, TAIL, T_CHUNK, T_OFFSET,
+          T_SCALE, T_NEXT)
 
 
 # ====================================================================== host wrappers
@@ -190,22 +177,18 @@ def linear_residual_norm(x: Tensor, linear, h: Tensor, weight: Tensor, eps: floa
             or (next_weight is not None and next_weight.shape != (e,))
             or not takes(m, e, h.dtype, x, weight, scalar, next_weight)):
         return None
+    if m > tickets.REGION:
+        return None
     bn = _block_n(e, m)
     tiles = triton.cdiv(e, bn)
-    ctr = tickets.counters(h.device, tickets.RESIDUAL)
-    if m > ctr.numel():
-        return None
     h = h.contiguous()
+    tail = residual_tail.new_tail(residual_tail.SANDWICH, h, weight.contiguous(), eps, 0.0,
+                                  scalar, next_weight)
     y = torch.empty_like(h)
-    ho = torch.empty_like(h)
-    xo = torch.empty_like(h) if next_weight is not None else None
     w, s, b, gs = _args(q)
     _linear_residual_norm_kernel[(tiles, m)](
-        x, w, s, b, gs, y, ctr, h, weight.contiguous(), scalar if scalar is not None else h,
-        next_weight.contiguous() if next_weight is not None else h, ho,
-        xo if xo is not None else ho, x.stride(0), float(eps), K=k, E=e, BLOCK_E=_p2(e),
-        BITS=q.bits, GROUP=q.group, MODE=D.KERNEL_MODE[q.mode],
-        HAS_GS=q.global_scale is not None, BLOCK_N=bn, GT=D._gt(k, q.bits, q.group),
-        TICKETS=tiles, HAS_SCALE=scalar is not None, HAS_NEXT=next_weight is not None,
-        num_warps=4)
-    return ho, xo
+        x, w, s, b, gs, y, x.stride(0), K=k, E=e, BITS=q.bits, GROUP=q.group,
+        MODE=D.KERNEL_MODE[q.mode], HAS_GS=q.global_scale is not None, BLOCK_N=bn,
+        GT=D._gt(k, q.bits, q.group), TICKETS=tiles,
+        **residual_tail.launch_args(tail, y, h.device), num_warps=4)
+    return tail.h_out, tail.x_out

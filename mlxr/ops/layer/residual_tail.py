@@ -57,12 +57,13 @@ class TailArgs:
     next_weight: Tensor | None = None
 
 
-def takes(mode: int, h: Tensor, e: int, m: int, weight: Tensor, scalar: Tensor | None = None,
+def takes(mode: int, h: Tensor, weight: Tensor, scalar: Tensor | None = None,
           next_weight: Tensor | None = None, offset: float = 0.0) -> bool:
-    """Whether a tail serves this residual step: one dtype throughout (the standalone kernels'
-    precondition), rows that fit a program."""
+    """Whether a tail serves this residual step over h [M, E]: one dtype throughout (the
+    standalone kernels' precondition), rows the last program walks."""
     same = all(t.dtype == h.dtype for t in (weight, scalar, next_weight) if t is not None)
-    return (same and h.shape == (m, e) and h.is_contiguous() and e <= MAX_E
+    e = h.shape[-1]
+    return (same and h.dim() == 2 and h.is_contiguous() and e <= MAX_E
             and weight.shape == (e,) and (scalar is None or scalar.numel() == 1)
             and (next_weight is None or next_weight.shape == (e,))
             and (mode == ADD_NORM or not offset)
