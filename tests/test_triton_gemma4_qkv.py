@@ -103,6 +103,27 @@ def test_kv_shared_layer_writes_nothing(dtype):
     check_rope_out(q_f, q_r, 16, False, 2)
 
 
+def test_kv_shared_dummies_type_the_kv_branch(monkeypatch):
+    """The compiler types the kv programs' branch even where none runs (the interpreter
+    never does): a KV-shared launch's dummy slots must be an integer tensor, else CUDA
+    fails to compile `slot * stride` (seen on an H100 in session 26)."""
+    seen = {}
+    real = L._qkv_rope_write_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen["slots"] = args[7]
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(L, "_qkv_rope_write_kernel", Spy())
+    c = case(("g4qkv-dummy",), torch.bfloat16, 1, 4, 2, 32, 16, False, True, "ones")
+    run(L.split_qkv_norm_rope_write, c, 4, 2, 32, False)
+    assert not seen["slots"].dtype.is_floating_point
+    assert seen["slots"].dtype in (torch.int32, torch.int64)
+
+
 def test_positions_index_the_tables():
     """Whole cos / sin tables and device positions: the same bits as the rows gathered."""
     c = case("g4qkv-pos", torch.float32, 3, 2, 1, 64, 8, False, False, "ones")

@@ -197,8 +197,10 @@ def split_qkv_norm_rope_write(q: Tensor, kv: Tensor | None, n_heads: int, n_kv_h
     assert q_norm.dtype == q.dtype, (q_norm.dtype, q.dtype)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if kv is None:  # a KV-shared layer: q programs only; the kv arguments are never read
-        kv, k_norm, v_norm, k_cache, v_cache, slots = q, q_norm, None, q, q, q
+    if kv is None:  # a KV-shared layer: q programs only; the kv arguments are never read,
+        # but the compiler types the kv branch too: the slots dummy must be an integer tensor
+        kv, k_norm, v_norm, k_cache, v_cache = q, q_norm, None, q, q
+        slots = _no_slots(q.device)
     else:
         width = kh * d if k_eq_v else 2 * kh * d
         assert kv.shape[1] == width and kv.dtype == q.dtype, (kv.shape, kv.dtype, width)
@@ -209,6 +211,17 @@ def split_qkv_norm_rope_write(q: Tensor, kv: Tensor | None, n_heads: int, n_kv_h
             kv = kv.contiguous()
     return _launch(q, kv, 0 if k_eq_v else kh * d, q_norm, k_norm, v_norm, h, kh, d, cos, sin,
                    traditional, k_cache, v_cache, slots, positions, eps, 0.0, 1.0, True)
+
+
+_NO_SLOTS: dict = {}
+
+
+def _no_slots(device: torch.device) -> Tensor:
+    """A device's one-slot int64 dummy for launches whose kv programs do not run."""
+    key = (device.type, device.index)
+    if key not in _NO_SLOTS:
+        _NO_SLOTS[key] = torch.zeros(1, dtype=torch.int64, device=device)
+    return _NO_SLOTS[key]
 
 
 def _launch(q_src: Tensor, kv_src: Tensor, v_off: int, qw: Tensor, kw: Tensor,
