@@ -1,4 +1,5 @@
-"""Gemma 4's per-layer-input branch on CUDA (`ops.layer.residual_gemv`, MLXR_GEMMA4_PLE_FUSED=1):
+"""Gemma 4's per-layer-input branch on CUDA (`ops.layer.residual_gemv`, on by default;
+MLXR_GEMMA4_PLE_FUSED=0 off):
 the two kernels against their twins, then one layer's branch timed in CUDA graphs, composed
 (residual_norm, the gate GEMV, gated_act, the projection GEMV, residual_norm: five launches,
 the GEMVs on the dispatch a loaded QuantWeight gets) against fused (two launches).

@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12, help="op names listed")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="float32 keeps the weights' MLX words, which the per-layer-input "
-                         "kernels (MLXR_GEMMA4_PLE_FUSED=1) read; bf16 on the CPU drops them")
+                         "kernels (on CUDA by default) read; bf16 on the CPU drops them")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = a.model or make_checkpoint.write_hybrid(

@@ -169,8 +169,7 @@ def layers(dec, p: _Plan, ids: Tensor, attend) -> Tensor:
     ple = dec._per_layer_inputs(ids, h) if dec.ple is not None else None
     x = norm(h, dec.layers[0].input_norm, eps)
     for i, (ly, lp) in enumerate(zip(dec.layers, p.layers, strict=True)):
-        a, o_proj = attend(i, ly, x)
-        h = h + norm(o_proj(a), ly.post_attn_norm, eps)
+        h = h + norm(attend(i, ly, x), ly.post_attn_norm, eps)
         h = h + norm(_mlp(p, lp, norm(h, ly.pre_mlp_norm, eps), c.hidden_act),
                      ly.post_mlp_norm, eps)
         if ple is not None:

@@ -319,35 +319,15 @@ class Decoder:
             a = attend(i, q).reshape(n, heads * c.head_dim)
             if layer.head_gate is not None:
                 a = ops.head_gate(a, layer.head_gate(x))
-            if layer.post_attn_norm is None and not self._clips(h):
-                # o_proj, the residual add and the MLP's norm (in the GEMV's launch with
-                # MLXR_GEMV_TAIL=1)
-                h, x = ops.linear_add_norm(a, layer.o_proj, h, layer.mlp_norm, eps, off)
-            else:
-                o = layer.o_proj(a)
-                if layer.post_attn_norm is not None:
-                    o = ops.rms_norm(o, layer.post_attn_norm, eps, off)
-                h, x = self._add_norm(h, o, layer.mlp_norm)
-            if self._plain_mlp(layer, h) and (rows is None or i + 1 < len(self.layers)):
-                nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-                act = _gated_act(layer.gate_up, x, c.hidden_act)
-                h, x = ops.linear_add_norm(act, layer.down_proj, h, nxt, eps, off)
-                continue
+            o = layer.o_proj(a)
+            if layer.post_attn_norm is not None:
+                o = ops.rms_norm(o, layer.post_attn_norm, eps, off)
+            h, x = self._add_norm(h, o, layer.mlp_norm)
             m = layer.moe(x) if layer.moe is not None else self._mlp(layer, x)
             if layer.post_mlp_norm is not None:
                 m = ops.rms_norm(m, layer.post_mlp_norm, eps, off)
             h, x = self._next_norm(i, h, m, rows)
         return x if hidden else self.cap_logits(self.head(x).float())
-
-    def _clips(self, h: torch.Tensor) -> bool:
-        """Whether the residual adds clip to the fp16 range (gemma3 in fp16: `_add_norm`)."""
-        return self.config.clip_residual_fp16 and h.dtype == torch.float16
-
-    def _plain_mlp(self, layer: Layer, h: torch.Tensor) -> bool:
-        """A dense MLP down(act(gate) * up) whose output only feeds the residual add and the
-        next norm (no MoE, no parts computed elsewhere, no post-norm, no clipping)."""
-        return (layer.moe is None and layer.mlp_input is None and layer.mlp_act is None
-                and layer.post_mlp_norm is None and not self._clips(h))
 
     def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
         """The dense MLP down(act(gate) * up), with the parts the layer computes elsewhere."""

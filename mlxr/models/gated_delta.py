@@ -84,17 +84,8 @@ class GatedDeltaMixer:
             conv_pool.index_copy_(0, rows, cs)
             ssm_pool.index_copy_(0, rows, ss)
             return out
-        return self.out_proj(self.decode_out(x, conv_pool, ssm_pool, rows))
-
-    def decode_out(self, x: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
-                   rows: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The fused decode step of rows x [B, E] up to out_proj: [B, value_dim], the states
-        conv / ssm themselves ([B, ...]) or their pools' rows `rows` [B], updated in place;
-        None (nothing run) with MLXR_GDN_FUSED=0. The caller applies `out_proj` (with the
-        residual step after it, `ops.linear_add_norm`)."""
-        if os.environ.get("MLXR_GDN_FUSED", "1") == "0":
-            return None
         s = self.spec
         heads = (s.num_k_heads, s.num_v_heads, s.k_head_dim, s.v_head_dim)
-        return ops.gated_delta_decode(self.in_proj(x), conv, ssm, self.conv, self.a_log,
-                                      self.dt_bias, self.norm, heads, self.eps, rows)
+        out = ops.gated_delta_decode(self.in_proj(x), conv_pool, ssm_pool, self.conv,
+                                     self.a_log, self.dt_bias, self.norm, heads, self.eps, rows)
+        return self.out_proj(out)

@@ -193,8 +193,7 @@ class Gemma4Decoder:
 
     def _layers(self, ids: torch.Tensor, attend) -> torch.Tensor:
         """Embedding and the layers over rows ids [N]; attend(i, layer, x) -> the attention
-        output [N, H*D] and the o_proj to apply to it. Returns h [N, E] before the final
-        norm."""
+        output [N, E] (after o_proj). Returns h [N, E] before the final norm."""
         lean = cpu_gemma4_decode.plan(self, ids.shape[0])
         if lean is not None:  # a CPU decode step: the same values in fewer calls
             return cpu_gemma4_decode.layers(self, lean, ids, attend)
@@ -207,14 +206,8 @@ class Gemma4Decoder:
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         nexts = [ly.input_norm for ly in self.layers[1:]] + [None]
         for i, (ly, nxt) in enumerate(zip(self.layers, nexts)):
-            a, o_proj = attend(i, ly, x)  # (with MLXR_GEMV_TAIL=1 in the GEMV's launch)
-            h, x = ops.linear_residual_norm(a, o_proj, h, ly.post_attn_norm, eps,
-                                            next_weight=ly.pre_mlp_norm)
-            if ly.moe is None and ple is None:  # down_proj and the layer's last residual
-                h, x = ops.linear_residual_norm(_gated_act(ly.gate_up, x, c.hidden_act),
-                                                ly.down_proj, h, ly.post_mlp_norm, eps,
-                                                ly.scalar, nxt)
-                continue
+            h, x = ops.residual_norm(h, attend(i, ly, x), ly.post_attn_norm, eps,
+                                     next_weight=ly.pre_mlp_norm)
             m = ly.down_proj(_gated_act(ly.gate_up, x, c.hidden_act))
             if ly.moe is not None:  # norm(m) + experts(h), added in the other order: the same
                 m, _ = ops.residual_norm(ly.moe(h, eps), m, ly.moe.post_mlp_norm, eps)
@@ -222,7 +215,7 @@ class Gemma4Decoder:
                 h, x = ops.residual_norm(h, m, ly.post_mlp_norm, eps, ly.scalar, nxt)
                 continue
             # the per-layer-input branch: residual norm, gate GEMV and act, projection GEMV
-            # and residual norm (two launches with MLXR_GEMMA4_PLE_FUSED=1 at decode)
+            # and residual norm (two launches at decode on CUDA; MLXR_GEMMA4_PLE_FUSED=0: five)
             h, g = ops.residual_linear_act(h, m, ly.post_mlp_norm, eps, ly.ple_gate,
                                            ple[:, i], c.hidden_act)
             h, x = ops.linear_residual_norm(g, ly.ple_proj, h, ly.ple_norm, eps, ly.scalar, nxt)
@@ -276,7 +269,7 @@ class Gemma4Decoder:
                 seen[i] = k, v
             keys, values = seen[s.kv_source[i]]
             out = ops.attention(q, keys, values, 0, 0, c.attn_scale, c.layer_window[i])
-            return out.reshape(t, c.num_heads * s.head_dims[i]), ly.o_proj
+            return ly.o_proj(out.reshape(t, c.num_heads * s.head_dims[i]))
 
         h = self._layers(ids, attend)
         cache.length = t
@@ -295,9 +288,9 @@ class Gemma4Decoder:
         def attend(i: int, ly: Gemma4Layer, x: torch.Tensor) -> torch.Tensor:
             p = pj[i]
             kv = p.kv(x) if p.kv is not None else None
-            return self._attend_rows(i, ly, p.q_proj(x), kv, cache, start,
-                                     *tables[id(self.ropes[i].spec)], seen, norm,
-                                     attn), p.o_proj
+            return p.o_proj(self._attend_rows(i, ly, p.q_proj(x), kv, cache, start,
+                                              *tables[id(self.ropes[i].spec)], seen, norm,
+                                              attn))
 
         seen: dict = {}
 
@@ -325,7 +318,7 @@ class Gemma4Decoder:
             src = s.kv_source[i]
             out = ops.attention_at(q, pool.k[src], pool.v[src], slots[pool.k[src].shape[1]][1],
                                    None, c.attn_scale)
-            return out.reshape(1, c.num_heads * s.head_dims[i]), ly.o_proj
+            return ly.o_proj(out.reshape(1, c.num_heads * s.head_dims[i]))
 
         return self._logits(self._layers(ids, attend))
 
@@ -353,7 +346,7 @@ class Gemma4Decoder:
             q = self._qkv_write(i, ly, ly.q_proj(x), ly.kv(x) if own else None,
                                 rows[id(self.ropes[i].spec)], pool, put if own else None)
             out = ops.paged_attention(q, pool.k[src], pool.v[src], tab, ctx, bs, c.attn_scale)
-            return out.reshape(q.shape[0], c.num_heads * s.head_dims[i]), ly.o_proj
+            return ly.o_proj(out.reshape(q.shape[0], c.num_heads * s.head_dims[i]))
 
         return self._logits(self._layers(ids, attend))
 
@@ -382,7 +375,7 @@ class Gemma4Decoder:
                     seen[b][i] = c.extend(i, k[:, b:b + 1], v[:, b:b + 1], starts[b])
             out = padded_decode_attention(q, [s[src][0] for s in seen],
                                           [s[src][1] for s in seen], self.config.attn_scale)
-            return out.reshape(len(caches), -1), p.o_proj
+            return p.o_proj(out.reshape(len(caches), -1))
 
         seen: list[dict] = [{} for _ in caches]
 

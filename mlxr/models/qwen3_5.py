@@ -155,29 +155,16 @@ class Qwen35Decoder:
         return self._gated_out(out, gate)
 
     def _layers(self, h: torch.Tensor, mixer, last_only: bool) -> torch.Tensor:
-        """The layers over rows h [N, E]; mixer(i, layer, x) -> the mixer's output [N, E], or
-        (its output before the projection, the projection). Returns the final-normed rows
-        (the last one only with last_only)."""
+        """The layers over rows h [N, E]; mixer(i, layer, x) -> the mixer's output [N, E].
+        Returns the final-normed rows (the last one only with last_only)."""
         c = self.config
         eps = c.rms_norm_eps
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
-            r = mixer(i, layer, x)
-            if isinstance(r, tuple):  # (the mixer's output before its projection, the
-                # projection): with the residual add and the norm (one launch with
-                # MLXR_GEMV_TAIL=1)
-                h, x = ops.linear_add_norm(r[0], r[1], h, layer.mlp_norm, eps)
-            else:
-                h, x = ops.add_rms_norm(h, r, layer.mlp_norm, eps)
-            nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            if layer.moe is None and not (nxt is self.norm and last_only):
-                # down_proj, the residual add and the next norm (in the GEMV's launch with
-                # MLXR_GEMV_TAIL=1)
-                h, x = ops.linear_add_norm(_gated_act(layer.gate_up, x, c.hidden_act),
-                                           layer.down_proj, h, nxt, eps)
-                continue
+            h, x = ops.add_rms_norm(h, mixer(i, layer, x), layer.mlp_norm, eps)
             r = (layer.moe(x) if layer.moe is not None else
                  layer.down_proj(_gated_act(layer.gate_up, x, c.hidden_act)))
+            nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             if nxt is self.norm and last_only:
                 h, r = h[-1:], r[-1:]
             h, x = ops.add_rms_norm(h, r, nxt, eps)
@@ -256,13 +243,11 @@ class Qwen35Decoder:
         def mixer(i: int, layer: HybridLayer, x: torch.Tensor) -> torch.Tensor:
             m = layer.mixer
             if isinstance(m, GatedDeltaMixer):
-                out = m.decode_out(x, pool.conv[i], pool.ssm[i])
-                return m(x[None], pool.conv[i], pool.ssm[i])[0] if out is None else (
-                    out, m.out_proj)
+                return m(x[None], pool.conv[i], pool.ssm[i])[0]
             qkv, gate = self._split_gate(m.qkv(x))
             q = self._q_write(m, qkv, pool.k[i], pool.v[i], cos, sin, pos, pos)
             out = ops.attention_at(q, pool.k[i], pool.v[i], pos, None, c.attn_scale)
-            return self._gated_out(out, gate), m.o_proj
+            return m.o_proj(self._gated_out(out, gate))
 
         return self.head(self._layers(self.embed(ids), mixer, False)).float()
 
@@ -280,15 +265,12 @@ class Qwen35Decoder:
         def mixer(i: int, layer: HybridLayer, x: torch.Tensor) -> torch.Tensor:
             m = layer.mixer
             if isinstance(m, GatedDeltaMixer):
-                out = (None if cpu_hybrid_decode.enabled(x) else
-                       m.decode_out(x, pool.conv[i], pool.ssm[i], states))
-                return _delta_rows(m, x, pool.conv[i], pool.ssm[i], states) if out is None else (
-                    out, m.out_proj)
+                return _delta_rows(m, x, pool.conv[i], pool.ssm[i], states)
             qkv, gate = self._split_gate(m.qkv(x))
             q = self._q_write(m, qkv, pool.k[i], pool.v[i], cos, sin, slots, pos)
             out = ops.paged_attention(q, pool.k[i], pool.v[i], tables, lens, pool.block_size,
                                       c.attn_scale)
-            return self._gated_out(out, gate), m.o_proj
+            return m.o_proj(self._gated_out(out, gate))
 
         return self.head(self._layers(self.embed(ids), mixer, False)).float()
 

@@ -124,10 +124,10 @@ def residual_norm(h, a, weight, eps: float, scalar=None, next_weight=None):
 
 def residual_linear_act(h, a, weight, eps: float, linear, up, act: str):
     """(h', act(linear(h')) * up) for h' = h + rms_norm(a, weight) (see
-    reference.residual_linear_act). On CUDA with MLXR_GEMMA4_PLE_FUSED=1 (read at each call)
-    and decode-sized rows, one launch (`layer.residual_gemv`); else residual_norm, linear and
-    gated_act one by one."""
-    if _fast(h) and os.environ.get("MLXR_GEMMA4_PLE_FUSED") == "1":
+    reference.residual_linear_act). On CUDA with decode-sized rows, one launch
+    (`layer.residual_gemv`; MLXR_GEMMA4_PLE_FUSED=0, read at each call, turns it off); else
+    residual_norm, linear and gated_act one by one."""
+    if _fast(h) and _ple_fused():
         from .layer import residual_gemv
         out = residual_gemv.residual_linear_act(h, a, weight, eps, linear, up, act)
         if out is not None:
@@ -136,18 +136,17 @@ def residual_linear_act(h, a, weight, eps: float, linear, up, act: str):
                                          norm=residual_norm, gate=gated_act)
 
 
+def _ple_fused() -> bool:
+    """MLXR_GEMMA4_PLE_FUSED (default on: 1.08-1.15x on the branch, +2.3% Gemma-4-E2B decode
+    on an H100, docs/perf.md session 26; bf16 values may round one ulp apart, =0 restores the
+    composed ops)."""
+    return os.environ.get("MLXR_GEMMA4_PLE_FUSED", "1") != "0"
+
+
 def linear_residual_norm(x, linear, h, weight, eps: float, scalar=None, next_weight=None):
     """residual_norm(h, linear(x), weight, eps, scalar, next_weight) (see
-    reference.linear_residual_norm). On CUDA, one launch: with MLXR_GEMV_TAIL=1 where a
-    decode GEMV serves x (`_gemv_tail`), else with MLXR_GEMMA4_PLE_FUSED=1 for inputs of at
-    most 1024 features (`layer.residual_gemv`: Gemma 4's per-layer projection, whose 256-wide
-    input no decode GEMV takes); else linear, then residual_norm."""
-    from .layer.residual_tail import SANDWICH
-    out = _gemv_tail(x, linear, SANDWICH, h, weight, eps, 0.0, scalar, next_weight)
-    if out is not None:
-        return out
-    if (_fast(h) and os.environ.get("MLXR_GEMMA4_PLE_FUSED") == "1"
-            and x.shape[-1] <= 1024):
+    reference.linear_residual_norm); one launch as `residual_linear_act` says."""
+    if _fast(h) and _ple_fused():
         from .layer import residual_gemv
         out = residual_gemv.linear_residual_norm(x, linear, h, weight, eps, scalar,
                                                  next_weight)
@@ -155,38 +154,6 @@ def linear_residual_norm(x, linear, h, weight, eps: float, scalar=None, next_wei
             return out
     return reference.linear_residual_norm(x, linear, h, weight, eps, scalar, next_weight,
                                           norm=residual_norm)
-
-
-def linear_add_norm(x, linear, h, weight, eps: float, offset: float = 0.0):
-    """add_rms_norm(h, linear(x), weight, eps, offset): a projection closing a residual branch
-    and the next norm. On CUDA with MLXR_GEMV_TAIL=1 (read at each call) the add and norm run
-    in the decode GEMV's last program where one serves x (`_gemv_tail`); else linear, then
-    add_rms_norm."""
-    from .layer.residual_tail import ADD_NORM
-    out = _gemv_tail(x, linear, ADD_NORM, h, weight, eps, offset)
-    if out is not None:
-        return out
-    return add_rms_norm(h, linear(x), weight, eps, offset)
-
-
-def _gemv_tail(x, linear, mode: int, h, weight, eps: float, offset: float = 0.0, scalar=None,
-               next_weight=None):
-    """(h', x') of the residual step `mode` after linear(x), in the decode GEMV's launch
-    (`layer.residual_tail`): MLXR_GEMV_TAIL=1, CUDA, a quantized Linear without a bias whose
-    rows a decode GEMV (q4gemv, q4tc) serves; else None (nothing run)."""
-    if os.environ.get("MLXR_GEMV_TAIL") != "1" or not _fast(h):
-        return None
-    w = getattr(linear, "weight", None)
-    if getattr(linear, "bias", None) is not None or not hasattr(w, "linear_tail"):
-        return None
-    from .layer import residual_tail as rt
-    if h.dim() != 2 or x.dim() != 2 or w.out_features != h.shape[1] or x.dtype != h.dtype:
-        return None
-    h = h.contiguous()
-    if not rt.takes(mode, h, weight, scalar, next_weight, offset):
-        return None
-    tail = rt.new_tail(mode, h, weight, eps, offset, scalar, next_weight)
-    return (tail.h_out, tail.x_out) if w.linear_tail(x, tail) else None
 
 
 def qkv_rope_write(qkv, n_heads: int, n_kv_heads: int, head_dim: int, q_norm, k_norm,
@@ -375,8 +342,8 @@ __all__ = ["MOE_KERNEL_ACTS", "ExpertQuant", "add_rms_norm", "attention", "atten
            "attention_masked",
            "conv1d_silu", "fast_kernels", "gated_act", "gated_delta", "gated_delta_decode",
            "gdn_chunked",
-           "head_gate", "linear_add_norm", "linear_residual_norm", "moe_combine",
-           "moe_dense_experts", "moe_expert_act", "moe_experts",
+           "head_gate", "linear_residual_norm", "moe_combine", "moe_dense_experts",
+           "moe_expert_act", "moe_experts",
            "moe_experts_shared",
            "moe_gate_up_pair", "moe_kernels_take", "moe_shared_stacks",
            "moe_reference", "moe_route", "moe_router", "paged_attention", "paged_items",

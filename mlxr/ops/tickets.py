@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 REGION = 1 << 14  # counters per region
-MOE_GATE_UP, MOE_DOWN, MOE_ROUTER, RESIDUAL, ATTENTION = range(5)  # the regions
+MOE_GATE_UP, MOE_DOWN, MOE_ROUTER, RESIDUAL = range(4)  # the regions
 REGIONS = 8
 _WORKSPACE: dict = {}
 

@@ -323,32 +323,6 @@ def gated(qw, x: Tensor, act: str) -> Tensor | None:
     return _q4tc(qw, x, act)
 
 
-def linear_tail(qw, x: Tensor, tail) -> bool:
-    """x [M, K] through the GEMV `linear` would take, with the residual step `tail`
-    (`ops.layer.residual_tail.TailArgs` over [M, N]) in its last program: True where q4gemv
-    or q4tc serves the rows (the tail's outputs are written), else False (nothing run)."""
-    m = x.shape[0]
-    if _gemv_v2(qw, m):
-        return False
-    if _one_row(m) and qw.q4 is not None:
-        from ..ops.matmul import decode_gemv_q4
-
-        decode_gemv_q4.q4gemv(x, qw.q4, qw.scales, qw.biases, group=qw.spec.group_size,
-                              sb=qw.q4_sb, tail=tail)
-        return True
-    if _takes_q4tc(qw, m) and not qw.tc_glu:
-        from ..ops.matmul import decode_gemv_tc
-
-        if m > decode_gemv_tc.max_rows(qw.spec.group_size):
-            return False
-        if x.data_ptr() % 16 or not x.is_contiguous():
-            x = x.clone(memory_format=torch.contiguous_format)
-        decode_gemv_tc.q4tc(x, qw.tc, qw.q4_sb, group=qw.spec.group_size, planes=qw.planes,
-                            fp4=qw.tc_fp4, gs=qw.tc_gs, fp8=qw.tc_fp8, tail=tail)
-        return True
-    return False
-
-
 def linear(qw, x: Tensor) -> Tensor | None:
     """x [M, K] -> [M, N] by the fastest measured path, or None to use the generic kernels."""
     m = x.shape[0]

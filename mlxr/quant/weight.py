@@ -391,16 +391,6 @@ class QuantWeight:
             y = cpu.tiled_linear(self, x2)
         return y.reshape(*lead, self.out_features)
 
-    def linear_tail(self, x: Tensor, tail) -> bool:
-        """x [M, in] through the decode GEMV with the residual step `tail`
-        (`mlxr.ops.layer.residual_tail.TailArgs` over [M, out]) in its launch: True where a
-        decode GEMV with a tail serves x on CUDA (the tail's outputs written), else False
-        (nothing run; the caller composes `linear` and the residual op)."""
-        if (not x.is_cuda or not _use_triton(self) or x.shape[-1] != self.in_features
-                or x.dtype != self.compute_dtype):
-            return False
-        return cuda.linear_tail(self, x.reshape(-1, self.in_features), tail)
-
     def gated(self, x: Tensor, act: str) -> Tensor | None:
         """act(gate) * up, x [..., in] -> [..., out / 2], for a weight built with `glu=True`,
         in one launch where the tensor-core GEMV serves x's rows (`cuda.gated`); None

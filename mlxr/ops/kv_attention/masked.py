@@ -26,7 +26,6 @@ import os
 import torch
 from torch import Tensor
 
-from .. import tickets
 from ..layer.norm_rope_act import HAVE_TRITON, _interpret, _p2, _warps, pdl
 
 if HAVE_TRITON:
@@ -130,44 +129,18 @@ if HAVE_TRITON:
         return tl.sum(acc * w[:, None], axis=0) / tl.where(l_tot > 0.0, l_tot, 1.0)
 
     @triton.jit
-    def _merge_row(pacc_ptr, pml_ptr, prow, jm, o_row, D: tl.constexpr,
-                   BLOCK_D: tl.constexpr, DC: tl.constexpr):
-        """`_merge_splits`' arithmetic for one row, stored at o_row, with the head's features
-        in DC-wide chunks (the split kernel's last program merges: its registers stay the
-        attention loop's) and only the splits that saw a key read (an empty split's acc is 0
-        and its weight exp2(-inf) = 0: the same sums); loads from L2 (`.cg`: other programs
-        wrote them)."""
-        m = tl.load(pml_ptr + prow * 2, mask=jm, other=float("-inf"), cache_modifier=".cg")
-        lsum = tl.load(pml_ptr + prow * 2 + 1, mask=jm, other=0.0, cache_modifier=".cg")
-        mx = tl.max(m, axis=0)
-        w = tl.exp2(m - tl.where(mx == float("-inf"), 0.0, mx))
-        l_tot = tl.sum(w * lsum, axis=0)
-        den = tl.where(l_tot > 0.0, l_tot, 1.0)
-        live = jm & (m > float("-inf"))
-        for c0 in tl.static_range(0, BLOCK_D, DC):
-            dd = c0 + tl.arange(0, DC)
-            dm = dd < D
-            acc = tl.load(pacc_ptr + prow[:, None] * D + dd[None, :],
-                          mask=live[:, None] & dm[None, :], other=0.0, cache_modifier=".cg")
-            out = tl.sum(acc * w[:, None], axis=0) / den
-            tl.store(o_row + dd, out.to(o_row.dtype.element_ty), mask=dm)
-
-    @triton.jit
     def _attn_split_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, pos_ptr, sink_ptr, o_ptr, pacc_ptr,
-                           pml_ptr, ctr_ptr,
+                           pml_ptr,
                            S, sq0, sq1, sk0, sk1, sv0, sv1, svis, window, qk_scale, inv_cap,
                            cap2, T: tl.constexpr, REP: tl.constexpr, H: tl.constexpr,
                            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                            BLOCK_S: tl.constexpr, TILES: tl.constexpr, NSPLIT: tl.constexpr,
                            SOFTCAP: tl.constexpr, SINGLE: tl.constexpr, DOT_F32: tl.constexpr,
                            POS: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-                           DK: tl.constexpr, NDK: tl.constexpr, MERGE: tl.constexpr,
-                           BLOCK_N: tl.constexpr, MERGE_DC: tl.constexpr):
+                           DK: tl.constexpr, NDK: tl.constexpr):
         """POS: no mask in memory; query row t sits at position pos[t] and sees key slot j iff
         j <= pos[t] (and pos[t] - j < window with WINDOW): the decode graph's visibility with
-        no mask to build per step, and no mask load before each tile's K. MERGE: the program
-        that stores the last split of its (kv head, row block) merges the block's rows (a
-        ticket per block, `mlxr.ops.tickets` region ATTENTION) instead of a combine launch."""
+        no mask to build per step, and no mask load before each tile's K."""
         g = tl.program_id(0)
         sp = tl.program_id(1)
         RT: tl.constexpr = REP * T
@@ -220,20 +193,6 @@ if HAVE_TRITON:
             tl.store(pacc_ptr + prow[:, None] * D + d[None, :], acc, mask=qm)
             tl.store(pml_ptr + prow * 2, m_i, mask=rmask)
             tl.store(pml_ptr + prow * 2 + 1, l_i, mask=rmask)
-            if MERGE:  # every split of the block stored: the last one's program merges
-                tl.debug_barrier()
-                cid = g * tl.num_programs(2) + tl.program_id(2)
-                done = tl.atomic_add(ctr_ptr + cid, 1, sem="acq_rel", scope="gpu")
-                if done == NSPLIT - 1:
-                    j = tl.arange(0, BLOCK_N)
-                    jm = j < NSPLIT
-                    for rr in range(BLOCK_M):
-                        row = tl.program_id(2) * BLOCK_M + rr
-                        if row < RT:
-                            pr = (g * NSPLIT + j).to(tl.int64) * RT + row
-                            orow = o_ptr + ((row % T) * H + g * REP + row // T).to(tl.int64) * D
-                            _merge_row(pacc_ptr, pml_ptr, pr, jm, orow, D, BLOCK_D, MERGE_DC)
-                    tl.store(ctr_ptr + cid, 0)
 
     @triton.jit
     def _attn_combine_kernel(pacc_ptr, pml_ptr, o_ptr, T: tl.constexpr, REP: tl.constexpr,
@@ -256,21 +215,6 @@ if HAVE_TRITON:
         head = g * REP + row // T
         tl.store(o_ptr + (t * H + head).to(tl.int64) * D + d, out.to(o_ptr.dtype.element_ty),
                  mask=dmask)
-
-
-MERGE_MAX = 1 << 16  # rows x splits x head features one program merges (`merge_in_split`)
-MERGE_TILE = 2048  # splits x features the merging program loads at a time (16 a thread)
-
-
-def merge_in_split(rows: int, nsplit: int, block_d: int) -> bool:
-    """Whether the split kernel's last program per block merges the splits (no combine
-    launch): MLXR_ATTN_MERGE=1 (read at each call, i.e. when a decode graph is captured;
-    opt-in until a GPU measures it) and at most MERGE_MAX partial values to read per block
-    (0.6B / 8B / Qwen3-30B-A3B at decode; not Gemma 4's 512-wide full layers, whose 8 rows of
-    256 splits the combine launch spreads over 8 programs). The merge reads only the splits
-    that saw a key, so at short contexts far fewer."""
-    return (os.environ.get("MLXR_ATTN_MERGE") == "1"
-            and rows * nsplit * block_d <= MERGE_MAX)
 
 
 def attention_masked(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float,
@@ -382,21 +326,15 @@ def attention_masked_split(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | No
     qk_scale, inv_cap, cap2 = score_consts(scale, softcap)
     dot_f32 = q.dtype == torch.float32 or _interpret()
     dk, ndk, warps = wide_head(block_d)
-    merge = not single and merge_in_split(min(rt, block_m), nsplit, block_d)
-    ctr = tickets.counters(q.device, tickets.ATTENTION) if merge else pml
-    if merge and kh * mblocks > ctr.numel():
-        merge, ctr = False, pml
     _attn_split_kernel[(kh, nsplit, mblocks)](
-        q, k, v, vis, pos, sinks if sinks is not None else q, out, pacc, pml, ctr, s,
-        q.stride(0),
+        q, k, v, vis, pos, sinks if sinks is not None else q, out, pacc, pml, s, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), svis, window or 0,
         qk_scale, inv_cap, cap2,
         T=t, REP=rep, H=h, D=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=block_s, TILES=per,
         NSPLIT=nsplit, SOFTCAP=softcap is not None, SINGLE=single, DOT_F32=dot_f32,
         POS=positions is not None, WINDOW=window is not None, HAS_SINKS=sinks is not None,
-        DK=dk, NDK=ndk, MERGE=merge, BLOCK_N=_p2(nsplit),
-        MERGE_DC=max(1, min(block_d, MERGE_TILE // _p2(nsplit))), num_warps=warps)
-    if not single and not merge:
+        DK=dk, NDK=ndk, num_warps=warps)
+    if not single:
         _attn_combine_kernel[(kh * rt,)](
             pacc, pml, out, T=t, REP=rep, H=h, D=d, NSPLIT=nsplit, BLOCK_N=_p2(nsplit),
             BLOCK_D=block_d, TRIGGER=pdl(out.device), num_warps=_warps(_p2(nsplit) * block_d))

@@ -1,24 +1,23 @@
-"""The residual step after a decode GEMV, run by the GEMV's own last program (its "tail"):
-`reference.add_rms_norm` (pre-norm families: h' = h + y, x = rms_norm(h')) or
+"""The residual step after a projection, run by the projection kernel's own last program
+(its "tail"): `reference.add_rms_norm` (h' = h + y, x = rms_norm(h')) or
 `reference.residual_norm` (sandwich norms, Gemma: h' = (h + rms_norm(y)) [* scalar],
-x = rms_norm(h')) of the GEMV's output y [M, E], without a launch of its own.
+x = rms_norm(h')) of the kernel's output y [M, E], without a launch of its own.
 
-Why: at batch 1 every decode layer ends its attention and its MLP with a projection whose
-output only feeds a residual add and a norm: one launch each (~1.2 µs of launch and drain
-per kernel in a CUDA graph on the H200, docs/perf.md, plus the norm kernel's own memory
-round trips), twice per layer. The GEMV's rows are spread over many programs, and the norm
-needs the whole row, so the add cannot ride in each program: after storing its rows of y,
-each program takes a ticket from an int32 counter (an integer atomic, acq_rel at GPU scope,
-after a CTA barrier: `mlxr.ops.tickets`, region RESIDUAL); the program that
-draws the last ticket reads y back (`.cg`: from L2) and runs the residual step over each row
-with the rounding points of the standalone kernels (`add_norm_qkv_rope._add_rms_norm_kernel`,
-`residual_norm._residual_norm_kernel`), then resets the counter for the next launch. The
-norm's sum of squares is one `tl.sum` over the row in another layout than theirs, so a bf16
-output may land one ulp away: hence opt-in (`MLXR_GEMV_TAIL=1`).
+The projection's rows are spread over many programs and the norm needs the whole row, so
+after storing its rows of y each program takes a ticket from an int32 counter (an integer
+atomic, acq_rel at GPU scope, after a CTA barrier: `mlxr.ops.tickets`, region RESIDUAL); the
+program that draws the last ticket reads y back (`.cg`: from L2) and runs the residual step
+over each row with the rounding points of the standalone kernels
+(`add_norm_qkv_rope._add_rms_norm_kernel`, `residual_norm._residual_norm_kernel`), then
+resets the counter for the next launch. The norm's sum of squares is one `tl.sum` over the
+row in another layout than theirs, so a bf16 output may land one ulp away.
 
-`TailArgs` carries the tensors; `launch_args` turns them (or None) into the kernels'
-arguments, so the GEMV kernels take a tail with one constexpr (TAIL 0 / 1 / 2) and compile
-the same code as before without one.
+Used by Gemma 4's per-layer-input projection (`residual_gemv.linear_residual_norm`), where
+it is measured faster. Hung off the decode GEMVs (q4gemv, q4tc) behind every o_proj and
+down it was slower on an H100 (0.53-0.99x, docs/perf.md session 26) and was removed.
+
+`TailArgs` carries the tensors; `launch_args` turns them into a kernel's arguments (TAIL
+0 / 1 / 2 a constexpr).
 """
 
 from __future__ import annotations

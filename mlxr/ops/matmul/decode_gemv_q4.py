@@ -51,16 +51,13 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from ..layer import residual_tail
 from ..layer.norm_rope_act import ACTS, HAVE_TRITON, _interpret, pdl
-from ..layer.residual_tail import TailArgs
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
     from ..layer.norm_rope_act import _gated
-    from ..layer.residual_tail import _tail
 
 GROUPS = (32, 64, 128)
 WORDS_PER_THREAD = 4  # one 16-byte load
@@ -262,12 +259,9 @@ if HAVE_TRITON:
                        BLOCK_N: tl.constexpr, WT: tl.constexpr, EVEN_N: tl.constexpr,
                        SB: tl.constexpr, CG: tl.constexpr, GDC: tl.constexpr,
                        PRO: tl.constexpr, HAS_R: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                       ACT: tl.constexpr, ctr_ptr, th_ptr, tw_ptr, tsc_ptr, tw2_ptr, tho_ptr,
-                       txo_ptr, t_eps, t_off, TAIL: tl.constexpr, T_CHUNK: tl.constexpr,
-                       T_OFFSET: tl.constexpr, T_SCALE: tl.constexpr, T_NEXT: tl.constexpr):
+                       ACT: tl.constexpr):
         """y[pid * BLOCK_N + i] for i < BLOCK_N. PRO: 0 x as given, 1 rms_norm(x + r), 2
-        act(gate) * up (see `_x_at`); program 0 also stores the residual x + r. TAIL > 0:
-        the residual step after y (`residual_tail`), by the last program."""
+        act(gate) * up (see `_x_at`); program 0 also stores the residual x + r."""
         pid = tl.program_id(0)
         write_h = pid == 0
         KW: tl.constexpr = K // 8  # words per row
@@ -314,21 +308,17 @@ if HAVE_TRITON:
             tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
         else:
             tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
-        if TAIL > 0:
-            _tail(y_ptr, N, 1, N, tl.num_programs(0), ctr_ptr, th_ptr, tw_ptr, tsc_ptr, tw2_ptr,
-                  tho_ptr, txo_ptr, t_eps, t_off, TAIL, T_CHUNK, T_OFFSET, T_SCALE, T_NEXT)
 
 def q4gemv(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: int,
            out: Tensor | None = None, config: Q4Config | None = None,
            sb: Tensor | None = None, r: Tensor | None = None, norm: Tensor | None = None,
            eps: float = 0.0, offset: float = 0.0, h_out: Tensor | None = None,
-           act: str | None = None, tail: TailArgs | None = None) -> Tensor:
+           act: str | None = None) -> Tensor:
     """See `q4gemv_ref` (same signature and results up to fp32 summation order). x [K] (or
     [1, K]; [2K] with `act`) contiguous; words = `repack(packed)`; sb = `pair_scales(scales,
     biases)` or None (then the kernel reads scales and biases apart); returns [N] (or writes
     `out`, any float dtype: the sums are rounded to x.dtype first). With `norm` and `r`,
-    `h_out` [K] must be given and must not alias x or r. tail: the residual step after y
-    (`residual_tail.TailArgs` over [1, N], y's dtype), written to its outputs."""
+    `h_out` [K] must be given and must not alias x or r."""
     xv = x.reshape(-1)
     n, kw = words.shape
     k = kw * 8
@@ -352,9 +342,6 @@ def q4gemv(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: i
     if kw % cfg.wt:
         raise ValueError(f"q4gemv: tile {cfg.wt} words must divide K/8 = {kw}")
     y = out if out is not None else torch.empty(n, dtype=x.dtype, device=x.device)
-    if tail is not None and (tail.h.shape != (1, n) or y.dtype != tail.h.dtype):
-        raise ValueError(f"q4gemv: tail over {tuple(tail.h.shape)} {tail.h.dtype} for y "
-                         f"[{n}] {y.dtype}")
     gdc = pdl(x.device)
     pro = 2 if act is not None else (1 if norm is not None else 0)
     _q4gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
@@ -363,6 +350,5 @@ def q4gemv(x: Tensor, words: Tensor, scales: Tensor, biases: Tensor, *, group: i
         GROUP=group, BLOCK_N=cfg.block_n, WT=cfg.wt, EVEN_N=n % cfg.block_n == 0,
         SB=sb is not None, CG=cfg.cg, GDC=gdc, PRO=pro, HAS_R=has_r,
         HAS_OFFSET=pro == 1 and bool(offset), ACT=ACTS[act] if act else 0,
-        num_warps=cfg.num_warps, num_stages=1, **residual_tail.launch_args(tail, y, x.device),
-        **({"launch_pdl": True} if gdc else {}))
+        num_warps=cfg.num_warps, num_stages=1, **({"launch_pdl": True} if gdc else {}))
     return y

@@ -63,9 +63,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from ..layer import residual_tail
 from ..layer.norm_rope_act import ACTS, HAVE_TRITON, _hopper, _interpret, pdl
-from ..layer.residual_tail import TailArgs
 from .decode_gemv_tc_config import (  # noqa: F401 (API)
     GROUPS, TcConfig, default_config, max_rows, supported)
 from .decode_gemv_tc_layout import (  # noqa: F401 (API)
@@ -78,7 +76,6 @@ if HAVE_TRITON:
 # ====================================================================== Triton kernel
 if HAVE_TRITON:
     from ..layer.norm_rope_act import _gated
-    from ..layer.residual_tail import _tail
     from .decode_gemv_tc_ptx import _ld32, _ldx, _mma4, _mma4_fp8, _ones4, _split4
 
     @triton.jit
@@ -139,10 +136,7 @@ if HAVE_TRITON:
                      PF: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
                      M: tl.constexpr, ACT: tl.constexpr, P: tl.constexpr,
                      F16: tl.constexpr, GDC: tl.constexpr, INTERP: tl.constexpr,
-                     FP4: tl.constexpr, HAS_GS: tl.constexpr, FP8: tl.constexpr, t_rows,
-                     ctr_ptr, th_ptr, tw_ptr, tsc_ptr, tw2_ptr, tho_ptr, txo_ptr, t_eps, t_off,
-                     TAIL: tl.constexpr, T_CHUNK: tl.constexpr, T_OFFSET: tl.constexpr,
-                     T_SCALE: tl.constexpr, T_NEXT: tl.constexpr):
+                     FP4: tl.constexpr, HAS_GS: tl.constexpr, FP8: tl.constexpr):
         """y [M, N] for row tiles pid * RT .. + RT (16 rows each) of x [M, K] (M = 1, 2, 4, 8:
         the B columns are M rows of x x GPW = 8 / M group slots, so a window holds GPW
         slots). STAGES > 0: the word tiles come through shared memory by TMA (w_desc over the
@@ -156,8 +150,7 @@ if HAVE_TRITON:
         a lane's x of steps (0, 1) is codes 8 tig .. + 7 of the block, i.e. 16-group tig // 2,
         so its column mask depends on tig (for 32 / 64 / 128 it does not). FP8: the words
         are an fp8 copy (`fp8_words`, 4K words per row tile: each iteration's tile from both
-        halves), y = s * sum(value * x) as for FP4. TAIL > 0 (no ACT): the residual step
-        after y over its first t_rows rows (`residual_tail`), by the last program."""
+        halves), y = s * sum(value * x) as for FP4."""
         pid = tl.program_id(0)
         NS: tl.constexpr = WT // 128  # blocks (of 64 codes) per iteration
         NU: tl.constexpr = WT // 4  # lanes x slots
@@ -304,16 +297,11 @@ if HAVE_TRITON:
                 rows = pid * RT * 16 + tl.arange(0, RT * 16)
                 tl.store(y_ptr + mi * (NRT * 16) + rows[None, :], y.to(dt),
                          mask=(rows < NRT * 16)[None, :])
-        if TAIL > 0:
-            _tail(y_ptr, NRT * 16, t_rows, NRT * 16, tl.num_programs(0), ctr_ptr, th_ptr,
-                  tw_ptr, tsc_ptr, tw2_ptr, tho_ptr, txo_ptr, t_eps, t_off, TAIL, T_CHUNK,
-                  T_OFFSET, T_SCALE, T_NEXT)
 
 
 def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None = None,
          config: TcConfig | None = None, act: str | None = None, planes: int = 1,
-         fp4: bool = False, gs: float | None = None, fp8: bool = False,
-         tail: TailArgs | None = None) -> Tensor:
+         fp4: bool = False, gs: float | None = None, fp8: bool = False) -> Tensor:
     """See `q4tc_ref` (same results up to fp32 summation order). x [K] or [M, K], contiguous
     and 16-byte aligned (one launch per `max_rows` rows; a launch's rows are padded to 2, 4
     or 8); words = `repack(packed)`; sb = `pair_scales(scales, biases)`. Returns [N] for one
@@ -325,9 +313,7 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
     words are `fp4_bits(repack(packed))` of mxfp4's / nvfp4's E2M1 codes and sb pairs each
     group's scale (bf16) with an unused bias; bf16 x, one plane; gs: nvfp4's global scale (a
     Python float: it is a launch argument, so graph capture reads no device value). fp8:
-    words are `fp8_words` of mxfp8's E4M3 codes ([N/16, 4K]), sb as for fp4. tail: the
-    residual step after y (`residual_tail.TailArgs` over [M, N], x's dtype; not with act,
-    at most `max_rows` rows), written to its outputs."""
+    words are `fp8_words` of mxfp8's E4M3 codes ([N/16, 4K]), sb as for fp4."""
     nrt, k2 = words.shape
     n, k = nrt * 16, k2 // (4 if fp8 else 2)
     if (planes not in (1, 2) or ((fp4 or fp8) and (planes != 1 or x.dtype != torch.bfloat16))
@@ -347,10 +333,6 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
     if act is not None and act not in ACTS:
         raise ValueError(f"q4tc: unknown activation {act!r}")
     m = xm.shape[0]
-    if tail is not None and (act is not None or m > max_rows(group) or tail.h.shape != (m, n)
-                             or tail.h.dtype != x.dtype):
-        raise ValueError(f"q4tc: tail over {tuple(tail.h.shape)} {tail.h.dtype} for y "
-                         f"[{m}, {n}] {x.dtype} (no act, <= {max_rows(group)} rows)")
     cfg = config or default_config(n, k, m, fp8)
     while config is None and (kx // 64) % (cfg.wt // 128) and cfg.num_warps > 1:
         cfg = dataclasses.replace(cfg, num_warps=cfg.num_warps // 2)  # planes of odd K/512
@@ -386,8 +368,7 @@ def q4tc(x: Tensor, words: Tensor, sb: Tensor, *, group: int, out: Tensor | None
         K=k, GROUP=group,
         RT=cfg.rt, WT=cfg.wt, PF=cfg.pf, STAGES=stages, UNROLL=cfg.unroll, M=mp,
         ACT=-1 if act is None else ACTS[act], P=planes, F16=x.dtype == torch.float16, GDC=gdc,
-        INTERP=_interpret(), FP4=fp4, HAS_GS=gs is not None, FP8=fp8, t_rows=m,
-        **residual_tail.launch_args(tail, y, x.device), num_warps=cfg.num_warps,
+        INTERP=_interpret(), FP4=fp4, HAS_GS=gs is not None, FP8=fp8, num_warps=cfg.num_warps,
         num_stages=max(stages, 1),
         **({"launch_pdl": True} if gdc else {}),
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not _interpret() else {}))
