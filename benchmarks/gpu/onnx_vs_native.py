@@ -96,7 +96,24 @@ def hf_checkpoint(cfg: dict, work: Path, name: str) -> Path:
     with torch.device("cpu"):
         model = T.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     model.save_pretrained(out)
+    word_level_tokenizer(cfg["vocab_size"]).save_pretrained(out)
     return out
+
+
+def word_level_tokenizer(vocab: int):
+    """A tokenizer of the shape's vocabulary (word i is "t<i>"; 0-2 unk / bos / eos), which
+    the builder loads and copies into the export: without one it tries to convert a slow
+    tokenizer (Llama's needs sentencepiece) and fails. The benchmark feeds token ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab)}
+    words.update({"<unk>": 0, "<s>": 1, "</s>": 2})
+    del words["t0"], words["t1"], words["t2"]
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
 
 
 def onnx_export(hf: Path, work: Path, name: str, tied: bool) -> Path:
