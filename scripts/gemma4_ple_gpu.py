@@ -4,7 +4,7 @@ the two kernels against their twins, then one layer's branch timed in CUDA graph
 (residual_norm, the gate GEMV, gated_act, the projection GEMV, residual_norm: five launches,
 the GEMVs on the dispatch a loaded QuantWeight gets) against fused (two launches).
 
-    PYTHONPATH=. python scripts/gemma4_ple_gpu.py [--e 1536] [--p 256] [--rows 1,4]
+    PYTHONPATH=. python scripts/gemma4_ple_gpu.py [--e 1536] [--p 256] [--rows 1,4,8,16]
 
 Shapes: Gemma-4-E2B's (hidden 1536, per-layer input 256), MLX affine 4-bit g64 weights with
 random codes, scales and biases. Check bounds (of the twin's largest |value| per row): float32
@@ -123,9 +123,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--e", type=int, default=1536)
     ap.add_argument("--p", type=int, default=256)
-    ap.add_argument("--rows", default="1,4")
+    ap.add_argument("--rows", default="1,4,8,16")
     a = ap.parse_args()
     rows = [int(r) for r in a.rows.split(",")]
+    K.MAX_ROWS = max(K.MAX_ROWS, *rows)  # measure past the dispatch's cap (where it would go)
     ok = check(a.e, a.p, rows)
     bench(a.e, a.p, rows)
     print("all checks ok" if ok else "SOME CHECKS FAILED")
