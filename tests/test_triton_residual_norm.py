@@ -138,6 +138,9 @@ def test_gemma4_prefill_on_the_kernels(gemma4_models, fam, monkeypatch):
         want = dec.forward(ids, new_cache(dec, 32))
     monkeypatch.setattr(ops, "_fast", lambda x: True)
     monkeypatch.setattr(ops, "_fused", norm_rope_act)
+    # the PLE branch composed (its residual norms counted here; its own two kernels,
+    # on by default for short inputs, are tests/test_triton_residual_gemv.py's)
+    monkeypatch.setenv("MLXR_GEMMA4_PLE_FUSED", "0")
     fused, norms = [], []
     real_fused, real_norm = K.residual_norm, norm_rope_act.rms_norm
     monkeypatch.setattr(K, "residual_norm", lambda *a: fused.append(a) or real_fused(*a))
