@@ -24,6 +24,8 @@ The Triton interpreter (TRITON_INTERPRET=1) truncates fp32 -> bf16 casts; CUDA r
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -213,15 +215,10 @@ def split_qkv_norm_rope_write(q: Tensor, kv: Tensor | None, n_heads: int, n_kv_h
                    traditional, k_cache, v_cache, slots, positions, eps, 0.0, 1.0, True)
 
 
-_NO_SLOTS: dict = {}
-
-
+@functools.cache
 def _no_slots(device: torch.device) -> Tensor:
     """A device's one-slot int64 dummy for launches whose kv programs do not run."""
-    key = (device.type, device.index)
-    if key not in _NO_SLOTS:
-        _NO_SLOTS[key] = torch.zeros(1, dtype=torch.int64, device=device)
-    return _NO_SLOTS[key]
+    return torch.zeros(1, dtype=torch.int64, device=device)
 
 
 def _launch(q_src: Tensor, kv_src: Tensor, v_off: int, qw: Tensor, kw: Tensor,

@@ -91,11 +91,10 @@ def _linear_residual_norm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, gs_ptr, y_ptr, sx,
                                  GROUP: tl.constexpr, MODE: tl.constexpr,
                                  HAS_GS: tl.constexpr, BLOCK_N: tl.constexpr,
                                  GT: tl.constexpr, TICKETS: tl.constexpr, ctr_ptr, th_ptr,
-                                 tw_ptr, tsc_ptr, tw2_ptr, tho_ptr, txo_ptr, t_eps, t_off,
-                                 TAIL: tl.constexpr, T_CHUNK: tl.constexpr,
-                                 T_OFFSET: tl.constexpr, T_SCALE: tl.constexpr,
+                                 tw_ptr, tsc_ptr, tw2_ptr, tho_ptr, txo_ptr, t_eps,
+                                 T_CHUNK: tl.constexpr, T_SCALE: tl.constexpr,
                                  T_NEXT: tl.constexpr):
-    """Rows rn of y = x @ W^T for token r, then the GEMV tail's residual step
+    """Rows rn of y = x @ W^T for token r, then the residual step
     (`residual_tail._tail`, a counter per token) by the token's last program."""
     r = tl.program_id(1).to(tl.int64)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -103,8 +102,7 @@ def _linear_residual_norm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, gs_ptr, y_ptr, sx,
                 BITS, GROUP, MODE, BLOCK_N, GT, K)
     tl.store(y_ptr + r * E + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < E)
     _tail(y_ptr + r * E, E, 1, E, TICKETS, ctr_ptr + r, th_ptr + r * E, tw_ptr, tsc_ptr,
-          tw2_ptr, tho_ptr + r * E, txo_ptr + r * E, t_eps, t_off, TAIL, T_CHUNK, T_OFFSET,
-          T_SCALE, T_NEXT)
+          tw2_ptr, tho_ptr + r * E, txo_ptr + r * E, t_eps, T_CHUNK, T_SCALE, T_NEXT)
 
 
 # ====================================================================== host wrappers
@@ -184,13 +182,14 @@ def linear_residual_norm(x: Tensor, linear, h: Tensor, weight: Tensor, eps: floa
     bn = _block_n(e, m)
     tiles = triton.cdiv(e, bn)
     h = h.contiguous()
-    tail = residual_tail.new_tail(residual_tail.SANDWICH, h, weight.contiguous(), eps, 0.0,
-                                  scalar, next_weight)
+    ho = torch.empty_like(h)
+    xo = torch.empty_like(h) if next_weight is not None else None
     y = torch.empty_like(h)
     w, s, b, gs = _args(q)
     _linear_residual_norm_kernel[(tiles, m)](
         x, w, s, b, gs, y, x.stride(0), K=k, E=e, BITS=q.bits, GROUP=q.group,
         MODE=D.KERNEL_MODE[q.mode], HAS_GS=q.global_scale is not None, BLOCK_N=bn,
         GT=D._gt(k, q.bits, q.group), TICKETS=tiles,
-        **residual_tail.launch_args(tail, y, h.device), num_warps=4)
-    return tail.h_out, tail.x_out
+        **residual_tail.launch_args(h, weight.contiguous(), eps, scalar, next_weight, ho, xo),
+        num_warps=4)
+    return ho, xo
